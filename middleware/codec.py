@@ -1,0 +1,98 @@
+"""msgspec encoding of handle metadata.
+
+The wire form of a handle is a msgpack array (``array_like``)::
+
+    [name, nbytes, dtype code, shape, hash]
+
+A 720p Qwen2-VL ``pixel_values`` handle ([4784, 1176] float32, 16-byte hash)
+encodes to 59 bytes. Dtype codes are a fixed, append-only table so that
+processes running different torch builds agree on them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import torch
+
+from .errors import HandleError
+from .segment import NAME_RE
+
+# Append-only: the position is the wire code. Names missing from this torch
+# build are kept as placeholders so codes never shift.
+_DTYPE_NAMES = (
+    "float32", "float16", "bfloat16", "float64", "uint8", "int8", "int16", "int32",
+    "int64", "bool", "complex64", "complex128", "complex32", "uint16", "uint32", "uint64",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+)
+DTYPES: tuple[torch.dtype | None, ...] = tuple(getattr(torch, n, None) for n in _DTYPE_NAMES)
+DTYPE_CODES: dict[torch.dtype, int] = {dt: i for i, dt in enumerate(DTYPES) if dt is not None}
+
+HASH_BYTES = 16  # BLAKE3 truncated to 128 bits
+MAX_NDIM = 32
+
+
+class HandleMeta(msgspec.Struct, array_like=True, frozen=True):
+    """Metadata of one shared-memory tensor.
+
+    Attributes:
+        name: segment file name, ``mmshm-<pid>-<16 hex>``.
+        nbytes: payload size in bytes (= prod(shape) * itemsize).
+        dtype: code into :data:`DTYPES`.
+        shape: tensor shape.
+        hash: BLAKE3 digest of the payload, 16 to 32 bytes.
+    """
+
+    name: str
+    nbytes: int
+    dtype: int
+    shape: tuple[int, ...]
+    hash: bytes
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(HandleMeta)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """Wire code of ``dtype``. Raises :class:`HandleError` if unsupported
+    (quantized dtypes carry scale/zero-point state and are not supported)."""
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise HandleError(f"dtype {dtype} cannot travel through shared memory") from None
+
+
+def validate(meta: HandleMeta) -> HandleMeta:
+    """Check a decoded :class:`HandleMeta`; raise :class:`HandleError` on
+    a name outside the naming scheme (``/``, ``..``), an unknown dtype, a bad
+    shape, ``prod(shape) * itemsize != nbytes`` or a bad hash length."""
+    if not NAME_RE.match(meta.name):
+        raise HandleError(f"segment name {meta.name!r} is outside the naming scheme")
+    if not 0 <= meta.dtype < len(DTYPES) or DTYPES[meta.dtype] is None:
+        raise HandleError(f"unknown dtype code {meta.dtype}")
+    if len(meta.shape) > MAX_NDIM or any(d < 0 for d in meta.shape):
+        raise HandleError(f"invalid shape {meta.shape}")
+    itemsize = DTYPES[meta.dtype].itemsize  # type: ignore[union-attr]
+    if meta.nbytes < 0 or math.prod(meta.shape) * itemsize != meta.nbytes:
+        raise HandleError(
+            f"shape {meta.shape} x itemsize {itemsize} != nbytes {meta.nbytes}"
+        )
+    if not HASH_BYTES <= len(meta.hash) <= 32:
+        raise HandleError(f"hash must be 16..32 bytes, got {len(meta.hash)}")
+    return meta
+
+
+def encode(meta: HandleMeta) -> bytes:
+    return _ENCODER.encode(meta)
+
+
+def decode(data: bytes) -> HandleMeta:
+    """Decode and validate wire bytes. Raises :class:`HandleError`."""
+    try:
+        meta = _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise HandleError(f"malformed handle metadata: {exc}") from None
+    return validate(meta)

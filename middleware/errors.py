@@ -1,0 +1,99 @@
+"""Typed errors raised by mmshm.
+
+Every error derives from :class:`MmshmError`. Errors about the operating system
+(space, descriptors, missing files) also derive from :class:`OSError` and carry
+the ``errno`` the kernel reported, so callers that already handle ``OSError``
+keep working.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+
+class MmshmError(Exception):
+    """Base class of every mmshm error."""
+
+
+class HandleError(MmshmError, ValueError):
+    """Malformed handle metadata: bad name, dtype, shape or size.
+
+    Raised by :meth:`mmshm.ShmTensor.decode` and at attach time when the
+    metadata does not match the segment it names.
+    """
+
+
+class SegmentError(MmshmError, OSError):
+    """A segment could not be created, opened or updated."""
+
+
+class ShmSpaceError(SegmentError):
+    """The segment directory has no room: ``posix_fallocate`` returned ENOSPC,
+    or the budget guard refused the allocation. ``errno`` is ``ENOSPC``."""
+
+    def __init__(self, msg: str, reason: str = "enospc"):
+        super().__init__(_errno.ENOSPC, msg)
+        self.reason = reason
+
+
+class DescriptorLimitError(SegmentError):
+    """The process ran out of file descriptors (EMFILE/ENFILE)."""
+
+
+class SegmentNotFoundError(SegmentError, FileNotFoundError):
+    """The segment was unlinked (released by its last holder, reclaimed by the
+    reaper, or removed by a third party) before it could be opened."""
+
+
+class SegmentCorruptError(SegmentError):
+    """The segment file exists but its header or size is wrong (truncated,
+    foreign file, wrong version, or already freed)."""
+
+
+class WrongNodeError(HandleError):
+    """The handle names a segment on another node (another host, IPC or mount
+    namespace, or segment directory)."""
+
+
+class HandleStateError(MmshmError, RuntimeError):
+    """The handle no longer owns a reference (released or materialized)."""
+
+
+class MaterializeError(MmshmError):
+    """A request's shared-memory tensors could not be materialized on some TP
+    rank. Returned (not raised) by :func:`mmshm.deferred_unwrap` in place of
+    the request, identically on every rank.
+
+    Attributes:
+        request: the request object as it came out of the broadcast; its
+            handles have been released.
+        reason: short machine-readable reason (``not_found``, ``corrupt``,
+            ``malformed``, ``wrong_node``, ``emfile``, ``other``).
+        ranks: the TP ranks of this group that failed (as all-reduced), or
+            ``None`` when unknown.
+    """
+
+    def __init__(self, message: str, request=None, reason: str = "other", ranks=None):
+        super().__init__(message)
+        self.request = request
+        self.reason = reason
+        self.ranks = ranks
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Map an exception to the ``reason`` label used in metrics and errors."""
+    if isinstance(exc, WrongNodeError):
+        return "wrong_node"
+    if isinstance(exc, HandleError):
+        return "malformed"
+    if isinstance(exc, SegmentNotFoundError):
+        return "not_found"
+    if isinstance(exc, SegmentCorruptError):
+        return "corrupt"
+    if isinstance(exc, HandleStateError):
+        return "released"
+    if isinstance(exc, OSError) and exc.errno in (_errno.EMFILE, _errno.ENFILE):
+        return "emfile"
+    if isinstance(exc, OSError) and exc.errno == _errno.ENOSPC:
+        return "enospc"
+    return "other"

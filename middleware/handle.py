@@ -1,0 +1,320 @@
+"""``ShmTensor``: a picklable, reference-owning pointer to a tensor in a segment.
+
+Ownership rule: every live ``ShmTensor`` object owns exactly one reference on
+its segment. The reference comes from creation (:meth:`ShmTensor.from_tensor`)
+or was handed out for it by a giver (:meth:`ShmTensor.share` before pickling
+for k receivers). Dropping an unmaterialized handle releases its reference;
+:meth:`ShmTensor.materialize` moves it to the returned tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+
+import blake3
+import numpy as np
+import torch
+
+from . import codec, segment
+from .codec import HandleMeta
+from .errors import HandleError, HandleStateError, SegmentError, SegmentNotFoundError
+
+log = logging.getLogger("mmshm")
+
+_PREAD_CHUNK = 1 << 30
+
+
+def content_hash(data) -> bytes:
+    """BLAKE3 of a tensor's bytes (C order), truncated to 128 bits.
+
+    Args:
+        data: a CPU tensor (any dtype, made contiguous if needed) or any
+            object exporting the buffer protocol.
+    Returns:
+        16 bytes.
+    """
+    if isinstance(data, torch.Tensor):
+        t = data.detach().contiguous()
+        if t.numel() == 0:
+            data = b""
+        else:
+            data = t.reshape(-1).view(torch.uint8).numpy()
+    return blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest(codec.HASH_BYTES)
+
+
+def _check_tensor(t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise TypeError(f"only CPU tensors go through shared memory, got {t.device}")
+    if t.layout != torch.strided or t.is_quantized:
+        raise TypeError("sparse and quantized tensors are not supported")
+    codec.dtype_code(t.dtype)
+
+
+def _uint8_flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _release_view(name: str, directory: str | None, seg: segment.Segment) -> None:
+    """Finalizer of a materialized view: gives back the view's reference."""
+    try:
+        seg.update_refcount(-1)
+    except SegmentNotFoundError:
+        pass
+    except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
+        log.warning("mmshm: releasing %s failed: %s", name, exc)
+    finally:
+        segment.unpin(seg)
+
+
+class ShmTensor:
+    """Pointer to a CPU tensor stored in a shared-memory segment.
+
+    Pickling carries only the msgspec-encoded :class:`~mmshm.codec.HandleMeta`
+    (about 60 bytes) and has no side effect; the unpickled object owns the
+    reference the giver handed out with :meth:`share`. A handle whose
+    metadata fails validation while being unpickled does not raise (that would
+    abort a whole ``broadcast_pyobj``); it becomes a *broken* handle whose
+    :meth:`materialize` raises the typed error.
+    """
+
+    __slots__ = ("_meta", "_owns", "_pid", "_dir", "_error", "__weakref__")
+
+    def __init__(self, meta: HandleMeta | None, *, owns: bool = True,
+                 directory: str | None = None, error: Exception | None = None):
+        self._meta = meta
+        self._owns = owns and meta is not None
+        self._pid = os.getpid()
+        self._dir = directory
+        self._error = error
+
+    # -- construction ----------------------------------------------------
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor, hash: bytes | None = None,
+                    directory: str | None = None) -> "ShmTensor":
+        """Copy ``t`` into a new segment and return a handle owning its one
+        reference.
+
+        Args:
+            t: any CPU strided tensor (any dtype torch has but quantized ones;
+                non-contiguous, 0-dim and 0-element tensors included).
+            hash: the payload's content hash (16-32 bytes) if already known;
+                otherwise BLAKE3-128 is computed once here.
+            directory: segment directory (default ``MMSHM_DIR``).
+        Raises:
+            TypeError: not a CPU strided tensor, or an unsupported dtype.
+            ShmSpaceError: ENOSPC (the caller may fall back to inline).
+            DescriptorLimitError, SegmentError: other OS failures.
+        """
+        _check_tensor(t)
+        if hash is not None and not codec.HASH_BYTES <= len(hash) <= 32:
+            raise ValueError("hash must be 16..32 bytes")
+        nbytes = t.numel() * t.element_size()
+        seg = segment.create(nbytes, directory)
+        try:
+            if nbytes:
+                dst = torch.frombuffer(seg.shared_map, dtype=torch.uint8, count=nbytes,
+                                       offset=segment.HEADER_SIZE)
+                dst.view(t.dtype).view(t.shape).copy_(t.detach())
+                if hash is None:
+                    hash = blake3.blake3(dst.numpy(), max_threads=blake3.blake3.AUTO).digest(
+                        codec.HASH_BYTES)
+                del dst
+            elif hash is None:
+                hash = blake3.blake3(b"").digest(codec.HASH_BYTES)
+        except BaseException:
+            segment.update_refcount(seg.name, -1, directory)
+            raise
+        meta = HandleMeta(seg.name, nbytes, codec.DTYPE_CODES[t.dtype], tuple(t.shape), hash)
+        return cls(meta, owns=True, directory=directory)
+
+    @classmethod
+    def decode(cls, data: bytes, directory: str | None = None) -> "ShmTensor":
+        """Build a handle from wire bytes; it owns the reference the giver
+        handed out. Raises :class:`HandleError` on malformed metadata."""
+        return cls(codec.decode(data), owns=True, directory=directory)
+
+    def encode(self) -> bytes:
+        """Wire bytes of this handle's metadata (no side effect)."""
+        return codec.encode(self._usable_meta())
+
+    # -- pickling ----------------------------------------------------------
+    def __reduce__(self):
+        if self._error is not None:
+            return (_rebuild_broken, (str(self._error),))
+        if not self._owns:
+            raise HandleStateError(
+                "cannot pickle a handle that no longer owns a reference "
+                "(it was released or materialized)")
+        return (_rebuild, (codec.encode(self._meta),))
+
+    def __copy__(self) -> "ShmTensor":
+        return self.clone()
+
+    def __deepcopy__(self, memo) -> "ShmTensor":
+        return self.clone()
+
+    # -- properties --------------------------------------------------------
+    def _usable_meta(self) -> HandleMeta:
+        if self._error is not None:
+            raise self._error
+        assert self._meta is not None
+        return self._meta
+
+    @property
+    def meta(self) -> HandleMeta:
+        return self._usable_meta()
+
+    @property
+    def name(self) -> str:
+        return self._usable_meta().name
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._usable_meta().shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return codec.DTYPES[self._usable_meta().dtype]  # type: ignore[return-value]
+
+    @property
+    def nbytes(self) -> int:
+        return self._usable_meta().nbytes
+
+    @property
+    def hash(self) -> bytes:
+        return self._usable_meta().hash
+
+    @property
+    def owns_reference(self) -> bool:
+        """Whether this object still owns its reference."""
+        return self._owns and self._pid == os.getpid()
+
+    def __repr__(self) -> str:
+        if self._error is not None:
+            return f"ShmTensor(<broken: {self._error}>)"
+        m = self._meta
+        state = "owned" if self._owns else "released"
+        return (f"ShmTensor(name={m.name!r}, shape={tuple(m.shape)}, "
+                f"dtype={codec.DTYPES[m.dtype]}, nbytes={m.nbytes}, {state})")
+
+    # -- reference operations ------------------------------------------------
+    def _require_owned(self) -> HandleMeta:
+        meta = self._usable_meta()
+        if not self.owns_reference:
+            raise HandleStateError(f"handle {meta.name} no longer owns a reference")
+        return meta
+
+    def share(self, k: int) -> None:
+        """Add ``k`` references, one per receiver this handle is about to be
+        handed to (pickled for). One locked update whatever ``k``.
+
+        Raises:
+            HandleStateError: this handle no longer owns a reference.
+            SegmentNotFoundError: the segment is already gone.
+        """
+        meta = self._require_owned()
+        if k < 0:
+            raise ValueError("k must be >= 0")
+        if k:
+            segment.update_refcount(meta.name, k, self._dir)
+
+    def clone(self) -> "ShmTensor":
+        """A new, independent handle object on the same segment (adds one
+        reference; no bytes are copied)."""
+        self.share(1)
+        return self._spawn()
+
+    def _spawn(self) -> "ShmTensor":
+        """A new handle object owning a reference already added by share()."""
+        return ShmTensor(self._meta, owns=True, directory=self._dir)
+
+    def _disown(self) -> None:
+        """Give up ownership without touching the count (the reference moved)."""
+        self._owns = False
+
+    def release(self) -> None:
+        """Give back this handle's reference. Idempotent; a segment that has
+        already disappeared (ENOENT) is tolerated. The last release unlinks."""
+        if not self._owns or self._pid != os.getpid():
+            return
+        self._owns = False
+        try:
+            segment.update_refcount(self._meta.name, -1, self._dir)  # type: ignore[union-attr]
+        except SegmentNotFoundError:
+            pass
+        except SegmentError as exc:
+            log.warning("mmshm: release of %s failed: %s", self._meta.name, exc)
+
+    def __del__(self):
+        try:
+            if self._owns and self._pid == os.getpid():
+                self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # -- materialize -----------------------------------------------------------
+    def materialize(self, copy: bool = False) -> torch.Tensor:
+        """Return the tensor (same shape, dtype and bytes).
+
+        With ``copy=False`` the tensor is a zero-copy, copy-on-write view of the
+        segment; it takes over this handle's reference, which is released when
+        the tensor and all its views are freed. With ``copy=True`` the bytes are
+        read into private memory and the reference is released at once.
+
+        Raises:
+            HandleStateError: the handle was already released or materialized.
+            HandleError: malformed metadata, or a size larger than the segment.
+            SegmentNotFoundError, SegmentCorruptError, DescriptorLimitError:
+                the segment cannot be opened. The handle keeps its reference
+                in that case (release it, or drop it).
+        """
+        meta = self._require_owned()
+        dtype = codec.DTYPES[meta.dtype]
+        if meta.nbytes == 0:
+            out = torch.empty(meta.shape, dtype=dtype)
+            self.release()
+            return out
+        seg = segment.attach(meta.name, self._dir)
+        segment.pin(seg)
+        try:
+            if seg.payload_size < meta.nbytes:
+                raise HandleError(
+                    f"handle says {meta.nbytes} bytes but segment {meta.name} holds "
+                    f"{seg.payload_size}")
+            if copy:
+                out = torch.empty(meta.shape, dtype=dtype)
+                buf = memoryview(_uint8_flat(out).numpy())
+                off = 0
+                while off < meta.nbytes:
+                    n = os.preadv(seg.fd, [buf[off: off + _PREAD_CHUNK]],
+                                  segment.HEADER_SIZE + off)
+                    if n <= 0:
+                        raise HandleError(f"segment {meta.name} ended early")
+                    off += n
+                del buf
+                self.release()
+                return out
+            mm = seg.map_private()
+            arr = np.frombuffer(mm, dtype=np.uint8, count=meta.nbytes)
+            del mm
+            segment.pin(seg)  # held by the view until its finalizer runs
+            weakref.finalize(arr, _release_view, meta.name, self._dir, seg)
+            self._owns = False  # the reference now belongs to the view
+            return torch.from_numpy(arr).view(dtype).view(meta.shape)
+        finally:
+            segment.unpin(seg)
+
+
+def _rebuild(data: bytes) -> ShmTensor:
+    try:
+        return ShmTensor(codec.decode(data), owns=True)
+    except HandleError as exc:
+        return ShmTensor(None, error=exc)
+
+
+def _rebuild_broken(message: str) -> ShmTensor:
+    return ShmTensor(None, error=HandleError(message))

@@ -1,0 +1,284 @@
+"""Find and replace tensors inside arbitrary request objects.
+
+Request objects are msgspec Structs (``array_like=True`` included),
+dataclasses (frozen and slotted included), dicts, lists, tuples and named
+tuples, and plain objects with ``__dict__`` or ``__slots__``. The walk never
+mutates its input: every container on the path to a replaced leaf is
+shallow-copied (or, with ``copy_all``, every container is), so request copies
+that share ``mm_items`` never see each other's changes.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import dataclasses
+import enum
+import logging
+import types
+from typing import Any, Callable
+
+import msgspec
+import torch
+
+from . import config
+from .errors import MmshmError, ShmSpaceError
+from .handle import ShmTensor
+from .metrics import FALLBACKS, SEGMENTS_CREATED, SHM_WRITTEN_BYTES
+
+log = logging.getLogger("mmshm")
+
+MAX_DEPTH = 64
+_ATOMIC = (str, bytes, bytearray, memoryview, int, float, complex, bool, type(None), range,
+           type, enum.Enum, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+           types.ModuleType)
+_OPAQUE_MODULES = ("torch", "numpy", "PIL", "zmq", "threading", "socket", "logging", "asyncio",
+                   "multiprocessing", "_io", "io")
+_warned: set[str] = set()
+
+Leaf = Callable[[Any], Any]
+
+
+def _opaque(obj) -> bool:
+    mod = type(obj).__module__ or ""
+    return mod.split(".", 1)[0] in _OPAQUE_MODULES
+
+
+def _slot_names(cls) -> list[str]:
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        if isinstance(slots, str):
+            slots = (slots,)
+        names.extend(s for s in slots if s not in ("__dict__", "__weakref__"))
+    return names
+
+
+class _Walk:
+    def __init__(self, leaf: Leaf, copy_all: bool):
+        self.leaf = leaf
+        self.copy_all = copy_all
+        self.memo: dict[int, Any] = {}
+
+    def visit(self, obj, depth: int = 0):
+        if isinstance(obj, (torch.Tensor, ShmTensor)):
+            return self.leaf(obj)
+        if isinstance(obj, _ATOMIC) or depth > MAX_DEPTH:
+            return obj
+        key = id(obj)
+        if key in self.memo:
+            return self.memo[key]
+        self.memo[key] = obj  # a cycle re-entering here sees the original
+        new = self._container(obj, depth + 1)
+        self.memo[key] = new
+        return new
+
+    def _items(self, values, depth):
+        out = [self.visit(v, depth) for v in values]
+        changed = any(a is not b for a, b in zip(out, values))
+        return out, changed
+
+    def _container(self, obj, depth):
+        if isinstance(obj, list):
+            items, changed = self._items(obj, depth)
+            if not (changed or self.copy_all):
+                return obj
+            if type(obj) is list:
+                return items
+            new = _copy.copy(obj)
+            new[:] = items
+            return new
+        if isinstance(obj, tuple):
+            items, changed = self._items(obj, depth)
+            if not (changed or self.copy_all):
+                return obj
+            if type(obj) is tuple:
+                return tuple(items)
+            if hasattr(obj, "_fields"):
+                return type(obj)(*items)
+            return type(obj)(items)
+        if isinstance(obj, dict):
+            keys = list(obj)
+            items, changed = self._items([obj[k] for k in keys], depth)
+            if not (changed or self.copy_all):
+                return obj
+            new = dict(zip(keys, items)) if type(obj) is dict else _copy.copy(obj)
+            if type(obj) is not dict:
+                new.update(zip(keys, items))
+            return new
+        if isinstance(obj, msgspec.Struct):
+            names = obj.__struct_fields__
+            values = [getattr(obj, n) for n in names]
+            items, changed = self._items(values, depth)
+            if not (changed or self.copy_all):
+                return obj
+            return msgspec.structs.replace(
+                obj, **{n: v for n, v, old in zip(names, items, values) if v is not old})
+        if _opaque(obj):
+            return obj
+        if dataclasses.is_dataclass(obj):
+            names = [f.name for f in dataclasses.fields(obj) if hasattr(obj, f.name)]
+            extra = [n for n in getattr(obj, "__dict__", {}) if n not in names]
+            names += extra
+        elif hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__"):
+            names = list(getattr(obj, "__dict__", {}))
+            names += [n for n in _slot_names(type(obj)) if hasattr(obj, n) and n not in names]
+        else:
+            return obj
+        values = [getattr(obj, n) for n in names]
+        items, changed = self._items(values, depth)
+        if not (changed or self.copy_all):
+            return obj
+        try:
+            new = _copy.copy(obj)
+        except Exception as exc:  # noqa: BLE001
+            raise TypeError(f"cannot copy {type(obj).__name__} while walking: {exc}") from exc
+        for n, v, old in zip(names, items, values):
+            if v is not old or self.copy_all:
+                object.__setattr__(new, n, v)
+        return new
+
+
+def transform(obj, leaf: Leaf, copy_all: bool = False):
+    """Rebuild ``obj`` with every tensor / handle leaf replaced by ``leaf(x)``.
+
+    ``leaf`` returns its argument to leave it in place. Containers on the path
+    to a changed leaf are shallow copies; with ``copy_all`` every container is
+    copied. The input is never mutated.
+    """
+    return _Walk(leaf, copy_all).visit(obj)
+
+
+def handles(obj) -> list[ShmTensor]:
+    """Every :class:`ShmTensor` reachable from ``obj`` (in walk order)."""
+    found: list[ShmTensor] = []
+
+    def leaf(x):
+        if isinstance(x, ShmTensor):
+            found.append(x)
+        return x
+
+    transform(obj, leaf)
+    return found
+
+
+def inline_tensor_bytes(obj) -> int:
+    """Total bytes of the plain tensors reachable from ``obj``."""
+    total = 0
+
+    def leaf(x):
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        return x
+
+    transform(obj, leaf)
+    return total
+
+
+def fallback_reason(exc: BaseException) -> str:
+    """The ``reason`` label of an inline fallback: ``enospc``, ``budget``,
+    ``emfile`` or ``other``."""
+    if isinstance(exc, ShmSpaceError):
+        return exc.reason
+    if isinstance(exc, OSError):
+        import errno
+        if exc.errno == errno.ENOSPC:
+            return "enospc"
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            return "emfile"
+    return "other"
+
+
+_ADVICE = {
+    "enospc": "the segment directory is full: give the container more shared memory "
+              "(docker run --shm-size=2g or --ipc=host; a larger Kubernetes emptyDir "
+              "with medium: Memory) or set MMSHM_DIR",
+    "budget": "mmshm's budget guard kept the reserve free: raise --shm-size / the emptyDir, "
+              "or lower MMSHM_MIN_FREE_BYTES",
+    "emfile": "the process is out of file descriptors: raise the limit (ulimit -n)",
+    "other": "see the error above",
+}
+
+
+def record_fallback(exc: BaseException) -> str:
+    """Count one inline fallback and log a warning once per reason."""
+    reason = fallback_reason(exc)
+    FALLBACKS.labels(reason=reason).inc()
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("mmshm: a tensor travels inline instead of through shared memory "
+                    "(%s: %s). Fix: %s", reason, exc, _ADVICE.get(reason, ""))
+    return reason
+
+
+def wrap(obj, min_bytes: int | None = None, directory: str | None = None):
+    """Return ``obj`` with every CPU tensor of at least ``min_bytes`` bytes
+    replaced by a :class:`ShmTensor` (one segment per tensor).
+
+    Args:
+        obj: any request object (see module docstring).
+        min_bytes: size threshold in bytes (default ``MMSHM_MIN_BYTES``).
+        directory: segment directory (default ``MMSHM_DIR``).
+    Returns:
+        A new object; ``obj`` is not modified. A tensor whose segment cannot
+        be made (ENOSPC, budget, EMFILE, other OSError) stays inline and the
+        fallback is counted in ``mmshm_inline_fallbacks_total{reason}``.
+        Unsupported tensors (GPU, sparse, quantized) stay inline silently.
+    """
+    cfg = config.get()
+    if cfg.disable:
+        return obj
+    threshold = cfg.min_bytes if min_bytes is None else min_bytes
+    made: dict[int, ShmTensor] = {}
+
+    def leaf(x):
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+            return x
+        nbytes = x.numel() * x.element_size()
+        if nbytes < threshold or x.layout != torch.strided or x.is_quantized:
+            return x
+        first = made.get(id(x))
+        if first is not None:  # the same tensor twice: one segment, two handles
+            try:
+                return first.clone()
+            except MmshmError:
+                return x
+        try:
+            h = ShmTensor.from_tensor(x, directory=directory)
+        except TypeError:
+            return x
+        except OSError as exc:
+            record_fallback(exc)
+            return x
+        SEGMENTS_CREATED.inc()
+        SHM_WRITTEN_BYTES.inc(nbytes)
+        made[id(x)] = h
+        return h
+
+    return transform(obj, leaf)
+
+
+def unwrap(obj, copy: bool = False):
+    """Return ``obj`` with every :class:`ShmTensor` materialized.
+
+    With ``copy=False`` the tensors are zero-copy views that hold the
+    handles' references until freed. On failure every handle in ``obj`` is
+    released (so nothing leaks) and the typed error is raised:
+    :class:`~mmshm.errors.HandleError`, :class:`~mmshm.errors.SegmentNotFoundError`,
+    :class:`~mmshm.errors.SegmentCorruptError` or
+    :class:`~mmshm.errors.DescriptorLimitError`.
+    """
+    try:
+        return transform(obj, lambda x: x.materialize(copy=copy) if isinstance(x, ShmTensor) else x)
+    except BaseException:
+        for h in handles(obj):
+            h.release()
+        raise
+
+
+def release(obj) -> int:
+    """Release every handle reachable from ``obj``; returns how many."""
+    hs = handles(obj)
+    for h in hs:
+        h.release()
+    return len(hs)
