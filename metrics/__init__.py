@@ -7,7 +7,7 @@ through the objects below; they land in prometheus-client's default registry
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 # 100 us .. 10 s
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -38,3 +38,11 @@ FANOUT_COPIES = Counter(
 REQUEST_FAILURES = Counter(
     "mmshm_request_failures",
     "Requests turned into a per-request error by deferred_unwrap.", ["reason"])
+SEGMENTS_IN_USE = Gauge(
+    "mmshm_segments_in_use",
+    "Segments created by this process that are not yet freed and closed.",
+    multiprocess_mode="livesum")
+BYTES_IN_USE = Gauge(
+    "mmshm_shm_in_use_bytes",
+    "Bytes of /dev/shm held by segments created by this process (header included).",
+    multiprocess_mode="livesum")

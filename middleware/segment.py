@@ -49,6 +49,7 @@ import time
 from typing import Iterator
 
 from . import config
+from .metrics import BYTES_IN_USE, SEGMENTS_CREATED, SEGMENTS_IN_USE, SHM_WRITTEN_BYTES
 from .errors import (
     DescriptorLimitError,
     SegmentCorruptError,
@@ -238,6 +239,9 @@ _sweeper: threading.Thread | None = None
 def _forget(seg: Segment) -> None:
     if _REGISTRY.get(seg.name) is seg:
         del _REGISTRY[seg.name]
+        if seg.owned:
+            SEGMENTS_IN_USE.dec()
+            BYTES_IN_USE.dec(HEADER_SIZE + seg.payload_size)
     seg.close()
 
 
@@ -292,6 +296,10 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
         raise
     seg = Segment(name, path, fd, nbytes, owned=True)
     seg.shared_map = mm
+    SEGMENTS_CREATED.inc()
+    SHM_WRITTEN_BYTES.inc(nbytes)
+    SEGMENTS_IN_USE.inc()
+    BYTES_IN_USE.inc(total)
     with _LOCK:
         sweep()
         _REGISTRY[name] = seg

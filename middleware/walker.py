@@ -23,7 +23,7 @@ import torch
 from . import config
 from .errors import MmshmError, ShmSpaceError
 from .handle import ShmTensor
-from .metrics import FALLBACKS, SEGMENTS_CREATED, SHM_WRITTEN_BYTES
+from .metrics import FALLBACKS
 
 log = logging.getLogger("mmshm")
 
@@ -250,8 +250,6 @@ def wrap(obj, min_bytes: int | None = None, directory: str | None = None):
         except OSError as exc:
             record_fallback(exc)
             return x
-        SEGMENTS_CREATED.inc()
-        SHM_WRITTEN_BYTES.inc(nbytes)
         made[id(x)] = h
         return h
 
