@@ -46,3 +46,12 @@ BYTES_IN_USE = Gauge(
     "mmshm_shm_in_use_bytes",
     "Bytes of /dev/shm held by segments created by this process (header included).",
     multiprocess_mode="livesum")
+REAPED_SEGMENTS = Counter(
+    "mmshm_reaped_segments", "Orphaned segments (no live holder) reclaimed by the reaper.")
+REAPED_BYTES = Counter(
+    "mmshm_reaped_bytes", "Bytes of orphaned segments reclaimed by the reaper.")
+FREE_BYTES = Gauge(
+    "mmshm_dir_free_bytes", "Free bytes in the segment directory's file system (statvfs).",
+    multiprocess_mode="mostrecent")
+POOL_REQUESTS = Counter(
+    "mmshm_pool_requests", "Segment pool lookups, by result (hit or miss).", ["result"])
