@@ -28,8 +28,24 @@ from .walker import handles, release, unwrap, wrap
 __version__ = "0.1.0"
 
 __all__ = [
-    "ShmTensor", "content_hash", "wrap", "unwrap", "handles", "release", "fan_out",
-    "deferred_unwrap", "broadcast_pyobj", "MmshmError", "HandleError", "HandleStateError",
-    "SegmentError", "SegmentNotFoundError", "SegmentCorruptError", "ShmSpaceError",
-    "DescriptorLimitError", "WrongNodeError", "MaterializeError", "__version__",
+    "DescriptorLimitError",
+    "HandleError",
+    "HandleStateError",
+    "MaterializeError",
+    "MmshmError",
+    "SegmentCorruptError",
+    "SegmentError",
+    "SegmentNotFoundError",
+    "ShmSpaceError",
+    "ShmTensor",
+    "WrongNodeError",
+    "__version__",
+    "broadcast_pyobj",
+    "content_hash",
+    "deferred_unwrap",
+    "fan_out",
+    "handles",
+    "release",
+    "unwrap",
+    "wrap",
 ]

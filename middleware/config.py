@@ -10,6 +10,22 @@ Variables:
     MMSHM_DISABLE: ``1`` turns the transport off; everything travels inline.
     MMSHM_SWEEP_INTERVAL_S: seconds between sweeps of a producer's finished
         segments (default 1.0).
+    MMSHM_MIN_FREE_BYTES: budget guard reserve: a segment is not created if it
+        would leave less than this many bytes free in the segment directory.
+        Default: 5% of the file system, at least 16 MiB and at most 1 GiB. NCCL
+        keeps its own intra-node buffers in /dev/shm (``nccl-*`` files: a few
+        MiB per rank with P2P, up to several hundred MiB when it falls back to
+        its SHM transport); 16 MiB keeps NCCL's start-up working in Docker's
+        64 MiB default while still letting one 22 MB Qwen2-VL image through,
+        and 5% scales the headroom on large tmpfs mounts.
+    MMSHM_MAX_BYTES: optional cap on the bytes of shared memory this process's
+        live segments may hold (0 = no cap).
+    MMSHM_FD_RESERVE: descriptors kept free for the server: segment creation
+        and attach fail with EMFILE (inline fallback) once the process's
+        descriptor numbers reach RLIMIT_NOFILE minus this (default 64).
+    MMSHM_REAP_INTERVAL_S: the reaper runs at most once per this many seconds
+        per segment directory on process start-up, and this often in
+        long-lived processes (default 60; 0 disables the automatic runs).
 """
 
 from __future__ import annotations
@@ -25,12 +41,34 @@ def _env_bool(name: str, default: bool) -> bool:
     return v.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    if v is None or v.strip() == "":
+        return None
+    return int(float(v))
+
+
+def default_min_free_bytes(fs_size: int) -> int:
+    """The default budget reserve for a file system of ``fs_size`` bytes."""
+    return int(min(max(16 << 20, fs_size * 0.05), 1 << 30))
+
+
+def min_free_bytes(fs_size: int) -> int:
+    """The reserve in force for a file system of ``fs_size`` bytes."""
+    v = get().min_free_bytes
+    return default_min_free_bytes(fs_size) if v is None else v
+
+
 @dataclass(frozen=True)
 class Settings:
     dir: str
     min_bytes: int
     disable: bool
     sweep_interval_s: float
+    min_free_bytes: int | None
+    max_bytes: int
+    fd_reserve: int
+    reap_interval_s: float
 
 
 _settings: Settings | None = None
@@ -41,9 +79,13 @@ def reload() -> Settings:
     global _settings
     _settings = Settings(
         dir=os.environ.get("MMSHM_DIR") or "/dev/shm",
-        min_bytes=int(os.environ.get("MMSHM_MIN_BYTES", 64 * 1024)),
+        min_bytes=int(os.environ.get("MMSHM_MIN_BYTES", "65536")),
         disable=_env_bool("MMSHM_DISABLE", False),
-        sweep_interval_s=float(os.environ.get("MMSHM_SWEEP_INTERVAL_S", 1.0)),
+        sweep_interval_s=float(os.environ.get("MMSHM_SWEEP_INTERVAL_S", "1.0")),
+        min_free_bytes=_env_int("MMSHM_MIN_FREE_BYTES"),
+        max_bytes=_env_int("MMSHM_MAX_BYTES") or 0,
+        fd_reserve=_env_int("MMSHM_FD_RESERVE") or 64,
+        reap_interval_s=float(os.environ.get("MMSHM_REAP_INTERVAL_S", "60")),
     )
     return _settings
 

@@ -81,7 +81,7 @@ class ShmTensor:
     :meth:`materialize` raises the typed error.
     """
 
-    __slots__ = ("_meta", "_owns", "_pid", "_dir", "_error", "__weakref__")
+    __slots__ = ("__weakref__", "_dir", "_error", "_meta", "_owns", "_pid")
 
     def __init__(self, meta: HandleMeta | None, *, owns: bool = True,
                  directory: str | None = None, error: Exception | None = None):
@@ -94,7 +94,7 @@ class ShmTensor:
     # -- construction ----------------------------------------------------
     @classmethod
     def from_tensor(cls, t: torch.Tensor, hash: bytes | None = None,
-                    directory: str | None = None) -> "ShmTensor":
+                    directory: str | None = None) -> ShmTensor:
         """Copy ``t`` into a new segment and return a handle owning its one
         reference.
 
@@ -132,7 +132,7 @@ class ShmTensor:
         return cls(meta, owns=True, directory=directory)
 
     @classmethod
-    def decode(cls, data: bytes, directory: str | None = None) -> "ShmTensor":
+    def decode(cls, data: bytes, directory: str | None = None) -> ShmTensor:
         """Build a handle from wire bytes; it owns the reference the giver
         handed out. Raises :class:`HandleError` on malformed metadata."""
         return cls(codec.decode(data), owns=True, directory=directory)
@@ -151,10 +151,10 @@ class ShmTensor:
                 "(it was released or materialized)")
         return (_rebuild, (codec.encode(self._meta),))
 
-    def __copy__(self) -> "ShmTensor":
+    def __copy__(self) -> ShmTensor:
         return self.clone()
 
-    def __deepcopy__(self, memo) -> "ShmTensor":
+    def __deepcopy__(self, memo) -> ShmTensor:
         return self.clone()
 
     # -- properties --------------------------------------------------------
@@ -222,13 +222,13 @@ class ShmTensor:
         if k:
             segment.update_refcount(meta.name, k, self._dir)
 
-    def clone(self) -> "ShmTensor":
+    def clone(self) -> ShmTensor:
         """A new, independent handle object on the same segment (adds one
         reference; no bytes are copied)."""
         self.share(1)
         return self._spawn()
 
-    def _spawn(self) -> "ShmTensor":
+    def _spawn(self) -> ShmTensor:
         """A new handle object owning a reference already added by share()."""
         return ShmTensor(self._meta, owns=True, directory=self._dir)
 
@@ -253,7 +253,7 @@ class ShmTensor:
         try:
             if self._owns and self._pid == os.getpid():
                 self.release()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown
             pass
 
     # -- materialize -----------------------------------------------------------

@@ -41,21 +41,28 @@ import logging
 import mmap
 import os
 import re
+import resource
 import secrets
 import stat
 import struct
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from . import config
-from .metrics import BYTES_IN_USE, SEGMENTS_CREATED, SEGMENTS_IN_USE, SHM_WRITTEN_BYTES
 from .errors import (
     DescriptorLimitError,
     SegmentCorruptError,
     SegmentError,
     SegmentNotFoundError,
     ShmSpaceError,
+)
+from .metrics import (
+    BYTES_IN_USE,
+    FREE_BYTES,
+    SEGMENTS_CREATED,
+    SEGMENTS_IN_USE,
+    SHM_WRITTEN_BYTES,
 )
 
 log = logging.getLogger("mmshm")
@@ -125,7 +132,7 @@ class Segment:
     :func:`attach`, never the constructor.
     """
 
-    __slots__ = ("name", "path", "fd", "payload_size", "owned", "pins", "shared_map")
+    __slots__ = ("fd", "name", "owned", "path", "payload_size", "pins", "shared_map")
 
     def __init__(self, name: str, path: str, fd: int, payload_size: int, owned: bool):
         self.name = name
@@ -234,15 +241,56 @@ def _update_refcount(fd: int, path: str, delta: int) -> int:
 _LOCK = threading.RLock()
 _REGISTRY: dict[str, Segment] = {}
 _sweeper: threading.Thread | None = None
+_owned_bytes = 0
+_reaped_dirs: set[str] = set()
 
 
 def _forget(seg: Segment) -> None:
+    global _owned_bytes
     if _REGISTRY.get(seg.name) is seg:
         del _REGISTRY[seg.name]
         if seg.owned:
+            _owned_bytes -= HEADER_SIZE + seg.payload_size
             SEGMENTS_IN_USE.dec()
             BYTES_IN_USE.dec(HEADER_SIZE + seg.payload_size)
     seg.close()
+
+
+def owned_bytes() -> int:
+    """Bytes (header included) of this process's created, not yet closed segments."""
+    return _owned_bytes
+
+
+def check_budget(directory: str, total: int) -> None:
+    """The budget guard: raise :class:`ShmSpaceError` (reason ``budget``) if a
+    new segment of ``total`` bytes would leave less than the reserve
+    (``MMSHM_MIN_FREE_BYTES``) free in ``directory``, or push this process
+    over ``MMSHM_MAX_BYTES``. One ``statvfs`` call."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    FREE_BYTES.set(free)
+    reserve = config.min_free_bytes(st.f_blocks * st.f_frsize)
+    if free - total < reserve:
+        raise ShmSpaceError(
+            f"budget: a {total}-byte segment would leave {max(free - total, 0)} bytes free in "
+            f"{directory}, below the reserve of {reserve} bytes (MMSHM_MIN_FREE_BYTES)",
+            reason="budget")
+    cap = config.get().max_bytes
+    if cap and _owned_bytes + total > cap:
+        raise ShmSpaceError(
+            f"budget: this process would hold {_owned_bytes + total} bytes of shared memory, "
+            f"above MMSHM_MAX_BYTES={cap}", reason="budget")
+
+
+def _check_fd(fd: int, path: str) -> None:
+    """Refuse descriptors too close to RLIMIT_NOFILE (the kernel hands out the
+    lowest free number, so the number tracks how many are open)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and fd >= soft - config.get().fd_reserve:
+        os.close(fd)
+        raise DescriptorLimitError(
+            errno.EMFILE, f"descriptor {fd} is within MMSHM_FD_RESERVE of RLIMIT_NOFILE={soft}",
+            path)
 
 
 def create(nbytes: int, directory: str | None = None) -> Segment:
@@ -259,23 +307,38 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     """
     if nbytes < 0:
         raise ValueError("nbytes must be >= 0")
+    global _owned_bytes
     d = segment_dir(directory)
     total = HEADER_SIZE + nbytes
-    for _ in range(4):
+    if d not in _reaped_dirs:
+        _reaped_dirs.add(d)
+        from .reaper import maybe_reap
+        maybe_reap(d)
+    check_budget(d, total)
+    for _ in range(8):
         name = new_name()
         path = os.path.join(d, name)
         try:
             fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
-            break
         except FileExistsError:
             continue
         except OSError as exc:
             raise _os_error(exc, "create", path) from None
+        try:
+            _check_fd(fd, path)
+        except DescriptorLimitError:
+            os.unlink(path)
+            raise
+        try:
+            _lock(fd, fcntl.F_RDLCK, _LIVE_BYTE, wait=False)
+            _lock(fd, fcntl.F_WRLCK, _OWNER_BYTE, wait=False)
+            break
+        except OSError:  # a reaper took the file in the instant after open: pick again
+            os.close(fd)
+            continue
     else:
         raise SegmentError(errno.EEXIST, "could not find a free segment name", d)
     try:
-        _lock(fd, fcntl.F_RDLCK, _LIVE_BYTE, wait=False)
-        _lock(fd, fcntl.F_WRLCK, _OWNER_BYTE, wait=False)
         os.ftruncate(fd, total)
         os.posix_fallocate(fd, 0, total)
         mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -303,6 +366,7 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     with _LOCK:
         sweep()
         _REGISTRY[name] = seg
+        _owned_bytes += total
         _ensure_sweeper()
     return seg
 
@@ -326,6 +390,7 @@ def attach(name: str, directory: str | None = None) -> Segment:
             fd = os.open(path, _OPEN_FLAGS)
         except OSError as exc:
             raise _os_error(exc, "attach", path) from None
+        _check_fd(fd, path)
         try:
             # Blocks only while a reaper holds the exclusive liveness lock.
             _lock(fd, fcntl.F_RDLCK, _LIVE_BYTE)
@@ -416,8 +481,14 @@ def sweep() -> int:
 
 def _sweep_loop() -> None:
     global _sweeper
+    from .reaper import maybe_reap
     while True:
         time.sleep(config.get().sweep_interval_s)
+        for d in list(_reaped_dirs):
+            try:
+                maybe_reap(d)
+            except Exception as exc:  # noqa: BLE001 - never kill the sweeper
+                log.warning("mmshm: periodic reap of %s failed: %s", d, exc)
         with _LOCK:
             sweep()
             if not any(s.owned for s in _REGISTRY.values()):
@@ -458,9 +529,10 @@ def _close_all() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _LOCK, _sweeper
+    global _LOCK, _sweeper, _owned_bytes
     _LOCK = threading.RLock()
     _sweeper = None
+    _owned_bytes = 0
     for seg in list(_REGISTRY.values()):
         seg.close()
     _REGISTRY.clear()

@@ -15,7 +15,8 @@ import dataclasses
 import enum
 import logging
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch
@@ -130,7 +131,7 @@ class _Walk:
             return obj
         try:
             new = _copy.copy(obj)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise TypeError(f"cannot copy {type(obj).__name__} while walking: {exc}") from exc
         for n, v, old in zip(names, items, values):
             if v is not old or self.copy_all:
