@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import pickle
 import resource
@@ -174,27 +175,38 @@ class _Session:
             self.procs.append(p)
             self.conns.append(parent)
 
-    def _recv(self, r: int, deadline: float) -> dict:
-        conn, proc = self.conns[r], self.procs[r]
-        while True:
-            if conn.poll(0.1):
-                try:
-                    msg = conn.recv()
-                except EOFError:
-                    proc.join(1.0)
-                    raise BenchError(f"TP rank {r} closed its pipe "
-                                     f"(exit code {proc.exitcode})") from None
-                if msg.get("op") == "error":
-                    raise BenchError(f"TP rank {r} failed:\n{msg.get('error')}")
-                return msg
-            if not proc.is_alive():
-                raise BenchError(f"TP rank {r} died (exit code {proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise BenchError(f"TP rank {r} did not answer within {self.cfg.timeout_s} s")
+    def _read(self, r: int) -> dict:
+        try:
+            msg = self.conns[r].recv()
+        except EOFError:
+            self.procs[r].join(1.0)
+            raise BenchError(f"TP rank {r} closed its pipe "
+                             f"(exit code {self.procs[r].exitcode})") from None
+        if msg.get("op") == "error":
+            raise BenchError(f"TP rank {r} failed:\n{msg.get('error')}")
+        return msg
 
     def gather(self) -> list[dict]:
+        """One message from every rank, in rank order. Raises :class:`BenchError`
+        as soon as any rank reports an error, dies or overruns ``timeout_s``."""
         deadline = time.monotonic() + self.cfg.timeout_s
-        msgs = [self._recv(r, deadline) for r in range(self.cfg.tp)]
+        got: dict[int, dict] = {}
+        while len(got) < len(self.conns):
+            pending = [r for r in range(len(self.conns)) if r not in got]
+            ready = mp_connection.wait([self.conns[r] for r in pending]
+                                       + [p.sentinel for p in self.procs],
+                                       timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise BenchError(f"TP rank(s) {pending} did not answer within "
+                                 f"{self.cfg.timeout_s} s")
+            for r in pending:
+                if self.conns[r].poll():
+                    got[r] = self._read(r)
+            for r, p in enumerate(self.procs):
+                if p.sentinel in ready:  # a rank must not exit before it is told to stop
+                    p.join(1.0)
+                    raise BenchError(f"TP rank {r} died (exit code {p.exitcode})")
+        msgs = [got[r] for r in range(len(self.conns))]
         for m in msgs:
             self.rank_rss[m["rank"]] = max(self.rank_rss.get(m["rank"], 0),
                                            m.get("peak_rss_bytes", 0))
