@@ -1,13 +1,71 @@
 """Prometheus metrics of mmshm (prometheus-client).
 
-All names are prefixed ``mmshm_`` and use base units. The core updates them
-through the objects below; they land in prometheus-client's default registry
-(and in ``PROMETHEUS_MULTIPROC_DIR`` when that is set before import).
+All names are prefixed ``mmshm_`` and use base units (seconds, bytes); counters
+are exposed with the ``_total`` suffix. The core updates the objects below;
+they land in prometheus-client's default registry, and in
+``PROMETHEUS_MULTIPROC_DIR`` when that variable is set before the metrics are
+created (SGLang's ``--enable-metrics`` sets it), so that the server's own
+``/metrics`` merges mmshm's series across its tokenizer, scheduler and
+detokenizer processes.
+
+Families (as exposed):
+
+=============================================  ==========================================
+``mmshm_segments_created_total``               segments created
+``mmshm_shm_written_bytes_total``              payload bytes written into segments
+``mmshm_segments_in_use``                      segments created and not yet freed
+``mmshm_shm_in_use_bytes``                     bytes of those segments (header included)
+``mmshm_inline_fallbacks_total{reason}``       tensors sent inline: ``enospc``, ``budget``,
+                                               ``emfile``, ``other``
+``mmshm_reaped_segments_total``                orphaned segments reclaimed by the reaper
+``mmshm_reaped_bytes_total``                   bytes of orphaned segments reclaimed
+``mmshm_materialize_failures_total{reason}``   handles that failed to open
+``mmshm_materialize_seconds``                  histogram: one broadcast batch's handles
+``mmshm_request_failures_total{reason}``       requests turned into per-request errors
+``mmshm_broadcast_seconds{role}``              histogram, ``role`` = ``src`` / ``dst``
+``mmshm_broadcast_bytes{role}``                histogram of broadcast payload bytes
+``mmshm_fanout_copies_total``                  request copies made by ``fan_out``
+``mmshm_pool_requests_total{result}``          segment pool lookups, ``hit`` / ``miss``
+``mmshm_dir_free_bytes``                       free bytes in ``MMSHM_DIR`` (statvfs)
+``mmshm_dir_size_bytes``                       size of ``MMSHM_DIR``'s file system
+=============================================  ==========================================
+
+**When the metrics are created.** prometheus-client picks single-process or
+multiprocess storage once, when it is first imported, from
+``PROMETHEUS_MULTIPROC_DIR``. A server such as SGLang sets that variable during
+start-up and imports prometheus-client afterwards; if mmshm (loaded early by its
+start-up hook) imported it first, the server's *own* metrics of that process
+would silently stop being merged. So importing this module creates the metrics
+at once only if prometheus-client is already imported or the variable is
+already set; otherwise the module-level objects are stand-ins, and the metrics
+are created on the first use of any of them (the first segment, fallback or
+broadcast, by which time the server has set up), or by :func:`init`,
+:func:`render`, :func:`registry` or the exporter.
+
+**Scrape-time gauges.** ``mmshm_dir_*`` are read at scrape time. In a single
+process they are function-valued gauges calling
+``os.statvfs(mmshm.config.get().dir)``. In multiprocess mode the scraping
+process (the server's HTTP process) reads every process's files and runs no
+mmshm code, so each mmshm process refreshes its value every
+``MMSHM_METRICS_REFRESH_S`` seconds (default 5; 0: only on demand) from a
+daemon thread, and :func:`render` / the exporter refresh it again right before
+collecting; the merge keeps the most recent value
+(``multiprocess_mode="mostrecent"``). The in-use gauges are ``livesum``.
+
+Exporter: :func:`start_exporter`, :func:`maybe_start_exporter_from_env`
+(``MMSHM_METRICS_PORT``, ``MMSHM_METRICS_ADDR``) and :func:`render`; see
+:mod:`mmshm.metrics.exporter`.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import logging
+import os
+import sys
+import threading
+import time
+
+log = logging.getLogger("mmshm")
 
 # 100 us .. 10 s
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -15,43 +73,314 @@ LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.
 # 1 KB .. 1 GB
 BYTES_BUCKETS = tuple(float(10 ** e * m) for e in range(3, 9) for m in (1, 4)) + (1e9,)
 
-SEGMENTS_CREATED = Counter(
-    "mmshm_segments_created", "Shared-memory segments created.")
-SHM_WRITTEN_BYTES = Counter(
-    "mmshm_shm_written_bytes", "Payload bytes written into shared memory.")
-FALLBACKS = Counter(
-    "mmshm_inline_fallbacks",
-    "Tensors that travelled inline because a segment could not be made.", ["reason"])
-MATERIALIZE_FAILURES = Counter(
-    "mmshm_materialize_failures", "Handles that could not be materialized.", ["reason"])
-MATERIALIZE_SECONDS = Histogram(
-    "mmshm_materialize_seconds", "Time to materialize one request's handles.",
-    buckets=LATENCY_BUCKETS)
-BROADCAST_SECONDS = Histogram(
-    "mmshm_broadcast_seconds", "Time spent in the wrapped broadcast_pyobj call.", ["role"],
-    buckets=LATENCY_BUCKETS)
-BROADCAST_BYTES = Histogram(
-    "mmshm_broadcast_bytes", "Pickled bytes carried by the wrapped broadcast (estimate).",
-    ["role"], buckets=BYTES_BUCKETS)
-FANOUT_COPIES = Counter(
-    "mmshm_fanout_copies", "Request copies made by fan_out (parallel sampling).")
-REQUEST_FAILURES = Counter(
-    "mmshm_request_failures",
-    "Requests turned into a per-request error by deferred_unwrap.", ["reason"])
-SEGMENTS_IN_USE = Gauge(
-    "mmshm_segments_in_use",
-    "Segments created by this process that are not yet freed and closed.",
-    multiprocess_mode="livesum")
-BYTES_IN_USE = Gauge(
-    "mmshm_shm_in_use_bytes",
-    "Bytes of /dev/shm held by segments created by this process (header included).",
-    multiprocess_mode="livesum")
-REAPED_SEGMENTS = Counter(
-    "mmshm_reaped_segments", "Orphaned segments (no live holder) reclaimed by the reaper.")
-REAPED_BYTES = Counter(
-    "mmshm_reaped_bytes", "Bytes of orphaned segments reclaimed by the reaper.")
-FREE_BYTES = Gauge(
-    "mmshm_dir_free_bytes", "Free bytes in the segment directory's file system (statvfs).",
-    multiprocess_mode="mostrecent")
-POOL_REQUESTS = Counter(
-    "mmshm_pool_requests", "Segment pool lookups, by result (hit or miss).", ["result"])
+#: ``reason`` label values of ``mmshm_inline_fallbacks_total``.
+FALLBACK_REASONS = ("enospc", "budget", "emfile", "other")
+#: ``reason`` label values of the materialize and request failure counters
+#: (:data:`mmshm.broadcast.REASONS` without ``ok``).
+FAILURE_REASONS = ("malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
+                   "enospc", "other")
+#: ``role`` label values of the broadcast histograms.
+ROLES = ("src", "dst")
+#: ``result`` label values of ``mmshm_pool_requests_total``.
+POOL_RESULTS = ("hit", "miss")
+
+_MULTIPROC_ENV = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
+
+# (module attribute, kind, name, help, labels, options)
+_SPECS = (
+    ("SEGMENTS_CREATED", "counter", "mmshm_segments_created",
+     "Shared-memory segments created.", (), {}),
+    ("SHM_WRITTEN_BYTES", "counter", "mmshm_shm_written_bytes",
+     "Payload bytes written into shared memory.", (), {}),
+    ("FALLBACKS", "counter", "mmshm_inline_fallbacks",
+     "Tensors that travelled inline because a segment could not be made, by reason.",
+     ("reason",), {}),
+    ("MATERIALIZE_FAILURES", "counter", "mmshm_materialize_failures",
+     "Handles that could not be materialized, by reason.", ("reason",), {}),
+    ("MATERIALIZE_SECONDS", "histogram", "mmshm_materialize_seconds",
+     "Time to materialize one broadcast batch's handles.", (),
+     {"buckets": LATENCY_BUCKETS}),
+    ("BROADCAST_SECONDS", "histogram", "mmshm_broadcast_seconds",
+     "Time spent in the wrapped broadcast_pyobj call, by process-group role (src or dst).",
+     ("role",), {"buckets": LATENCY_BUCKETS}),
+    ("BROADCAST_BYTES", "histogram", "mmshm_broadcast_bytes",
+     "Pickled bytes carried by the wrapped broadcast (estimate), by role (src or dst).",
+     ("role",), {"buckets": BYTES_BUCKETS}),
+    ("FANOUT_COPIES", "counter", "mmshm_fanout_copies",
+     "Request copies made by fan_out (parallel sampling).", (), {}),
+    ("REQUEST_FAILURES", "counter", "mmshm_request_failures",
+     "Requests turned into a per-request error by deferred_unwrap, by reason.",
+     ("reason",), {}),
+    ("SEGMENTS_IN_USE", "gauge", "mmshm_segments_in_use",
+     "Segments created by mmshm that are not yet freed and closed.", (),
+     {"multiprocess_mode": "livesum"}),
+    ("BYTES_IN_USE", "gauge", "mmshm_shm_in_use_bytes",
+     "Bytes of the segment directory held by mmshm's live segments (header included).", (),
+     {"multiprocess_mode": "livesum"}),
+    ("REAPED_SEGMENTS", "counter", "mmshm_reaped_segments",
+     "Orphaned segments (no live holder) reclaimed by the reaper.", (), {}),
+    ("REAPED_BYTES", "counter", "mmshm_reaped_bytes",
+     "Bytes of orphaned segments reclaimed by the reaper.", (), {}),
+    ("FREE_BYTES", "gauge", "mmshm_dir_free_bytes",
+     "Free bytes in the segment directory's file system (statvfs f_bavail * f_frsize).", (),
+     {"multiprocess_mode": "mostrecent"}),
+    ("DIR_SIZE_BYTES", "gauge", "mmshm_dir_size_bytes",
+     "Size of the segment directory's file system (statvfs f_blocks * f_frsize).", (),
+     {"multiprocess_mode": "mostrecent"}),
+    ("POOL_REQUESTS", "counter", "mmshm_pool_requests",
+     "Segment pool lookups, by result (hit or miss).", ("result",), {}),
+)
+# Label values created (at 0) with the metrics, so every series exists from the
+# first scrape: increase()/rate() and alerts then see the first event, and
+# dashboards show 0 instead of "no data".
+_PREINIT = {
+    "FALLBACKS": ("reason", FALLBACK_REASONS),
+    "MATERIALIZE_FAILURES": ("reason", FAILURE_REASONS),
+    "REQUEST_FAILURES": ("reason", FAILURE_REASONS),
+    "BROADCAST_SECONDS": ("role", ROLES),
+    "BROADCAST_BYTES": ("role", ROLES),
+    "POOL_REQUESTS": ("result", POOL_RESULTS),
+}
+
+
+class _Deferred:
+    """Stand-in for one metric until :func:`init` has created it: any attribute
+    (``inc``, ``labels``, ``observe``, ``set``...) creates the metrics first and
+    is then taken from the real prometheus-client object."""
+
+    __slots__ = ("_attr", "_real")
+
+    def __init__(self, attr: str):
+        self._attr = attr
+        self._real = None
+
+    def __getattr__(self, name: str):
+        real = self._real
+        if real is None:
+            init()
+            real = self._real
+        return getattr(real, name)
+
+    def __repr__(self) -> str:
+        state = "created" if self._real is not None else "not created yet"
+        return f"<mmshm.metrics.{self._attr} ({state})>"
+
+
+_deferred = {spec[0]: _Deferred(spec[0]) for spec in _SPECS}
+# The module-level metric objects; init() rebinds them to the real ones.
+SEGMENTS_CREATED = _deferred["SEGMENTS_CREATED"]
+SHM_WRITTEN_BYTES = _deferred["SHM_WRITTEN_BYTES"]
+FALLBACKS = _deferred["FALLBACKS"]
+MATERIALIZE_FAILURES = _deferred["MATERIALIZE_FAILURES"]
+MATERIALIZE_SECONDS = _deferred["MATERIALIZE_SECONDS"]
+BROADCAST_SECONDS = _deferred["BROADCAST_SECONDS"]
+BROADCAST_BYTES = _deferred["BROADCAST_BYTES"]
+FANOUT_COPIES = _deferred["FANOUT_COPIES"]
+REQUEST_FAILURES = _deferred["REQUEST_FAILURES"]
+SEGMENTS_IN_USE = _deferred["SEGMENTS_IN_USE"]
+BYTES_IN_USE = _deferred["BYTES_IN_USE"]
+REAPED_SEGMENTS = _deferred["REAPED_SEGMENTS"]
+REAPED_BYTES = _deferred["REAPED_BYTES"]
+FREE_BYTES = _deferred["FREE_BYTES"]
+DIR_SIZE_BYTES = _deferred["DIR_SIZE_BYTES"]
+POOL_REQUESTS = _deferred["POOL_REQUESTS"]
+_init_lock = threading.RLock()
+_initialised = False
+_multiprocess = False
+
+
+def init() -> None:
+    """Create mmshm's metrics now (idempotent, thread-safe). This imports
+    prometheus-client, which fixes single-process or multiprocess mode for the
+    whole process (see the module docstring)."""
+    global _initialised, _multiprocess
+    if _initialised:
+        return
+    with _init_lock:
+        if _initialised:
+            return
+        from prometheus_client import Counter, Gauge, Histogram
+        from prometheus_client import values as _values
+
+        kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+        created = {}
+        for attr, kind, name, doc, labels, opts in _SPECS:
+            created[attr] = kinds[kind](name, doc, list(labels), **opts)
+        for attr, (label, label_values) in _PREINIT.items():
+            for v in label_values:
+                created[attr].labels(**{label: v})
+        _multiprocess = _values.ValueClass is not _values.MutexValue
+        if _multiprocess:
+            _set_dir_gauges(created["FREE_BYTES"], created["DIR_SIZE_BYTES"])
+        else:
+            created["FREE_BYTES"].set_function(dir_free_bytes)
+            created["DIR_SIZE_BYTES"].set_function(dir_size_bytes)
+            if any(os.environ.get(v) for v in _MULTIPROC_ENV):
+                log.warning("mmshm: PROMETHEUS_MULTIPROC_DIR is set but prometheus_client was "
+                            "imported before it was set; mmshm's metrics stay in this process")
+        for attr, metric in created.items():
+            _deferred[attr]._real = metric
+        globals().update(created)
+        _initialised = True
+    if _multiprocess:
+        start_refresher()
+
+
+def initialised() -> bool:
+    """Whether the metrics exist yet (see :func:`init`)."""
+    return _initialised
+
+
+def multiprocess_enabled() -> bool:
+    """Whether mmshm's metrics are written to ``PROMETHEUS_MULTIPROC_DIR``
+    (creates the metrics first). True only if the variable was set when
+    prometheus-client was imported, whatever the environment says now."""
+    init()
+    return _multiprocess
+
+
+# -- segment directory space, read at scrape time ---------------------------
+def _statvfs():
+    from mmshm import config  # late: mmshm.metrics is imported while mmshm initialises
+
+    try:
+        return os.statvfs(config.get().dir)
+    except OSError:
+        return None
+
+
+def dir_free_bytes() -> float:
+    """Free bytes (available to unprivileged users) in the segment directory's
+    file system, or NaN if it cannot be read. Never raises: it runs inside
+    scrapes."""
+    st = _statvfs()
+    return float("nan") if st is None else float(st.f_bavail * st.f_frsize)
+
+
+def dir_size_bytes() -> float:
+    """Total bytes of the segment directory's file system, or NaN."""
+    st = _statvfs()
+    return float("nan") if st is None else float(st.f_blocks * st.f_frsize)
+
+
+def _set_dir_gauges(free, size) -> None:
+    st = _statvfs()
+    if st is None:
+        free.set(float("nan"))
+        size.set(float("nan"))
+    else:
+        free.set(st.f_bavail * st.f_frsize)
+        size.set(st.f_blocks * st.f_frsize)
+
+
+def refresh() -> None:
+    """Write the current ``mmshm_dir_*`` values into this process's
+    multiprocess file. A no-op in single-process mode, where those gauges are
+    function-valued and always current, and before :func:`init`."""
+    if _initialised and _multiprocess:
+        _set_dir_gauges(_deferred["FREE_BYTES"], _deferred["DIR_SIZE_BYTES"])
+
+
+_refresher: threading.Thread | None = None
+_refresher_lock = threading.Lock()
+
+
+def _refresh_interval() -> float:
+    try:
+        return float(os.environ.get("MMSHM_METRICS_REFRESH_S", "5"))
+    except ValueError:
+        return 5.0
+
+
+def _refresh_loop(interval: float) -> None:
+    while True:
+        try:
+            refresh()
+        except Exception as exc:  # noqa: BLE001 - a metrics thread must never die noisily
+            log.debug("mmshm: refreshing metrics failed: %s", exc)
+        time.sleep(interval)
+
+
+def start_refresher() -> threading.Thread | None:
+    """Start (once per process) the daemon thread that refreshes the
+    ``mmshm_dir_*`` gauges in multiprocess mode. Returns it, or None in
+    single-process mode or when ``MMSHM_METRICS_REFRESH_S`` is 0."""
+    global _refresher
+    if not multiprocess_enabled():
+        return None
+    interval = _refresh_interval()
+    if interval <= 0:
+        refresh()
+        return None
+    with _refresher_lock:
+        if _refresher is None or not _refresher.is_alive():
+            _refresher = threading.Thread(target=_refresh_loop, args=(interval,),
+                                          name="mmshm-metrics-refresh", daemon=True)
+            _refresher.start()
+        return _refresher
+
+
+def _after_fork_in_child() -> None:
+    global _refresher, _refresher_lock, _init_lock
+    _refresher_lock = threading.Lock()
+    _init_lock = threading.RLock()
+    if _refresher is not None:  # the thread did not survive the fork
+        _refresher = None
+        try:
+            start_refresher()
+        except Exception as exc:  # noqa: BLE001 - never break a fork
+            log.debug("mmshm: restarting the metrics refresher failed: %s", exc)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+if "prometheus_client" in sys.modules or any(os.environ.get(v) for v in _MULTIPROC_ENV):
+    init()  # the storage mode is already decided: nothing to wait for
+
+# The exporter needs the objects above.
+from .exporter import (
+    DEFAULT_ADDR,
+    maybe_start_exporter_from_env,
+    registry,
+    render,
+    start_exporter,
+    stop_exporter,
+)
+
+__all__ = [
+    "BROADCAST_BYTES",
+    "BROADCAST_SECONDS",
+    "BYTES_BUCKETS",
+    "BYTES_IN_USE",
+    "DEFAULT_ADDR",
+    "DIR_SIZE_BYTES",
+    "FAILURE_REASONS",
+    "FALLBACKS",
+    "FALLBACK_REASONS",
+    "FANOUT_COPIES",
+    "FREE_BYTES",
+    "LATENCY_BUCKETS",
+    "MATERIALIZE_FAILURES",
+    "MATERIALIZE_SECONDS",
+    "POOL_REQUESTS",
+    "POOL_RESULTS",
+    "REAPED_BYTES",
+    "REAPED_SEGMENTS",
+    "REQUEST_FAILURES",
+    "ROLES",
+    "SEGMENTS_CREATED",
+    "SEGMENTS_IN_USE",
+    "SHM_WRITTEN_BYTES",
+    "dir_free_bytes",
+    "dir_size_bytes",
+    "init",
+    "initialised",
+    "maybe_start_exporter_from_env",
+    "multiprocess_enabled",
+    "refresh",
+    "registry",
+    "render",
+    "start_exporter",
+    "start_refresher",
+    "stop_exporter",
+]
