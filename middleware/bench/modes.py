@@ -4,8 +4,9 @@ A mode has two halves:
 
 * the **producer** half (tokenizer process): :meth:`Mode.fan_out` turns one
   request into its ``n`` parallel-sampling copies; then, for each copy,
-  :meth:`Mode.before_send` runs, the copy is pickled and sent over ZMQ to TP
-  rank 0, and :meth:`Mode.after_send` runs;
+  :meth:`Mode.before_send` runs, the copy is serialized (:meth:`Mode.dumps`,
+  pickle by default) and sent over ZMQ to TP rank 0, which decodes it with
+  :meth:`Mode.loads`, and :meth:`Mode.after_send` runs;
 * the **scheduler** half (every TP rank): :meth:`Mode.broadcast` has the
   contract of SGLang's ``broadcast_pyobj(data, rank, dist_group, src) -> list``
   and must return requests whose tensors are in hand on every rank.
@@ -19,6 +20,7 @@ defined in an importable module and be cheap to construct.
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -73,6 +75,15 @@ class Mode:
     def after_send(self, req) -> None:
         """Called on a copy once it has been pickled and handed to ZMQ; the
         producer drops the copy right after."""
+
+    def dumps(self, req) -> bytes:
+        """The ZMQ message for one copy (default: pickle, as ``send_pyobj``)."""
+        return pickle.dumps(req, pickle.DEFAULT_PROTOCOL)
+
+    # -- TP rank 0 ----------------------------------------------------------------
+    def loads(self, msg) -> object:
+        """The request in a ZMQ message (default: unpickle, as ``recv_pyobj``)."""
+        return pickle.loads(msg)
 
     # -- scheduler (every TP rank) ---------------------------------------------
     def broadcast(self, data, rank: int, dist_group, src: int = 0) -> list:

@@ -31,7 +31,6 @@ import gc
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
-import pickle
 import resource
 import shutil
 import socket
@@ -260,7 +259,7 @@ class _Session:
             for i in range(n):
                 c, copies[i] = copies[i], None
                 mode.before_send(c)
-                msg = pickle.dumps(c, pickle.DEFAULT_PROTOCOL)  # as socket.send_pyobj
+                msg = mode.dumps(c)
                 self.push.send(msg, copy=False)
                 mode.after_send(c)
                 zmq_bytes += len(msg)
