@@ -114,5 +114,101 @@ def bench(tp, n, images, resolution, modes, repeat, min_bytes, shm_dir, timeout_
         sys.exit(1)
 
 
+def _size(n: int) -> str:
+    """Bytes for people: 22.5 MB -> '21.5 MiB'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{n} B"
+
+
+def _console():
+    from rich.console import Console
+
+    # no hard wrapping into pipes and logs: names and fixes stay on one line
+    return Console(soft_wrap=not sys.stdout.isatty(), highlight=False)
+
+
+@main.command()
+@click.option("--dir", "directory", default=None, metavar="DIR",
+              help="Segment directory [default: MMSHM_DIR or /dev/shm].")
+@click.option("--expected-bytes", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Multimodal bytes expected in flight at once "
+                   "[default: 32 Qwen2-VL 720p images, about 720 MB].")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor(directory, expected_bytes, as_json) -> None:
+    """Check that the segment directory is fit for the load.
+
+    Reports the directory's size and free space, mmshm's segments (count,
+    bytes, orphans left by crashed processes) and whether the free headroom
+    covers NCCL's reserve plus the expected multimodal load, each problem with
+    its concrete fix (docker --shm-size / --ipc=host, a Kubernetes emptyDir,
+    `mmshm gc`). Exits 1 when something needs fixing.
+    """
+    import msgspec
+    from rich.text import Text
+
+    from .doctor import diagnose
+
+    rep = diagnose(directory, expected_bytes=expected_bytes)
+    if as_json:
+        click.echo(msgspec.json.encode(rep).decode())
+        sys.exit(0 if rep.ok else 1)
+    con = _console()
+    con.print(Text.assemble(("mmshm doctor: ", "bold"), rep.directory, f" ({rep.fs_type})"))
+    rows = (
+        ("size", _size(rep.fs_size_bytes)),
+        ("free", _size(rep.fs_free_bytes)),
+        ("reserve", f"{_size(rep.reserve_bytes)} kept free for NCCL (MMSHM_MIN_FREE_BYTES)"),
+        ("expected load", f"{_size(rep.expected_bytes)} of multimodal tensors in flight"),
+        ("segments", f"{rep.segments} ({_size(rep.segment_bytes)})"),
+        ("orphans", f"{rep.orphans} ({_size(rep.orphan_bytes)})"),
+    )
+    for key, value in rows:
+        con.print(Text.assemble(f"  {key:<14}", value))
+    if rep.ok:
+        con.print(Text("no problems found", style="green"))
+        return
+    for p in rep.problems:
+        con.print(Text.assemble(("problem: ", "bold red"), p.problem))
+        con.print(Text.assemble(("    fix: ", "bold"), p.fix))
+    sys.exit(1)
+
+
+@main.command()
+@click.option("--dir", "directory", default=None, metavar="DIR",
+              help="Segment directory [default: MMSHM_DIR or /dev/shm].")
+@click.option("--dry-run", is_flag=True, help="List the orphans without removing them.")
+@click.option("--json", "as_json", is_flag=True, help="Print the reaper's report as JSON.")
+def gc(directory, dry_run, as_json) -> None:
+    """Reclaim orphaned segments: those no live process holds.
+
+    Liveness comes from the locks every holder keeps on its segments, never
+    from pids, so segments of other live servers on the host are left alone.
+    Prints how many segments and bytes were (or, with --dry-run, would be)
+    freed, and their names.
+    """
+    import msgspec
+    from rich.text import Text
+
+    from .reaper import reap
+
+    rep = reap(directory, dry_run=dry_run)
+    if as_json:
+        click.echo(msgspec.json.encode(rep).decode())
+        return
+    con = _console()
+    verb = "would reclaim" if dry_run else "reclaimed"
+    con.print(Text.assemble(
+        ("mmshm gc: ", "bold"),
+        f"{verb} {rep.reclaimed} orphaned segment(s), {rep.reclaimed_bytes} bytes "
+        f"({_size(rep.reclaimed_bytes)}) in {rep.directory}"))
+    for name in rep.names:
+        con.print(Text(f"  {name}"))
+    con.print(Text(f"kept {rep.live} live segment(s), {rep.live_bytes} bytes"
+                   + (" (dry run: nothing removed)" if dry_run else "")))
+
+
 if __name__ == "__main__":
     main()
