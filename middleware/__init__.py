@@ -8,6 +8,7 @@ Public API:
     broadcast_pyobj  a mirror of SGLang's CPU broadcast, for tests and the bench
 """
 
+from .autopatch import instrument, uninstrument
 from .broadcast import broadcast_pyobj, deferred_unwrap
 from .errors import (
     DescriptorLimitError,
@@ -45,7 +46,9 @@ __all__ = [
     "deferred_unwrap",
     "fan_out",
     "handles",
+    "instrument",
     "release",
+    "uninstrument",
     "unwrap",
     "wrap",
 ]

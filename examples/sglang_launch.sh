@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Serve a vision-language model with SGLang at TP=2, every process instrumented
+# by mmshm (tokenizer, both scheduler ranks, detokenizer), without editing SGLang.
+#
+#   pip install mmshm sglang==0.5.23     # any release from 0.5.9 to 0.5.23
+#   examples/sglang_launch.sh [extra sglang.launch_server flags]
+#
+# Docker: /dev/shm defaults to 64 MiB; give the container room for in-flight
+# images (docker run --shm-size=2g, or --ipc=host). mmshm never SIGBUSes on a
+# full /dev/shm: a tensor that does not fit travels inline and is counted.
+set -euo pipefail
+
+MODEL=${MODEL:-Qwen/Qwen2-VL-7B-Instruct}
+PORT=${PORT:-30000}
+
+# Which instrumentors to load (default: every installed one).
+export MMSHM_INSTRUMENT=${MMSHM_INSTRUMENT:-sglang}
+# Segment directory (a tmpfs). Keep the default unless /dev/shm is too small.
+export MMSHM_DIR=${MMSHM_DIR:-/dev/shm}
+# Tensors below this many bytes stay inline (pickling them is cheaper).
+export MMSHM_MIN_BYTES=${MMSHM_MIN_BYTES:-65536}
+
+# `mmshm run` puts a start-up hook on PYTHONPATH, so SGLang's spawned scheduler
+# and detokenizer processes instrument themselves too. It also sets
+# PROMETHEUS_MULTIPROC_DIR (when unset) so that --enable-metrics merges mmshm's
+# series from every process into SGLang's own /metrics.
+exec mmshm run -- python -m sglang.launch_server \
+  --model-path "$MODEL" \
+  --tp 2 \
+  --port "$PORT" \
+  --enable-metrics \
+  "$@"
+
+# What to look at in http://localhost:$PORT/metrics (all series start at 0):
+#
+#   mmshm_segments_created_total, mmshm_shm_written_bytes_total
+#       pixels written to /dev/shm once per image: parallel sampling (n > 1)
+#       adds references, not segments (compare with the number of images sent).
+#   mmshm_broadcast_bytes{role="src"} (histogram)
+#       what broadcast_pyobj carries to the other TP rank: handle metadata,
+#       a few hundred bytes per request, not megabytes of pixels.
+#   mmshm_broadcast_seconds{role=...}, mmshm_materialize_seconds
+#       the scheduler boundary: milliseconds, whatever the image size.
+#   mmshm_inline_fallbacks_total{reason="enospc"|"budget"|"emfile"|"other"}
+#       tensors that could not go through shared memory. Rising "enospc" or
+#       "budget": /dev/shm is too small (raise --shm-size) or MMSHM_MIN_FREE_BYTES
+#       too high. These requests still succeed, just slower.
+#   mmshm_materialize_failures_total{reason}, mmshm_request_failures_total{reason}
+#       handles a rank could not open, and the requests turned into errors on
+#       every rank because of it. Should stay at 0.
+#   mmshm_segments_in_use, mmshm_shm_in_use_bytes, mmshm_dir_free_bytes
+#       live shared memory and head-room in MMSHM_DIR; in_use should return to
+#       ~0 when the server is idle (a steady climb is a leak).
+#   mmshm_reaped_segments_total
+#       orphans left by killed processes and reclaimed at start-up.

@@ -1,0 +1,353 @@
+"""mmshm against the real SGLang code of one release, on CPU.
+
+Runs only in the per-release virtualenvs of tests/integrations/run_sglang.py
+(``MMSHM_SGLANG_RELEASE`` is set there); skipped everywhere else. Each bug the
+release has is reproduced twice: without mmshm the test asserts the failure,
+with mmshm instrumented the same scenario passes, with the bytes equal on
+every rank and nothing left in the segment directory.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+RELEASE = os.environ.get("MMSHM_SGLANG_RELEASE")
+if not RELEASE:
+    pytest.skip("SGLang integration tests run in tests/integrations/run_sglang.py's venvs",
+                allow_module_level=True)
+
+import mmshm
+import sglang_env as E
+import torch
+from mmshm import integrations
+from mmshm.integrations import sglang as glue
+
+V = tuple(int(x) for x in RELEASE.split("."))
+HAS_FANOUT_BUG = V <= (0, 5, 12)  # copies share mm_items: FileNotFoundError
+HAS_SIGBUS = V <= (0, 5, 15)  # no posix_fallocate
+PIXELS_IN_BROADCAST = V <= (0, 5, 9)  # unwrap before broadcast_pyobj
+
+
+@pytest.fixture(scope="module")
+def ns():
+    return E.load()
+
+
+@pytest.fixture(autouse=True)
+def clean(ns):
+    """No instrumentation unless a test asks; SGLang's own segments removed."""
+    mmshm.uninstrument("sglang")
+    E.configure(ns.mm)
+    before = E.sglang_segments()
+    yield
+    mmshm.uninstrument("sglang")
+    gc.collect()
+    leaked = E.sglang_segments() - before
+    E.remove_segments(leaked)
+
+
+def _segments(d=None):
+    d = d or mmshm.config.get().dir
+    return sorted(n for n in os.listdir(d) if n.startswith("mmshm-"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_release_is_the_one_under_test(ns):
+    import sglang
+
+    assert sglang.__version__ == RELEASE
+    assert str(integrations.installed_version("sglang")) == RELEASE
+    assert "sglang" in integrations.available()
+
+
+# -- parallel sampling (fan-out) ------------------------------------------------------
+def _fan_out_and_receive(ns, n):
+    """Tokenizer: the release's fan-out copies, each through the real
+    ``_send_one_request``. Scheduler: unpickle each message (``recv_pyobj``)
+    and unwrap it as the release does, in order."""
+    req = E.make_request(ns, [E.expected_feature(0)])
+    sock = E.Socket()
+    for c in E.fan_out_copies(ns, req, n):
+        E.send_one(ns, c, sock)
+    received, errors = [], []
+    for b in sock.sent:
+        try:
+            r = pickle.loads(b)
+            ns.mm.unwrap_shm_features(r)
+            received.append(r)
+        except FileNotFoundError as exc:
+            errors.append(exc)
+    return req, sock, received, errors
+
+
+def test_fanout_without_mmshm(ns):
+    _, sock, received, errors = _fan_out_and_receive(ns, 3)
+    if HAS_FANOUT_BUG:
+        # The copies share mm_items: the first wrap mutates the shared item,
+        # the first receiver unlinks the segment, the next copy is gone.
+        assert errors, "expected FileNotFoundError on the second copy"
+        assert all("psm_" in str(e) or "No such file" in str(e) for e in errors)
+        assert len(received) == 1
+    else:
+        # Fixed upstream by giving every copy its own full segment: n copies
+        # of the pixels in /dev/shm (unlinked again by the receivers).
+        assert not errors and len(received) == 3
+        names = {pickle.loads(b).mm_inputs.mm_items[0].feature.shm_name for b in sock.sent}
+        assert len(names) == 3
+    for r in received:
+        assert E.feature_digest(E.items(r)[0].feature) == \
+            E.feature_digest(E.expected_feature(0))
+
+
+def test_fanout_with_mmshm(ns):
+    mmshm.instrument("sglang")
+    n = 4
+    req, sock, received, errors = _fan_out_and_receive(ns, n)
+    assert not errors
+    # the original request is untouched: no handle leaked into shared items
+    assert isinstance(E.items(req)[0].feature, torch.Tensor)
+    metas = [E.items(r)[0].feature for r in received]
+    assert all(isinstance(h, mmshm.ShmTensor) for h in metas)
+    assert len({h.name for h in metas}) == 1, "one shared segment for all copies"
+    assert len(_segments()) == 1
+    assert all(len(b) < 16384 for b in sock.sent), "metadata only on the socket"
+    out = glue._local_unwrap(received)
+    want = E.feature_digest(E.expected_feature(0))
+    assert [E.feature_digest(E.items(r)[0].feature) for r in out] == [want] * n
+    del out, received, metas
+    gc.collect()
+    assert _segments() == []
+
+
+def test_dispatch_failure_releases(ns):
+    mmshm.instrument("sglang")
+
+    class Broken(E.Socket):
+        def send_pyobj(self, obj, *a, **kw):
+            raise RuntimeError("scheduler socket closed")
+
+    with pytest.raises(RuntimeError):
+        E.send_one(ns, E.make_request(ns, [E.expected_feature(1)]), Broken())
+    gc.collect()
+    assert _segments() == []
+
+
+# -- content hash ------------------------------------------------------------------------
+def test_hash_is_carried_and_transport_independent(ns, monkeypatch):
+    mmshm.instrument("sglang")
+    t = E.expected_feature(2)
+    small = torch.arange(10, dtype=torch.float32)
+
+    def send(tensor_list_or_tensor):
+        sock = E.Socket()
+        E.send_one(ns, E.make_request(ns, [tensor_list_or_tensor]), sock)
+        return pickle.loads(sock.sent[0])
+
+    via_shm = send(t)
+    assert isinstance(E.items(via_shm)[0].feature, mmshm.ShmTensor)
+    monkeypatch.setenv("MMSHM_MIN_BYTES", str(1 << 40))
+    mmshm.config.reload()
+    inline = send(t.clone())
+    monkeypatch.delenv("MMSHM_MIN_BYTES")
+    mmshm.config.reload()
+    assert isinstance(E.items(inline)[0].feature, torch.Tensor)
+    h = E.items(via_shm)[0].hash
+    assert h is not None and h == E.items(inline)[0].hash
+    # hash_feature: the carried hash, equal to the hash of the bytes
+    handle = E.items(via_shm)[0].feature
+    assert ns.mm.hash_feature(handle) == h == ns.mm.hash_feature(t)
+    assert h == glue.hash_int(mmshm.content_hash(t))
+    # lists mixing handles and inline tensors (a partial fallback)
+    mixed = ns.mm.hash_feature([handle, small])
+    assert mixed == ns.mm.hash_feature([t, small])
+    # the scheduler side: set_pad_value keeps the carried hash, no re-hash
+    item = E.items(glue._local_unwrap([via_shm])[0])[0]
+    calls = []
+    real = ns.mm.hash_feature
+    monkeypatch.setattr(ns.mm, "hash_feature", lambda f: calls.append(1) or real(f))
+    item.set_pad_value()
+    assert calls == [] and item.hash == h
+    del item, handle, via_shm
+    gc.collect()
+    assert _segments() == []
+
+
+# -- instrumentor behaviour --------------------------------------------------------------
+def test_instrument_is_idempotent_and_reversible(ns):
+    originals = (ns.tm.wrap_shm_features, ns.mm.hash_feature,
+                 ns.tm.TokenizerManager.__dict__["_send_one_request"])
+    mmshm.instrument("sglang")
+    mmshm.instrument("sglang")
+    assert getattr(ns.tm.wrap_shm_features, "_self_mmshm", False)
+    assert not getattr(ns.tm.wrap_shm_features.__wrapped__, "_self_mmshm", False)
+    mmshm.uninstrument("sglang")
+    assert (ns.tm.wrap_shm_features, ns.mm.hash_feature,
+            ns.tm.TokenizerManager.__dict__["_send_one_request"]) == originals
+    sched = ns.receiver or ns.scheduler
+    assert not getattr(sched.broadcast_pyobj, "_self_mmshm", False)
+
+
+def test_moved_symbol_refuses_and_patches_nothing(ns, monkeypatch):
+    inst = integrations.get("sglang")
+    real = glue._defines
+    monkeypatch.setattr(glue, "_defines",
+                        lambda src, attr: False if attr == "hash_feature" else real(src, attr))
+    with pytest.raises(integrations.UnsupportedVersionError, match="hash_feature"):
+        inst.instrument()
+    assert not inst.instrumented
+    assert not getattr(ns.tm.wrap_shm_features, "_self_mmshm", False)
+
+
+def test_unsupported_version_refuses(ns, monkeypatch):
+    inst = integrations.get("sglang")
+    monkeypatch.setattr(inst, "supported", "<0.5.9")
+    with pytest.raises(integrations.UnsupportedVersionError, match="outside"):
+        inst.instrument()
+    assert not getattr(ns.tm.wrap_shm_features, "_self_mmshm", False)
+
+
+# -- TP broadcast over gloo, the real receive path --------------------------------------
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_tp2_receive_path():
+    modes = (["inline"] if PIXELS_IN_BROADCAST else []) + ["mmshm"]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port, zport = _free_port(), _free_port()
+    procs = [ctx.Process(target=E.rank_main, args=(r, port, zport, modes, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in procs:
+            rank, res = q.get(timeout=300)
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    for rank, res in results.items():
+        assert "error" not in res, res.get("error")
+    pixels = E.expected_feature(0).numel() * 4
+    if PIXELS_IN_BROADCAST:
+        # without mmshm: the scheduler unwraps before broadcast_pyobj, so the
+        # pixels are pickled to every rank
+        for rank in (0, 1):
+            r = results[rank]["inline"]
+            assert r["n"] == 2 and all(r["ok"])
+            assert max(r["sizes"]) >= 2 * pixels
+    for rank in (0, 1):
+        r = results[rank]["mmshm"]
+        assert r["n"] == 2, r
+        assert r["kinds"] == ["Tensor", "Tensor"]
+        assert all(r["ok"]), "bytes differ on a rank"
+        assert max(r["sizes"]) < 16384, f"broadcast carried {max(r['sizes'])} bytes"
+        assert r["left"] == [], r["left"]
+
+
+# -- a full /dev/shm: SIGBUS -----------------------------------------------------------
+def _in_small_tmpfs(mode: str):
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare for a private 64 MiB tmpfs")
+    code = f"import sglang_env; sglang_env.tmpfs_child({mode!r})"
+    env = dict(os.environ, MMSHM_DIR="/dev/shm", MMSHM_REAP_INTERVAL_S="0",
+               PYTHONPATH=os.pathsep.join([E.HERE, E.STUBS]))
+    cmd = ["unshare", "-m", "sh", "-c",
+           ("mount --make-rprivate / 2>/dev/null; mount -t tmpfs -o size=64m tmpfs /dev/shm "
+            f'&& exec "{sys.executable}" -c "$0"'), code]
+    p = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300)
+    if "mount" in p.stderr and p.returncode not in (0, -signal.SIGBUS, 128 + signal.SIGBUS):
+        pytest.skip(f"cannot mount a private tmpfs: {p.stderr[-300:]}")
+    return p
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(400)
+def test_full_shm_without_mmshm():
+    p = _in_small_tmpfs("inline")
+    if HAS_SIGBUS:
+        assert p.returncode in (-signal.SIGBUS, 128 + signal.SIGBUS), (p.returncode, p.stderr[-2000:])
+    else:  # 0.5.16+ reserves with posix_fallocate and falls back inline
+        assert p.returncode == 0, p.stderr[-2000:]
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(400)
+def test_full_shm_with_mmshm():
+    p = _in_small_tmpfs("mmshm")
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    sent = int(p.stdout.split("SENT ")[1].split()[0])
+    assert sent >= 100 * 1024 * 1024, "the feature travels inline"
+    assert int(p.stdout.split("FALLBACKS ")[1].split()[0]) == 1
+
+
+# -- mmshm run: every process, spawn children included -----------------------------------
+@pytest.mark.timeout(400)
+def test_mmshm_run_instruments_spawn_children(tmp_path):
+    orig_site = tmp_path / "orig_site"
+    orig_site.mkdir()
+    (orig_site / "sitecustomize.py").write_text(
+        "import os\nos.environ['MMSHM_TEST_ORIGINAL_SITECUSTOMIZE'] = '1'\n")
+    script = tmp_path / "server.py"
+    script.write_text(textwrap.dedent(f"""
+        import multiprocessing as mp
+        import os
+        import sys
+
+        sys.path.insert(0, {E.HERE!r})
+
+
+        def child(q):
+            import sglang_env
+            ns = sglang_env.load(scheduler=False)
+            from mmshm import integrations
+            q.put((integrations.get("sglang").instrumented,
+                   getattr(ns.tm.wrap_shm_features, "_self_mmshm", False),
+                   getattr(ns.mm.hash_feature, "_self_mmshm", False),
+                   os.environ.get("MMSHM_TEST_ORIGINAL_SITECUSTOMIZE")))
+
+
+        if __name__ == "__main__":
+            # the parent never imports sglang: no mmshm, no torch here
+            assert "mmshm" not in sys.modules and "torch" not in sys.modules
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=child, args=(q,))
+            p.start()
+            print("CHILD", q.get(timeout=300), flush=True)
+            p.join(60)
+            print("PARENT", os.environ.get("MMSHM_TEST_ORIGINAL_SITECUSTOMIZE"),
+                  os.environ.get("MMSHM_INSTRUMENT"), flush=True)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(orig_site), E.STUBS]))
+    env.pop("MMSHM_INSTRUMENT", None)
+    cmd = [sys.executable, "-c", "from mmshm.cli import main; main()", "run", "--",
+           sys.executable, str(script)]
+    p = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=360)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "CHILD (True, True, True, '1')" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert "PARENT 1 sglang" in p.stdout, p.stdout
+
+
+def test_mmshm_run_propagates_exit_status():
+    cmd = [sys.executable, "-c", "from mmshm.cli import main; main()", "run", "--",
+           sys.executable, "-c", "import sys; sys.exit(7)"]
+    assert subprocess.run(cmd, check=False, timeout=120).returncode == 7
