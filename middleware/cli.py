@@ -210,5 +210,24 @@ def gc(directory, dry_run, as_json) -> None:
                    + (" (dry run: nothing removed)" if dry_run else "")))
 
 
+
+@main.command(context_settings={"ignore_unknown_options": True,
+                                "allow_interspersed_args": False})
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(command) -> None:
+    """Run COMMAND with mmshm instrumenting every Python process it starts.
+
+    Example: mmshm run -- python -m sglang.launch_server --model-path M --tp 2
+
+    Spawned children (SGLang's scheduler and detokenizer) are instrumented
+    too. MMSHM_INSTRUMENT selects the instrumentors (comma-separated, or
+    "none"); by default, every installed one. An existing sitecustomize keeps
+    working. The exit status is COMMAND's.
+    """
+    from .autopatch import run as run_command
+
+    sys.exit(run_command(list(command)))
+
+
 if __name__ == "__main__":
     main()
