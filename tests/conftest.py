@@ -1,0 +1,83 @@
+"""Every test runs with a private segment directory and must leave it empty.
+
+The autouse fixture points ``MMSHM_DIR`` at a fresh directory under /dev/shm
+(a tmpfs, like production), turns the automatic reaper off (so that a leak is
+seen, not silently reclaimed), and after the test runs ``gc.collect()`` and
+asserts that:
+
+* the private directory holds no ``mmshm-*`` entry,
+* this process has no segment open any more,
+* /dev/shm itself gained no ``mmshm-*`` file created by this process or one of
+  the children the tests started.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import secrets
+import shutil
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import _mp
+from mmshm import config, segment
+
+
+def _our_shm_files() -> set[str]:
+    ours = {os.getpid()} | _mp.SPAWNED_PIDS
+    out = set()
+    for n in _mp.seg_files(_mp.SHM_ROOT):
+        m = segment.NAME_RE.match(n)
+        if m is None or int(m.group(1)) in ours:
+            out.add(n)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def shm_dir(monkeypatch):
+    """The private segment directory of this test (also in ``MMSHM_DIR``)."""
+    # Everything alive now survived the previous test's teardown collection:
+    # freezing it keeps each gc.collect() below cheap (torch's heap is large).
+    gc.freeze()
+    before = _our_shm_files()
+    d = os.path.join(_mp.SHM_ROOT, f"pytest-mmshm-{os.getpid()}-{secrets.token_hex(4)}")
+    os.mkdir(d, 0o700)
+    monkeypatch.setenv("MMSHM_DIR", d)
+    monkeypatch.setenv("MMSHM_REAP_INTERVAL_S", "0")
+    for var in ("MMSHM_MIN_BYTES", "MMSHM_DISABLE", "MMSHM_MAX_BYTES", "MMSHM_MIN_FREE_BYTES"):
+        monkeypatch.delenv(var, raising=False)
+    config.reload()
+    try:
+        yield d
+    finally:
+        gc.collect()
+        segment.sweep()
+        problems = []
+        left = _mp.seg_files(d)
+        if left:
+            problems.append(f"segments left in MMSHM_DIR: {left}")
+        still_open = [n for n in segment.open_segments()]
+        if still_open:
+            problems.append(f"segments still open in this process: {still_open}")
+        new_in_shm = _our_shm_files() - before
+        if new_in_shm:
+            problems.append(f"new segments in /dev/shm: {sorted(new_in_shm)}")
+        # clean up whatever is left so that one failure does not cascade
+        with segment._LOCK:
+            for seg in list(segment._REGISTRY.values()):
+                segment._forget(seg)
+        shutil.rmtree(d, ignore_errors=True)
+        for n in new_in_shm:
+            try:
+                os.unlink(os.path.join(_mp.SHM_ROOT, n))
+            except OSError:
+                pass
+        monkeypatch.undo()
+        config.reload()
+        if problems:
+            pytest.fail("; ".join(problems), pytrace=False)
+

@@ -1,0 +1,190 @@
+"""Parallel sampling (n > 1): copies share segments, never containers."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import Any
+
+import _mp
+import mmshm
+import msgspec
+import pytest
+import torch
+from mmshm.codec import HandleMeta
+
+
+class MMItem(msgspec.Struct):
+    feature: Any
+    modality: str = "image"
+
+
+@dataclasses.dataclass
+class MMInputs:
+    mm_items: list
+    im_token_id: int = 151655
+
+
+@dataclasses.dataclass
+class GenerateReq:
+    rid: str
+    mm_inputs: MMInputs
+    sampling_params: dict
+
+
+def make_req(seeds=(1, 2)) -> tuple[GenerateReq, list[torch.Tensor]]:
+    ts = [_mp.make_tensor(s, (128, 256)) for s in seeds]  # 128 KiB each
+    req = GenerateReq("rid", MMInputs([MMItem(t) for t in ts]), {"n": 4, "temperature": 0.7})
+    return req, ts
+
+
+def features(req) -> list:
+    return [it.feature for it in req.mm_inputs.mm_items]
+
+
+def test_fan_out_four_first_copy_consumed_before_the_others(shm_dir):
+    req, ts = make_req()
+    created = _mp.metric("mmshm_segments_created_total")
+    written = _mp.metric("mmshm_shm_written_bytes_total")
+    fan = _mp.metric("mmshm_fanout_copies_total")
+    copies = mmshm.fan_out(req, 4, min_bytes=1024)
+    assert len(copies) == 4
+    # the payload was written once: one segment per tensor
+    assert _mp.metric("mmshm_segments_created_total") - created == len(ts)
+    assert _mp.metric("mmshm_shm_written_bytes_total") - written == sum(t.nbytes for t in ts)
+    assert _mp.metric("mmshm_fanout_copies_total") - fan == 4
+    names = [h.name for h in features(copies[0])]
+    assert sorted(names) == _mp.seg_files()
+    for c in copies:
+        assert [h.name for h in features(c)] == names
+    # exactly n - 1 references were added: the count is n
+    assert [_mp.refcount(n) for n in names] == [4, 4]
+    # copy 1 is consumed (unwrap + del) and released before copies 2-4 are opened
+    first = mmshm.unwrap(copies[0])
+    assert all(_mp.same(a, b) for a, b in zip(features(first), ts))
+    del first
+    gc.collect()
+    assert mmshm.release(copies[0]) == 2  # already spent: changes nothing
+    assert [_mp.refcount(n) for n in names] == [3, 3]
+    for i in (1, 2, 3):
+        got = mmshm.unwrap(copies[i])
+        assert all(_mp.same(a, b) for a, b in zip(features(got), ts)), f"copy {i + 1}"
+        del got
+        gc.collect()
+        if i < 3:
+            assert [_mp.refcount(n) for n in names] == [3 - i, 3 - i]
+    assert _mp.seg_files() == []
+    # the caller's request still holds its tensors
+    assert all(a is b for a, b in zip(features(req), ts))
+
+
+def test_copies_are_independent(shm_dir):
+    req, ts = make_req()
+    copies = mmshm.fan_out(req, 4, min_bytes=1024)
+    c0, c1 = copies[0], copies[1]
+    assert c0 is not c1
+    assert c0.mm_inputs is not c1.mm_inputs
+    assert c0.mm_inputs.mm_items is not c1.mm_inputs.mm_items
+    assert c0.sampling_params is not c1.sampling_params
+    for a, b in zip(c0.mm_inputs.mm_items, c1.mm_inputs.mm_items):
+        assert a is not b and a.feature is not b.feature
+    del a, b
+    ids = [id(h) for c in copies for h in mmshm.handles(c)]
+    assert len(set(ids)) == len(ids)  # every copy has its own handle objects
+    # mutate copy 0 in every way a scheduler does
+    c0.mm_inputs.mm_items.append(MMItem(torch.zeros(3), "audio"))
+    c0.mm_inputs.mm_items[0].modality = "video"
+    c0.mm_inputs.mm_items[1] = MMItem(None)
+    c0.mm_inputs.im_token_id = -1
+    c0.sampling_params["temperature"] = 0.0
+    c0.rid = "rid-0"
+    for c in copies[1:]:
+        assert len(c.mm_inputs.mm_items) == 2
+        assert [it.modality for it in c.mm_inputs.mm_items] == ["image", "image"]
+        assert all(isinstance(h, mmshm.ShmTensor) for h in features(c))
+        assert c.mm_inputs.im_token_id == 151655
+        assert c.sampling_params["temperature"] == 0.7
+        assert c.rid == "rid"
+    # the request that was fanned out is untouched too
+    assert len(req.mm_inputs.mm_items) == 2 and req.mm_inputs.mm_items[0].modality == "image"
+    assert req.sampling_params["temperature"] == 0.7
+    # c0 dropped its second item's handle (replaced above): its reference went with it
+    gc.collect()
+    names = [h.name for h in features(copies[1])]
+    assert [_mp.refcount(n) for n in names] == [4, 3]
+    for c in copies[1:]:
+        got = mmshm.unwrap(c)
+        assert all(_mp.same(a, b) for a, b in zip(features(got), ts))
+    del got, c, c0, c1, copies
+    gc.collect()
+    assert _mp.seg_files() == []
+
+
+def test_dropping_unconsumed_copies_releases_everything(shm_dir):
+    req, _ = make_req()
+    copies = mmshm.fan_out(req, 4, min_bytes=1024)
+    assert len(_mp.seg_files()) == 2
+    del copies[2]
+    gc.collect()
+    assert [_mp.refcount(n) for n in _mp.seg_files()] == [3, 3]
+    del copies
+    gc.collect()
+    assert _mp.seg_files() == []
+
+
+def test_fan_out_of_a_wrapped_request_adds_n_minus_1(shm_dir):
+    req, ts = make_req()
+    wrapped = mmshm.wrap(req, min_bytes=1024)
+    names = [h.name for h in features(wrapped)]
+    created = _mp.metric("mmshm_segments_created_total")
+    copies = mmshm.fan_out(wrapped, 3)
+    assert _mp.metric("mmshm_segments_created_total") == created  # nothing new
+    assert [_mp.refcount(n) for n in names] == [3, 3]
+    # the originals handed their reference to the copies
+    assert not any(h.owns_reference for h in features(wrapped))
+    for c in copies:
+        got = mmshm.unwrap(c, copy=True)
+        assert all(_mp.same(a, b) for a, b in zip(features(got), ts))
+    assert _mp.seg_files() == []
+
+
+def test_fan_out_one(shm_dir):
+    req, ts = make_req()
+    (only,) = mmshm.fan_out(req, 1, min_bytes=1024)
+    assert [_mp.refcount(n) for n in _mp.seg_files()] == [1, 1]
+    got = mmshm.unwrap(only, copy=True)
+    assert all(_mp.same(a, b) for a, b in zip(features(got), ts))
+    assert _mp.seg_files() == []
+
+
+def test_same_tensor_in_two_items(shm_dir):
+    t = _mp.make_tensor(9, (128, 256))
+    req = GenerateReq("rid", MMInputs([MMItem(t), MMItem(t)]), {})
+    copies = mmshm.fan_out(req, 3, min_bytes=1024)
+    (name,) = _mp.seg_files()
+    assert _mp.refcount(name) == 6  # two handle objects per copy
+    for c in copies:
+        got = mmshm.unwrap(c, copy=True)
+        assert all(_mp.same(x, t) for x in features(got))
+    assert _mp.seg_files() == []
+
+
+def test_invalid_n(shm_dir):
+    req, _ = make_req()
+    for n in (0, -1):
+        with pytest.raises(ValueError):
+            mmshm.fan_out(req, n, min_bytes=1024)
+    assert _mp.seg_files() == []
+
+
+def test_missing_segment_rolls_back(shm_dir):
+    good = mmshm.ShmTensor.from_tensor(_mp.make_tensor(10, (64, 64)))
+    missing = mmshm.ShmTensor(HandleMeta("mmshm-1-00000000deadbeef", 4, 0, (1,), b"\0" * 16))
+    req = GenerateReq("rid", MMInputs([MMItem(good), MMItem(missing)]), {})
+    with pytest.raises(mmshm.SegmentNotFoundError):
+        mmshm.fan_out(req, 4)
+    assert _mp.refcount(good.name) == 1  # the n - 1 added to `good` were taken back
+    assert good.owns_reference
+    missing.release()
+    good.release()
+    assert _mp.seg_files() == []
