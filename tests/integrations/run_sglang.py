@@ -39,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 VENVS = ROOT / ".venvs"
-TESTS = ROOT / "tests" / "integrations"
+TESTS = ROOT / "tests" / "integrations" / "test_sglang.py"
 
 #: Packages every release imports (the issue's list, without those the runner's
 #: environment already provides: numpy, packaging, pillow, msgspec, pydantic,
@@ -156,10 +156,18 @@ def main(argv: list[str] | None = None) -> int:
             results.append((rel, 1, f"setup failed: {exc}", 0.0, 0.0))
     print("\nSGLang releases:")
     failed = 0
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
     for rel, rc, summary, t_setup, t_test in results:
         failed += rc != 0
         status = "ok" if rc == 0 else "FAILED"
         print(f"  {rel:7s} {status:6s} {summary}  (venv {t_setup:.0f}s, tests {t_test:.0f}s)")
+        for n, key in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary):
+            counts["failed" if key.startswith("error") else key] += int(n)
+        if rc != 0 and not re.search(r"\d+ (failed|errors?)", summary):
+            counts["failed"] += 1  # a release whose setup or run broke
+    if not args.setup_only:
+        print(f"sglang: {counts['passed']} passed, {counts['failed']} failed, "
+              f"{counts['skipped']} skipped")
     return 1 if failed else 0
 
 
