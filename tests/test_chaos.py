@@ -1,0 +1,155 @@
+"""Chaos (issue 3): 100 randomized SIGKILL trials beside a second live instance.
+
+Kill points:
+
+* ``producer``: a producer creating 1-48 MiB segments in a loop, killed at a
+  random moment (mid-``posix_fallocate``, mid-copy, between creations);
+* ``consumer``: a consumer killed after materialize and before release (its
+  zero-copy view, and so its reference and liveness lock, still held);
+* ``tp_rank``: TP rank 1 killed right after the broadcast (after unpickling,
+  or after materializing), while rank 0 and the tokenizer finish normally.
+
+After every trial the reaper runs; it must leave no orphan, nothing but the
+live instance's segments, and those must be intact (bytes equal) and still
+readable, including a handle "in flight" that the test materializes at the end.
+Trials run in a private directory (segments are files), so they never touch
+/dev/shm's other users. Workers are forks of a fork server that has torch and
+mmshm loaded, which keeps each trial well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import signal
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+
+import mmshm
+import mmshm_faults as F
+from mmshm import reaper
+
+TRIALS = int(os.environ.get("MMSHM_CHAOS_TRIALS", "100"))
+SEED = int(os.environ.get("MMSHM_CHAOS_SEED", "20240603"))
+KINDS = ("producer", "consumer", "tp_rank")
+KILLED = -signal.SIGKILL
+
+
+@pytest.fixture
+def segdir(shm_dir):
+    """The private segment directory the project conftest gives every test
+    (also ``MMSHM_DIR``; checked empty, with nothing left open, afterwards)."""
+    return shm_dir
+
+
+def _producer_trial(d: str, rnd: random.Random, seed: int) -> tuple[int, set[str]]:
+    a, b = F.ctx().Pipe()
+    p = F.start(F.w_producer_loop, d, seed, b, name="producer")
+    assert F.recv(a, 30) == "started"
+    time.sleep(rnd.uniform(0.0, 0.12))
+    p.kill()
+    assert F.join(p) == KILLED
+    return 1, set()
+
+
+def _consumer_trial(d: str, rnd: random.Random, seed: int) -> tuple[int, set[str]]:
+    ha, hb = F.ctx().Pipe()
+    holder = F.start(F.w_holder, d, rnd.randrange(1 << 16, 24 << 20), seed, 1, hb,
+                     name="holder")
+    data, digest, name = F.recv(ha, 30)
+    ca, cb = F.ctx().Pipe()
+    consumer = F.start(F.w_consumer, d, cb, name="consumer")
+    ca.send((data, digest))
+    assert F.recv(ca, 30) == ("materialized", True)
+    holder_first = rnd.random() < 0.5  # the creator leaves before or after the kill
+    if holder_first:
+        ha.send("exit")
+        assert F.recv(ha) == "bye"
+    time.sleep(rnd.uniform(0.0, 0.02))
+    consumer.kill()
+    assert F.join(consumer) == KILLED
+    if not holder_first:
+        ha.send("exit")
+        assert F.recv(ha) == "bye"
+    assert F.join(holder) == 0
+    return 1, {name}  # the consumer's reference leaked: the reaper's job
+
+
+def _tp_trial(d: str, rnd: random.Random, seed: int) -> tuple[int, set[str]]:
+    ctx = F.ctx()
+    p_r0, r0_p = ctx.Pipe()
+    r0_r1, r1_r0 = ctx.Pipe()
+    t_r0, r0_t = ctx.Pipe()
+    t_r1, r1_t = ctx.Pipe()
+    materialize = rnd.random() < 0.5
+    prod = F.start(F.w_tp_producer, d, seed, p_r0, name="tokenizer")
+    r0 = F.start(F.w_tp_rank0, d, r0_p, r0_r1, r0_t, name="rank0")
+    r1 = F.start(F.w_tp_rank1, d, materialize, r1_r0, r1_t, name="rank1")
+    assert F.recv(t_r1, 30) == ("rank1", True)
+    r1.kill()  # right after the broadcast
+    assert F.recv(t_r0, 30) == ("rank0", True)
+    assert F.join(r1) == KILLED
+    assert F.join(r0) == 0
+    assert F.join(prod) == 0
+    return 1, set()
+
+
+TRIAL = {"producer": _producer_trial, "consumer": _consumer_trial, "tp_rank": _tp_trial}
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(240)
+def test_chaos_sigkill_trials(segdir):
+    rnd = random.Random(SEED)
+    kinds = [KINDS[i % len(KINDS)] for i in range(TRIALS)]
+    rnd.shuffle(kinds)
+    reaped_segments0 = F.sample("mmshm_reaped_segments_total")
+    reaped_bytes0 = F.sample("mmshm_reaped_bytes_total")
+
+    live_conn, live_end = F.ctx().Pipe()
+    live = F.start(F.w_live_instance, segdir, live_end, name="live-instance")
+    info = F.recv(live_conn, 60)
+    live_names = set(info["names"])
+    assert set(F.segment_files(segdir)) == live_names
+
+    kills = Counter()
+    reclaimed = reclaimed_bytes = 0
+    slowest = 0.0
+    for trial, kind in enumerate(kinds):
+        t0 = time.monotonic()
+        nkilled, must_reap = TRIAL[kind](segdir, rnd, SEED * 1000 + trial)
+        kills[kind] += nkilled
+        rep = reaper.reap(segdir)  # what `mmshm gc` runs
+        reclaimed += rep.reclaimed
+        reclaimed_bytes += rep.reclaimed_bytes
+        assert must_reap <= set(rep.names), (trial, kind, rep)
+        assert not live_names & set(rep.names), f"trial {trial}: reaped a live segment {rep}"
+        if kind == "tp_rank":
+            assert rep.reclaimed == 2, (trial, rep)  # the request's two segments
+        infos = reaper.scan(segdir)
+        assert [i.name for i in infos if i.orphan] == [], f"trial {trial} ({kind}): orphans"
+        assert {i.name for i in infos} == live_names, f"trial {trial} ({kind}): leftovers"
+        live_conn.send("verify")
+        assert F.recv(live_conn, 30) is True, f"trial {trial}: the live instance's bytes changed"
+        slowest = max(slowest, time.monotonic() - t0)
+        if os.environ.get("MMSHM_CHAOS_DEBUG"):
+            print(f"trial {trial} {kind} {time.monotonic() - t0:.3f}s {rep.reclaimed}", flush=True)
+
+    assert F.sample("mmshm_reaped_segments_total") - reaped_segments0 == reclaimed
+    assert F.sample("mmshm_reaped_bytes_total") - reaped_bytes0 == reclaimed_bytes
+    # the handle that stayed in flight through all trials is intact
+    h = pickle.loads(info["in_flight"])
+    assert mmshm.content_hash(h.materialize(copy=True)) == info["in_flight_hash"]
+    live_conn.send("exit")
+    assert F.recv(live_conn) == "bye"
+    assert F.join(live) == 0
+    assert F.segment_files(segdir) == []
+    print(f"\nchaos: {TRIALS} trials (seed {SEED}), kills {dict(kills)}, reclaimed {reclaimed} "
+          f"segments / {reclaimed_bytes} bytes, orphans left 0, live segments intact "
+          f"{len(live_names)}, slowest trial {slowest:.2f}s")

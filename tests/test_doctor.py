@@ -1,0 +1,186 @@
+"""``mmshm doctor`` and ``mmshm gc`` (issue 3).
+
+* in a 64 MiB tmpfs (Docker's default, ``unshare -m``) ``mmshm doctor`` exits
+  non-zero and names the problem and the fix (--shm-size / --ipc=host /
+  emptyDir); ``--json`` parses;
+* orphans are reported with ``mmshm gc`` as the fix; ``mmshm gc --dry-run``
+  lists them without removing anything; ``mmshm gc`` removes them and says
+  what it freed; live segments are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+
+import mmshm
+import mmshm_faults as F
+from mmshm import doctor, reaper
+
+MiB = 1 << 20
+CLI = [sys.executable, "-c", "import sys; from mmshm.cli import main; sys.exit(main())"]
+
+
+@pytest.fixture
+def segdir(shm_dir):
+    """The private segment directory the project conftest gives every test."""
+    return shm_dir
+
+
+def _cli():
+    cli = pytest.importorskip("mmshm.cli")
+    if "doctor" not in cli.main.commands or "gc" not in cli.main.commands:
+        pytest.fail("mmshm.cli has no doctor/gc subcommands")
+    return cli.main
+
+
+def _invoke(*args):
+    return CliRunner().invoke(_cli(), list(args), catch_exceptions=False)
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _orphans(d: str, sizes: list[int]) -> dict[str, int]:
+    before = set(F.segment_files(d))
+    p = F.start(F.w_orphan_maker, d, sizes)
+    assert F.join(p, 30) == 0
+    names = set(F.segment_files(d)) - before
+    return {n: os.path.getsize(os.path.join(d, n)) for n in names}
+
+
+# -- doctor ------------------------------------------------------------------------------
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_doctor_in_a_64mib_tmpfs_names_the_problem_and_the_fix():
+    why = F.unshare_reason()
+    if why:
+        pytest.skip(why)
+    _cli()
+    script = ('out=$("$@" doctor 2>&1); rc=$?; echo "rc=$rc"; printf "%s\n" "$out"; '
+              'echo ----; "$@" doctor --json; echo "rc=$?"')
+    r = F.run_in_tmpfs(["sh", "-c", script, "sh", *CLI], size="64m", timeout=110)
+    assert r.returncode == 0, r.stderr
+    human, machine = r.stdout.split("----\n")
+    rc_line, human = human.split("\n", 1)
+    assert rc_line == "rc=1", r.stdout  # something needs fixing
+    text = _flat(human)
+    assert "64 MiB" in text
+    for fix in ("--shm-size", "--ipc=host", "emptyDir"):
+        assert fix in text, text
+    body, rc_line = machine.rstrip("\n").rsplit("\n", 1)
+    assert rc_line == "rc=1"
+    rep = json.loads(body)
+    assert rep["directory"] == "/dev/shm"
+    assert rep["fs_size_bytes"] == 64 * MiB
+    assert rep["fs_type"] == "tmpfs"
+    assert rep["segments"] == 0 and rep["orphans"] == 0
+    assert rep["problems"], rep
+    fixes = " ".join(p["fix"] for p in rep["problems"])
+    assert "--shm-size" in fixes and "--ipc=host" in fixes and "emptyDir" in fixes
+    # the same report as the library's
+    msgspec.json.decode(body.encode(), type=doctor.DoctorReport)
+
+
+@pytest.mark.timeout(60)
+def test_doctor_healthy_directory_exits_zero(segdir):
+    r = _invoke("doctor", "--dir", segdir, "--expected-bytes", str(MiB))
+    assert r.exit_code == 0, r.output
+    assert segdir in _flat(r.output)
+    r = _invoke("doctor", "--dir", segdir, "--expected-bytes", str(MiB), "--json")
+    assert r.exit_code == 0
+    rep = json.loads(r.stdout)
+    assert rep["problems"] == [] and rep["orphans"] == 0
+    assert rep["expected_bytes"] == MiB
+
+
+@pytest.mark.timeout(60)
+def test_doctor_reports_orphans_with_gc_as_the_fix(segdir):
+    sizes = _orphans(segdir, [1 << 16, 1 << 20])
+    rep = doctor.diagnose(segdir, expected_bytes=MiB)
+    assert (rep.orphans, rep.orphan_bytes) == (2, sum(sizes.values()))
+    r = _invoke("doctor", "--dir", segdir, "--expected-bytes", str(MiB))
+    assert r.exit_code == 1, r.output
+    text = _flat(r.output)
+    assert "orphan" in text and "mmshm gc" in text
+    r = _invoke("doctor", "--dir", segdir, "--expected-bytes", str(MiB), "--json")
+    assert r.exit_code == 1
+    js = json.loads(r.stdout)
+    assert (js["orphans"], js["orphan_bytes"]) == (2, sum(sizes.values()))
+    assert any("mmshm gc" in p["fix"] for p in js["problems"])
+    assert reaper.reap(segdir).reclaimed == 2
+
+
+@pytest.mark.timeout(60)
+def test_doctor_missing_directory(tmp_path):
+    missing = str(tmp_path / "nope")
+    r = _invoke("doctor", "--dir", missing, "--json")
+    assert r.exit_code == 1
+    js = json.loads(r.stdout)
+    assert js["problems"] and "MMSHM_DIR" in js["problems"][0]["fix"]
+
+
+# -- gc ------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_gc_dry_run_lists_orphans_then_gc_removes_them(segdir):
+    sizes = _orphans(segdir, [1 << 16, 1 << 18, 1 << 20])
+    live = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 3), directory=segdir)
+    total = sum(sizes.values())
+    try:
+        r = _invoke("gc", "--dir", segdir, "--dry-run")
+        assert r.exit_code == 0, r.output
+        text = _flat(r.output)
+        for n in sizes:
+            assert n in text
+        assert live.name not in text
+        assert "3" in text and str(total) in text
+        assert set(F.segment_files(segdir)) == set(sizes) | {live.name}  # nothing removed
+
+        r = _invoke("gc", "--dir", segdir, "--dry-run", "--json")
+        js = json.loads(r.stdout)
+        assert js["dry_run"] is True
+        assert (js["reclaimed"], js["reclaimed_bytes"], js["live"]) == (3, total, 1)
+        assert sorted(js["names"]) == sorted(sizes)
+
+        segs0 = F.sample("mmshm_reaped_segments_total")
+        r = _invoke("gc", "--dir", segdir)
+        assert r.exit_code == 0, r.output
+        text = _flat(r.output)
+        for n in sizes:
+            assert n in text
+        assert str(total) in text
+        assert F.segment_files(segdir) == [live.name]  # the live one is kept
+        assert F.sample("mmshm_reaped_segments_total") - segs0 == 3
+        assert torch_equal_bytes(live, F.pattern(1 << 17, 3))
+
+        r = _invoke("gc", "--dir", segdir, "--json")
+        js = json.loads(r.stdout)
+        assert (js["reclaimed"], js["live"], js["dry_run"]) == (0, 1, False)
+    finally:
+        live.release()
+
+
+def torch_equal_bytes(h, t) -> bool:
+    return mmshm.content_hash(h.clone().materialize(copy=True)) == mmshm.content_hash(t)
+
+
+@pytest.mark.timeout(120)
+def test_gc_console_script_in_a_subprocess(segdir):
+    """The installed entry point, as an operator runs it."""
+    _cli()
+    sizes = _orphans(segdir, [1 << 16])
+    import subprocess
+
+    r = subprocess.run([*CLI, "gc", "--dir", segdir], capture_output=True, text=True,
+                       timeout=100, check=False)
+    assert r.returncode == 0, r.stderr
+    assert next(iter(sizes)) in _flat(r.stdout)
+    assert F.segment_files(segdir) == []
