@@ -107,7 +107,8 @@ def setup(release: str, log) -> Path:
     return venv
 
 
-_SUMMARY = re.compile(r"^=+ (.*) in ([0-9.]+)s", re.MULTILINE)
+_SUMMARY = re.compile(r"^(?:=+ )?(\d+ (?:passed|failed|skipped|errors?|deselected)[^\n]*?)"
+                      r" in ([0-9.]+)s", re.MULTILINE)
 
 
 def run(release: str, pytest_args: list[str], setup_only: bool) -> tuple[int, str, float, float]:
