@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .errors import MaterializeError, MmshmError, failure_reason
+from . import segment
+from .errors import HandleStateError, MaterializeError, MmshmError, failure_reason
 from .handle import ShmTensor
 from .metrics import (
     BROADCAST_BYTES,
@@ -29,7 +30,12 @@ from .metrics import (
     MATERIALIZE_SECONDS,
     REQUEST_FAILURES,
 )
-from .walker import handles, inline_tensor_bytes, transform, unwrap
+from .walker import handles, transform
+
+# Estimates for mmshm_broadcast_bytes, so that nothing is pickled twice: a
+# handle's pickled size and a request's own pickled overhead (bytes).
+_HANDLE_WIRE_BYTES = 110
+_REQUEST_WIRE_BYTES = 256
 
 REASONS = ("ok", "malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
            "enospc", "other")
@@ -40,6 +46,16 @@ def _world(group) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group=group), dist.get_rank(group=group)
+
+
+def _group_rank_of(global_rank: int, group, world: int) -> int | None:
+    """The group rank of global rank ``global_rank`` (None outside the group)."""
+    if world == 1:
+        return 0
+    try:
+        return dist.get_group_rank(group, global_rank) if group is not None else global_rank
+    except (ValueError, RuntimeError):
+        return None
 
 
 def broadcast_pyobj(data: list, rank: int, dist_group=None, src: int = 0) -> list:
@@ -80,27 +96,46 @@ def _poison(req, exc: BaseException):
     return transform(req, leaf)
 
 
-def _share_for_broadcast(data: list, k: int) -> tuple[list, list[tuple[ShmTensor, int]]]:
-    """Add ``k`` references to every handle of every request; a request whose
+def _share_for_broadcast(data: list, k: int) -> tuple[list, dict[str, int]]:
+    """Add ``k`` references per handle object of the batch, in one locked
+    update per segment (fan-out copies share segments). A handle object that
+    appears in several requests (``copy.copy``'d requests share ``mm_items``)
+    is pickled once for the whole batch, so it gets ``k`` once. A request whose
     handles cannot be shared is poisoned instead. Returns the (possibly
-    rebuilt) list and the handles shared, for rollback."""
-    shared: list[tuple[ShmTensor, int]] = []
+    rebuilt) list and {segment name: references added}, for rollback."""
+    added: dict[str, int] = {}
+    seen: set[int] = set()
     out = list(data)
     for i, req in enumerate(data):
-        hs = handles(req)
-        done = []
-        try:
-            for h in hs:
-                h.share(k)
-                done.append(h)
-        except MmshmError as exc:
-            for h in done:
-                from . import segment
-                segment.update_refcount(h.name, -k, h._dir)
-            out[i] = _poison(req, exc)
+        per_seg: dict[str, int] = {}
+        dirs: dict[str, str | None] = {}
+        poisoned: MmshmError | None = None
+        for h in handles(req):
+            if id(h) in seen:
+                continue
+            if not h.owns_reference:
+                poisoned = HandleStateError(f"handle {h.name} no longer owns a reference")
+                break
+            per_seg[h.name] = per_seg.get(h.name, 0) + k
+            dirs[h.name] = h._dir
+        done: list[str] = []
+        if poisoned is None:
+            try:
+                for name, refs in per_seg.items():
+                    segment.update_refcount(name, refs, dirs[name])
+                    done.append(name)
+            except MmshmError as exc:
+                for name in done:
+                    segment.update_refcount(name, -per_seg[name], dirs[name])
+                done = []
+                poisoned = exc
+        if poisoned is not None:
+            out[i] = _poison(req, poisoned)
             continue
-        shared.extend((h, k) for h in done)
-    return out, shared
+        seen.update(id(h) for h in handles(req))
+        for name in done:
+            added[name] = added.get(name, 0) + per_seg[name]
+    return out, added
 
 
 def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
@@ -129,73 +164,144 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
         world, group_rank = _world(dist_group)
         is_src = rank == src
         role = "src" if is_src else "dst"
-        shared: list[tuple[ShmTensor, int]] = []
-        if is_src and world > 1 and data:
-            data, shared = _share_for_broadcast(data, world - 1)
+        added: dict[str, int] = {}
         t0 = time.perf_counter()
+        if is_src and world > 1 and data:
+            data, added = _share_for_broadcast(data, world - 1)
         try:
             out = broadcast_fn(data, rank, dist_group, src, *args, **kwargs)
         except BaseException:
-            from . import segment
-            for h, k in shared:
+            for name, refs in added.items():
                 try:
-                    segment.update_refcount(h.name, -k, h._dir)
+                    segment.update_refcount(name, -refs)
                 except MmshmError:
                     pass
             raise
         BROADCAST_SECONDS.labels(role=role).observe(time.perf_counter() - t0)
-        if out:
-            BROADCAST_BYTES.labels(role=role).observe(_estimate_bytes(out))
-        return _unwrap_all(out, dist_group, world, group_rank, copy, on_failure)
+        return _unwrap_all(out, dist_group, world, group_rank, copy, on_failure, role,
+                           _group_rank_of(src, dist_group, world))
 
     wrapper.__mmshm_deferred__ = True  # type: ignore[attr-defined]
     return wrapper
 
 
-def _estimate_bytes(data: list) -> int:
-    inline = inline_tensor_bytes(data)
-    if inline:
-        return inline + 256 * len(data)
-    try:
-        return len(pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL))
-    except Exception:  # noqa: BLE001
-        return 0
+class _Unwrapper:
+    """Materializes the batch's handles, one walk per request.
+
+    Handle objects are indexed batch-wide in order of first appearance; the
+    order is the same on every rank (pickle keeps object identity within the
+    batch), so per-handle flags can be all-reduced. A handle object shared by
+    several requests is materialized once and its tensor reused."""
+
+    def __init__(self, copy: bool):
+        self.copy = copy
+        self.index: dict[int, int] = {}
+        self.order: list[ShmTensor] = []
+        self.state: list = []  # per handle: tensor, exception, or None
+        self.current: list[int] = []
+        self.wire_bytes = 0
+
+    def _idx(self, h: ShmTensor) -> int:
+        idx = self.index.get(id(h))
+        if idx is None:
+            idx = self.index[id(h)] = len(self.order)
+            self.order.append(h)
+            self.state.append(None)
+            self.wire_bytes += _HANDLE_WIRE_BYTES
+        return idx
+
+    def __call__(self, x):
+        if not isinstance(x, ShmTensor):
+            self.wire_bytes += x.numel() * x.element_size()
+            return x
+        idx = self._idx(x)
+        self.current.append(idx)
+        st = self.state[idx]
+        if isinstance(st, BaseException):
+            raise st
+        if st is None:
+            try:
+                st = self.state[idx] = x.materialize(copy=self.copy)
+            except (MmshmError, OSError) as exc:
+                self.state[idx] = exc
+                raise
+        return st
+
+    def request_handles(self, req) -> list[int]:
+        """Indices of every handle in ``req`` (after a walk that stopped early)."""
+        return list(dict.fromkeys(self._idx(h) for h in handles(req)))
 
 
-def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_failure) -> list:
+def _give_back(unw: _Unwrapper, idxs: list[int], stranded: np.ndarray, col: int) -> None:
+    """Release the references a failed request's handles still own on this
+    rank; mark in ``stranded`` those this rank cannot reach (segment invisible
+    from here), for the source rank to give back."""
+    for idx in idxs:
+        h = unw.order[idx]
+        if not h.owns_reference:
+            continue  # materialized (the view holds it) or already given back
+        h._disown()
+        try:
+            segment.update_refcount(h.name, -1, h._dir)
+        except (MmshmError, OSError):
+            stranded[idx, col] = 1
+
+
+def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_failure,
+                role: str, src_group_rank: int | None) -> list:
     if not out:
         return out
     results = list(out)
     n = len(out)
-    # column 0: failure reason code, column 1 + r: 1 if group rank r failed
-    flags = np.zeros((n, 1 + world), dtype=np.int32)
-    any_handles = False
+    reasons = np.zeros(n, dtype=np.int32)
+    failed = np.zeros((n, world), dtype=np.int32)
+    req_idxs: list[list[int]] = []
     t0 = time.perf_counter()
+    unw = _Unwrapper(copy)
     for i, req in enumerate(out):
-        if not handles(req):
-            continue
-        any_handles = True
+        unw.current = []
         try:
-            results[i] = unwrap(req, copy=copy)
+            results[i] = transform(req, unw)
+            req_idxs.append(list(dict.fromkeys(unw.current)))
         except (MmshmError, OSError) as exc:
+            req_idxs.append(unw.request_handles(req))
             reason = failure_reason(exc)
             MATERIALIZE_FAILURES.labels(reason=reason).inc()
-            flags[i, 0] = _REASON_CODE.get(reason, _REASON_CODE["other"])
-            flags[i, 1 + group_rank] = 1
+            reasons[i] = _REASON_CODE.get(reason, _REASON_CODE["other"])
+            failed[i, group_rank] = 1
             results[i] = None
-    if not any_handles:  # identical on every rank: the data is the same
+    BROADCAST_BYTES.labels(role=role).observe(unw.wire_bytes + _REQUEST_WIRE_BYTES * n)
+    nh = len(unw.order)
+    if not nh:  # identical on every rank: the data is the same
         return results
     MATERIALIZE_SECONDS.observe(time.perf_counter() - t0)
+    stranded = np.zeros((nh, world), dtype=np.int32)
+    local = np.nonzero(reasons)[0].tolist()
+    for i in local:
+        _give_back(unw, req_idxs[i], stranded, group_rank)
     if world > 1:
-        t = torch.from_numpy(flags)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        flags = t.numpy()
-    for i in np.nonzero(flags[:, 0])[0].tolist():
-        reason = REASONS[int(flags[i, 0])]
-        ranks = [r for r in range(world) if flags[i, 1 + r]]
+        flat = torch.from_numpy(np.concatenate([reasons, failed.ravel(), stranded.ravel()]))
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        flat = flat.numpy()
+        reasons = flat[:n]
+        failed = flat[n:n + n * world].reshape(n, world)
+        stranded = flat[n + n * world:].reshape(nh, world)
+    for i in np.nonzero(reasons)[0].tolist():
         results[i] = None  # drops this rank's views, giving back their references
-        for h in handles(out[i]):
-            h.release()
+        if i not in local:
+            _give_back(unw, req_idxs[i], stranded, group_rank)
+    unw.state = []
+    if src_group_rank is not None and group_rank == src_group_rank:
+        # references handed out to ranks that cannot reach the segment come back here
+        for idx in np.nonzero(stranded.sum(axis=1))[0].tolist():
+            h = unw.order[idx]
+            try:
+                segment.update_refcount(h.name, -int(stranded[idx].sum()), h._dir)
+            except (MmshmError, OSError):
+                pass
+    for i in np.nonzero(reasons)[0].tolist():
+        reason = REASONS[int(reasons[i])]
+        ranks = [r for r in range(world) if failed[i, r]]
         err = MaterializeError(
             f"request {i}: shared-memory tensors could not be materialized on TP rank(s) "
             f"{ranks} ({reason})", request=out[i], reason=reason, ranks=ranks)

@@ -9,6 +9,7 @@ for k receivers). Dropping an unmaterialized handle releases its reference;
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import weakref
@@ -19,7 +20,13 @@ import torch
 
 from . import codec, segment
 from .codec import HandleMeta
-from .errors import HandleError, HandleStateError, SegmentError, SegmentNotFoundError
+from .errors import (
+    HandleError,
+    HandleStateError,
+    SegmentCorruptError,
+    SegmentError,
+    SegmentNotFoundError,
+)
 
 log = logging.getLogger("mmshm")
 
@@ -36,7 +43,7 @@ def content_hash(data) -> bytes:
         16 bytes.
     """
     if isinstance(data, torch.Tensor):
-        t = data.detach().contiguous()
+        t = data.detach().resolve_conj().resolve_neg().contiguous()
         if t.numel() == 0:
             data = b""
         else:
@@ -51,7 +58,8 @@ def _check_tensor(t) -> None:
         raise TypeError(f"only CPU tensors go through shared memory, got {t.device}")
     if t.layout != torch.strided or t.is_quantized:
         raise TypeError("sparse and quantized tensors are not supported")
-    codec.dtype_code(t.dtype)
+    if t.dtype not in codec.DTYPE_CODES:
+        raise TypeError(f"dtype {t.dtype} cannot travel through shared memory")
 
 
 def _uint8_flat(t: torch.Tensor) -> torch.Tensor:
@@ -286,6 +294,7 @@ class ShmTensor:
                     f"handle says {meta.nbytes} bytes but segment {meta.name} holds "
                     f"{seg.payload_size}")
             if copy:
+                seg.check_size()
                 out = torch.empty(meta.shape, dtype=dtype)
                 buf = memoryview(_uint8_flat(out).numpy())
                 off = 0
@@ -293,7 +302,8 @@ class ShmTensor:
                     n = os.preadv(seg.fd, [buf[off: off + _PREAD_CHUNK]],
                                   segment.HEADER_SIZE + off)
                     if n <= 0:
-                        raise HandleError(f"segment {meta.name} ended early")
+                        raise SegmentCorruptError(errno.EINVAL, "segment ended early",
+                                                  seg.path)
                     off += n
                 del buf
                 self.release()

@@ -150,9 +150,13 @@ class Segment:
         unlinked while the mutex is still held, so no later ``share`` can
         resurrect it. Raises :class:`SegmentNotFoundError` if the segment
         was already freed."""
-        if self.fd < 0:
-            raise SegmentNotFoundError(errno.EBADF, "segment was closed in this process", self.path)
-        return _update_refcount(self.fd, self.path, delta)
+        # OFD locks do not exclude threads sharing this descriptor: the
+        # process lock serialises them; the file lock serialises processes.
+        with _LOCK:
+            if self.fd < 0:
+                raise SegmentNotFoundError(
+                    errno.EBADF, "segment was closed in this process", self.path)
+            return _update_refcount(self.fd, self.path, delta)
 
     def refcount(self) -> int:
         """Current reference count (a racy read without the mutex)."""
@@ -173,12 +177,22 @@ class Segment:
             self.fd = -1
 
     def freed(self) -> bool:
-        """Whether the last reference is gone (read from the shared mapping
-        when this process created the segment, else from the file)."""
-        if self.shared_map is not None:
-            return _U32.unpack_from(self.shared_map, _OFF_STATE)[0] != STATE_LIVE
+        """Whether this process can let go of the segment: its last reference
+        is gone, or a third party unlinked or truncated the file (then no one
+        can attach or release through it any more, and holding it open would
+        only keep its tmpfs pages allocated). One ``fstat``; the state word is
+        read from the creator's mapping only once the file is known to be
+        large enough (a truncated mapping would SIGBUS)."""
         if self.fd < 0:
             return True
+        try:
+            st = os.fstat(self.fd)
+        except OSError:
+            return True
+        if st.st_nlink == 0 or st.st_size < HEADER_SIZE:
+            return True
+        if self.shared_map is not None:
+            return _U32.unpack_from(self.shared_map, _OFF_STATE)[0] != STATE_LIVE
         try:
             return _read_header(self.fd, self.path)[2] != STATE_LIVE
         except SegmentError:
@@ -189,17 +203,36 @@ class Segment:
         assert self.shared_map is not None, "only the creator writes the payload"
         return memoryview(self.shared_map)[HEADER_SIZE : HEADER_SIZE + self.payload_size]
 
+    def check_size(self) -> None:
+        """Raise :class:`SegmentCorruptError` if the file is now shorter than
+        its header says (truncated by a third party)."""
+        size = os.fstat(self.fd).st_size
+        if size < HEADER_SIZE + self.payload_size:
+            raise SegmentCorruptError(
+                errno.EINVAL, f"segment is truncated: {size} bytes on disk, header says "
+                f"{HEADER_SIZE + self.payload_size}", self.path)
+
     def map_private(self) -> mmap.mmap:
         """A fresh copy-on-write mapping of the payload. Reads share the
         segment's pages; a write by the consumer stays private, so it can
-        never change the bytes another holder sees (and cannot SIGSEGV)."""
-        return mmap.mmap(
-            self.fd,
-            self.payload_size,
-            flags=mmap.MAP_PRIVATE,
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
-            offset=HEADER_SIZE,
-        )
+        never change the bytes another holder sees (and cannot SIGSEGV).
+
+        The file size is checked first (a mapping past the end of a truncated
+        file would SIGBUS on access). Raises :class:`SegmentCorruptError`."""
+        try:
+            self.check_size()
+            return mmap.mmap(
+                self.fd,
+                self.payload_size,
+                flags=mmap.MAP_PRIVATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=HEADER_SIZE,
+            )
+        except SegmentError:
+            raise
+        except (OSError, ValueError) as exc:
+            raise SegmentCorruptError(errno.EINVAL, f"cannot map segment: {exc}",
+                                      self.path) from exc
 
 
 def _read_header(fd: int, path: str) -> tuple:
@@ -270,6 +303,9 @@ def check_budget(directory: str, total: int) -> None:
     free = st.f_bavail * st.f_frsize
     FREE_BYTES.set(free)
     reserve = config.min_free_bytes(st.f_blocks * st.f_frsize)
+    if total > free:
+        raise ShmSpaceError(
+            f"a {total}-byte segment does not fit in the {free} bytes free in {directory}")
     if free - total < reserve:
         raise ShmSpaceError(
             f"budget: a {total}-byte segment would leave {max(free - total, 0)} bytes free in "
@@ -314,6 +350,7 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
         _reaped_dirs.add(d)
         from .reaper import maybe_reap
         maybe_reap(d)
+    sweep()  # let go of segments freed elsewhere before counting what is in use
     check_budget(d, total)
     for _ in range(8):
         name = new_name()
@@ -332,10 +369,16 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
         try:
             _lock(fd, fcntl.F_RDLCK, _LIVE_BYTE, wait=False)
             _lock(fd, fcntl.F_WRLCK, _OWNER_BYTE, wait=False)
-            break
-        except OSError:  # a reaper took the file in the instant after open: pick again
-            os.close(fd)
-            continue
+            if os.fstat(fd).st_nlink > 0:
+                break
+        except OSError:
+            pass
+        # a reaper judged the file in the instant between open and lock: pick again
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     else:
         raise SegmentError(errno.EEXIST, "could not find a free segment name", d)
     try:

@@ -29,7 +29,7 @@ from .metrics import FALLBACKS
 log = logging.getLogger("mmshm")
 
 MAX_DEPTH = 64
-_ATOMIC = (str, bytes, bytearray, memoryview, int, float, complex, bool, type(None), range,
+_ATOMIC_TYPES = (str, bytes, bytearray, memoryview, int, float, complex, bool, type(None), range,
            type, enum.Enum, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
            types.ModuleType)
 _OPAQUE_MODULES = ("torch", "numpy", "PIL", "zmq", "threading", "socket", "logging", "asyncio",
@@ -37,11 +37,6 @@ _OPAQUE_MODULES = ("torch", "numpy", "PIL", "zmq", "threading", "socket", "loggi
 _warned: set[str] = set()
 
 Leaf = Callable[[Any], Any]
-
-
-def _opaque(obj) -> bool:
-    mod = type(obj).__module__ or ""
-    return mod.split(".", 1)[0] in _OPAQUE_MODULES
 
 
 def _slot_names(cls) -> list[str]:
@@ -54,6 +49,42 @@ def _slot_names(cls) -> list[str]:
     return names
 
 
+# Exact types skipped without a call (the common case inside requests).
+_SCALARS = frozenset((str, int, float, bool, type(None), bytes))
+# Per-type dispatch, computed once per type.
+_ATOMIC, _LEAF, _LIST, _TUPLE, _NAMEDTUPLE, _DICT, _STRUCT, _OBJECT = range(8)
+_KINDS: dict[type, tuple[int, tuple[str, ...]]] = {}
+
+
+def _kind(tp: type) -> tuple[int, tuple[str, ...]]:
+    k = _KINDS.get(tp)
+    if k is not None:
+        return k
+    names: tuple[str, ...] = ()
+    if issubclass(tp, (torch.Tensor, ShmTensor)):
+        kind = _LEAF
+    elif issubclass(tp, _ATOMIC_TYPES):
+        kind = _ATOMIC
+    elif issubclass(tp, list):
+        kind = _LIST
+    elif issubclass(tp, tuple):
+        kind = _NAMEDTUPLE if hasattr(tp, "_fields") else _TUPLE
+    elif issubclass(tp, dict):
+        kind = _DICT
+    elif issubclass(tp, msgspec.Struct):
+        kind, names = _STRUCT, tuple(tp.__struct_fields__)
+    elif (tp.__module__ or "").split(".", 1)[0] in _OPAQUE_MODULES:
+        kind = _ATOMIC
+    elif dataclasses.is_dataclass(tp) or "__dict__" in dir(tp) or _slot_names(tp):
+        kind = _OBJECT
+        fields = [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
+        names = tuple(dict.fromkeys(fields + _slot_names(tp)))
+    else:
+        kind = _ATOMIC
+    _KINDS[tp] = (kind, names)
+    return kind, names
+
+
 class _Walk:
     def __init__(self, leaf: Leaf, copy_all: bool):
         self.leaf = leaf
@@ -61,25 +92,35 @@ class _Walk:
         self.memo: dict[int, Any] = {}
 
     def visit(self, obj, depth: int = 0):
-        if isinstance(obj, (torch.Tensor, ShmTensor)):
+        kind, names = _kind(type(obj))
+        if kind == _ATOMIC:
+            return obj
+        if kind == _LEAF:
             return self.leaf(obj)
-        if isinstance(obj, _ATOMIC) or depth > MAX_DEPTH:
+        if depth > MAX_DEPTH:
             return obj
         key = id(obj)
-        if key in self.memo:
-            return self.memo[key]
-        self.memo[key] = obj  # a cycle re-entering here sees the original
-        new = self._container(obj, depth + 1)
-        self.memo[key] = new
+        memo = self.memo
+        if key in memo:
+            return memo[key]
+        memo[key] = obj  # a cycle re-entering here sees the original
+        new = self._container(obj, kind, names, depth + 1)
+        memo[key] = new
         return new
 
     def _items(self, values, depth):
-        out = [self.visit(v, depth) for v in values]
-        changed = any(a is not b for a, b in zip(out, values))
+        visit = self.visit
+        scalar = _SCALARS
+        out = [v if type(v) in scalar else visit(v, depth) for v in values]
+        changed = False
+        for a, b in zip(out, values):
+            if a is not b:
+                changed = True
+                break
         return out, changed
 
-    def _container(self, obj, depth):
-        if isinstance(obj, list):
+    def _container(self, obj, kind, names, depth):
+        if kind == _LIST:
             items, changed = self._items(obj, depth)
             if not (changed or self.copy_all):
                 return obj
@@ -88,44 +129,37 @@ class _Walk:
             new = _copy.copy(obj)
             new[:] = items
             return new
-        if isinstance(obj, tuple):
+        if kind in (_TUPLE, _NAMEDTUPLE):
             items, changed = self._items(obj, depth)
             if not (changed or self.copy_all):
                 return obj
             if type(obj) is tuple:
                 return tuple(items)
-            if hasattr(obj, "_fields"):
-                return type(obj)(*items)
-            return type(obj)(items)
-        if isinstance(obj, dict):
+            return type(obj)(*items) if kind == _NAMEDTUPLE else type(obj)(items)
+        if kind == _DICT:
             keys = list(obj)
             items, changed = self._items([obj[k] for k in keys], depth)
             if not (changed or self.copy_all):
                 return obj
-            new = dict(zip(keys, items)) if type(obj) is dict else _copy.copy(obj)
-            if type(obj) is not dict:
-                new.update(zip(keys, items))
+            if type(obj) is dict:
+                return dict(zip(keys, items))
+            new = _copy.copy(obj)
+            new.update(zip(keys, items))
             return new
-        if isinstance(obj, msgspec.Struct):
-            names = obj.__struct_fields__
+        if kind == _STRUCT:
             values = [getattr(obj, n) for n in names]
             items, changed = self._items(values, depth)
             if not (changed or self.copy_all):
                 return obj
             return msgspec.structs.replace(
                 obj, **{n: v for n, v, old in zip(names, items, values) if v is not old})
-        if _opaque(obj):
-            return obj
-        if dataclasses.is_dataclass(obj):
-            names = [f.name for f in dataclasses.fields(obj) if hasattr(obj, f.name)]
-            extra = [n for n in getattr(obj, "__dict__", {}) if n not in names]
-            names += extra
-        elif hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__"):
-            names = list(getattr(obj, "__dict__", {}))
-            names += [n for n in _slot_names(type(obj)) if hasattr(obj, n) and n not in names]
+        # _OBJECT: dataclasses and plain objects (__dict__ and/or __slots__)
+        d = getattr(obj, "__dict__", None)
+        if d is not None:
+            all_names = list(d) + [n for n in names if n not in d and hasattr(obj, n)]
         else:
-            return obj
-        values = [getattr(obj, n) for n in names]
+            all_names = [n for n in names if hasattr(obj, n)]
+        values = [getattr(obj, n) for n in all_names]
         items, changed = self._items(values, depth)
         if not (changed or self.copy_all):
             return obj
@@ -133,7 +167,7 @@ class _Walk:
             new = _copy.copy(obj)
         except Exception as exc:
             raise TypeError(f"cannot copy {type(obj).__name__} while walking: {exc}") from exc
-        for n, v, old in zip(names, items, values):
+        for n, v, old in zip(all_names, items, values):
             if v is not old or self.copy_all:
                 object.__setattr__(new, n, v)
         return new
@@ -248,7 +282,7 @@ def wrap(obj, min_bytes: int | None = None, directory: str | None = None):
             h = ShmTensor.from_tensor(x, directory=directory)
         except TypeError:
             return x
-        except OSError as exc:
+        except (OSError, MmshmError) as exc:
             record_fallback(exc)
             return x
         made[id(x)] = h

@@ -53,9 +53,6 @@ def test_per_request_failures_are_identical_on_every_rank(shm_dir):
     assert _mp.seg_files() == []
 
 
-@pytest.mark.xfail(reason="core bug: broadcast._unwrap_all does not give back the references "
-                          "of a rank that cannot open (or release) a segment: they leak",
-                   strict=True)
 def test_rank_that_cannot_see_the_segments_does_not_leak(shm_dir):
     """Rank 1 looks in another directory (a different tmpfs, or node): its
     request fails on every rank, the inline request is fine, nothing leaks."""
@@ -121,7 +118,8 @@ def test_chain_of_hand_overs_through_three_processes(shm_dir):
         assert info["files"] == [name], (stage, info)  # never re-created or copied
         assert info["created"] == 0 and info["created_at_end"] == 0, (stage, info)
     for stage in (1, 2):
-        assert 2 <= res[stage]["count_after_share"] <= 3, res[stage]
+        # own + the one handed out, + earlier holders that have not dropped theirs yet
+        assert 2 <= res[stage]["count_after_share"] <= 2 + stage, res[stage]
     assert res[3]["ok"] is True
     assert res[3]["count_before_materialize"] >= 1
     assert res[3]["handle_owns"] is False
@@ -129,11 +127,6 @@ def test_chain_of_hand_overs_through_three_processes(shm_dir):
     assert _mp.seg_files() == []
 
 
-@pytest.mark.xfail(reason="core bug: broadcast._share_for_broadcast/_unwrap_all count and "
-                          "materialize a handle object once per request that contains it; a "
-                          "handle object shared by two requests of one batch fails the second "
-                          "request ('released') and leaks world-1 references",
-                   strict=True)
 def test_requests_sharing_handle_objects(shm_dir):
     """copy.copy'd requests in one batch share their mm_items' handle objects:
     both must arrive on every rank, and nothing may leak."""

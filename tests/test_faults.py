@@ -91,9 +91,6 @@ TOO_BIG_SCRIPT = _COMMON + """
 
 
 @pytest.mark.fault
-@pytest.mark.xfail(reason="core bug: segment.check_budget refuses a segment larger than the "
-                          "free space with reason='budget'; the issue requires the fallback "
-                          "to be counted as reason='enospc'", strict=True)
 def test_tensor_larger_than_the_tmpfs_falls_back_as_enospc():
     proc = run_in_small_tmpfs(TOO_BIG_SCRIPT)
     assert "TOO-BIG-OK" in proc.stdout, proc.stdout + proc.stderr
@@ -190,20 +187,12 @@ def test_budget_guard_keeps_the_reserve_free():
 
 
 # -- truncation by a third party ----------------------------------------------------
-@pytest.mark.xfail(reason="core bug: segment.attach returns the creator's cached Segment "
-                          "without re-validating the file size; materialize then raises "
-                          "ValueError (mmap) / HandleError instead of SegmentCorruptError",
-                   strict=True)
 def test_truncated_segment_in_the_creating_process(shm_dir):
     res, code = _mp.run_child(_mp.truncate_in_creator, 100)
     assert code == 0, _mp.signal_name(code)
     assert res == {False: "SegmentCorruptError", True: "SegmentCorruptError", "left": []}, res
 
 
-@pytest.mark.xfail(reason="core bug: segment.Segment.freed reads the header through the "
-                          "creator's shared mapping; a segment truncated below its header "
-                          "kills the creator with SIGBUS in sweep()",
-                   strict=True)
 def test_header_truncated_by_third_party_does_not_kill_the_creator(shm_dir):
     try:
         res, code = _mp.run_child(_mp.truncate_header_then_sweep)

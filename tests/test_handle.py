@@ -98,9 +98,6 @@ def test_unsupported_tensors_raise_type_error(shm_dir, make):
     assert _mp.seg_files() == []
 
 
-@pytest.mark.xfail(reason="core bug: handle._check_tensor raises HandleError (ValueError), "
-                          "not TypeError, for a dtype missing from the codec table",
-                   strict=True)
 def test_unsupported_dtype_raises_type_error(shm_dir):
     t = torch.empty(1024, dtype=torch.uint4)
     assert t.dtype not in codec.DTYPE_CODES
@@ -346,9 +343,6 @@ def test_conjugate_and_negative_views_roundtrip(shm_dir, kind):
     assert not got.is_conj() and not got.is_neg()
 
 
-@pytest.mark.xfail(reason="core bug: handle.content_hash calls .view(torch.uint8) on a "
-                          "contiguous conjugate view, which torch refuses (RuntimeError)",
-                   strict=True)
 def test_content_hash_of_a_conjugate_view(shm_dir):
     lazy, resolved = _lazy_views()["conj"]
     assert lazy.is_contiguous()

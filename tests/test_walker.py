@@ -288,9 +288,6 @@ def test_unsupported_tensors_stay_inline_silently(shm_dir):
     assert _mp.seg_files() == []
 
 
-@pytest.mark.xfail(reason="core bug: walker.wrap only catches TypeError/OSError from "
-                          "from_tensor; an unsupported dtype raises HandleError out of wrap",
-                   strict=True)
 def test_unsupported_dtype_stays_inline(shm_dir):
     t = torch.empty(1 << 17, dtype=torch.uint4)
     other = big(13)
