@@ -353,17 +353,28 @@ def test_content_hash_of_a_conjugate_view(shm_dir):
         h.release()
 
 
-def test_concurrent_share_and_release_from_threads(shm_dir):
+def test_threads_sharing_one_descriptor_are_serialized(shm_dir, monkeypatch):
+    """Threads of one process update the count through the same descriptor,
+    and OFD locks do not exclude threads sharing it: the updates must still be
+    serialized. A delay inside the read-modify-write makes a race certain."""
     import threading
+    import time
 
+    read_header = segment._read_header
+
+    def slow_read_header(fd, path):
+        hdr = read_header(fd, path)
+        time.sleep(0.0005)
+        return hdr
+
+    monkeypatch.setattr(segment, "_read_header", slow_read_header)
     h = mmshm.ShmTensor.from_tensor(torch.ones(1000))
     errors = []
 
     def churn():
         try:
-            for _ in range(300):
-                c = h.clone()
-                v = c.materialize()
+            for _ in range(50):
+                v = h.clone().materialize()  # share, then the view's finalizer releases
                 del v
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)

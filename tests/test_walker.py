@@ -85,6 +85,10 @@ class SlottedChild(Slotted):
         self.more = more
 
 
+class Mixed(Slotted):
+    """Slots from the base class, a __dict__ of its own."""
+
+
 class ListSub(list):
     pass
 
@@ -98,6 +102,12 @@ class Req:
     rid: str
     mm_items: list
     extra: dict = dataclasses.field(default_factory=dict)
+
+
+def _mixed(a, b):
+    m = Mixed(a)
+    m.extra = b
+    return m
 
 
 # each case: (builder(t1, t2) -> obj, getter(obj) -> [leaf1, leaf2])
@@ -117,6 +127,7 @@ CASES = {
     "dataclass_frozen_slots": (lambda a, b: FrozenSlotsItem((a, b)), lambda o: list(o.feature)),
     "plain_dict_object": (lambda a, b: Plain(a, b), lambda o: [o.feature, o.audio]),
     "plain_slots_object": (lambda a, b: SlottedChild(a, b), lambda o: [o.feature, o.more]),
+    "slots_and_dict_object": (lambda a, b: _mixed(a, b), lambda o: [o.feature, o.extra]),
     "ordered_dict": (lambda a, b: collections.OrderedDict(x=a, y=b), lambda o: [o["x"], o["y"]]),
     "defaultdict": (lambda a, b: collections.defaultdict(list, x=a, y=b),
                     lambda o: [o["x"], o["y"]]),
@@ -310,3 +321,18 @@ def test_unwrap_leaves_plain_tensors_alone(shm_dir):
     w = mmshm.wrap({"small": small, "big": big(15)}, min_bytes=BIG)
     back = mmshm.unwrap(w)
     assert back["small"] is small
+
+
+def test_instances_of_one_class_with_different_attributes(shm_dir):
+    """The walker may cache per type, but attributes live per instance."""
+    first = Plain(None)
+    second = Plain(big(16))
+    second.late = big(17)  # an attribute the first instance does not have
+    first.other = big(18)
+    w1, w2 = mmshm.wrap([first, second], min_bytes=BIG)
+    assert isinstance(w1.other, mmshm.ShmTensor)
+    assert isinstance(w2.feature, mmshm.ShmTensor) and isinstance(w2.late, mmshm.ShmTensor)
+    assert not hasattr(w2, "other") and not hasattr(w1, "late")
+    b1, b2 = mmshm.unwrap([w1, w2])
+    assert _mp.same(b1.other, first.other)
+    assert _mp.same(b2.feature, second.feature) and _mp.same(b2.late, second.late)
