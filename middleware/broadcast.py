@@ -222,7 +222,7 @@ class _Unwrapper:
         if st is None:
             try:
                 st = self.state[idx] = x.materialize(copy=self.copy)
-            except (MmshmError, OSError) as exc:
+            except Exception as exc:
                 self.state[idx] = exc
                 raise
         return st
@@ -263,7 +263,8 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
         try:
             results[i] = transform(req, unw)
             req_idxs.append(list(dict.fromkeys(unw.current)))
-        except (MmshmError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure must reach the all-reduce
+            # (a rank that raised here would leave the others waiting in it)
             req_idxs.append(unw.request_handles(req))
             reason = failure_reason(exc)
             MATERIALIZE_FAILURES.labels(reason=reason).inc()
