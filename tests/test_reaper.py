@@ -211,10 +211,6 @@ def test_maybe_reap_is_throttled_and_can_be_disabled(segdir, monkeypatch):
 
 
 # -- a reaper pass racing a creation ------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason=(
-    "core bug: segment.create() does not check st_nlink after taking its locks; a "
-    "reaper that opens the new file between O_EXCL open and the lock sees no holder "
-    "and unlinks it, and the creator goes on with an unlinked segment"))
 @pytest.mark.timeout(30)
 def test_reaper_racing_a_creation_never_leaves_a_live_segment_unlinked(segdir, monkeypatch):
     real_check_fd = segment._check_fd
