@@ -195,7 +195,8 @@ def _share_segment(t):
     if meta is None:
         return None
     try:
-        segment.update_refcount(meta.name, 1)
+        # the generation check refuses a segment the pool has since reused
+        segment.update_refcount(meta.name, 1, None, meta.gen)
     except (MmshmError, OSError):
         _SEGMENTS.drop(t)
         return None
@@ -332,7 +333,7 @@ def _abandon(send: _Send) -> None:
     for h in send.handles:
         if send.extra:
             try:
-                segment.update_refcount(h.name, -send.extra)
+                segment.update_refcount(h.name, -send.extra, None, h.meta.gen)
             except (MmshmError, OSError):
                 pass
         h.release()

@@ -96,19 +96,29 @@ def _poison(req, exc: BaseException):
     return transform(req, leaf)
 
 
-def _share_for_broadcast(data: list, k: int) -> tuple[list, dict[str, int]]:
+SegKey = tuple  # (name, directory, generation)
+
+
+def _key(h: ShmTensor) -> SegKey:
+    return (h.name, h._dir, h.meta.gen)
+
+
+def _update(key: SegKey, delta: int) -> int:
+    return segment.update_refcount(key[0], delta, key[1], key[2])
+
+
+def _share_for_broadcast(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
     """Add ``k`` references per handle object of the batch, in one locked
     update per segment (fan-out copies share segments). A handle object that
     appears in several requests (``copy.copy``'d requests share ``mm_items``)
     is pickled once for the whole batch, so it gets ``k`` once. A request whose
     handles cannot be shared is poisoned instead. Returns the (possibly
-    rebuilt) list and {segment name: references added}, for rollback."""
-    added: dict[str, int] = {}
+    rebuilt) list and {segment: references added}, for rollback."""
+    added: dict[SegKey, int] = {}
     seen: set[int] = set()
     out = list(data)
     for i, req in enumerate(data):
-        per_seg: dict[str, int] = {}
-        dirs: dict[str, str | None] = {}
+        per_seg: dict[SegKey, int] = {}
         poisoned: MmshmError | None = None
         for h in handles(req):
             if id(h) in seen:
@@ -116,25 +126,25 @@ def _share_for_broadcast(data: list, k: int) -> tuple[list, dict[str, int]]:
             if not h.owns_reference:
                 poisoned = HandleStateError(f"handle {h.name} no longer owns a reference")
                 break
-            per_seg[h.name] = per_seg.get(h.name, 0) + k
-            dirs[h.name] = h._dir
-        done: list[str] = []
+            key = _key(h)
+            per_seg[key] = per_seg.get(key, 0) + k
+        done: list[SegKey] = []
         if poisoned is None:
             try:
-                for name, refs in per_seg.items():
-                    segment.update_refcount(name, refs, dirs[name])
-                    done.append(name)
+                for key, refs in per_seg.items():
+                    _update(key, refs)
+                    done.append(key)
             except MmshmError as exc:
-                for name in done:
-                    segment.update_refcount(name, -per_seg[name], dirs[name])
+                for key in done:
+                    _update(key, -per_seg[key])
                 done = []
                 poisoned = exc
         if poisoned is not None:
             out[i] = _poison(req, poisoned)
             continue
         seen.update(id(h) for h in handles(req))
-        for name in done:
-            added[name] = added.get(name, 0) + per_seg[name]
+        for key in done:
+            added[key] = added.get(key, 0) + per_seg[key]
     return out, added
 
 
@@ -164,16 +174,16 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
         world, group_rank = _world(dist_group)
         is_src = rank == src
         role = "src" if is_src else "dst"
-        added: dict[str, int] = {}
+        added: dict[SegKey, int] = {}
         t0 = time.perf_counter()
         if is_src and world > 1 and data:
             data, added = _share_for_broadcast(data, world - 1)
         try:
             out = broadcast_fn(data, rank, dist_group, src, *args, **kwargs)
         except BaseException:
-            for name, refs in added.items():
+            for key, refs in added.items():
                 try:
-                    segment.update_refcount(name, -refs)
+                    _update(key, -refs)
                 except MmshmError:
                     pass
             raise
@@ -242,7 +252,7 @@ def _give_back(unw: _Unwrapper, idxs: list[int], stranded: np.ndarray, col: int)
             continue  # materialized (the view holds it) or already given back
         h._disown()
         try:
-            segment.update_refcount(h.name, -1, h._dir)
+            _update(_key(h), -1)
         except (MmshmError, OSError):
             stranded[idx, col] = 1
 
@@ -297,7 +307,7 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
         for idx in np.nonzero(stranded.sum(axis=1))[0].tolist():
             h = unw.order[idx]
             try:
-                segment.update_refcount(h.name, -int(stranded[idx].sum()), h._dir)
+                _update(_key(h), -int(stranded[idx].sum()))
             except (MmshmError, OSError):
                 pass
     for i in np.nonzero(reasons)[0].tolist():

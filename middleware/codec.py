@@ -2,10 +2,10 @@
 
 The wire form of a handle is a msgpack array (``array_like``)::
 
-    [name, nbytes, dtype code, shape, hash]
+    [name, nbytes, dtype code, shape, hash, generation]
 
 A 720p Qwen2-VL ``pixel_values`` handle ([4784, 1176] float32, 16-byte hash)
-encodes to 59 bytes. Dtype codes are a fixed, append-only table so that
+encodes to 61 bytes. Dtype codes are a fixed, append-only table so that
 processes running different torch builds agree on them.
 """
 
@@ -43,6 +43,8 @@ class HandleMeta(msgspec.Struct, array_like=True, frozen=True):
         dtype: code into :data:`DTYPES`.
         shape: tensor shape.
         hash: BLAKE3 digest of the payload, 16 to 32 bytes.
+        gen: the segment's generation (bumped each time the owner's pool
+            reuses it).
     """
 
     name: str
@@ -50,6 +52,7 @@ class HandleMeta(msgspec.Struct, array_like=True, frozen=True):
     dtype: int
     shape: tuple[int, ...]
     hash: bytes
+    gen: int = 0
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -80,6 +83,8 @@ def validate(meta: HandleMeta) -> HandleMeta:
         raise HandleError(
             f"shape {meta.shape} x itemsize {itemsize} != nbytes {meta.nbytes}"
         )
+    if meta.gen < 0:
+        raise HandleError(f"invalid generation {meta.gen}")
     if not HASH_BYTES <= len(meta.hash) <= 32:
         raise HandleError(f"hash must be 16..32 bytes, got {len(meta.hash)}")
     return meta

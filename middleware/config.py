@@ -23,6 +23,11 @@ Variables:
     MMSHM_FD_RESERVE: descriptors kept free for the server: segment creation
         and attach fail with EMFILE (inline fallback) once the process's
         descriptor numbers reach RLIMIT_NOFILE minus this (default 64).
+    MMSHM_POOL: ``0`` turns the warm segment pool off (every segment is
+        created fresh and unlinked by its last release). Default on.
+    MMSHM_POOL_IDLE_S: seconds an idle pooled segment is kept (default 10).
+    MMSHM_POOL_MAX_BYTES: most bytes of idle pooled segments one process keeps
+        (default: a quarter of the file system, at most 2 GiB).
     MMSHM_REAP_INTERVAL_S: the reaper runs at most once per this many seconds
         per segment directory on process start-up, and this often in
         long-lived processes (default 60; 0 disables the automatic runs).
@@ -59,6 +64,13 @@ def min_free_bytes(fs_size: int) -> int:
     return default_min_free_bytes(fs_size) if v is None else v
 
 
+def pool_max_bytes(fs_size: int) -> int:
+    """Most idle pooled bytes one process keeps, for a file system of
+    ``fs_size`` bytes."""
+    v = get().pool_max_bytes
+    return int(min(fs_size // 4, 2 << 30)) if v is None else v
+
+
 @dataclass(frozen=True)
 class Settings:
     dir: str
@@ -69,6 +81,9 @@ class Settings:
     max_bytes: int
     fd_reserve: int
     reap_interval_s: float
+    pool: bool
+    pool_idle_s: float
+    pool_max_bytes: int | None
 
 
 _settings: Settings | None = None
@@ -84,8 +99,11 @@ def reload() -> Settings:
         sweep_interval_s=float(os.environ.get("MMSHM_SWEEP_INTERVAL_S", "1.0")),
         min_free_bytes=_env_int("MMSHM_MIN_FREE_BYTES"),
         max_bytes=_env_int("MMSHM_MAX_BYTES") or 0,
-        fd_reserve=_env_int("MMSHM_FD_RESERVE") or 64,
+        fd_reserve=_env_int("MMSHM_FD_RESERVE") if os.environ.get("MMSHM_FD_RESERVE") else 64,
         reap_interval_s=float(os.environ.get("MMSHM_REAP_INTERVAL_S", "60")),
+        pool=_env_bool("MMSHM_POOL", True),
+        pool_idle_s=float(os.environ.get("MMSHM_POOL_IDLE_S", "10")),
+        pool_max_bytes=_env_int("MMSHM_POOL_MAX_BYTES"),
     )
     return _settings
 

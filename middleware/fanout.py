@@ -38,7 +38,7 @@ def fan_out(obj, n: int, min_bytes: int | None = None, directory: str | None = N
     except MmshmError:
         from . import segment
         for h in done:  # roll back: nothing was handed out yet
-            segment.update_refcount(h.name, -(n - 1), h._dir)
+            segment.update_refcount(h.name, -(n - 1), h._dir, h.meta.gen)
         raise
 
     def leaf(x):

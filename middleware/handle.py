@@ -27,6 +27,7 @@ from .errors import (
     SegmentError,
     SegmentNotFoundError,
 )
+from .metrics import SHM_WRITTEN_BYTES
 
 log = logging.getLogger("mmshm")
 
@@ -66,10 +67,10 @@ def _uint8_flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _release_view(name: str, directory: str | None, seg: segment.Segment) -> None:
+def _release_view(name: str, gen: int, seg: segment.Segment) -> None:
     """Finalizer of a materialized view: gives back the view's reference."""
     try:
-        seg.update_refcount(-1)
+        seg.update_refcount(-1, gen)
     except SegmentNotFoundError:
         pass
     except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
@@ -134,9 +135,11 @@ class ShmTensor:
             elif hash is None:
                 hash = blake3.blake3(b"").digest(codec.HASH_BYTES)
         except BaseException:
-            segment.update_refcount(seg.name, -1, directory)
+            segment.update_refcount(seg.name, -1, directory, seg.gen)
             raise
-        meta = HandleMeta(seg.name, nbytes, codec.DTYPE_CODES[t.dtype], tuple(t.shape), hash)
+        SHM_WRITTEN_BYTES.inc(nbytes)
+        meta = HandleMeta(seg.name, nbytes, codec.DTYPE_CODES[t.dtype], tuple(t.shape), hash,
+                          seg.gen)
         return cls(meta, owns=True, directory=directory)
 
     @classmethod
@@ -228,7 +231,7 @@ class ShmTensor:
         if k < 0:
             raise ValueError("k must be >= 0")
         if k:
-            segment.update_refcount(meta.name, k, self._dir)
+            segment.update_refcount(meta.name, k, self._dir, meta.gen)
 
     def clone(self) -> ShmTensor:
         """A new, independent handle object on the same segment (adds one
@@ -251,7 +254,8 @@ class ShmTensor:
             return
         self._owns = False
         try:
-            segment.update_refcount(self._meta.name, -1, self._dir)  # type: ignore[union-attr]
+            segment.update_refcount(self._meta.name, -1, self._dir,  # type: ignore[union-attr]
+                                    self._meta.gen)  # type: ignore[union-attr]
         except SegmentNotFoundError:
             pass
         except SegmentError as exc:
@@ -286,7 +290,7 @@ class ShmTensor:
             out = torch.empty(meta.shape, dtype=dtype)
             self.release()
             return out
-        seg = segment.attach(meta.name, self._dir)
+        seg = segment.attach(meta.name, self._dir, meta.gen)
         segment.pin(seg)
         try:
             if seg.payload_size < meta.nbytes:
@@ -308,11 +312,11 @@ class ShmTensor:
                 del buf
                 self.release()
                 return out
-            mm = seg.map_private()
+            mm = seg.map_private(meta.nbytes)
             arr = np.frombuffer(mm, dtype=np.uint8, count=meta.nbytes)
             del mm
             segment.pin(seg)  # held by the view until its finalizer runs
-            weakref.finalize(arr, _release_view, meta.name, self._dir, seg)
+            weakref.finalize(arr, _release_view, meta.name, meta.gen, seg)
             self._owns = False  # the reference now belongs to the view
             return torch.from_numpy(arr).view(dtype).view(meta.shape)
         finally:

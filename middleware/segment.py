@@ -25,7 +25,23 @@ on the segment file, one byte each:
   kernel drops it when the process dies. The reaper treats a segment as an
   orphan only if it can take an exclusive lock on this byte: liveness comes
   from locks, never from pids, so pid reuse cannot fool it.
-* byte 2, **owner**: an exclusive lock held by the creating process.
+* byte 2, **owner**: an exclusive lock held by the creating process. The last
+  release looks at it: while the owner lives, a poolable segment goes back to
+  the owner's warm pool (state ``POOLED``, pages kept); otherwise it is
+  unlinked.
+
+**The warm pool.** Copying into a fresh tmpfs segment runs at page-fault speed
+(about 1.3 GB/s here: allocation and zeroing); into warm pages at memcpy speed.
+So a producing process keeps the segments it created, in size classes (eight
+per power of two, at most 12.5% slack), and reuses one whose count came back to
+zero instead of creating a file. Every reuse bumps the segment's *generation*;
+a handle carries the generation it was made for, and attach and every
+reference update check it, so a stale handle can never read a reused segment's
+new bytes. A pooled segment is never reused while any holder in any process
+has a view: views hold references, and only a count of zero is pooled. Idle
+pooled segments are unlinked after ``MMSHM_POOL_IDLE_S``, beyond
+``MMSHM_POOL_MAX_BYTES``, when the budget guard needs the room, and when the
+owner exits; after a SIGKILL the reaper reclaims them (nobody holds them).
 
 Space is reserved with ``posix_fallocate`` before any byte is written, so a
 full tmpfs gives :class:`~mmshm.errors.ShmSpaceError` (ENOSPC) instead of a
@@ -39,6 +55,7 @@ import errno
 import fcntl
 import logging
 import mmap
+import multiprocessing.util
 import os
 import re
 import resource
@@ -60,22 +77,28 @@ from .errors import (
 from .metrics import (
     BYTES_IN_USE,
     FREE_BYTES,
+    POOL_REQUESTS,
     SEGMENTS_CREATED,
     SEGMENTS_IN_USE,
-    SHM_WRITTEN_BYTES,
 )
 
 log = logging.getLogger("mmshm")
 
 HEADER_SIZE = 4096
 MAGIC = b"MMSHMSG\x01"
-VERSION = 1
-STATE_LIVE = 1
-STATE_FREED = 2
-# magic, version, state, payload size, refcount, creator pid, created ns, reserved
-_HDR = struct.Struct("<8sIIQqQQQ")
+VERSION = 2
+STATE_LIVE = 1     # count > 0
+STATE_FREED = 2    # count reached 0 and the file was unlinked
+STATE_POOLED = 3   # count reached 0; the owner reuses it (warm pages)
+FLAG_POOLABLE = 1  # the owner's pool takes the segment back at count 0
+# magic, version, state, capacity (payload bytes), refcount, creator pid,
+# created ns, generation (bumped on every reuse), flags
+_HDR = struct.Struct("<8sIIQqQQQI")
 _OFF_STATE = 12
 _OFF_REFCOUNT = 24
+_OFF_GEN = 48
+_OFF_FLAGS = 56
+_U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
 _U32 = struct.Struct("<I")
 
@@ -132,31 +155,37 @@ class Segment:
     :func:`attach`, never the constructor.
     """
 
-    __slots__ = ("fd", "name", "owned", "path", "payload_size", "pins", "shared_map")
+    __slots__ = ("directory", "fd", "gen", "idle_since", "name", "owned", "path",
+                 "payload_size", "pins", "shared_map")
 
-    def __init__(self, name: str, path: str, fd: int, payload_size: int, owned: bool):
+    def __init__(self, name: str, path: str, fd: int, payload_size: int, owned: bool,
+                 gen: int = 0):
         self.name = name
         self.path = path
+        self.directory = os.path.dirname(path)
         self.fd = fd
-        self.payload_size = payload_size
+        self.payload_size = payload_size  # capacity in bytes
         self.owned = owned
+        self.gen = gen
         self.pins = 0
+        self.idle_since: float | None = None
         self.shared_map: mmap.mmap | None = None
 
     # -- reference count -------------------------------------------------
-    def update_refcount(self, delta: int) -> int:
+    def update_refcount(self, delta: int, gen: int | None = None) -> int:
         """Add ``delta`` to the reference count under the segment mutex and
-        return the new count. At zero the segment is marked freed and
-        unlinked while the mutex is still held, so no later ``share`` can
-        resurrect it. Raises :class:`SegmentNotFoundError` if the segment
-        was already freed."""
+        return the new count. At zero the segment goes back to its owner's
+        pool, or is marked freed and unlinked while the mutex is still held,
+        so no later ``share`` can resurrect it. Raises
+        :class:`SegmentNotFoundError` if the segment was already freed, or
+        reused (``gen`` given and different)."""
         # OFD locks do not exclude threads sharing this descriptor: the
         # process lock serialises them; the file lock serialises processes.
         with _LOCK:
             if self.fd < 0:
                 raise SegmentNotFoundError(
                     errno.EBADF, "segment was closed in this process", self.path)
-            return _update_refcount(self.fd, self.path, delta)
+            return _update_refcount(self.fd, self.path, delta, gen, owner_here=self.owned)
 
     def refcount(self) -> int:
         """Current reference count (a racy read without the mutex)."""
@@ -176,27 +205,31 @@ class Segment:
                 pass
             self.fd = -1
 
-    def freed(self) -> bool:
-        """Whether this process can let go of the segment: its last reference
-        is gone, or a third party unlinked or truncated the file (then no one
-        can attach or release through it any more, and holding it open would
-        only keep its tmpfs pages allocated). One ``fstat``; the state word is
-        read from the creator's mapping only once the file is known to be
-        large enough (a truncated mapping would SIGBUS)."""
+    def status(self) -> int:
+        """``STATE_LIVE``, ``STATE_POOLED`` or ``STATE_FREED``. A file that a
+        third party unlinked or truncated counts as freed: no one can attach or
+        release through it any more, and holding it open would only keep its
+        tmpfs pages allocated. One ``fstat``; the state word is read from the
+        creator's mapping only once the file is known to be large enough (a
+        truncated mapping would SIGBUS)."""
         if self.fd < 0:
-            return True
+            return STATE_FREED
         try:
             st = os.fstat(self.fd)
         except OSError:
-            return True
+            return STATE_FREED
         if st.st_nlink == 0 or st.st_size < HEADER_SIZE:
-            return True
+            return STATE_FREED
         if self.shared_map is not None:
-            return _U32.unpack_from(self.shared_map, _OFF_STATE)[0] != STATE_LIVE
+            return _U32.unpack_from(self.shared_map, _OFF_STATE)[0]
         try:
-            return _read_header(self.fd, self.path)[2] != STATE_LIVE
+            return _read_header(self.fd, self.path)[2]
         except SegmentError:
-            return True
+            return STATE_FREED
+
+    def freed(self) -> bool:
+        """Whether the segment is gone for good (see :meth:`status`)."""
+        return self.status() == STATE_FREED
 
     def payload_view(self) -> memoryview:
         """Writable view of the payload in the creator's shared mapping."""
@@ -212,7 +245,7 @@ class Segment:
                 errno.EINVAL, f"segment is truncated: {size} bytes on disk, header says "
                 f"{HEADER_SIZE + self.payload_size}", self.path)
 
-    def map_private(self) -> mmap.mmap:
+    def map_private(self, nbytes: int | None = None) -> mmap.mmap:
         """A fresh copy-on-write mapping of the payload. Reads share the
         segment's pages; a write by the consumer stays private, so it can
         never change the bytes another holder sees (and cannot SIGSEGV).
@@ -223,7 +256,7 @@ class Segment:
             self.check_size()
             return mmap.mmap(
                 self.fd,
-                self.payload_size,
+                self.payload_size if nbytes is None else nbytes,
                 flags=mmap.MAP_PRIVATE,
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
                 offset=HEADER_SIZE,
@@ -247,12 +280,21 @@ def _read_header(fd: int, path: str) -> tuple:
     return hdr
 
 
-def _update_refcount(fd: int, path: str, delta: int) -> int:
+def _owner_alive(fd: int) -> bool:
+    """Whether another open file description holds the owner lock."""
+    return lock_holders_present(fd, _OWNER_BYTE)
+
+
+def _update_refcount(fd: int, path: str, delta: int, gen: int | None = None,
+                     owner_here: bool = False) -> int:
     _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)
     try:
         hdr = _read_header(fd, path)
         if hdr[2] != STATE_LIVE:
             raise SegmentNotFoundError(errno.ENOENT, "segment was already freed", path)
+        if gen is not None and hdr[7] != gen:
+            raise SegmentNotFoundError(
+                errno.ENOENT, f"segment was reused (generation {hdr[7]}, handle {gen})", path)
         new = hdr[4] + delta
         if new < 0:
             log.error("mmshm: reference count of %s would go negative (%d); "
@@ -260,11 +302,14 @@ def _update_refcount(fd: int, path: str, delta: int) -> int:
             new = 0
         os.pwrite(fd, _I64.pack(new), _OFF_REFCOUNT)
         if new == 0:
-            os.pwrite(fd, _U32.pack(STATE_FREED), _OFF_STATE)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            if hdr[8] & FLAG_POOLABLE and (owner_here or _owner_alive(fd)):
+                os.pwrite(fd, _U32.pack(STATE_POOLED), _OFF_STATE)
+            else:
+                os.pwrite(fd, _U32.pack(STATE_FREED), _OFF_STATE)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
         return new
     finally:
         _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
@@ -329,29 +374,120 @@ def _check_fd(fd: int, path: str) -> None:
             path)
 
 
-def create(nbytes: int, directory: str | None = None) -> Segment:
-    """Create a segment with room for ``nbytes`` payload bytes.
+def size_class(total: int) -> int:
+    """Round a segment size (bytes, header included) up to its pool class:
+    whole pages below 64 KiB, then eight classes per power of two (at most
+    12.5% slack)."""
+    if total <= 1 << 16:
+        return -(-total // 4096) * 4096
+    step = (1 << (total - 1).bit_length()) // 8
+    return -(-total // step) * step
 
-    The file is made with O_CREAT|O_EXCL|O_NOFOLLOW and mode 0600, sized with
+
+def _revive(seg: Segment) -> bool:
+    """Take a pooled segment back into use: count 1, next generation."""
+    _lock(seg.fd, fcntl.F_WRLCK, _MUTEX_BYTE)
+    try:
+        hdr = _read_header(seg.fd, seg.path)
+        if hdr[2] != STATE_POOLED or hdr[4] != 0 or os.fstat(seg.fd).st_nlink == 0:
+            return False
+        gen = hdr[7] + 1
+        os.pwrite(seg.fd, _U64.pack(gen), _OFF_GEN)
+        os.pwrite(seg.fd, _I64.pack(1), _OFF_REFCOUNT)
+        os.pwrite(seg.fd, _U32.pack(STATE_LIVE), _OFF_STATE)
+    except OSError:
+        return False
+    finally:
+        _lock(seg.fd, fcntl.F_UNLCK, _MUTEX_BYTE)
+    seg.gen = gen
+    seg.idle_since = None
+    return True
+
+
+def _pool_take(directory: str, total: int) -> Segment | None:
+    for seg in list(_REGISTRY.values()):
+        if (seg.owned and seg.pins == 0 and seg.directory == directory
+                and HEADER_SIZE + seg.payload_size == total
+                and seg.status() == STATE_POOLED and _revive(seg)):
+            return seg
+    return None
+
+
+def _unlink_pooled(seg: Segment) -> None:
+    """Unlink an idle pooled segment (the owner's decision) and let go of it."""
+    try:
+        _lock(seg.fd, fcntl.F_WRLCK, _MUTEX_BYTE)
+        try:
+            hdr = _read_header(seg.fd, seg.path)
+            if hdr[2] == STATE_POOLED and hdr[4] == 0:
+                os.pwrite(seg.fd, _U32.pack(STATE_FREED), _OFF_STATE)
+                try:
+                    os.unlink(seg.path)
+                except FileNotFoundError:
+                    pass
+            elif hdr[2] == STATE_LIVE:
+                return  # cannot happen: only the owner revives
+        finally:
+            _lock(seg.fd, fcntl.F_UNLCK, _MUTEX_BYTE)
+    except OSError:
+        pass
+    _forget(seg)
+
+
+def trim_pool(directory: str | None = None) -> int:
+    """Unlink every idle pooled segment of this process (in ``directory``, or
+    all). Returns the bytes given back."""
+    freed = 0
+    with _LOCK:
+        for seg in list(_REGISTRY.values()):
+            if (seg.owned and seg.pins == 0 and (directory is None or seg.directory == directory)
+                    and seg.status() == STATE_POOLED):
+                freed += HEADER_SIZE + seg.payload_size
+                _unlink_pooled(seg)
+    return freed
+
+
+def create(nbytes: int, directory: str | None = None) -> Segment:
+    """Get a segment with room for ``nbytes`` payload bytes: a warm one from
+    this process's pool when one of the right size class is idle, else a new
+    file.
+
+    A new file is made with O_CREAT|O_EXCL|O_NOFOLLOW and mode 0600, sized with
     ``ftruncate`` and reserved with ``posix_fallocate`` before anything is
-    written. The caller owns one reference.
+    written. The caller owns one reference; ``Segment.gen`` is the generation
+    its handles must carry.
 
     Raises:
-        ShmSpaceError: ENOSPC while reserving space (nothing is left behind).
+        ShmSpaceError: ENOSPC while reserving space, or the budget guard
+            (reason ``budget``); nothing is left behind.
         DescriptorLimitError: EMFILE/ENFILE.
         SegmentError: any other OS failure (the errno is kept).
     """
+    global _owned_bytes
     if nbytes < 0:
         raise ValueError("nbytes must be >= 0")
-    global _owned_bytes
     d = segment_dir(directory)
-    total = HEADER_SIZE + nbytes
+    cfg = config.get()
+    total = size_class(HEADER_SIZE + nbytes) if cfg.pool else HEADER_SIZE + nbytes
     if d not in _reaped_dirs:
         _reaped_dirs.add(d)
         from .reaper import maybe_reap
         maybe_reap(d)
-    sweep()  # let go of segments freed elsewhere before counting what is in use
-    check_budget(d, total)
+    _ensure_exit_hook()
+    with _LOCK:
+        sweep()  # let go of segments freed elsewhere before counting what is in use
+        if cfg.pool:
+            seg = _pool_take(d, total)
+            if seg is not None:
+                POOL_REQUESTS.labels(result="hit").inc()
+                return seg
+            POOL_REQUESTS.labels(result="miss").inc()
+    try:
+        check_budget(d, total)
+    except ShmSpaceError:
+        if not trim_pool(d):
+            raise
+        check_budget(d, total)
     for _ in range(8):
         name = new_name()
         path = os.path.join(d, name)
@@ -385,7 +521,8 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
         os.ftruncate(fd, total)
         os.posix_fallocate(fd, 0, total)
         mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        _HDR.pack_into(mm, 0, MAGIC, VERSION, STATE_LIVE, nbytes, 1, os.getpid(), time.time_ns(), 0)
+        _HDR.pack_into(mm, 0, MAGIC, VERSION, STATE_LIVE, total - HEADER_SIZE, 1, os.getpid(),
+                       time.time_ns(), 0, FLAG_POOLABLE if cfg.pool else 0)
     except OSError as exc:
         try:
             os.unlink(path)
@@ -400,10 +537,9 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
             pass
         os.close(fd)
         raise
-    seg = Segment(name, path, fd, nbytes, owned=True)
+    seg = Segment(name, path, fd, total - HEADER_SIZE, owned=True)
     seg.shared_map = mm
     SEGMENTS_CREATED.inc()
-    SHM_WRITTEN_BYTES.inc(nbytes)
     SEGMENTS_IN_USE.inc()
     BYTES_IN_USE.inc(total)
     with _LOCK:
@@ -414,12 +550,13 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     return seg
 
 
-def attach(name: str, directory: str | None = None) -> Segment:
+def attach(name: str, directory: str | None = None, gen: int | None = None) -> Segment:
     """Open an existing segment (or return this process's open one) and
-    validate its header and file size before anything is mapped.
+    validate its header, generation and file size before anything is mapped.
 
     Raises:
-        SegmentNotFoundError: the file is gone, unlinked, or already freed.
+        SegmentNotFoundError: the file is gone, unlinked, already freed, or
+            reused since the handle was made (``gen`` differs).
         SegmentCorruptError: bad magic/version, a truncated file, a symbolic
             link, or a file owned by another user.
         DescriptorLimitError: EMFILE/ENFILE.
@@ -427,6 +564,9 @@ def attach(name: str, directory: str | None = None) -> Segment:
     with _LOCK:
         seg = _REGISTRY.get(name)
         if seg is not None:
+            if gen is not None and gen != (seg.gen if seg.owned else _read_header(
+                    seg.fd, seg.path)[7]):
+                raise SegmentNotFoundError(errno.ENOENT, "segment was reused", seg.path)
             return seg
         path = os.path.join(segment_dir(directory), name)
         try:
@@ -445,6 +585,8 @@ def attach(name: str, directory: str | None = None) -> Segment:
             hdr = _read_header(fd, path)
             if hdr[2] != STATE_LIVE or hdr[4] <= 0:
                 raise SegmentNotFoundError(errno.ENOENT, "segment was already freed", path)
+            if gen is not None and hdr[7] != gen:
+                raise SegmentNotFoundError(errno.ENOENT, "segment was reused", path)
             size = hdr[3]
             if st.st_size < HEADER_SIZE + size:
                 raise SegmentCorruptError(
@@ -458,7 +600,7 @@ def attach(name: str, directory: str | None = None) -> Segment:
             if isinstance(exc, SegmentError):
                 raise
             raise _os_error(exc, "attach", path) from None
-        seg = Segment(name, path, fd, size, owned=False)
+        seg = Segment(name, path, fd, size, owned=False, gen=hdr[7])
         _REGISTRY[name] = seg
         return seg
 
@@ -480,22 +622,24 @@ def _maybe_close(seg: Segment) -> None:
     if seg.pins > 0:
         return
     if seg.owned and not seg.freed():
-        return  # creator keeps its liveness lock until the last holder lets go
+        return  # creator keeps it: in use elsewhere (liveness lock) or pooled
     _forget(seg)
 
 
-def update_refcount(name: str, delta: int, directory: str | None = None) -> int:
+def update_refcount(name: str, delta: int, directory: str | None = None,
+                    gen: int | None = None) -> int:
     """Add ``delta`` references to segment ``name`` (opening it briefly if this
     process has no descriptor). Returns the new count.
 
     Raises:
-        SegmentNotFoundError: the segment is gone or already freed.
+        SegmentNotFoundError: the segment is gone, already freed, or reused
+            (``gen`` given and different).
         SegmentCorruptError, DescriptorLimitError: as for :func:`attach`.
     """
     with _LOCK:
         seg = _REGISTRY.get(name)
         if seg is not None:
-            new = seg.update_refcount(delta)
+            new = seg.update_refcount(delta, gen)
             if new == 0:
                 _maybe_close(seg)
             return new
@@ -505,21 +649,61 @@ def update_refcount(name: str, delta: int, directory: str | None = None) -> int:
     except OSError as exc:
         raise _os_error(exc, "update", path) from None
     try:
-        return _update_refcount(fd, path, delta)
+        return _update_refcount(fd, path, delta, gen)
     finally:
         os.close(fd)
 
 
 def sweep() -> int:
-    """Close this process's created segments whose last reference is gone.
-    Returns how many were closed. Cheap: a memory read per segment."""
+    """Let go of this process's created segments whose last reference is gone
+    (closing them, or keeping them pooled), and trim the pool: idle segments
+    older than ``MMSHM_POOL_IDLE_S``, or beyond ``MMSHM_POOL_MAX_BYTES``, are
+    unlinked. Returns how many segments were closed. Cheap: an ``fstat`` and a
+    memory read per segment."""
     n = 0
+    cfg = config.get()
+    now = time.monotonic()
+    idle: list[Segment] = []
     with _LOCK:
         for seg in list(_REGISTRY.values()):
-            if seg.owned and seg.pins == 0 and seg.freed():
+            if not seg.owned or seg.pins:
+                continue
+            st = seg.status()
+            if st == STATE_FREED:
                 _forget(seg)
                 n += 1
+            elif st == STATE_POOLED:
+                if seg.idle_since is None:
+                    seg.idle_since = now
+                if not cfg.pool or now - seg.idle_since >= cfg.pool_idle_s:
+                    _unlink_pooled(seg)
+                    n += 1
+                else:
+                    idle.append(seg)
+        if idle:
+            cap = config.pool_max_bytes(_fs_size(idle[0].directory))
+            total = sum(HEADER_SIZE + s.payload_size for s in idle)
+            for seg in sorted(idle, key=lambda s: s.idle_since or 0.0):
+                if total <= cap:
+                    break
+                total -= HEADER_SIZE + seg.payload_size
+                _unlink_pooled(seg)
+                n += 1
     return n
+
+
+_FS_SIZE: dict[str, int] = {}
+
+
+def _fs_size(directory: str) -> int:
+    size = _FS_SIZE.get(directory)
+    if size is None:
+        try:
+            st = os.statvfs(directory)
+            size = _FS_SIZE[directory] = st.f_blocks * st.f_frsize
+        except OSError:
+            return 0
+    return size
 
 
 def _sweep_loop() -> None:
@@ -562,11 +746,32 @@ def iter_segment_files(directory: str | None = None) -> Iterator[str]:
     return (n for n in names if NAME_RE.match(n))
 
 
+def _disown_for_exit(seg: Segment) -> None:
+    """The owner is leaving: a segment still in use elsewhere must be unlinked
+    by its last release instead of going back to a pool nobody will empty."""
+    try:
+        _lock(seg.fd, fcntl.F_WRLCK, _MUTEX_BYTE)
+        try:
+            hdr = _read_header(seg.fd, seg.path)
+            os.pwrite(seg.fd, _U32.pack(hdr[8] & ~FLAG_POOLABLE), _OFF_FLAGS)
+        finally:
+            _lock(seg.fd, fcntl.F_UNLCK, _MUTEX_BYTE)
+    except OSError:
+        pass
+
+
 def _close_all() -> None:
     # Segments pinned by live views are left to the views' finalizers, which
     # weakref runs at exit too and which give their references back.
     with _LOCK:
         for seg in list(_REGISTRY.values()):
+            if seg.owned:
+                st = seg.status()
+                if st == STATE_POOLED:
+                    _unlink_pooled(seg)
+                    continue
+                if st == STATE_LIVE:
+                    _disown_for_exit(seg)
             if seg.pins == 0:
                 _forget(seg)
 
@@ -579,6 +784,20 @@ def _after_fork_in_child() -> None:
     for seg in list(_REGISTRY.values()):
         seg.close()
     _REGISTRY.clear()
+
+
+_exit_hook_pid = 0
+
+
+def _ensure_exit_hook() -> None:
+    """multiprocessing children (SGLang's scheduler, tokenizer, detokenizer)
+    leave through ``os._exit``, which skips ``atexit``: their exit runs
+    multiprocessing's finalizers instead. A child clears that registry when it
+    starts, so the hook is registered on the process's first segment."""
+    global _exit_hook_pid
+    if _exit_hook_pid != os.getpid():
+        _exit_hook_pid = os.getpid()
+        multiprocessing.util.Finalize(None, _close_all, exitpriority=0)
 
 
 atexit.register(_close_all)

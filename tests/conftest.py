@@ -2,7 +2,9 @@
 
 The autouse fixture points ``MMSHM_DIR`` at a fresh directory under /dev/shm
 (a tmpfs, like production), turns the automatic reaper off (so that a leak is
-seen, not silently reclaimed), and after the test runs ``gc.collect()`` and
+seen, not silently reclaimed) and the warm pool off (so that "the last release
+unlinks" can be asserted; the pool's own tests turn it on with the ``pool``
+fixture), and after the test runs ``gc.collect()``, empties the pool and
 asserts that:
 
 * the private directory holds no ``mmshm-*`` entry,
@@ -48,7 +50,9 @@ def shm_dir(monkeypatch):
     os.mkdir(d, 0o700)
     monkeypatch.setenv("MMSHM_DIR", d)
     monkeypatch.setenv("MMSHM_REAP_INTERVAL_S", "0")
-    for var in ("MMSHM_MIN_BYTES", "MMSHM_DISABLE", "MMSHM_MAX_BYTES", "MMSHM_MIN_FREE_BYTES"):
+    monkeypatch.setenv("MMSHM_POOL", "0")
+    for var in ("MMSHM_MIN_BYTES", "MMSHM_DISABLE", "MMSHM_MAX_BYTES", "MMSHM_MIN_FREE_BYTES",
+                "MMSHM_POOL_IDLE_S", "MMSHM_POOL_MAX_BYTES"):
         monkeypatch.delenv(var, raising=False)
     config.reload()
     try:
@@ -56,6 +60,7 @@ def shm_dir(monkeypatch):
     finally:
         gc.collect()
         segment.sweep()
+        segment.trim_pool()
         problems = []
         left = _mp.seg_files(d)
         if left:
@@ -81,3 +86,12 @@ def shm_dir(monkeypatch):
         if problems:
             pytest.fail("; ".join(problems), pytrace=False)
 
+
+
+@pytest.fixture
+def pool(monkeypatch, shm_dir):
+    """Turn the warm segment pool on for this test (the directory is ``shm_dir``)."""
+    monkeypatch.setenv("MMSHM_POOL", "1")
+    monkeypatch.setenv("MMSHM_POOL_IDLE_S", "60")
+    config.reload()
+    yield shm_dir

@@ -38,7 +38,7 @@ def test_wire_roundtrip_and_size():
     meta = HandleMeta(f"mmshm-{2**22}-0123456789abcdef", 4784 * 1176 * 4, 0, (4784, 1176), H16)
     data = codec.encode(meta)
     assert codec.decode(data) == meta
-    assert msgspec.msgpack.decode(data) == [meta.name, meta.nbytes, 0, [4784, 1176], H16]
+    assert msgspec.msgpack.decode(data) == [meta.name, meta.nbytes, 0, [4784, 1176], H16, 0]
     assert len(data) <= 64  # a Qwen2-VL pixel_values handle is tiny
 
 

@@ -47,7 +47,7 @@ def test_header_size_and_space_reserved(shm_dir):
         assert st.st_size == segment.HEADER_SIZE + nbytes
         # posix_fallocate reserved every page before anything was written
         assert st.st_blocks * 512 >= segment.HEADER_SIZE + nbytes
-        magic, version, state, size, count, pid, created_ns, _ = _mp.header(seg.name)
+        magic, version, state, size, count, pid, created_ns, gen, flags = _mp.header(seg.name)
         assert magic == segment.MAGIC
         assert version == segment.VERSION
         assert state == segment.STATE_LIVE
@@ -55,6 +55,7 @@ def test_header_size_and_space_reserved(shm_dir):
         assert count == 1
         assert pid == os.getpid()
         assert created_ns > 0
+        assert gen == 0 and flags == 0  # pool off: a fresh segment, unlinked at zero
         assert seg.refcount() == 1
     finally:
         assert segment.update_refcount(seg.name, -1) == 0

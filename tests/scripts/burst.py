@@ -219,8 +219,12 @@ def main() -> int:
                 rank_stats.append(json.load(f))
         except OSError:
             rank_stats.append(None)
-    # a segment freed by its last (remote) release may stay mapped here until
-    # the next sweep; the directory must be empty whatever
+    # a segment freed by its last (remote) release may stay mapped (or pooled)
+    # here until the next sweep; the owner empties its pool on the way out
+    from mmshm import segment
+
+    segment.sweep()
+    segment.trim_pool()
     leftovers = sorted(n for n in os.listdir(args.dir) if NAME_RE.match(n))
     fb = {r: int(after[r] - before[r]) for r in REASONS}
     # 64 MiB, 16 MiB reserve: two 21.5 MiB segments fit at once, a third does not

@@ -159,13 +159,14 @@ def use_dir(directory: str, **env: str) -> None:
     every process of a server shares ``MMSHM_DIR``) with default settings
     plus ``env``: the fork server keeps the environment of whichever test
     started it, so every ``MMSHM_*`` variable is reset here. The start-up
-    reaper is off unless ``env`` turns it on."""
+    reaper and the warm pool are off unless ``env`` turns them on."""
     from mmshm import config
 
     for k in [k for k in os.environ if k.startswith("MMSHM_")]:
         del os.environ[k]
     os.environ["MMSHM_DIR"] = directory
     os.environ["MMSHM_REAP_INTERVAL_S"] = "0"
+    os.environ["MMSHM_POOL"] = "0"  # as in conftest: the last release unlinks
     os.environ.update(env)
     config.reload()
 

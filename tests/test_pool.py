@@ -1,0 +1,191 @@
+"""The warm segment pool: reuse, generations, trimming, owner exit, SIGKILL."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import signal
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import _mp
+import mmshm
+from mmshm import config, reaper, segment
+from mmshm.errors import SegmentNotFoundError
+
+MiB = 1 << 20
+
+
+def _hits() -> float:
+    return _mp.metric("mmshm_pool_requests_total", result="hit")
+
+
+def test_released_segment_returns_to_the_pool_and_is_reused(pool):
+    a = mmshm.ShmTensor.from_tensor(torch.full((MiB,), 1.0))
+    name = a.name
+    a.release()
+    assert _mp.seg_files() == [name]  # pooled, not unlinked
+    assert _mp.header(name)[2] == segment.STATE_POOLED
+    hits = _hits()
+    b = mmshm.ShmTensor.from_tensor(torch.full((MiB,), 2.0))
+    assert b.name == name and b.meta.gen == 1
+    assert _hits() - hits == 1
+    assert torch.equal(b.materialize(copy=True), torch.full((MiB,), 2.0))
+    assert _mp.seg_files() == [name]
+
+
+def test_size_classes_bound_the_slack():
+    for n in (1, 4096, 65536, 22503936, 4784 * 1176 * 4 + 4096, 3 << 30):
+        c = segment.size_class(n)
+        assert c >= n and (c - n) <= max(4095, n // 8)
+
+
+def test_a_materialized_view_never_changes_while_the_pool_is_reused_around_it(pool):
+    first = torch.arange(MiB, dtype=torch.float32)
+    h = mmshm.ShmTensor.from_tensor(first)
+    name = h.name
+    h.share(1)
+    remote = pickle.loads(pickle.dumps(h))  # a second holder, as a receiver would
+    h.release()
+    view = remote.materialize()  # holds the last reference
+    names = set()
+    for i in range(20):  # later requests churn the pool of the same size class
+        x = mmshm.ShmTensor.from_tensor(torch.full((MiB,), float(i)))
+        names.add(x.name)
+        x.release()
+    assert name not in names  # never handed out while the view lives
+    assert torch.equal(view, first)
+    del view
+    gc.collect()
+    y = mmshm.ShmTensor.from_tensor(torch.zeros(MiB))
+    assert y.name in names | {name}  # and it came back once the view was gone
+    y.release()
+
+
+def test_a_stale_handle_cannot_read_a_reused_segment(pool):
+    h = mmshm.ShmTensor.from_tensor(torch.ones(MiB))
+    stale = mmshm.ShmTensor(h.meta, owns=True)  # a protocol violation: no share()
+    h.release()
+    again = mmshm.ShmTensor.from_tensor(torch.full((MiB,), 7.0))
+    assert again.name == h.name and again.meta.gen == h.meta.gen + 1
+    with pytest.raises(SegmentNotFoundError):
+        stale.materialize()
+    with pytest.raises(SegmentNotFoundError):
+        stale.share(1)
+    stale._disown()
+    assert _mp.refcount(again.name) == 1  # the stale handle touched nothing
+    again.release()
+
+
+def test_idle_segments_are_trimmed(pool, monkeypatch):
+    h = mmshm.ShmTensor.from_tensor(torch.ones(MiB))
+    h.release()
+    assert len(_mp.seg_files()) == 1
+    monkeypatch.setenv("MMSHM_POOL_IDLE_S", "0")
+    config.reload()
+    segment.sweep()  # first sweep stamps idle_since, idle 0 s: gone
+    assert _mp.seg_files() == []
+    assert segment.open_segments() == []
+
+
+def test_pool_respects_its_byte_cap(pool, monkeypatch):
+    monkeypatch.setenv("MMSHM_POOL_MAX_BYTES", str(3 * MiB))
+    config.reload()
+    hs = [mmshm.ShmTensor.from_tensor(torch.ones(MiB // 16 * 3)) for _ in range(4)]  # 0.75 MiB
+    for h in hs:
+        h.release()
+    segment.sweep()
+    kept = _mp.seg_files()
+    assert 1 <= len(kept) <= 3
+    assert sum(os.path.getsize(os.path.join(pool, n)) for n in kept) <= 3 * MiB
+
+
+def test_budget_guard_trims_the_pool_before_falling_back(pool, monkeypatch):
+    h = mmshm.ShmTensor.from_tensor(torch.ones(MiB))  # 4 MiB class with header
+    h.release()
+    assert len(_mp.seg_files()) == 1
+    monkeypatch.setenv("MMSHM_MAX_BYTES", str(5 * MiB))
+    config.reload()
+    before = _mp.metric("mmshm_inline_fallbacks_total", reason="budget")
+    big = torch.ones(2 * MiB)  # an 8 MiB+ class: does not fit beside the pooled one
+    w = mmshm.wrap([big], min_bytes=1)
+    assert isinstance(w[0], torch.Tensor)  # over the cap even alone: inline
+    assert _mp.metric("mmshm_inline_fallbacks_total", reason="budget") - before == 1
+    monkeypatch.setenv("MMSHM_MAX_BYTES", str(12 * MiB))
+    config.reload()
+    w = mmshm.wrap([big], min_bytes=1)  # fits once the idle pooled segment is trimmed
+    assert isinstance(w[0], mmshm.ShmTensor)
+    assert h.name not in _mp.seg_files()
+    del w
+    gc.collect()
+
+
+def test_fan_out_of_8_writes_the_payload_once(pool):
+    t = torch.rand(512, 1024)
+    written = _mp.metric("mmshm_shm_written_bytes_total")
+    copies = mmshm.fan_out({"mm_items": [{"feature": t}]}, 8, min_bytes=1)
+    assert _mp.metric("mmshm_shm_written_bytes_total") - written == t.numel() * 4
+    views = [mmshm.unwrap(c)["mm_items"][0]["feature"] for c in copies]
+    assert all(torch.equal(v, t) for v in views)
+    del copies, views
+    gc.collect()
+
+
+def _owner_then_exit(d, q):
+    _mp_use(d)
+    h = mmshm.ShmTensor.from_tensor(torch.ones(MiB))
+    h.share(1)
+    q.put(pickle.dumps(h))  # one reference travels to the parent
+    p = mmshm.ShmTensor.from_tensor(torch.ones(MiB // 2))
+    q.put(p.name)
+    p.release()  # pooled in this process
+    h.release()
+
+
+def _mp_use(d):
+    os.environ.update({"MMSHM_DIR": d, "MMSHM_POOL": "1", "MMSHM_REAP_INTERVAL_S": "0"})
+    config.reload()
+
+
+@pytest.mark.timeout(120)
+def test_owner_exit_unlinks_its_pool_and_hands_live_segments_to_their_last_release(pool):
+    c = _mp.ctx()
+    q = c.Queue()
+    p = c.Process(target=_owner_then_exit, args=(pool, q))
+    p.start()
+    blob, pooled = q.get(timeout=60), q.get(timeout=60)
+    p.join(60)
+    assert p.exitcode == 0
+    assert pooled not in _mp.seg_files()  # the owner emptied its pool on the way out
+    h = pickle.loads(blob)
+    assert torch.equal(h.materialize(copy=True), torch.ones(MiB))  # released: last ref
+    assert _mp.seg_files() == []  # owner gone: the last release unlinked, no pool
+
+
+def _owner_killed(d, conn):
+    _mp_use(d)
+    h = mmshm.ShmTensor.from_tensor(torch.ones(MiB))
+    h.release()  # pooled
+    conn.send(h.name)  # a pipe sends synchronously (a Queue's feeder thread might not)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_a_sigkilled_owners_pool_is_reclaimed_by_the_reaper(pool):
+    c = _mp.ctx()
+    a, b = c.Pipe()
+    p = c.Process(target=_owner_killed, args=(pool, b))
+    p.start()
+    assert a.poll(60)
+    name = a.recv()
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    assert _mp.seg_files() == [name]
+    rep = reaper.reap(pool)
+    assert rep.names == [name]
+    assert _mp.seg_files() == []
