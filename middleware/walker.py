@@ -151,8 +151,12 @@ class _Walk:
             items, changed = self._items(values, depth)
             if not (changed or self.copy_all):
                 return obj
-            return msgspec.structs.replace(
+            new = msgspec.structs.replace(
                 obj, **{n: v for n, v, old in zip(names, items, values) if v is not old})
+            extra = getattr(obj, "__dict__", None)  # Struct(dict=True) extra attributes
+            if extra:
+                new.__dict__.update(extra)
+            return new
         # _OBJECT: dataclasses and plain objects (__dict__ and/or __slots__)
         d = getattr(obj, "__dict__", None)
         if d is not None:
