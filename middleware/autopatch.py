@@ -106,6 +106,11 @@ def instrument(name: str):
 
     inst = integrations.get(name)
     inst.instrument()
+    # MMSHM_METRICS_PORT: the first instrumented process of the server binds
+    # the exporter (it serves every process's series in multiprocess mode).
+    from mmshm import metrics
+
+    metrics.maybe_start_exporter_from_env()
     return inst
 
 
