@@ -1,0 +1,754 @@
+"""mmshm's vLLM instrumentor against the real vLLM 0.33 modules, on CPU.
+
+Run by ``tests/integrations/run_vllm.sh`` in a virtualenv that holds vLLM
+0.33.0 (``--no-deps``) and the pure-Python packages its engine, serial and
+shm_broadcast modules import; skipped where vLLM is not installed.
+
+* Frontend -> EngineCore: a real ``EngineCoreRequest`` is encoded by the
+  real ``MsgpackEncoder`` of a ``SyncMPClient``/``AsyncMPClient`` (through
+  their real, patched ``add_request`` and ``_send_input``), sent over a real
+  ZMQ ROUTER socket to a child process that runs the real, patched
+  ``EngineCoreProc.process_input_sockets`` with the real ``MsgpackDecoder``
+  and ``preprocess_add_request``.
+* EngineCore -> workers: the real ``MessageQueue`` with two reader
+  processes, vLLM's default path against its tensor arena and mmshm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+import zmq
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import _mp
+import vllm.v1.serial_utils as su
+import vllm_procs
+import wrapt
+from mmshm import (
+    codec,
+    config,
+    integrations,
+)
+from mmshm.integrations import UnsupportedVersionError
+from mmshm.integrations import vllm as mv
+from prometheus_client import REGISTRY
+
+su.PIN_MEMORY = False  # no CUDA here: decoders must not pin
+
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFeatureSpec,
+    MultiModalFieldElem,
+    MultiModalKwargsItem,
+    PlaceholderRange,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.core_client import AsyncMPClient, MPClient, SyncMPClient
+from vllm.v1.engine.input_processor import InputProcessor
+from vllm.v1.engine.llm_engine import LLMEngine
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+SPAWN = mp.get_context("spawn")
+IDENTITY = b"\x00\x00"  # EngineCore 0's ZMQ identity
+IMAGE_SHAPE = (4784, 1176)  # a 720p photo in Qwen2-VL: pixel_values, 22 MB of float32
+MQ_CHUNK = 16 * 1024 * 1024  # MultiprocExecutor's default (VLLM_MQ_MAX_CHUNK_BYTES_MB=16)
+REPS = 5
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k.startswith("MMSHM_")}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _recv(conn, timeout: float = 180):
+    if not conn.poll(timeout):
+        raise TimeoutError("child did not answer")
+    msg = conn.recv()
+    if isinstance(msg, tuple) and msg and msg[0] == "crash":
+        raise AssertionError(f"child crashed:\n{msg[1]}")
+    return msg
+
+
+def _metric(name: str, labels: dict | None = None) -> float:
+    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+def _segments(d: str) -> list[str]:
+    return _mp.seg_files(d)
+
+
+# -- fixtures -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def instrumented():
+    inst = integrations.get("vllm")
+    inst.instrument()
+    yield inst
+    inst.uninstrument()
+
+
+class Engine:
+    """The EngineCore child, the frontend's ROUTER socket and its clients."""
+
+    def __init__(self, tmp):
+        self.address = f"ipc://{tmp}/input.sock"
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(self.address)
+        self.conn, child = SPAWN.Pipe()
+        self.proc = SPAWN.Process(target=vllm_procs.engine_main,
+                                  args=(child, self.address, _env()), daemon=True)
+        self.proc.start()
+        _mp.SPAWNED_PIDS.add(self.proc.pid)
+        msg = _recv(self.conn, 300)
+        assert msg[0] == "ready" and msg[2] == "ShmTensorProvider", msg
+        if not self.router.poll(60_000):
+            raise TimeoutError("EngineCore did not say hello")
+        ident, _hello = self.router.recv_multipart()
+        assert ident == IDENTITY
+
+    def env(self, **extra) -> None:
+        self.conn.send(("env", _env(**extra)))
+        assert _recv(self.conn) == "ok"
+
+    def take(self, n: int) -> list[dict]:
+        self.conn.send(("take", n, 120))
+        return _recv(self.conn)
+
+    def close(self) -> None:
+        self.conn.send(("stop",))
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.router.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def engine(instrumented, tmp_path_factory):
+    e = Engine(tmp_path_factory.mktemp("vllm-zmq"))
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def eng(engine, shm_dir):
+    """The EngineCore child, using this test's segment directory."""
+    engine.env()
+    return engine
+
+
+class RecordingSocket:
+    """The client's input socket: records each message, then sends it."""
+
+    def __init__(self, sock, forward: bool = True):
+        self.sock = sock
+        self.forward = forward
+        self.sent: list[list[bytes]] = []
+
+    def send_multipart(self, msg, copy: bool = False):
+        frames = [bytes(memoryview(f)) for f in msg]
+        self.sent.append(frames)
+        if self.forward:
+            self.sock.send_multipart(frames)
+        return self._done()
+
+    def _done(self):
+        return None
+
+    def payload_bytes(self, i: int = -1) -> int:
+        """Bytes of the encoded request (frames after identity and type)."""
+        return sum(len(f) for f in self.sent[i][2:])
+
+
+class AsyncRecordingSocket(RecordingSocket):
+    def _done(self):
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+
+def _attach_like_mpclient_init(client) -> None:
+    """Run the wrapper mmshm installed on ``MPClient.__init__`` (the real
+    ``__init__`` would launch engines) on a client whose encoder is built
+    the way ``MPClient.__init__`` builds it."""
+    hook = vars(MPClient)["__init__"]
+    assert isinstance(hook, wrapt.FunctionWrapper)
+    hook._self_wrapper(lambda *a, **k: None, client, (), {})
+
+
+def sync_client(engine: Engine, size_threshold=None, forward=True) -> SyncMPClient:
+    c = object.__new__(SyncMPClient)
+    c.encoder = su.MsgpackEncoder(size_threshold)
+    c.input_socket = RecordingSocket(engine.router, forward)
+    c.core_engine = IDENTITY
+    c.resources = SimpleNamespace(engine_dead=False)
+    c.is_dp = False
+    c.input_address = engine.address
+    _attach_like_mpclient_init(c)
+    return c
+
+
+def async_client(engine: Engine) -> AsyncMPClient:
+    c = object.__new__(AsyncMPClient)
+    c.encoder = su.MsgpackEncoder()
+    c.input_socket = AsyncRecordingSocket(engine.router)
+    c.core_engine = IDENTITY
+    c.resources = SimpleNamespace(engine_dead=False)
+    c.client_index = 0
+    c._ensure_output_queue_task = lambda: None
+    c.input_address = engine.address
+    _attach_like_mpclient_init(c)
+    return c
+
+
+def make_request(rid: str, items: list[dict], n: int = 1, prompt_embeds=None):
+    feats = []
+    for i, kw in enumerate(items):
+        item = MultiModalKwargsItem({k: MultiModalFieldElem(data=v, field=MultiModalBatchedField())
+                                     for k, v in kw.items()})
+        feats.append(MultiModalFeatureSpec(
+            data=item, modality="image", identifier=f"{rid}-{i}",
+            mm_position=PlaceholderRange(offset=1, length=4), mm_hash=f"{rid}-{i}"))
+    return EngineCoreRequest(
+        request_id=rid, prompt_token_ids=[1, 2, 3, 4, 5, 6], mm_features=feats,
+        sampling_params=SamplingParams(n=n, max_tokens=4), pooling_params=None,
+        arrival_time=time.time(), lora_request=None, cache_salt=None,
+        data_parallel_rank=None, prompt_embeds=prompt_embeds)
+
+
+def send_and_take(engine: Engine, client: SyncMPClient, reqs) -> list[dict]:
+    """Send requests through the client's real ``add_request``, then a tiny
+    one: vLLM's input thread keeps its last decoded request alive until the
+    next one arrives, so only then is everything given back."""
+    for r in reqs:
+        client.add_request(r)
+    client.add_request(make_request("flush", []))
+    got = engine.take(len(reqs) + 1)
+    assert got[-1]["id"] == "flush", got[-1]
+    return got[:-1]
+
+
+def expected(req) -> dict[str, dict]:
+    return {p: vllm_procs.describe(t) for p, t in vllm_procs.request_tensors(req).items()}
+
+
+def _assert_same(got: dict, req) -> None:
+    want = expected(req)
+    assert set(got["tensors"]) == set(want)
+    for path, w in want.items():
+        g = got["tensors"][path]
+        assert (g["dtype"], g["shape"], g["digest"]) == (w["dtype"], w["shape"], w["digest"]), path
+
+
+def _assert_clean(d: str) -> None:
+    gc.collect()
+    assert _segments(d) == []
+
+
+# -- version gate, patching, restoring ------------------------------------------
+def test_declared_range_and_targets_present(instrumented):
+    assert instrumented.supported == ">=0.33,<0.34"
+    assert integrations.check_version("vllm", instrumented.supported).release[:2] == (0, 33)
+    assert mv.missing_symbols() == []
+    for (module, dotted) in mv.PATCHES:
+        parent, attr, _ = wrapt.resolve_path(sys.modules[module], dotted)
+        assert isinstance(vars(parent)[attr], wrapt.FunctionWrapper), dotted
+
+
+def test_uninstrument_restores_and_instrument_is_idempotent(instrumented):
+    enc_client = object.__new__(SyncMPClient)
+    enc_client.encoder = su.MsgpackEncoder()
+    enc_client.input_address = "ipc:///nowhere"
+    _attach_like_mpclient_init(enc_client)
+    assert isinstance(enc_client.encoder.oob_tensor_consumer, mv.ShmTensorConsumer)
+    wrappers = {k: v[4] for k, v in mv._PATCHED.items()}
+    instrumented.instrument()  # idempotent: same wrappers
+    assert {k: v[4] for k, v in mv._PATCHED.items()} == wrappers
+    instrumented.uninstrument()
+    try:
+        for (module, dotted), wrapper in wrappers.items():
+            parent, attr, now = wrapt.resolve_path(sys.modules[module], dotted)
+            assert now is wrapper.__wrapped__, dotted
+            assert not isinstance(vars(parent).get(attr), wrapt.FunctionWrapper), dotted
+        assert enc_client.encoder.oob_tensor_consumer is None
+    finally:
+        instrumented.instrument()
+    for (module, dotted) in wrappers:
+        parent, attr, _ = wrapt.resolve_path(sys.modules[module], dotted)
+        assert isinstance(vars(parent)[attr], wrapt.FunctionWrapper), dotted
+
+
+@pytest.mark.parametrize("how", ["version", "moved"])
+def test_refuses_cleanly(instrumented, monkeypatch, how):
+    from packaging.version import Version
+
+    instrumented.uninstrument()
+    try:
+        if how == "version":
+            monkeypatch.setattr(integrations, "installed_version", lambda p: Version("0.34.0"))
+        else:
+            monkeypatch.setattr(mv, "TARGETS", mv.TARGETS + (
+                ("vllm.v1.engine.core", "EngineCoreProc.no_such_method", ()),
+                ("vllm.v1.serial_utils", "MsgpackEncoder.__init__", ("gone",))))
+        with pytest.raises(UnsupportedVersionError) as info:
+            instrumented.instrument()
+        if how == "moved":
+            assert "no_such_method" in str(info.value) and "gone" in str(info.value)
+        assert not instrumented.instrumented and mv._PATCHED == {}
+        for (module, dotted) in mv.PATCHES:
+            parent, attr, _ = wrapt.resolve_path(sys.modules[module], dotted)
+            assert not isinstance(vars(parent).get(attr), wrapt.FunctionWrapper)
+    finally:
+        monkeypatch.undo()
+        instrumented.instrument()
+    assert instrumented.instrumented
+
+
+def test_client_hook_scope(instrumented):
+    """Only MPClient's encoder gets the consumer, and only for local engines;
+    the consumer vLLM had (torch_shm tensor IPC) stays behind it."""
+    remote = object.__new__(SyncMPClient)
+    remote.encoder = su.MsgpackEncoder()
+    remote.input_address = "tcp://10.1.2.3:5555"
+    _attach_like_mpclient_init(remote)
+    assert remote.encoder.oob_tensor_consumer is None
+    calls = []
+
+    class Inner:
+        def new_message(self):
+            calls.append("new")
+
+        def __call__(self, t):
+            calls.append(tuple(t.shape))
+
+    local = object.__new__(SyncMPClient)
+    local.encoder = su.MsgpackEncoder(oob_tensor_consumer=Inner())
+    local.input_address = "tcp://127.0.0.1:5555"
+    _attach_like_mpclient_init(local)
+    consumer = local.encoder.oob_tensor_consumer
+    assert isinstance(consumer, mv.ShmTensorConsumer) and isinstance(consumer.inner, Inner)
+    # outside an ADD request the inner consumer decides
+    local.encoder.encode({"x": torch.zeros(1000, 100)})
+    assert calls == ["new", (1000, 100)]
+    # vLLM's other encoders (output path, MsgpackSerde) never get one
+    assert su.MsgpackEncoder().oob_tensor_consumer is None
+
+
+def test_executor_hook_enables_only_local_arena_free_queues(instrumented, shm_dir):
+    hook = vars(MultiprocExecutor)["_init_executor"]
+    assert isinstance(hook, wrapt.FunctionWrapper)
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=2)
+    arena = MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=2,
+                         enable_shm_tensor_arena=True)
+    try:
+        for q, want in ((mq, True), (arena, False)):
+            ex = SimpleNamespace()
+
+            def init(ex=ex, q=q):
+                ex.rpc_broadcast_mq = q
+
+            hook._self_wrapper(init, ex, (), {})
+            assert (q in mv._QUEUES) is want
+        remote = SimpleNamespace(_is_writer=True, n_remote_reader=1, n_local_reader=1,
+                                 tensor_arena=None)
+        assert mv.enable_broadcast(remote) is False
+    finally:
+        mv._QUEUES.discard(mq)
+        del mq, arena
+        gc.collect()
+
+
+# -- frontend -> EngineCore ----------------------------------------------------------
+def _edge_case_request(rid: str, big: int):
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(big // 4 // 200 + 1, 200, generator=g)
+    return make_request(rid, [
+        {
+            "pixel_values": torch.randn(big // 4, generator=g).reshape(-1, 8),  # float32
+            "image_grid_thw": torch.tensor([[1, 34, 46]]),  # small int64: inline
+            "nested": [torch.randn(big // 8, generator=g),
+                       [torch.randn(300, 200, generator=g).t(),  # non-contiguous
+                        torch.tensor(3.5)]],  # 0-dim
+        },
+        {
+            "pixel_values": torch.randn(big // 2, generator=g).to(torch.bfloat16),
+            "strided": base[:, ::2],  # non-contiguous slice
+            "empty": torch.empty(0, 7),  # 0 elements
+            "scalar_i": torch.tensor(7, dtype=torch.int32),  # 0-dim
+        },
+    ], prompt_embeds=torch.randn(6, big // 24, generator=g))
+
+
+@pytest.mark.parametrize("thresholds", ["default", "zero"])
+def test_request_roundtrip_real_encoder_decoder(eng, shm_dir, thresholds, monkeypatch):
+    """Real EngineCoreRequest -> real MsgpackEncoder -> ZMQ -> another process ->
+    real MsgpackDecoder: equal bytes, metadata-only frames, nothing left."""
+    big = 1 << 20
+    if thresholds == "zero":  # every tensor through mmshm, 0-dim and empty ones too
+        monkeypatch.setenv("MMSHM_MIN_BYTES", "0")
+        config.reload()
+        eng.env(MMSHM_MIN_BYTES=0)
+    client = sync_client(eng, size_threshold=0 if thresholds == "zero" else None)
+    req = _edge_case_request(f"rt-{thresholds}", big)
+    tensor_bytes = sum(t.numel() * t.element_size()
+                       for t in vllm_procs.request_tensors(req).values())
+    written = _metric("mmshm_shm_written_bytes_total")
+    created = _metric("mmshm_segments_created_total")
+    [got] = send_and_take(eng, client, [req])
+    _assert_same(got, req)
+    sent = client.input_socket.payload_bytes(0)
+    if thresholds == "zero":
+        # every tensor went through shared memory: the frames are metadata only
+        assert len(client.input_socket.sent[0]) == 3  # identity, type, one msgpack frame
+        assert sent < 8192, sent
+        assert all(g["segment"] for g in got["tensors"].values())
+        assert _metric("mmshm_segments_created_total") - created == 10
+    else:
+        # large tensors travel as handles; what vLLM already inlines stays inline
+        inline = sum(t.numel() * t.element_size() for t in vllm_procs.request_tensors(req).values()
+                     if t.numel() * t.element_size() < 65536)
+        assert sent < inline + 8192, (sent, inline)
+        for path, g in got["tensors"].items():
+            nbytes = torch.empty(g["shape"], dtype=getattr(torch, g["dtype"][6:])).nbytes
+            assert bool(g["segment"]) == (nbytes >= 65536), path
+            assert g["mapped"] == (nbytes >= 65536), path  # zero-copy views of the segment
+    assert sent < tensor_bytes / 100
+    assert _metric("mmshm_shm_written_bytes_total") - written <= tensor_bytes
+    _assert_clean(shm_dir)
+
+
+def test_non_add_messages_keep_vllm_path(eng, shm_dir):
+    client = sync_client(eng, forward=False)
+    x = torch.randn(256, 1024)
+    client._send_input(EngineCoreRequestType.UTILITY, (0, 1, "collective_rpc", (x,)))
+    assert client.input_socket.payload_bytes() >= x.nbytes  # vLLM's own out-of-band frame
+    assert _segments(shm_dir) == []
+
+
+def test_budget_fallback_is_inline_and_counted(eng, shm_dir, monkeypatch):
+    monkeypatch.setenv("MMSHM_MAX_BYTES", "4096")
+    config.reload()
+    before = _metric("mmshm_inline_fallbacks_total", {"reason": "budget"})
+    client = sync_client(eng)
+    req = make_request("fallback", [{"pixel_values": torch.randn(512, 1024)}])
+    [got] = send_and_take(eng, client, [req])
+    _assert_same(got, req)
+    assert got["tensors"]["mm[0].pixel_values"]["segment"] is None
+    assert client.input_socket.payload_bytes(0) >= 512 * 1024 * 4
+    assert _metric("mmshm_inline_fallbacks_total", {"reason": "budget"}) > before
+    _assert_clean(shm_dir)
+
+
+def test_unopenable_handle_fails_only_its_request(eng, shm_dir):
+    from mmshm import segment
+
+    client = sync_client(eng, forward=False)
+    req = make_request("doomed", [{"pixel_values": torch.randn(512, 1024)}])
+    client.add_request(req)
+    [frames] = client.input_socket.sent
+    [name] = _segments(shm_dir)
+    os.unlink(os.path.join(shm_dir, name))  # a third party removed it in flight
+    eng.router.send_multipart(frames)
+    [got] = eng.take(1)
+    assert got == {"kind": "error", "item": ["doomed"]}
+    # the EngineCore could not give its reference back (the file is gone)
+    assert segment.update_refcount(name, -1) == 0
+    # the input thread lives on
+    client.input_socket.forward = True
+    ok = make_request("after", [{"pixel_values": torch.randn(512, 1024)}])
+    [got] = send_and_take(eng, client, [ok])
+    _assert_same(got, ok)
+    _assert_clean(shm_dir)
+
+
+# -- n > 1 ------------------------------------------------------------------------
+class _InputProcessor:
+    """The parts of vLLM's InputProcessor that add_request uses."""
+
+    assign_request_id = staticmethod(InputProcessor.assign_request_id)
+
+    def apply_watermarking(self, params, watermarking):
+        pass
+
+    def resolve_watermarking(self, params):
+        return False
+
+
+def _outputs():
+    return SimpleNamespace(add_request=lambda *a, **k: None)
+
+
+def _image(seed: int = 0) -> torch.Tensor:
+    return torch.randn(IMAGE_SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def _check_fanout(eng, shm_dir, got, req, written, n):
+    image = req.mm_features[0].data["pixel_values"].data
+    assert _metric("mmshm_shm_written_bytes_total") - written == image.nbytes  # 1x, not 4x
+    assert [g["n"] for g in got] == [1] * n  # the children
+    names = {g["tensors"]["mm[0].pixel_values"]["segment"] for g in got}
+    assert len(names) == 1 and None not in names  # one segment shared by the children
+    for g in got:
+        _assert_same(g, req)
+        assert g["tensors"]["mm[0].pixel_values"]["mapped"]
+    _assert_clean(shm_dir)
+
+
+def test_parallel_sampling_sync_shares_one_segment(eng, shm_dir):
+    client = sync_client(eng)
+    req = make_request("par-sync", [{"pixel_values": _image(1)}], n=4)
+    engine = SimpleNamespace(input_processor=_InputProcessor(), output_processor=_outputs(),
+                             engine_core=client)
+    written = _metric("mmshm_shm_written_bytes_total")
+    LLMEngine.add_request(engine, req.request_id, req, req.sampling_params)
+    assert len(client.input_socket.sent) == 4
+    assert max(client.input_socket.payload_bytes(i) for i in range(4)) < 4096
+    flush = make_request("flush", [])
+    client.add_request(flush)
+    got = eng.take(5)
+    assert got[-1]["id"] == "flush"
+    _check_fanout(eng, shm_dir, got[:-1], req, written, 4)
+
+
+def test_parallel_sampling_async_shares_one_segment(eng, shm_dir):
+    client = async_client(eng)
+    req = make_request("par-async", [{"pixel_values": _image(2)}], n=4)
+
+    async def noop(*a, **k):
+        return None
+
+    engine = SimpleNamespace(
+        errored=False, observability_config=SimpleNamespace(otlp_traces_endpoint=None),
+        vllm_config=SimpleNamespace(cache_config=SimpleNamespace(kv_sharing_fast_prefill=False)),
+        input_processor=_InputProcessor(), _run_output_handler=lambda: None,
+        output_processor=_outputs(), check_admission=lambda *a, **k: None,
+        engine_core=client, log_requests=False, abort=noop)
+    written = _metric("mmshm_shm_written_bytes_total")
+
+    async def main():
+        await AsyncLLM.add_request(engine, req.request_id, req, req.sampling_params)
+        await client.add_request_async(make_request("flush", []))
+
+    asyncio.run(main())
+    assert len(client.input_socket.sent) == 5
+    assert max(client.input_socket.payload_bytes(i) for i in range(4)) < 4096
+    got = eng.take(5)
+    assert got[-1]["id"] == "flush"
+    _check_fanout(eng, shm_dir, got[:-1], req, written, 4)
+
+
+# -- EngineCore -> workers: the real MessageQueue ---------------------------------------
+class Readers:
+    def __init__(self):
+        self.queues = {
+            "default": MessageQueue(2, 2, max_chunk_bytes=MQ_CHUNK),
+            "arena": MessageQueue(2, 2, max_chunk_bytes=MQ_CHUNK, enable_shm_tensor_arena=True),
+        }
+        handles = {k: q.export_handle() for k, q in self.queues.items()}
+        self.conns, self.procs = [], []
+        for rank in range(2):
+            conn, child = SPAWN.Pipe()
+            p = SPAWN.Process(target=vllm_procs.reader_main, args=(child, handles, rank, _env()),
+                              daemon=True)
+            p.start()
+            _mp.SPAWNED_PIDS.add(p.pid)
+            self.conns.append(conn)
+            self.procs.append(p)
+        for c in self.conns:
+            assert _recv(c, 300)[0] == "attached"
+        for q in self.queues.values():  # bounded: a lost reader fails, never hangs
+            q.local_socket.setsockopt(zmq.RCVTIMEO, 120_000)
+            q.wait_until_ready()
+            q.local_socket.setsockopt(zmq.RCVTIMEO, -1)
+        for c in self.conns:
+            assert _recv(c) == "ready"
+
+    def env(self, **extra) -> None:
+        for c in self.conns:
+            c.send(("env", _env(**extra)))
+        for c in self.conns:
+            assert _recv(c) == "ok"
+
+    def run(self, queue: str, tensors, extra=None) -> list[dict]:
+        """Enqueue each tensor (waiting for both readers each time); return
+        per message the writer's enqueue time and both readers' reports."""
+        for c in self.conns:
+            c.send(("read", queue, len(tensors)))
+        q = self.queues[queue]
+        out = []
+        for make in tensors:
+            x = make()
+            t0 = time.monotonic()
+            q.enqueue({"x": x, "t_enqueue": t0, **(extra or {})}, timeout=60)
+            t_enq = time.monotonic() - t0
+            del x
+            reports = [_recv(c) for c in self.conns]
+            out.append({"enqueue": t_enq, "readers": reports})
+        for c in self.conns:
+            assert _recv(c) == "done"
+        return out
+
+    def metric(self, *args) -> list:
+        for c in self.conns:
+            c.send(("metric", *args))
+        return [_recv(c) for c in self.conns]
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(("stop",))
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        self.queues.clear()
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def readers(instrumented):
+    r = Readers()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def rdr(readers, shm_dir):
+    readers.env()
+    yield readers
+    mv._QUEUES.clear()
+
+
+def _frontend_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the EngineCore has it after mmshm's request path: a zero-copy
+    view of a segment that the frontend made."""
+    from mmshm.handle import ShmTensor
+
+    h = ShmTensor.from_tensor(x)
+    h.share(1)  # the EngineCore's reference
+    wire = h.encode()
+    h.release()
+    return mv.materialize_request_tensor(wire, str(x.dtype)[6:], tuple(x.shape))
+
+
+def _summary(rows) -> dict:
+    def ms(v):
+        return 1000 * v
+
+    deq = [ms(max(r["t_dequeue"] - r["t_enqueue"] for r in row["readers"])) for row in rows]
+    touch = [ms(max(r["t_touch"] - r["t_enqueue"] for r in row["readers"])) for row in rows]
+    enq = [ms(row["enqueue"]) for row in rows]
+    return {"enqueue": statistics.median(enq), "dequeue": statistics.median(deq),
+            "dequeue_min": min(deq), "touch": statistics.median(touch)}
+
+
+@pytest.mark.timeout(600)
+def test_message_queue_three_way(rdr, shm_dir, capsys):
+    """2 readers of the real MessageQueue: equal bytes everywhere, and one run
+    comparing reader latency for a 22 MB tensor: vLLM's default path, vLLM's
+    tensor arena, mmshm (tensor already in shared memory, and a fresh one)."""
+    image = _image(3)
+    want = vllm_procs.digest(image)
+    results: dict[str, list] = {}
+    results["vLLM default (pickle, ZMQ overflow)"] = rdr.run("default", [lambda: image] * REPS)
+    results["vLLM tensor arena"] = rdr.run("arena", [lambda: image] * REPS)
+    assert mv.enable_broadcast(rdr.queues["default"])
+    assert not mv.enable_broadcast(rdr.queues["arena"])
+    src = _metric("mmshm_broadcast_seconds_count", {"role": "src"})
+    results["mmshm (tensor from the frontend's segment)"] = rdr.run(
+        "default", [lambda: _frontend_view(image)] * REPS)
+    results["mmshm (fresh segment per message)"] = rdr.run("default", [lambda: image] * REPS)
+    mv._QUEUES.clear()
+    for mode, rows in results.items():
+        for row in rows:
+            for r in row["readers"]:
+                assert "error" not in r, (mode, r)
+                assert r["digests"] == {"x": want}, mode
+                assert r["shared"] == (["x"] if mode.startswith("mmshm") else []), mode
+    assert _metric("mmshm_broadcast_seconds_count", {"role": "src"}) - src == 2 * REPS
+    dst = rdr.metric("mmshm_broadcast_seconds_count", {"role": "dst"})
+    assert all(v is not None and v >= 2 * REPS for v in dst), dst
+    rows = {mode: _summary(r) for mode, r in results.items()}
+    title = (f"MessageQueue, 2 readers, {tuple(image.shape)} float32 = "
+             f"{image.nbytes / 1e6:.1f} MB, median of {REPS} (ms)")
+    head = (f"{'path':<46} {'writer enqueue':>14} {'reader dequeue':>14} {'(min)':>7} "
+            f"{'+ first touch':>13}")
+    lines = [title, head]
+    for mode, s in rows.items():
+        lines.append(f"{mode:<46} {s['enqueue']:>14.2f} {s['dequeue']:>14.2f} "
+                     f"{s['dequeue_min']:>7.2f} {s['touch']:>13.2f}")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    _assert_clean(shm_dir)
+
+
+def test_message_queue_fallback_and_references(rdr, shm_dir, monkeypatch):
+    """Over budget the broadcast falls back to vLLM's path; with room, every
+    reader's reference is handed out before the message is written."""
+    assert mv.enable_broadcast(rdr.queues["default"])
+    x = torch.randn(256, 1024)
+    monkeypatch.setenv("MMSHM_MAX_BYTES", "4096")
+    config.reload()
+    before = _metric("mmshm_inline_fallbacks_total", {"reason": "budget"})
+    [row] = rdr.run("default", [lambda: x])
+    assert _metric("mmshm_inline_fallbacks_total", {"reason": "budget"}) > before
+    for r in row["readers"]:
+        assert r["digests"] == {"x": vllm_procs.digest(x)} and r["shared"] == []
+    monkeypatch.delenv("MMSHM_MAX_BYTES")
+    # every kind of tensor, nested in dicts and lists, through mmshm (no threshold)
+    monkeypatch.setenv("MMSHM_MIN_BYTES", "0")
+    config.reload()
+    g = torch.Generator().manual_seed(5)
+    extra = {"nested": {"bf16": torch.randn(64, 300, generator=g).to(torch.bfloat16),
+                        "strided": torch.randn(200, 300, generator=g)[:, ::3],
+                        "t": [torch.randn(300, 200, generator=g).t(), torch.tensor(2.5),
+                              torch.empty(0, 4, dtype=torch.int64)]}}
+    want = {k: vllm_procs.digest(v) for k, v in vllm_procs.flat_tensors(
+        {"x": x, **extra}).items()}
+    [row] = rdr.run("default", [lambda: x], extra)
+    for r in row["readers"]:
+        assert r["digests"] == want
+        assert sorted(r["shared"]) == sorted(k for k in want if k != "nested.t[2]")  # not empty
+    del extra
+    monkeypatch.delenv("MMSHM_MIN_BYTES")
+    config.reload()
+    # a failing enqueue gives back what it handed out
+    q = rdr.queues["default"]
+
+    def boom(*a, **k):
+        raise TimeoutError("no free chunk")
+
+    real = q.acquire_write
+    q.acquire_write = boom
+    try:
+        view = _frontend_view(x)
+        name = codec.decode(mv._VIEWS[view][0]).name
+        with pytest.raises(TimeoutError):
+            q.enqueue({"x": view, "t_enqueue": 0.0})
+        with pytest.raises(TimeoutError):
+            q.enqueue({"x": x, "t_enqueue": 0.0})
+        assert _segments(shm_dir) == [name]  # only the view's own segment
+        from mmshm import segment
+
+        assert segment.attach(name).refcount() == 1
+    finally:
+        q.acquire_write = real
+    del view
+    _assert_clean(shm_dir)
