@@ -38,8 +38,9 @@ export MMSHM_INSTRUMENT=${MMSHM_INSTRUMENT:-vllm}
 # (mmshm_broadcast_seconds{role}, mmshm_shm_written_bytes_total,
 # mmshm_inline_fallbacks_total{reason}, ...) from the API server, the
 # EngineCore and the workers land in the multiprocess files that vLLM's
-# /metrics merges. A side-car alternative: python -m mmshm.metrics --port 9477
-# with the same PROMETHEUS_MULTIPROC_DIR.
+# /metrics merges. With MMSHM_METRICS_PORT set, the first instrumented process
+# also serves all of them on http://127.0.0.1:$MMSHM_METRICS_PORT/metrics.
+export MMSHM_METRICS_PORT=${MMSHM_METRICS_PORT:-9477}
 
 exec mmshm run -- vllm serve "$MODEL" \
   --tensor-parallel-size "${TP:-2}" \

@@ -115,9 +115,9 @@ def _placeholder(dtype: str) -> torch.Tensor:
     return torch.empty(0, dtype=dt if isinstance(dt, torch.dtype) else torch.uint8)
 
 
-def _give_back(name: str, k: int) -> None:
+def _give_back(name: str, k: int, gen: int) -> None:
     try:
-        segment.update_refcount(name, -k)
+        segment.update_refcount(name, -k, None, gen)
     except (MmshmError, OSError) as exc:
         log.debug("mmshm: giving back %d reference(s) of %s failed: %s", k, name, exc)
 
@@ -130,7 +130,7 @@ class _SendScope:
     __slots__ = ("handed", "made")
 
     def __init__(self):
-        self.handed: list[str] = []
+        self.handed: list[tuple[str, int]] = []
         self.made: dict[int, tuple[torch.Tensor, ShmTensor]] = {}
 
     def offer(self, t) -> bytes | None:
@@ -155,7 +155,7 @@ class _SendScope:
         except (MmshmError, OSError) as exc:
             record_fallback(exc)
             return None
-        self.handed.append(h.name)
+        self.handed.append((h.name, h.meta.gen))
         return h.encode()
 
     def close(self) -> None:
@@ -164,8 +164,8 @@ class _SendScope:
         self.made.clear()
 
     def rollback(self) -> None:
-        for name in self.handed:
-            _give_back(name, 1)
+        for name, gen in self.handed:
+            _give_back(name, 1, gen)
         self.handed.clear()
 
 
@@ -394,7 +394,7 @@ class _BroadcastScope:
     def __init__(self, n_readers: int):
         self.n = n_readers
         self.t0 = time.monotonic()
-        self.handed: list[tuple[str, int]] = []
+        self.handed: list[tuple[str, int, int]] = []
 
     def reduce(self, t):
         cfg = config.get()
@@ -403,13 +403,13 @@ class _BroadcastScope:
         entry = _VIEWS.get(t)
         if entry is not None and entry[1] == t._version:
             wire = entry[0]
-            name = codec.decode(wire).name
+            meta = codec.decode(wire)
             try:
-                segment.update_refcount(name, self.n)
+                segment.update_refcount(meta.name, self.n, None, meta.gen)
             except (MmshmError, OSError):
                 pass  # copy it into a new segment below
             else:
-                self.handed.append((name, self.n))
+                self.handed.append((meta.name, self.n, meta.gen))
                 return _rebuild_from_broadcast, (wire, self.t0)
         try:
             h = ShmTensor.from_tensor(t)
@@ -424,14 +424,14 @@ class _BroadcastScope:
             h.release()
             record_fallback(exc)
             return None
-        self.handed.append((h.name, self.n))
+        self.handed.append((h.name, self.n, h.meta.gen))
         wire = h.encode()
         h.release()
         return _rebuild_from_broadcast, (wire, self.t0)
 
     def rollback(self) -> None:
-        for name, k in self.handed:
-            _give_back(name, k)
+        for name, k, gen in self.handed:
+            _give_back(name, k, gen)
         self.handed.clear()
 
 

@@ -38,11 +38,7 @@ import _mp
 import vllm.v1.serial_utils as su
 import vllm_procs
 import wrapt
-from mmshm import (
-    codec,
-    config,
-    integrations,
-)
+from mmshm import codec, config, integrations, segment
 from mmshm.integrations import UnsupportedVersionError
 from mmshm.integrations import vllm as mv
 from prometheus_client import REGISTRY
@@ -458,8 +454,6 @@ def test_budget_fallback_is_inline_and_counted(eng, shm_dir, monkeypatch):
 
 
 def test_unopenable_handle_fails_only_its_request(eng, shm_dir):
-    from mmshm import segment
-
     client = sync_client(eng, forward=False)
     req = make_request("doomed", [{"pixel_values": torch.randn(512, 1024)}])
     client.add_request(req)
@@ -660,7 +654,7 @@ def _summary(rows) -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_message_queue_three_way(rdr, shm_dir, capsys):
+def test_message_queue_three_way(rdr, shm_dir, capsys, monkeypatch):
     """2 readers of the real MessageQueue: equal bytes everywhere, and one run
     comparing reader latency for a 22 MB tensor: vLLM's default path, vLLM's
     tensor arena, mmshm (tensor already in shared memory, and a fresh one)."""
@@ -674,7 +668,14 @@ def test_message_queue_three_way(rdr, shm_dir, capsys):
     src = _metric("mmshm_broadcast_seconds_count", {"role": "src"})
     results["mmshm (tensor from the frontend's segment)"] = rdr.run(
         "default", [lambda: _frontend_view(image)] * REPS)
-    results["mmshm (fresh segment per message)"] = rdr.run("default", [lambda: image] * REPS)
+    results["mmshm (new tensor, fresh segment)"] = rdr.run("default", [lambda: image] * REPS)
+    monkeypatch.setenv("MMSHM_POOL", "1")  # mmshm's default: the warm segment pool
+    config.reload()
+    results["mmshm (new tensor, warm pool)"] = rdr.run(
+        "default", [lambda: image] * (REPS + 1))[1:]  # the first one fills the pool
+    monkeypatch.setenv("MMSHM_POOL", "0")
+    config.reload()
+    segment.trim_pool()
     mv._QUEUES.clear()
     for mode, rows in results.items():
         for row in rows:
@@ -682,9 +683,9 @@ def test_message_queue_three_way(rdr, shm_dir, capsys):
                 assert "error" not in r, (mode, r)
                 assert r["digests"] == {"x": want}, mode
                 assert r["shared"] == (["x"] if mode.startswith("mmshm") else []), mode
-    assert _metric("mmshm_broadcast_seconds_count", {"role": "src"}) - src == 2 * REPS
+    assert _metric("mmshm_broadcast_seconds_count", {"role": "src"}) - src == 3 * REPS + 1
     dst = rdr.metric("mmshm_broadcast_seconds_count", {"role": "dst"})
-    assert all(v is not None and v >= 2 * REPS for v in dst), dst
+    assert all(v is not None and v >= 3 * REPS + 1 for v in dst), dst
     rows = {mode: _summary(r) for mode, r in results.items()}
     title = (f"MessageQueue, 2 readers, {tuple(image.shape)} float32 = "
              f"{image.nbytes / 1e6:.1f} MB, median of {REPS} (ms)")
@@ -745,8 +746,6 @@ def test_message_queue_fallback_and_references(rdr, shm_dir, monkeypatch):
         with pytest.raises(TimeoutError):
             q.enqueue({"x": x, "t_enqueue": 0.0})
         assert _segments(shm_dir) == [name]  # only the view's own segment
-        from mmshm import segment
-
         assert segment.attach(name).refcount() == 1
     finally:
         q.acquire_write = real
