@@ -21,6 +21,7 @@ import gc
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -316,6 +317,20 @@ def test_refuses_cleanly(instrumented, monkeypatch, how):
         monkeypatch.undo()
         instrumented.instrument()
     assert instrumented.instrumented
+
+
+def test_mmshm_run_instruments_vllm(shm_dir):
+    """``mmshm run`` (the start-up hook) instruments a process that imports vLLM."""
+    code = ("import wrapt, vllm.v1.engine.core_client as c, "
+            "vllm.distributed.device_communicators.shm_broadcast as sb; "
+            "print(isinstance(vars(c.MPClient)['__init__'], wrapt.FunctionWrapper), "
+            "isinstance(sb._reduce_tensor, wrapt.FunctionWrapper))")
+    env = dict(os.environ, MMSHM_INSTRUMENT="vllm")
+    r = subprocess.run([sys.executable, "-m", "mmshm.cli", "run", "--", sys.executable, "-c",
+                        code], check=False, env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-2:] == ["True", "True"], (r.stdout, r.stderr[-3000:])
 
 
 def test_client_hook_scope(instrumented):
