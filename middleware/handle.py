@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import weakref
 
@@ -18,7 +19,7 @@ import blake3
 import numpy as np
 import torch
 
-from . import codec, segment
+from . import codec, node, segment
 from .codec import HandleMeta
 from .errors import (
     HandleError,
@@ -26,6 +27,7 @@ from .errors import (
     SegmentCorruptError,
     SegmentError,
     SegmentNotFoundError,
+    WrongNodeError,
 )
 from .metrics import SHM_WRITTEN_BYTES
 
@@ -119,15 +121,54 @@ class ShmTensor:
             DescriptorLimitError, SegmentError: other OS failures.
         """
         _check_tensor(t)
+        src = t.detach()
+
+        def write(dst: torch.Tensor) -> None:
+            dst.view(t.dtype).view(t.shape).copy_(src)
+
+        return cls.from_writer(t.numel() * t.element_size(), t.dtype, tuple(t.shape), write,
+                               hash=hash, directory=directory)
+
+    @classmethod
+    def from_writer(cls, nbytes: int, dtype: torch.dtype | int, shape: tuple[int, ...],
+                    write, hash: bytes | None = None,
+                    directory: str | None = None) -> ShmTensor:
+        """Make a new segment of ``nbytes`` payload bytes, let ``write`` fill
+        it, and return a handle owning its one reference. The bytes never pass
+        through private memory: ``write`` gets the segment's payload as a flat
+        ``uint8`` tensor (a receive from ``torch.distributed`` can land there
+        directly).
+
+        Args:
+            nbytes: payload size; must equal ``prod(shape) * itemsize``.
+            dtype: a torch dtype, or its wire code.
+            shape: tensor shape.
+            write: ``write(dst)`` with ``dst`` a writable ``uint8`` tensor of
+                ``nbytes`` elements (not called when ``nbytes`` is 0).
+            hash: the payload's content hash if known (16..32 bytes);
+                otherwise BLAKE3-128 of what ``write`` wrote.
+            directory: segment directory (default ``MMSHM_DIR``).
+        Raises:
+            ShmSpaceError, DescriptorLimitError, SegmentError: the segment
+                could not be made (``write`` was not called).
+            HandleError: inconsistent ``nbytes``/``dtype``/``shape``.
+            Whatever ``write`` raises (the segment is given back first).
+        """
+        code = dtype if isinstance(dtype, int) else codec.dtype_code(dtype)
         if hash is not None and not codec.HASH_BYTES <= len(hash) <= 32:
             raise ValueError("hash must be 16..32 bytes")
-        nbytes = t.numel() * t.element_size()
+        if not 0 <= code < len(codec.DTYPES) or codec.DTYPES[code] is None:
+            raise HandleError(f"unknown dtype code {code}")
+        itemsize = codec.DTYPES[code].itemsize  # type: ignore[union-attr]
+        shape = tuple(int(d) for d in shape)
+        if nbytes != math.prod(shape) * itemsize:
+            raise HandleError(f"shape {shape} x itemsize {itemsize} != nbytes {nbytes}")
         seg = segment.create(nbytes, directory)
         try:
             if nbytes:
                 dst = torch.frombuffer(seg.shared_map, dtype=torch.uint8, count=nbytes,
                                        offset=segment.HEADER_SIZE)
-                dst.view(t.dtype).view(t.shape).copy_(t.detach())
+                write(dst)
                 if hash is None:
                     hash = blake3.blake3(dst.numpy(), max_threads=blake3.blake3.AUTO).digest(
                         codec.HASH_BYTES)
@@ -138,8 +179,7 @@ class ShmTensor:
             segment.update_refcount(seg.name, -1, directory, seg.gen)
             raise
         SHM_WRITTEN_BYTES.inc(nbytes)
-        meta = HandleMeta(seg.name, nbytes, codec.DTYPE_CODES[t.dtype], tuple(t.shape), hash,
-                          seg.gen)
+        meta = HandleMeta(seg.name, nbytes, code, shape, hash, seg.gen, node.node_id(directory))
         return cls(meta, owns=True, directory=directory)
 
     @classmethod
@@ -200,6 +240,22 @@ class ShmTensor:
         return self._usable_meta().hash
 
     @property
+    def node(self) -> int:
+        """Id of the node whose segment directory holds the segment."""
+        return self._usable_meta().node
+
+    def is_local(self) -> bool:
+        """Whether the segment is on this process's node (see :mod:`mmshm.node`)."""
+        return node.is_local(self._usable_meta().node, self._dir)
+
+    def _check_node(self, meta: HandleMeta) -> None:
+        if not node.is_local(meta.node, self._dir):
+            raise WrongNodeError(
+                f"handle {meta.name} names a segment on node {meta.node}, this process is on "
+                f"node {node.node_id(self._dir)} (another host, IPC or mount namespace, or "
+                f"segment directory): it cannot be opened here")
+
+    @property
     def owns_reference(self) -> bool:
         """Whether this object still owns its reference."""
         return self._owns and self._pid == os.getpid()
@@ -210,7 +266,7 @@ class ShmTensor:
         m = self._meta
         state = "owned" if self._owns else "released"
         return (f"ShmTensor(name={m.name!r}, shape={tuple(m.shape)}, "
-                f"dtype={codec.DTYPES[m.dtype]}, nbytes={m.nbytes}, {state})")
+                f"dtype={codec.DTYPES[m.dtype]}, nbytes={m.nbytes}, node={m.node}, {state})")
 
     # -- reference operations ------------------------------------------------
     def _require_owned(self) -> HandleMeta:
@@ -225,12 +281,14 @@ class ShmTensor:
 
         Raises:
             HandleStateError: this handle no longer owns a reference.
+            WrongNodeError: the segment is on another node.
             SegmentNotFoundError: the segment is already gone.
         """
         meta = self._require_owned()
         if k < 0:
             raise ValueError("k must be >= 0")
         if k:
+            self._check_node(meta)
             segment.update_refcount(meta.name, k, self._dir, meta.gen)
 
     def clone(self) -> ShmTensor:
@@ -243,16 +301,32 @@ class ShmTensor:
         """A new handle object owning a reference already added by share()."""
         return ShmTensor(self._meta, owns=True, directory=self._dir)
 
+    def hand_over(self) -> None:
+        """Give this object's reference to the copy just pickled for one
+        receiver: the receiver's unpickled handle owns it, this object no
+        longer does (and releases nothing when dropped). The same as
+        ``share(1)`` then ``release()``, without the two locked updates.
+        Raises :class:`HandleStateError` if this object owns no reference."""
+        self._require_owned()
+        self._owns = False
+
     def _disown(self) -> None:
         """Give up ownership without touching the count (the reference moved)."""
         self._owns = False
 
     def release(self) -> None:
         """Give back this handle's reference. Idempotent; a segment that has
-        already disappeared (ENOENT) is tolerated. The last release unlinks."""
+        already disappeared (ENOENT) is tolerated. The last release unlinks.
+        A handle of another node is only dropped: its segment cannot be
+        reached from here (the reference it stood for stays with that node)."""
         if not self._owns or self._pid != os.getpid():
             return
         self._owns = False
+        if not node.is_local(self._meta.node, self._dir):  # type: ignore[union-attr]
+            log.warning("mmshm: dropping handle %s of node %d without giving its reference "
+                        "back (not reachable from this node)", self._meta.name,  # type: ignore
+                        self._meta.node)  # type: ignore[union-attr]
+            return
         try:
             segment.update_refcount(self._meta.name, -1, self._dir,  # type: ignore[union-attr]
                                     self._meta.gen)  # type: ignore[union-attr]
@@ -279,12 +353,15 @@ class ShmTensor:
 
         Raises:
             HandleStateError: the handle was already released or materialized.
+            WrongNodeError: the segment is on another node (a
+                :class:`HandleError`); nothing is opened.
             HandleError: malformed metadata, or a size larger than the segment.
             SegmentNotFoundError, SegmentCorruptError, DescriptorLimitError:
                 the segment cannot be opened. The handle keeps its reference
                 in that case (release it, or drop it).
         """
         meta = self._require_owned()
+        self._check_node(meta)
         dtype = codec.DTYPES[meta.dtype]
         if meta.nbytes == 0:
             out = torch.empty(meta.shape, dtype=dtype)

@@ -34,7 +34,7 @@ def _our_shm_files() -> set[str]:
     out = set()
     for n in _mp.seg_files(_mp.SHM_ROOT):
         m = segment.NAME_RE.match(n)
-        if m is None or int(m.group(1)) in ours:
+        if m is not None and int(m.group(1)) in ours:
             out.add(n)
     return out
 
