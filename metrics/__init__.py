@@ -26,6 +26,8 @@ Families (as exposed):
 ``mmshm_broadcast_bytes{role}``                histogram of broadcast payload bytes
 ``mmshm_fanout_copies_total``                  request copies made by ``fan_out``
 ``mmshm_pool_requests_total{result}``          segment pool lookups, ``hit`` / ``miss``
+``mmshm_internode_bytes_total``                payload bytes sent to other nodes (multi-node
+                                               TP: once per tensor and other node)
 ``mmshm_dir_free_bytes``                       free bytes in ``MMSHM_DIR`` (statvfs)
 ``mmshm_dir_size_bytes``                       size of ``MMSHM_DIR``'s file system
 =============================================  ==========================================
@@ -129,6 +131,9 @@ _SPECS = (
      {"multiprocess_mode": "mostrecent"}),
     ("POOL_REQUESTS", "counter", "mmshm_pool_requests",
      "Segment pool lookups, by result (hit or miss).", ("result",), {}),
+    ("INTERNODE_BYTES", "counter", "mmshm_internode_bytes",
+     "Tensor payload bytes sent by the source TP rank to the other nodes' leader ranks.",
+     (), {}),
 )
 # Label values created (at 0) with the metrics, so every series exists from the
 # first scrape: increase()/rate() and alerts then see the first event, and
@@ -184,6 +189,7 @@ REAPED_BYTES = _deferred["REAPED_BYTES"]
 FREE_BYTES = _deferred["FREE_BYTES"]
 DIR_SIZE_BYTES = _deferred["DIR_SIZE_BYTES"]
 POOL_REQUESTS = _deferred["POOL_REQUESTS"]
+INTERNODE_BYTES = _deferred["INTERNODE_BYTES"]
 _init_lock = threading.RLock()
 _initialised = False
 _multiprocess = False
@@ -359,6 +365,7 @@ __all__ = [
     "FALLBACK_REASONS",
     "FANOUT_COPIES",
     "FREE_BYTES",
+    "INTERNODE_BYTES",
     "LATENCY_BUCKETS",
     "MATERIALIZE_FAILURES",
     "MATERIALIZE_SECONDS",

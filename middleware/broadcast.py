@@ -6,6 +6,21 @@ zero while another rank has not opened the segment yet, whatever the timing or
 process group. Every rank materializes after the broadcast; per-request
 failures are all-reduced so that all ranks turn the same requests into errors.
 No barrier is used.
+
+**Several nodes.** When the TP group spans nodes (:func:`mmshm.node.layout`,
+learnt once per group), the source rank hands out references only for the
+ranks of its own node. After its own walk it sends each tensor's payload once
+to a *leader* rank on every other node (its lowest rank), point to point
+through ``torch.distributed`` as a ``uint8`` tensor, never pickled. The leader
+receives it straight into a new segment of its own directory, hands out one
+reference per rank of its node and sends them the handles' metadata; those
+ranks drop the foreign handles that came with the broadcast (no reference was
+handed out for them) and materialize the local ones. Failures (the source
+could not read a payload, the leader could not make a segment) travel along
+with the metadata, and the all-reduce is the same as on one node, so every
+rank of every node agrees on the per-request failures; references stranded on
+a rank are given back by the rank that handed them out (the source rank on
+its node, the leader on the others).
 """
 
 from __future__ import annotations
@@ -16,12 +31,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import segment
-from .errors import HandleStateError, MaterializeError, MmshmError, failure_reason
+from . import node, segment
+from .errors import (
+    HandleStateError,
+    MaterializeError,
+    MmshmError,
+    WrongNodeError,
+    failure_reason,
+)
 from .handle import ShmTensor
 from .metrics import (
     BROADCAST_BYTES,
@@ -40,6 +62,9 @@ _REQUEST_WIRE_BYTES = 256
 REASONS = ("ok", "malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
            "enospc", "other")
 _REASON_CODE = {r: i for i, r in enumerate(REASONS)}
+_OTHER = _REASON_CODE["other"]
+# tag of the point-to-point messages of the multi-node path
+P2P_TAG = 0x6D6D
 
 
 def _world(group) -> tuple[int, int]:
@@ -138,7 +163,7 @@ def _share_for_broadcast(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
                 for key in done:
                     _update(key, -per_seg[key])
                 done = []
-                poisoned = exc
+                poisoned = _foreign_error(req) or exc
         if poisoned is not None:
             out[i] = _poison(req, poisoned)
             continue
@@ -146,6 +171,16 @@ def _share_for_broadcast(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
         for key in done:
             added[key] = added.get(key, 0) + per_seg[key]
     return out, added
+
+
+def _foreign_error(req) -> WrongNodeError | None:
+    """A WrongNodeError if ``req`` holds a handle of another node (only
+    looked at once sharing failed: the happy path pays nothing for it)."""
+    for h in handles(req):
+        if h._error is None and not h.is_local():
+            return WrongNodeError(f"handle {h.name} names a segment on node {h.node}, "
+                                  f"not on the source rank's node {node.node_id(h._dir)}")
+    return None
 
 
 def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
@@ -165,8 +200,14 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
     ``broadcast_fn`` itself raises (after giving back the references it
     added).
 
+    When ``dist_group`` spans several nodes, payloads cross each node
+    boundary once (see the module docstring); within a node only metadata
+    travels. The first call on a group learns its layout with one collective
+    (``all_gather_object``); a group on one node then runs exactly the
+    single-node path.
+
     Records ``mmshm_broadcast_seconds{role}`` and ``mmshm_broadcast_bytes{role}``
-    (``role`` is ``src`` or ``dst``).
+    (``role`` is ``src`` or ``dst``), and ``mmshm_internode_bytes_total``.
     """
 
     @functools.wraps(broadcast_fn)
@@ -174,10 +215,18 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
         world, group_rank = _world(dist_group)
         is_src = rank == src
         role = "src" if is_src else "dst"
+        src_group_rank = _group_rank_of(src, dist_group, world)
+        plan: _NodePlan | None = None
+        receivers = world - 1
+        if world > 1:
+            lay = node.layout(dist_group)  # a dict lookup after the first call
+            if not lay.single and src_group_rank is not None:
+                plan = _NodePlan(lay, dist_group, group_rank, src_group_rank)
+                receivers = len(lay.ranks_on_node_of(src_group_rank)) - 1
         added: dict[SegKey, int] = {}
         t0 = time.perf_counter()
         if is_src and world > 1 and data:
-            data, added = _share_for_broadcast(data, world - 1)
+            data, added = _share_for_broadcast(data, receivers)
         try:
             out = broadcast_fn(data, rank, dist_group, src, *args, **kwargs)
         except BaseException:
@@ -189,7 +238,7 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
             raise
         BROADCAST_SECONDS.labels(role=role).observe(time.perf_counter() - t0)
         return _unwrap_all(out, dist_group, world, group_rank, copy, on_failure, role,
-                           _group_rank_of(src, dist_group, world))
+                           src_group_rank, plan)
 
     wrapper.__mmshm_deferred__ = True  # type: ignore[attr-defined]
     return wrapper
@@ -231,7 +280,8 @@ class _Unwrapper:
             raise st
         if st is None:
             try:
-                st = self.state[idx] = x.materialize(copy=self.copy)
+                # order[idx] is x, or (multi-node) the copy on this node
+                st = self.state[idx] = self.order[idx].materialize(copy=self.copy)
             except Exception as exc:
                 self.state[idx] = exc
                 raise
@@ -258,7 +308,7 @@ def _give_back(unw: _Unwrapper, idxs: list[int], stranded: np.ndarray, col: int)
 
 
 def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_failure,
-                role: str, src_group_rank: int | None) -> list:
+                role: str, src_group_rank: int | None, plan: _NodePlan | None = None) -> list:
     if not out:
         return out
     results = list(out)
@@ -268,6 +318,8 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
     req_idxs: list[list[int]] = []
     t0 = time.perf_counter()
     unw = _Unwrapper(copy)
+    if plan is not None:
+        plan.prepare(unw, out)  # on other nodes: swap in this node's copies
     for i, req in enumerate(out):
         unw.current = []
         try:
@@ -276,11 +328,13 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
         except Exception as exc:  # noqa: BLE001 - any failure must reach the all-reduce
             # (a rank that raised here would leave the others waiting in it)
             req_idxs.append(unw.request_handles(req))
-            reason = failure_reason(exc)
+            reason = _reason_of(exc)
             MATERIALIZE_FAILURES.labels(reason=reason).inc()
-            reasons[i] = _REASON_CODE.get(reason, _REASON_CODE["other"])
+            reasons[i] = _REASON_CODE.get(reason, _OTHER)
             failed[i, group_rank] = 1
             results[i] = None
+    if plan is not None:
+        plan.send_payloads(unw)  # the source rank, to the other nodes' leaders
     BROADCAST_BYTES.labels(role=role).observe(unw.wire_bytes + _REQUEST_WIRE_BYTES * n)
     nh = len(unw.order)
     if not nh:  # identical on every rank: the data is the same
@@ -302,7 +356,9 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
         if i not in local:
             _give_back(unw, req_idxs[i], stranded, group_rank)
     unw.state = []
-    if src_group_rank is not None and group_rank == src_group_rank:
+    if plan is not None:
+        plan.give_back_stranded(unw, stranded)
+    elif src_group_rank is not None and group_rank == src_group_rank:
         # references handed out to ranks that cannot reach the segment come back here
         for idx in np.nonzero(stranded.sum(axis=1))[0].tolist():
             h = unw.order[idx]
@@ -319,3 +375,219 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
         REQUEST_FAILURES.labels(reason=reason).inc()
         results[i] = on_failure(out[i], err) if on_failure is not None else err
     return results
+
+
+# -- several nodes --------------------------------------------------------------------
+class _RemoteFailure(MmshmError):
+    """A handle that failed before it reached this node (on the source rank,
+    or on this node's leader); ``reason`` is the original failure's."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _reason_of(exc: BaseException) -> str:
+    return exc.reason if isinstance(exc, _RemoteFailure) else failure_reason(exc)
+
+
+def _remote(code: int, where: str) -> _RemoteFailure:
+    reason = REASONS[code] if 0 < code < len(REASONS) else "other"
+    return _RemoteFailure(reason, f"the tensor could not be materialized on {where} ({reason})")
+
+
+class _NodePlan:
+    """One broadcast's transfers when the TP group spans nodes.
+
+    Every rank indexes the batch's handles in walk order (identical on every
+    rank). Then, on the source rank's node, nothing changes. On another node:
+
+    1. the leader receives from the source rank a code per handle (0: the
+       payload follows; else the reason code of the source's failure) and each
+       payload's size, then each payload in index order, received straight
+       into a new segment (:meth:`ShmTensor.from_writer`); a payload it has no
+       room for is taken off the wire and its handle fails here;
+    2. it hands out one reference per other rank of its node and sends them
+       (point to point, within the node) the codes and the new handles' wire
+       metadata;
+    3. every rank of the node replaces the foreign handles by the local ones
+       before walking; failed handles raise their forwarded reason.
+    """
+
+    def __init__(self, lay: node.Layout, group, group_rank: int, src: int):
+        self.lay = lay
+        self.group = group
+        self.me = group_rank
+        self.src = src
+        self.src_node = lay.node_of[src]
+        self.my_node = lay.node_of[group_rank]
+        self.on_src_node = self.my_node == self.src_node
+        self.leader = lay.leader(self.my_node, src)
+        self.leaders = [lay.leader(k, src) for k in range(lay.num_nodes) if k != self.src_node]
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def issuer(self, group_rank: int) -> int:
+        """The rank that handed out ``group_rank``'s references."""
+        return self.lay.leader(self.lay.node_of[group_rank], self.src)
+
+    # -- before the walk -------------------------------------------------------------
+    def prepare(self, unw: _Unwrapper, out: list) -> None:
+        for req in out:
+            for h in handles(req):
+                unw._idx(h)
+        if self.on_src_node or not unw.order:
+            return
+        for h in unw.order:
+            h._disown()  # the source rank handed out no reference for this node
+        if self.me == self.leader:
+            self._lead(unw)
+        else:
+            self._follow(unw)
+
+    def _lead(self, unw: _Unwrapper) -> None:
+        nh = len(unw.order)
+        src = self._global(self.src)
+        head = torch.zeros(2 * nh, dtype=torch.int64)  # codes, then payload sizes
+        dist.recv(head, src=src, group=self.group, tag=P2P_TAG)
+        codes = head[:nh].numpy().astype(np.int32)
+        sizes = head[nh:].tolist()
+        made: list[ShmTensor] = []
+        shared: list[ShmTensor] = []
+        posted = False
+        members = [r for r in self.lay.nodes[self.my_node] if r != self.me]
+        try:
+            for idx in range(nh):
+                if codes[idx]:
+                    unw.state[idx] = _remote(int(codes[idx]), "the source rank")
+                    continue
+                started = False
+
+                def receive(dst, _src=src):
+                    nonlocal started
+                    started = True
+                    dist.recv(dst, src=_src, group=self.group, tag=P2P_TAG)
+
+                try:
+                    meta = unw.order[idx].meta
+                    if meta.nbytes != sizes[idx]:
+                        raise MmshmError(f"handle {meta.name}: {meta.nbytes} bytes here, "
+                                         f"{sizes[idx]} sent")
+                    local = ShmTensor.from_writer(meta.nbytes, meta.dtype, meta.shape, receive,
+                                                  hash=meta.hash)
+                except (MmshmError, OSError) as exc:
+                    if started:
+                        raise  # the transport failed mid-payload: not a per-request failure
+                    if sizes[idx]:  # the payload is on its way: take it off the wire
+                        dist.recv(torch.empty(sizes[idx], dtype=torch.uint8), src=src,
+                                  group=self.group, tag=P2P_TAG)
+                        node.count_received(sizes[idx])
+                    unw.state[idx] = exc
+                    codes[idx] = _REASON_CODE.get(failure_reason(exc), _OTHER)
+                    continue
+                if sizes[idx]:
+                    node.count_received(sizes[idx])
+                made.append(local)
+                unw.order[idx] = local
+            wires: list[bytes | None] = [None] * nh
+            for idx in range(nh):
+                if codes[idx]:
+                    continue
+                local = unw.order[idx]
+                try:
+                    local.share(len(members))  # hand out before handing over
+                except (MmshmError, OSError) as exc:
+                    unw.state[idx] = exc
+                    codes[idx] = _REASON_CODE.get(failure_reason(exc), _OTHER)
+                    continue
+                shared.append(local)
+                wires[idx] = local.encode()
+            if members:
+                posted = True
+                blob = np.frombuffer(msgspec.msgpack.encode([codes.tolist(), wires]),
+                                     dtype=np.uint8)
+                size = torch.tensor([blob.size], dtype=torch.int64)
+                payload = torch.from_numpy(blob.copy())
+                works = []
+                for r in members:
+                    dst = self._global(r)
+                    works.append(dist.isend(size, dst=dst, group=self.group, tag=P2P_TAG))
+                    works.append(dist.isend(payload, dst=dst, group=self.group, tag=P2P_TAG))
+                for w in works:
+                    w.wait()
+        except BaseException:
+            # a transport failure: take back what did not reach anyone
+            if not posted:
+                for h in shared:
+                    try:
+                        _update(_key(h), -len(members))
+                    except (MmshmError, OSError):
+                        pass
+            for h in made:
+                h.release()
+            raise
+
+    def _follow(self, unw: _Unwrapper) -> None:
+        leader = self._global(self.leader)
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src=leader, group=self.group, tag=P2P_TAG)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(buf, src=leader, group=self.group, tag=P2P_TAG)
+        codes, wires = msgspec.msgpack.decode(buf.numpy().tobytes())
+        for idx, (code, wire) in enumerate(zip(codes, wires)):
+            if code:
+                unw.state[idx] = _remote(int(code), "the source rank or this node's leader")
+                continue
+            try:
+                unw.order[idx] = ShmTensor.decode(wire)
+            except MmshmError as exc:
+                unw.state[idx] = exc
+
+    # -- after the walk ------------------------------------------------------------
+    def send_payloads(self, unw: _Unwrapper) -> None:
+        """On the source rank: each payload once to every other node's leader."""
+        if self.me != self.src or not self.leaders or not unw.order:
+            return
+        nh = len(unw.order)
+        head = np.zeros(2 * nh, dtype=np.int64)  # codes, then payload sizes
+        codes = head[:nh]
+        tensors: list[torch.Tensor] = []
+        for idx, st in enumerate(unw.state):
+            if isinstance(st, torch.Tensor):
+                if st.numel():
+                    flat = st.reshape(-1).view(torch.uint8)
+                    head[nh + idx] = flat.numel()
+                    tensors.append(flat)
+            elif isinstance(st, BaseException):
+                codes[idx] = _REASON_CODE.get(_reason_of(st), _OTHER)
+            else:
+                # never reached: every request holding it failed earlier in the walk,
+                # on every rank (the walk order and the failures sent are the same)
+                codes[idx] = _OTHER
+        head_t = torch.from_numpy(head)
+        works = []
+        for leader in self.leaders:
+            dst = self._global(leader)
+            works.append(dist.isend(head_t, dst=dst, group=self.group, tag=P2P_TAG))
+            for t in tensors:
+                works.append(dist.isend(t, dst=dst, group=self.group, tag=P2P_TAG))
+                node.count_sent(t.numel())
+        for w in works:
+            w.wait()
+
+    def give_back_stranded(self, unw: _Unwrapper, stranded: np.ndarray) -> None:
+        """References handed out to ranks of this rank's node that could not
+        give them back come back here (the source rank, or a leader)."""
+        mine = [r for r in range(stranded.shape[1]) if self.issuer(r) == self.me]
+        if not mine:
+            return
+        counts = stranded[:, mine].sum(axis=1)
+        for idx in np.nonzero(counts)[0].tolist():
+            h = unw.order[idx]
+            if h._error is not None or not h.is_local():
+                continue
+            try:
+                _update(_key(h), -int(counts[idx]))
+            except (MmshmError, OSError):
+                pass

@@ -1,12 +1,17 @@
 """msgspec encoding of handle metadata.
 
-The wire form of a handle is a msgpack array (``array_like``)::
+The wire form of a handle is a msgpack array::
 
-    [name, nbytes, dtype code, shape, hash, generation]
+    [name, nbytes, dtype code, shape, hash, generation, node]
 
-A 720p Qwen2-VL ``pixel_values`` handle ([4784, 1176] float32, 16-byte hash)
-encodes to 61 bytes. Dtype codes are a fixed, append-only table so that
-processes running different torch builds agree on them.
+``name`` travels without its constant ``mmshm-`` prefix (a name that still
+has it is accepted too); ``node`` is the 32-bit id of the node that holds the
+segment (:func:`mmshm.node.node_id`). A wire array without ``node`` (six
+elements, or five without the generation) decodes with this process's own
+node. A 720p Qwen2-VL ``pixel_values`` handle ([4784, 1176] float32, 16-byte
+hash, the largest pid Linux hands out) encodes to 63 bytes. Dtype codes are a
+fixed, append-only table so that processes running different torch builds
+agree on them.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import math
 import msgspec
 import torch
 
+from . import node as _node
 from .errors import HandleError
-from .segment import NAME_RE
+from .segment import NAME_RE, PREFIX
 
 # Append-only: the position is the wire code. Names missing from this torch
 # build are kept as placeholders so codes never shift.
@@ -32,6 +38,11 @@ DTYPE_CODES: dict[torch.dtype, int] = {dt: i for i, dt in enumerate(DTYPES) if d
 
 HASH_BYTES = 16  # BLAKE3 truncated to 128 bits
 MAX_NDIM = 32
+_NODE_LIMIT = 1 << _node.NODE_ID_BITS
+
+
+def _local_node() -> int:
+    return _node.node_id()
 
 
 class HandleMeta(msgspec.Struct, array_like=True, frozen=True):
@@ -45,6 +56,8 @@ class HandleMeta(msgspec.Struct, array_like=True, frozen=True):
         hash: BLAKE3 digest of the payload, 16 to 32 bytes.
         gen: the segment's generation (bumped each time the owner's pool
             reuses it).
+        node: id of the node whose segment directory holds the segment
+            (default: this process's node for ``MMSHM_DIR``).
     """
 
     name: str
@@ -53,10 +66,24 @@ class HandleMeta(msgspec.Struct, array_like=True, frozen=True):
     shape: tuple[int, ...]
     hash: bytes
     gen: int = 0
+    node: int = msgspec.field(default_factory=_local_node)
+
+
+class _Wire(msgspec.Struct, array_like=True, frozen=True):
+    """The wire array; ``name`` without the ``mmshm-`` prefix."""
+
+    name: str
+    nbytes: int
+    dtype: int
+    shape: tuple[int, ...]
+    hash: bytes
+    gen: int = 0
+    node: int | None = None
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(HandleMeta)
+_DECODER = msgspec.msgpack.Decoder(_Wire)
+_PLEN = len(PREFIX)
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -85,19 +112,32 @@ def validate(meta: HandleMeta) -> HandleMeta:
         )
     if meta.gen < 0:
         raise HandleError(f"invalid generation {meta.gen}")
+    if not 0 <= meta.node < _NODE_LIMIT:
+        raise HandleError(f"invalid node id {meta.node}")
     if not HASH_BYTES <= len(meta.hash) <= 32:
         raise HandleError(f"hash must be 16..32 bytes, got {len(meta.hash)}")
     return meta
 
 
 def encode(meta: HandleMeta) -> bytes:
-    return _ENCODER.encode(meta)
+    """Wire bytes of ``meta``. Raises :class:`HandleError` for a name outside
+    the naming scheme."""
+    name = meta.name
+    if not name.startswith(PREFIX):
+        raise HandleError(f"segment name {name!r} is outside the naming scheme")
+    return _ENCODER.encode((name[_PLEN:], meta.nbytes, meta.dtype, meta.shape, meta.hash,
+                            meta.gen, meta.node))
 
 
 def decode(data: bytes) -> HandleMeta:
     """Decode and validate wire bytes. Raises :class:`HandleError`."""
     try:
-        meta = _DECODER.decode(data)
+        w = _DECODER.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise HandleError(f"malformed handle metadata: {exc}") from None
+    name = w.name if w.name.startswith(PREFIX) else PREFIX + w.name
+    if w.node is None:
+        meta = HandleMeta(name, w.nbytes, w.dtype, w.shape, w.hash, w.gen)
+    else:
+        meta = HandleMeta(name, w.nbytes, w.dtype, w.shape, w.hash, w.gen, w.node)
     return validate(meta)

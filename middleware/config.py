@@ -31,6 +31,13 @@ Variables:
     MMSHM_REAP_INTERVAL_S: the reaper runs at most once per this many seconds
         per segment directory on process start-up, and this often in
         long-lived processes (default 60; 0 disables the automatic runs).
+    MMSHM_NODE_ID: overrides this process's node identity (see
+        :mod:`mmshm.node`). Ranks with the same value count as one node, ranks
+        with different values as different nodes, whatever the system says. A
+        decimal integer below 2**32 is used as the node id itself; any other
+        string is hashed. Unset (the default): the identity comes from the
+        system (boot id, IPC and mount namespace, segment directory). Meant for
+        tests and for simulating several nodes on one machine.
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ class Settings:
     pool: bool
     pool_idle_s: float
     pool_max_bytes: int | None
+    node_id: str | None = None
 
 
 _settings: Settings | None = None
@@ -104,6 +112,7 @@ def reload() -> Settings:
         pool=_env_bool("MMSHM_POOL", True),
         pool_idle_s=float(os.environ.get("MMSHM_POOL_IDLE_S", "10")),
         pool_max_bytes=_env_int("MMSHM_POOL_MAX_BYTES"),
+        node_id=(os.environ.get("MMSHM_NODE_ID") or "").strip() or None,
     )
     return _settings
 

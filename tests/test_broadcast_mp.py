@@ -53,9 +53,12 @@ def test_per_request_failures_are_identical_on_every_rank(shm_dir):
     assert _mp.seg_files() == []
 
 
-def test_rank_that_cannot_see_the_segments_does_not_leak(shm_dir):
+def test_rank_that_cannot_see_the_segments_does_not_leak(shm_dir, monkeypatch):
     """Rank 1 looks in another directory (a different tmpfs, or node): its
     request fails on every rank, the inline request is fine, nothing leaks."""
+    # told that both ranks are on one node (otherwise the multi-node path would
+    # carry the payload across: tests/test_multinode.py)
+    monkeypatch.setenv("MMSHM_NODE_ID", "7")
     other = os.path.join(_mp.SHM_ROOT, f"pytest-mmshm-other-{secrets.token_hex(4)}")
     os.mkdir(other, 0o700)
     try:

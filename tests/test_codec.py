@@ -38,7 +38,9 @@ def test_wire_roundtrip_and_size():
     meta = HandleMeta(f"mmshm-{2**22}-0123456789abcdef", 4784 * 1176 * 4, 0, (4784, 1176), H16)
     data = codec.encode(meta)
     assert codec.decode(data) == meta
-    assert msgspec.msgpack.decode(data) == [meta.name, meta.nbytes, 0, [4784, 1176], H16, 0]
+    # the name travels without its constant "mmshm-" prefix; the last field is the node id
+    assert msgspec.msgpack.decode(data) == [meta.name[len("mmshm-"):], meta.nbytes, 0,
+                                            [4784, 1176], H16, 0, meta.node]
     assert len(data) <= 64  # a Qwen2-VL pixel_values handle is tiny
 
 

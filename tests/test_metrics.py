@@ -349,7 +349,8 @@ def test_free_bytes_is_read_at_scrape_time(private_dir, tmp_path, monkeypatch):
 # -- exposition -------------------------------------------------------------------------------
 COUNTERS = {"mmshm_segments_created", "mmshm_shm_written_bytes", "mmshm_inline_fallbacks",
             "mmshm_materialize_failures", "mmshm_fanout_copies", "mmshm_request_failures",
-            "mmshm_reaped_segments", "mmshm_reaped_bytes", "mmshm_pool_requests"}
+            "mmshm_reaped_segments", "mmshm_reaped_bytes", "mmshm_pool_requests",
+            "mmshm_internode_bytes"}
 GAUGES = {"mmshm_segments_in_use", "mmshm_shm_in_use_bytes", "mmshm_dir_free_bytes",
           "mmshm_dir_size_bytes"}
 HISTOGRAMS = {"mmshm_materialize_seconds", "mmshm_broadcast_seconds", "mmshm_broadcast_bytes"}

@@ -1,0 +1,289 @@
+"""Node identity, and the node layout of a process group.
+
+Shared memory stops at the node. Two processes are on the same node only if
+they can open each other's segments, so a node's identity is made of:
+
+* the host's boot (``/proc/sys/kernel/random/boot_id``; the host name where
+  that file is missing),
+* the IPC and mount namespaces (the inode numbers of ``/proc/self/ns/ipc``
+  and ``/proc/self/ns/mnt``),
+* the segment directory itself (``st_dev``/``st_ino`` of ``MMSHM_DIR``).
+
+:func:`identity` is that description as a string; :func:`node_id` hashes it
+(BLAKE3) to a compact 32-bit id, which every handle carries on the wire
+(:attr:`mmshm.codec.HandleMeta.node`). Opening a handle whose node id is not
+this process's raises :class:`~mmshm.errors.WrongNodeError`.
+
+``MMSHM_NODE_ID`` overrides the system identity (tests, and simulating several
+nodes on one machine): ranks with equal values are one node, ranks with
+different values are different nodes. A decimal integer below 2**32 is the
+node id itself; any other string is hashed.
+
+:func:`layout` tells which ranks of a process group share a node. Ranks learn
+each other's identities once per group (one ``all_gather_object``, on the
+first call, which is therefore collective) and the answer is cached; a group
+whose ranks are all on one node takes the single-node path of
+:func:`mmshm.deferred_unwrap` with no further collective.
+
+Simulating ``K`` nodes on one machine (``mmshm bench --nodes K``): give each
+simulated node its own segment directory and node id with :func:`simulate`
+(in the rank process, before anything else of mmshm runs) or pass
+:func:`simulated_env` to the child; :func:`node_of_rank` assigns ranks to nodes
+in contiguous blocks. :func:`internode_bytes` is the payload bytes this process
+sent to other nodes (also ``mmshm_internode_bytes_total``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import blake3
+import torch.distributed as dist
+
+from . import config
+from .metrics import INTERNODE_BYTES
+
+NODE_ID_BITS = 32
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+# (directory, override) -> (identity, node id). The boot and the namespaces do
+# not change during a process's life; a directory that cannot be stat'ed
+# (yet) is not cached.
+_IDS: dict[tuple[str, str | None], tuple[str, int]] = {}
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _ns_inode(kind: str) -> int:
+    try:
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return 0
+
+
+def _hash32(text: str) -> int:
+    return int.from_bytes(blake3.blake3(text.encode()).digest(4), "little")
+
+
+def _compute(directory: str, override: str | None) -> tuple[tuple[str, int], bool]:
+    if override is not None:
+        if override.isdecimal() and int(override) < 1 << NODE_ID_BITS:
+            nid = int(override)
+        else:
+            nid = _hash32("override=" + override)
+        return (f"override={override}", nid), True
+    boot = _read(_BOOT_ID) or f"host:{socket.gethostname()}"
+    try:
+        st = os.stat(directory)
+        where, cacheable = f"{st.st_dev}:{st.st_ino}", True
+    except OSError:
+        where, cacheable = f"path:{os.path.abspath(directory)}", False
+    ident = f"boot={boot};ipc={_ns_inode('ipc')};mnt={_ns_inode('mnt')};dir={where}"
+    return (ident, _hash32(ident)), cacheable
+
+
+def _lookup(directory: str | None) -> tuple[str, int]:
+    cfg = config.get()
+    d = directory if directory is not None else cfg.dir
+    key = (d, cfg.node_id)
+    hit = _IDS.get(key)
+    if hit is not None:
+        return hit
+    value, cacheable = _compute(d, cfg.node_id)
+    if cacheable:
+        _IDS[key] = value
+    return value
+
+
+def identity(directory: str | None = None) -> str:
+    """This process's node identity for segment directory ``directory``
+    (default ``MMSHM_DIR``): ``override=<MMSHM_NODE_ID>``, or
+    ``boot=<boot id>;ipc=<inode>;mnt=<inode>;dir=<st_dev>:<st_ino>``."""
+    return _lookup(directory)[0]
+
+
+def node_id(directory: str | None = None) -> int:
+    """The compact (32-bit) id of this process's node for ``directory``
+    (default ``MMSHM_DIR``), as carried by handles. Cached: one dict lookup."""
+    return _lookup(directory)[1]
+
+
+def is_local(node: int, directory: str | None = None) -> bool:
+    """Whether a handle carrying node id ``node`` was made on this node."""
+    return node == _lookup(directory)[1]
+
+
+def clear_cache() -> None:
+    """Forget the cached identities (after changing ``MMSHM_DIR`` or
+    ``MMSHM_NODE_ID``; :func:`mmshm.config.reload` alone is enough, since the
+    cache is keyed by both). Group layouts stay cached: all ranks must agree
+    on when to gather them again."""
+    _IDS.clear()
+
+
+# -- the layout of a process group -------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """Which ranks of a process group share a node.
+
+    Attributes:
+        identities: the node identity of each group rank.
+        node_of: group rank -> node index (nodes numbered in order of their
+            lowest rank).
+        nodes: node index -> the group ranks on that node, ascending.
+    """
+
+    identities: tuple[str, ...]
+    node_of: tuple[int, ...]
+    nodes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_identities(cls, identities) -> Layout:
+        index: dict[str, int] = {}
+        members: list[list[int]] = []
+        node_of = []
+        for r, ident in enumerate(identities):
+            k = index.get(ident)
+            if k is None:
+                k = index[ident] = len(members)
+                members.append([])
+            members[k].append(r)
+            node_of.append(k)
+        return cls(tuple(identities), tuple(node_of), tuple(tuple(m) for m in members))
+
+    @property
+    def single(self) -> bool:
+        """Whether every rank of the group is on one node."""
+        return len(self.nodes) == 1
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    def ranks_on_node_of(self, group_rank: int) -> tuple[int, ...]:
+        return self.nodes[self.node_of[group_rank]]
+
+    def leader(self, node: int, src: int) -> int:
+        """The rank of node ``node`` that receives payloads from source rank
+        ``src``: ``src`` itself on its own node, else the node's lowest rank."""
+        ranks = self.nodes[node]
+        return src if src in ranks else ranks[0]
+
+
+# id(process group) -> (process group, layout); the group object is kept so
+# that its id cannot be reused by another group while the entry exists.
+_LAYOUTS: dict[int, tuple[object, Layout]] = {}
+
+
+def _group_key(group):
+    return group if group is not None else dist.group.WORLD
+
+
+def cached_layout(group=None) -> Layout | None:
+    """The layout of ``group`` if already known (no collective)."""
+    pg = _group_key(group)
+    hit = _LAYOUTS.get(id(pg))
+    return hit[1] if hit is not None and hit[0] is pg else None
+
+
+def layout(group=None) -> Layout:
+    """The node layout of ``group`` (default: the default process group).
+
+    The first call for a group is a collective (``all_gather_object`` of every
+    rank's :func:`identity`): every rank of the group must make it, which
+    :func:`mmshm.deferred_unwrap` guarantees by calling it at the start of
+    each broadcast on every rank. Later calls are a dict lookup.
+    """
+    pg = _group_key(group)
+    hit = _LAYOUTS.get(id(pg))
+    if hit is not None and hit[0] is pg:
+        return hit[1]
+    world = dist.get_world_size(group=group)
+    idents: list = [None] * world
+    dist.all_gather_object(idents, identity(), group=group)
+    lay = Layout.from_identities(idents)
+    _LAYOUTS[id(pg)] = (pg, lay)
+    return lay
+
+
+def forget_layouts() -> None:
+    """Drop every cached layout (after destroying process groups)."""
+    _LAYOUTS.clear()
+
+
+# -- inter-node traffic ------------------------------------------------------------
+_STATS = {"sent_bytes": 0, "received_bytes": 0, "payloads_sent": 0, "payloads_received": 0}
+
+
+def count_sent(nbytes: int) -> None:
+    """Record one payload of ``nbytes`` sent to a rank on another node."""
+    _STATS["sent_bytes"] += nbytes
+    _STATS["payloads_sent"] += 1
+    INTERNODE_BYTES.inc(nbytes)
+
+
+def count_received(nbytes: int) -> None:
+    """Record one payload of ``nbytes`` received from a rank on another node."""
+    _STATS["received_bytes"] += nbytes
+    _STATS["payloads_received"] += 1
+
+
+def internode_bytes() -> int:
+    """Payload bytes this process has sent to ranks on other nodes (the
+    process-local value of ``mmshm_internode_bytes_total``). Summed over the
+    ranks of a run, it is the run's inter-node payload traffic."""
+    return _STATS["sent_bytes"]
+
+
+def internode_stats() -> dict[str, int]:
+    """This process's inter-node payload counters: ``sent_bytes``,
+    ``received_bytes``, ``payloads_sent``, ``payloads_received``."""
+    return dict(_STATS)
+
+
+def reset_internode_stats() -> None:
+    """Zero the process-local counters (the Prometheus counter is kept)."""
+    for k in _STATS:
+        _STATS[k] = 0
+
+
+# -- simulating nodes on one machine -----------------------------------------------
+def node_of_rank(rank: int, world: int, nodes: int) -> int:
+    """The simulated node of ``rank`` when ``world`` ranks are spread over
+    ``nodes`` nodes in contiguous, balanced blocks."""
+    if not 1 <= nodes <= world:
+        raise ValueError(f"cannot spread {world} ranks over {nodes} nodes")
+    return rank * nodes // world
+
+
+def simulated_dir(base_dir: str, node: int) -> str:
+    """The segment directory of simulated node ``node`` under ``base_dir``."""
+    return os.path.join(base_dir, f"node{node}")
+
+
+def simulated_env(base_dir: str, node: int) -> dict[str, str]:
+    """Environment of a process on simulated node ``node``: its own segment
+    directory (so opening another node's segment really fails) and its own
+    ``MMSHM_NODE_ID``. Creates the directory (mode 0700)."""
+    d = simulated_dir(base_dir, node)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return {"MMSHM_DIR": d, "MMSHM_NODE_ID": str(node)}
+
+
+def simulate(base_dir: str, node: int) -> dict[str, str]:
+    """Make this process part of simulated node ``node``: sets
+    :func:`simulated_env` in ``os.environ`` and reloads the configuration.
+    Call it in each rank process before any segment, handle or broadcast.
+    Returns the variables set."""
+    env = simulated_env(base_dir, node)
+    os.environ.update(env)
+    config.reload()
+    return env

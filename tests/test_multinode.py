@@ -1,0 +1,533 @@
+"""Multi-node tensor parallelism (issue 8): node identity, handles that carry
+their node, and the node-aware deferred unwrap over gloo.
+
+Simulated nodes live on this machine: each gets its own segment directory
+under the test's private ``MMSHM_DIR`` (so opening another node's segment
+really fails) and its own ``MMSHM_NODE_ID`` (:func:`mmshm.node.simulate`).
+The rank functions live here, at top level, so that spawned children can
+import them.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import shutil
+
+import _mp
+import mmshm
+import msgspec
+import pytest
+import torch
+from mmshm import codec, config, node, segment
+from mmshm.codec import HandleMeta
+
+NODES = 2
+WORLD = 4  # 2 nodes x 2 ranks
+
+
+# -- helpers (parent and children) -------------------------------------------------
+def _enter_node(rank: int, world: int, base: str, nodes: int = NODES, env=None) -> int:
+    k = node.node_of_rank(rank, world, nodes)
+    node.simulate(base, k)
+    if env:
+        os.environ.update(env)
+        config.reload()
+    return k
+
+
+def _live_files(directory: str | None = None) -> list[str]:
+    """Segments in the directory that are in use (not idle in a warm pool)."""
+    d = directory or _mp.seg_dir()
+    out = []
+    for n in _mp.seg_files(d):
+        try:
+            if _mp.header(n, d)[2] == segment.STATE_LIVE:
+                out.append(n)
+        except OSError:
+            pass
+    return out
+
+
+def _errors(out) -> dict:
+    return {i: (r.reason, list(r.ranks)) for i, r in enumerate(out)
+            if isinstance(r, mmshm.MaterializeError)}
+
+
+def _item(seed: int, nbytes: int):
+    return {"modality": "image", "feature": _mp.make_tensor(seed, (nbytes // 1024, 256))}
+
+
+def _sized_request(i: int, seed: int, nbytes: int):
+    return {"rid": f"req-{i}", "mm_inputs": {"mm_items": [_item(seed * 100 + i, nbytes)]}}
+
+
+def _check_sized(got, i: int, seed: int, nbytes: int) -> None:
+    want = _sized_request(i, seed, nbytes)["mm_inputs"]["mm_items"][0]["feature"]
+    assert _mp.same(got["mm_inputs"]["mm_items"][0]["feature"], want), f"request {i}"
+
+
+def _assert_nodes_empty(base: str, nodes: int = NODES) -> None:
+    for k in range(nodes):
+        d = node.simulated_dir(base, k)
+        assert _mp.seg_files(d) == [], f"left over on node {k}: {_mp.seg_files(d)}"
+
+
+# -- children ------------------------------------------------------------------------
+def rank_nodes(rank: int, world: int, base: str, seed: int, rounds: int, nodes: int) -> dict:
+    """Deferred unwrap over ``nodes`` simulated nodes: bytes, references and
+    the inter-node payload traffic of each round."""
+    import torch.distributed as dist
+
+    k = _enter_node(rank, world, base, nodes)
+    bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
+    res: dict = {"node": k, "node_id": node.node_id(), "rounds": []}
+    for rnd in range(rounds):
+        s = seed + rnd
+        before = node.internode_stats()
+        metric0 = _mp.metric("mmshm_internode_bytes_total")
+        created0 = _mp.metric("mmshm_segments_created_total")
+        info: dict = {}
+        if rank == 0:
+            reqs = [mmshm.wrap(_mp._request(i, s), min_bytes=1024) for i in range(4)]
+            hs = mmshm.handles(reqs)
+            info["payload"] = sum(h.nbytes for h in hs)
+            info["handles"] = len(hs)
+            out = bcast(reqs, rank, None, 0)
+        else:
+            out = bcast(None, rank, None, 0)
+        assert len(out) == 4
+        for i, req in enumerate(out):
+            _mp._check_request(req, i, s)
+        del req  # holds views
+        assert not mmshm.handles(out)
+        # while every rank holds its views: each node's segments count its 2 ranks
+        live = _live_files()
+        info["live"] = len(live)
+        info["counts"] = sorted({_mp.refcount(n) for n in live})
+        dist.barrier()  # verification only (not part of the transport)
+        del out
+        gc.collect()
+        dist.barrier()
+        after = node.internode_stats()
+        info["stats"] = {key: after[key] - before[key] for key in after}
+        info["metric"] = _mp.metric("mmshm_internode_bytes_total") - metric0
+        info["created"] = _mp.metric("mmshm_segments_created_total") - created0
+        info["live_after"] = _live_files()
+        dist.barrier()  # before the source rank makes the next round's segments
+        res["rounds"].append(info)
+    return res
+
+
+def rank_foreign_handle(rank: int, world: int, base: str, seed: int) -> dict:
+    """A handle made on node 0 reaches every rank directly (no deferred
+    unwrap): node 0 opens it, node 1 gets WrongNodeError, even when node 1's
+    directory holds a segment file of the same name."""
+    import torch.distributed as dist
+
+    k = _enter_node(rank, world, base)
+    t = _mp.make_tensor(seed, (128, 1024))
+    res: dict = {"node": k}
+    if rank == 0:
+        h = mmshm.ShmTensor.from_tensor(t)
+        h.share(1)  # rank 1's reference; none is handed to another node
+        name = h.name
+        mmshm.broadcast_pyobj([h], rank, None, 0)
+    else:
+        [h] = mmshm.broadcast_pyobj(None, rank, None, 0)
+        name = h.name
+    if rank == 2:  # a decoy: the same name in node 1's directory
+        shutil.copyfile(os.path.join(node.simulated_dir(base, 0), name),
+                        os.path.join(node.simulated_dir(base, 1), name))
+    dist.barrier()
+    if rank == 1:
+        v = h.materialize()
+        res["ok"] = _mp.same(v, t)
+        del v
+        gc.collect()
+    elif k == 1:
+        res["is_local"] = h.is_local()
+        for copy in (False, True):
+            try:
+                h.materialize(copy=copy)
+                res[f"copy={copy}"] = "no error"
+            except mmshm.HandleError as exc:
+                res[f"copy={copy}"] = type(exc).__name__
+        try:
+            h.share(1)
+            res["share"] = "no error"
+        except mmshm.HandleError as exc:
+            res["share"] = type(exc).__name__
+        res["owns"] = h.owns_reference  # a failed materialize keeps it
+        h.release()  # only dropped: the segment is not reachable from here
+        res["owns_after"] = h.owns_reference
+    dist.barrier()
+    if rank == 2:
+        decoy = os.path.join(node.simulated_dir(base, 1), name)
+        res["decoy_count"] = _mp.refcount(name)  # the copy was never touched
+        os.unlink(decoy)
+    if rank == 0:
+        res["count"] = _mp.refcount(name)  # rank 1's reference came back
+        h.release()
+    dist.barrier()
+    return res
+
+
+def rank_wrong_node_request(rank: int, world: int, base: str, seed: int) -> dict:
+    """The source rank's batch holds a handle of node 1: that request fails as
+    ``wrong_node`` on all 4 ranks; the others arrive."""
+    k = _enter_node(rank, world, base)
+    bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
+    if rank == 0:
+        reqs = [mmshm.wrap(_mp._request(i, seed), min_bytes=1024) for i in range(3)]
+        other = 1  # node 1's id (simulate() sets MMSHM_NODE_ID to the node's index)
+        assert other != node.node_id()
+        for item in reqs[1]["mm_inputs"]["mm_items"]:
+            m = item["feature"].meta
+            item["feature"].release()
+            item["feature"] = mmshm.ShmTensor(msgspec.structs.replace(m, node=other))
+        out = bcast(reqs, rank, None, 0)
+    else:
+        out = bcast(None, rank, None, 0)
+    errors = _errors(out)
+    for i, r in enumerate(out):
+        if i not in errors:
+            _mp._check_request(r, i, seed)
+        else:
+            assert not any(h.owns_reference for h in mmshm.handles(r.request))
+    del out, r
+    gc.collect()
+    return {"node": k, "errors": errors}
+
+
+SIZES = (64 << 10, 1 << 20, 64 << 10, 64 << 10, 64 << 10)
+
+
+def rank_node_failures(rank: int, world: int, base: str, seed: int) -> dict:
+    """Per-request failures on one node are agreed by all 4 ranks.
+
+    * request 1: node 1's leader cannot make the segment (its budget,
+      MMSHM_MAX_BYTES, holds requests 0, 2, 3, 4 but not 1): enospc on [2, 3];
+    * request 3: its segment is gone (on the source node): not_found everywhere;
+    * request 4: broken on rank 1 only (node 0): malformed on [1];
+    * requests 0 and 2 arrive everywhere.
+    """
+    env = {"MMSHM_MAX_BYTES": str(512 << 10)} if rank == 2 else None
+    k = _enter_node(rank, world, base, env=env)
+
+    def one_rank_breaks(data, rank_, group=None, src=0):
+        out = mmshm.broadcast_pyobj(data, rank_, group, src)
+        if rank_ == 1:
+            item = out[4]["mm_inputs"]["mm_items"][0]
+            item["feature"].release()
+            item["feature"] = mmshm.ShmTensor(None, error=mmshm.HandleError("corrupted here"))
+        return out
+
+    bcast = mmshm.deferred_unwrap(one_rank_breaks)
+    sent0 = node.internode_bytes()
+    payload = 0
+    if rank == 0:
+        reqs = [mmshm.wrap(_sized_request(i, seed, n), min_bytes=1024)
+                for i, n in enumerate(SIZES)]
+        item = reqs[3]["mm_inputs"]["mm_items"][0]
+        item["feature"].release()
+        item["feature"] = _mp._missing_handle()  # names a segment that is gone
+        payload = sum(SIZES) - SIZES[3]
+        out = bcast(reqs, rank, None, 0)
+    else:
+        out = bcast(None, rank, None, 0)
+    errors = _errors(out)
+    for i, r in enumerate(out):
+        if i in errors:
+            assert not any(h.owns_reference for h in mmshm.handles(r.request))
+        else:
+            _check_sized(r, i, seed, SIZES[i])
+    del out, r
+    gc.collect()
+    import torch.distributed as dist
+
+    dist.barrier()
+    return {"node": k, "errors": errors, "sent": node.internode_bytes() - sent0,
+            "payload": payload, "live": _live_files(),
+            "received": node.internode_stats()["received_bytes"]}
+
+
+def rank_one_node(rank: int, world: int, seed: int, dirs: list | None) -> dict:
+    """Two ranks, no MMSHM_NODE_ID: one shared directory is one node (one
+    all_gather_object for the group, then no collective and no point-to-point
+    message beyond the single-node path); two directories are two nodes."""
+    import torch.distributed as dist
+
+    if dirs is not None:
+        os.environ["MMSHM_DIR"] = dirs[rank]
+        config.reload()
+    calls = {"gather": 0, "p2p": 0}
+    real_gather = dist.all_gather_object
+
+    def gather(*a, **kw):
+        calls["gather"] += 1
+        return real_gather(*a, **kw)
+
+    dist.all_gather_object = gather
+    if dirs is None:
+        def no_p2p(*a, **kw):
+            calls["p2p"] += 1
+            raise AssertionError("point-to-point message on one node")
+
+        dist.isend = dist.send = dist.recv = no_p2p
+    bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
+    sent0 = node.internode_bytes()
+    payload = 0
+    for rnd in range(3):
+        if rank == 0:
+            reqs = [mmshm.wrap(_mp._request(i, seed + rnd), min_bytes=1024) for i in range(2)]
+            payload += sum(h.nbytes for h in mmshm.handles(reqs))
+            out = bcast(reqs, rank, None, 0)
+        else:
+            out = bcast(None, rank, None, 0)
+        for i, r in enumerate(out):
+            _mp._check_request(r, i, seed + rnd)
+        del out, r
+        gc.collect()
+    lay = node.layout()
+    return {"calls": calls, "single": lay.single, "nodes": [list(n) for n in lay.nodes],
+            "sent": node.internode_bytes() - sent0, "payload": payload}
+
+
+# -- multi-process tests ------------------------------------------------------------
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nodes,pool", [(2, "0"), (2, "1"), (3, "0")])
+def test_nodes_bytes_references_and_internode_traffic(shm_dir, monkeypatch, nodes, pool):
+    """2 nodes x 2 ranks (and 3 nodes: [0, 1], [2], [3]): the bytes are right
+    on every rank, each payload crosses to every other node once, each node's
+    copies count one reference per rank of that node, nothing is left over."""
+    monkeypatch.setenv("MMSHM_POOL", pool)
+    monkeypatch.setenv("MMSHM_POOL_IDLE_S", "60")
+    rounds = 2
+    res = _mp.run_group(rank_nodes, WORLD, shm_dir, 21, rounds, nodes, timeout=180)
+    node_of = [node.node_of_rank(r, WORLD, nodes) for r in range(WORLD)]
+    assert [res[r]["node"] for r in range(WORLD)] == node_of
+    ids = [res[r]["node_id"] for r in range(WORLD)]
+    assert all((ids[a] == ids[b]) == (node_of[a] == node_of[b])
+               for a in range(WORLD) for b in range(WORLD))
+    members = {k: [r for r in range(WORLD) if node_of[r] == k] for k in range(nodes)}
+    leaders = [members[k][0] for k in range(1, nodes)]
+    for rnd in range(rounds):
+        info = {r: res[r]["rounds"][rnd] for r in range(WORLD)}
+        payload, nh = info[0]["payload"], info[0]["handles"]
+        assert nh == 6 and payload > 0
+        # each payload crossed to every other node once: payload x (nodes - 1),
+        # not payload x (ranks - 1)
+        sent = sum(info[r]["stats"]["sent_bytes"] for r in range(WORLD))
+        assert sent == payload * (nodes - 1)
+        assert info[0]["stats"]["sent_bytes"] == payload * (nodes - 1)
+        assert info[0]["stats"]["payloads_sent"] == nh * (nodes - 1)
+        assert info[0]["metric"] == payload * (nodes - 1)  # mmshm_internode_bytes_total
+        for r in range(1, WORLD):
+            st = info[r]["stats"]
+            assert st["sent_bytes"] == 0
+            assert st["received_bytes"] == (payload if r in leaders else 0), (r, st)
+            # a leader makes its node's copies (from its warm pool after the first
+            # round, when the pool is on); the other ranks only open segments
+            made = nh if r in leaders and (rnd == 0 or pool == "0") else 0
+            assert info[r]["created"] == made, (r, info[r])
+        for r in range(WORLD):
+            # each node's segments: one reference per rank of that node
+            want = len(members[node_of[r]])
+            assert info[r]["live"] == nh and info[r]["counts"] == [want], (r, info[r])
+            assert info[r]["live_after"] == [], (r, info[r])
+    _assert_nodes_empty(shm_dir, nodes)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_foreign_handle_is_wrong_node(shm_dir):
+    res = _mp.run_group(rank_foreign_handle, WORLD, shm_dir, 22, timeout=180)
+    assert res[1]["ok"] is True
+    for r in (2, 3):
+        assert res[r]["is_local"] is False
+        assert res[r]["copy=False"] == res[r]["copy=True"] == "WrongNodeError", res[r]
+        assert res[r]["share"] == "WrongNodeError"
+        assert res[r]["owns"] is True and res[r]["owns_after"] is False
+    assert res[2]["decoy_count"] == 2  # never opened, never changed
+    assert res[0]["count"] == 1
+    _assert_nodes_empty(shm_dir)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_wrong_node_request_fails_on_every_rank(shm_dir):
+    res = _mp.run_group(rank_wrong_node_request, WORLD, shm_dir, 23, timeout=180)
+    for r in range(WORLD):
+        assert res[r]["errors"] == {1: ("wrong_node", [0, 1, 2, 3])}, (r, res[r])
+    _assert_nodes_empty(shm_dir)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_failures_on_one_node_agreed_by_all_ranks(shm_dir):
+    res = _mp.run_group(rank_node_failures, WORLD, shm_dir, 24, timeout=180)
+    expected = {1: ("enospc", [2, 3]), 3: ("not_found", [0, 1, 2, 3]), 4: ("malformed", [1])}
+    for r in range(WORLD):
+        assert res[r]["errors"] == expected, (r, res[r]["errors"])
+        assert res[r]["live"] == [], (r, res[r])
+    # what the source could read went to node 1 once (request 3's segment was gone)
+    assert res[0]["sent"] == res[0]["payload"]
+    assert res[2]["received"] == res[0]["payload"]
+    assert sum(res[r]["sent"] for r in (1, 2, 3)) == 0
+    _assert_nodes_empty(shm_dir)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_one_node_pays_one_gather_and_nothing_else(shm_dir):
+    res = _mp.run_group(rank_one_node, 2, 25, None, timeout=120)
+    for r in range(2):
+        assert res[r]["single"] is True and res[r]["nodes"] == [[0, 1]]
+        assert res[r]["calls"] == {"gather": 1, "p2p": 0}, res[r]
+        assert res[r]["sent"] == 0
+    assert _mp.seg_files() == []
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_two_segment_directories_are_two_nodes(shm_dir):
+    """Without any override, ranks that cannot open each other's segments
+    (different directories) are different nodes: the payload crosses once."""
+    dirs = [os.path.join(shm_dir, "a"), os.path.join(shm_dir, "b")]
+    for d in dirs:
+        os.mkdir(d, 0o700)
+    res = _mp.run_group(rank_one_node, 2, 26, dirs, timeout=120)
+    for r in range(2):
+        assert res[r]["single"] is False and res[r]["nodes"] == [[0], [1]]
+        assert res[r]["calls"]["gather"] == 1
+    assert res[0]["sent"] == res[0]["payload"] > 0 and res[1]["sent"] == 0
+    for d in dirs:
+        assert _mp.seg_files(d) == []
+
+
+# -- in-process: identity, wire, handles --------------------------------------------
+def test_system_identity_parts(shm_dir, monkeypatch):
+    monkeypatch.delenv("MMSHM_NODE_ID", raising=False)
+    config.reload()
+    ident = node.identity()
+    st = os.stat(shm_dir)
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    assert ident == (f"boot={boot};ipc={os.stat('/proc/self/ns/ipc').st_ino};"
+                     f"mnt={os.stat('/proc/self/ns/mnt').st_ino};dir={st.st_dev}:{st.st_ino}")
+    nid = node.node_id()
+    assert 0 <= nid < 2**32 and node.node_id() == nid and node.node_id(shm_dir) == nid
+    other = os.path.join(shm_dir, "other")
+    os.mkdir(other)
+    assert node.node_id(other) != nid  # another directory is another node
+
+
+def test_node_id_override(shm_dir, monkeypatch):
+    monkeypatch.setenv("MMSHM_NODE_ID", "5")
+    config.reload()
+    assert node.node_id() == 5 and node.identity() == "override=5"
+    other = os.path.join(shm_dir, "other")
+    os.mkdir(other)
+    assert node.node_id(other) == 5  # the override is the whole identity
+    monkeypatch.setenv("MMSHM_NODE_ID", "rack3-host7")
+    config.reload()
+    nid = node.node_id()
+    assert 0 <= nid < 2**32 and nid == node.node_id()
+    monkeypatch.setenv("MMSHM_NODE_ID", str(2**32))  # too large to be an id: hashed
+    config.reload()
+    assert node.node_id() < 2**32
+
+
+def test_layout_and_rank_blocks():
+    lay = node.Layout.from_identities(["b", "b", "a", "a", "b"])
+    assert lay.nodes == ((0, 1, 4), (2, 3)) and lay.node_of == (0, 0, 1, 1, 0)
+    assert not lay.single and lay.num_nodes == 2
+    assert lay.leader(1, 0) == 2 and lay.leader(0, 4) == 4 and lay.leader(0, 2) == 0
+    assert node.Layout.from_identities(["x"] * 3).single
+    assert [node.node_of_rank(r, 4, 2) for r in range(4)] == [0, 0, 1, 1]
+    assert [node.node_of_rank(r, 5, 2) for r in range(5)] == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError):
+        node.node_of_rank(0, 2, 3)
+
+
+def test_simulated_env(shm_dir, monkeypatch):
+    env = node.simulated_env(shm_dir, 1)
+    assert env == {"MMSHM_DIR": os.path.join(shm_dir, "node1"), "MMSHM_NODE_ID": "1"}
+    assert os.path.isdir(env["MMSHM_DIR"])
+    for var in env:
+        monkeypatch.setenv(var, os.environ.get(var, ""))  # restored after the test
+    node.simulate(shm_dir, 1)
+    assert config.get().dir == env["MMSHM_DIR"] and node.node_id() == 1
+
+
+def test_handle_carries_its_node_on_the_wire(shm_dir):
+    t = torch.arange(50_000, dtype=torch.float32)
+    h = mmshm.ShmTensor.from_tensor(t)
+    assert h.node == node.node_id() and h.is_local()
+    wire = h.encode()
+    fields = msgspec.msgpack.decode(wire)
+    assert fields[0] == h.name[len("mmshm-"):] and fields[-1] == h.node
+    assert codec.decode(wire) == h.meta
+    # an older six-field wire (full name, no node) decodes as this node's
+    legacy = msgspec.msgpack.encode([h.name, h.nbytes, 0, [50_000], h.hash, h.meta.gen])
+    assert codec.decode(legacy) == h.meta
+    with pytest.raises(mmshm.HandleError):
+        codec.decode(msgspec.msgpack.encode([h.name, h.nbytes, 0, [50_000], h.hash, 0, -1]))
+    with pytest.raises(mmshm.HandleError):
+        codec.decode(msgspec.msgpack.encode([h.name, h.nbytes, 0, [50_000], h.hash, 0, 2**32]))
+    again = pickle.loads(pickle.dumps(h))  # no share(): the unpickled one is not owned
+    again._disown()
+    assert again.node == h.node
+    h.release()
+
+
+def test_wire_size_of_a_720p_handle_with_its_node():
+    meta = HandleMeta(f"mmshm-{2**22}-0123456789abcdef", 4784 * 1176 * 4, 0, (4784, 1176),
+                      b"\x01" * 16, 3, 2**32 - 1)
+    data = codec.encode(meta)
+    assert codec.decode(data) == meta
+    assert len(data) == 63
+
+
+def test_foreign_handle_in_process_is_never_opened(shm_dir):
+    t = torch.arange(50_000, dtype=torch.float32)
+    h = mmshm.ShmTensor.from_tensor(t)
+    foreign = mmshm.ShmTensor(msgspec.structs.replace(h.meta, node=(h.node + 1) % 2**32))
+    assert not foreign.is_local()
+    for copy in (False, True):
+        with pytest.raises(mmshm.WrongNodeError) as ei:
+            foreign.materialize(copy=copy)
+        assert isinstance(ei.value, mmshm.HandleError)
+        assert mmshm.errors.failure_reason(ei.value) == "wrong_node"
+    with pytest.raises(mmshm.WrongNodeError):
+        foreign.share(1)
+    foreign.release()  # dropped without touching this node's segment of that name
+    assert _mp.refcount(h.name) == 1
+    assert torch.equal(h.materialize(copy=True), t)
+    assert _mp.seg_files() == []
+
+
+def test_from_writer(shm_dir):
+    t = _mp.make_tensor(27, (64, 512))
+
+    def write(dst):
+        dst.copy_(t.reshape(-1).view(torch.uint8))
+
+    h = mmshm.ShmTensor.from_writer(t.numel() * 4, torch.float32, tuple(t.shape), write)
+    assert h.hash == mmshm.content_hash(t)
+    assert _mp.same(h.materialize(copy=True), t)
+    with pytest.raises(mmshm.HandleError):
+        mmshm.ShmTensor.from_writer(10, torch.float32, (3,), write)
+
+    def fail(dst):
+        raise ConnectionError("peer went away")
+
+    with pytest.raises(ConnectionError):
+        mmshm.ShmTensor.from_writer(4096, torch.uint8, (4096,), fail)
+    z = mmshm.ShmTensor.from_writer(0, torch.float16, (0, 3), fail)  # not called
+    assert z.materialize().shape == (0, 3)
+    gc.collect()
+    assert _mp.seg_files() == []
