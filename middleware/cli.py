@@ -41,19 +41,39 @@ def main() -> None:
     """mmshm: shared-memory transport for multimodal tensors in VLM serving servers."""
 
 
+def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
+    out = _str_list(ctx, param, value)
+    bad = [v for v in out if v not in ("720p", "1080p")]
+    if bad:
+        raise click.BadParameter(f"unknown resolution(s) {', '.join(bad)}; "
+                                 "choose from 720p, 1080p")
+    return out
+
+
 @main.command()
-@click.option("--tp", type=click.IntRange(min=1), default=2, show_default=True,
-              help="TP ranks (spawned processes in one gloo group).")
-@click.option("--n", "n", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Parallel-sampling copies per request.")
+@click.option("--tp", default="2", show_default=True, callback=_int_list,
+              help="Comma-separated TP sizes (a gloo group of spawned ranks each).")
+@click.option("--n", "n", default="2", show_default=True, callback=_int_list,
+              help="Comma-separated parallel-sampling copies per request.")
 @click.option("--images", default="1,8,32", show_default=True, callback=_int_list,
               help="Comma-separated image counts per request.")
-@click.option("--resolution", type=click.Choice(["720p", "1080p"]), default="720p",
-              show_default=True, help="Photo resolution before the Qwen2-VL processor.")
-@click.option("--modes", default="inline,mmshm", show_default=True, callback=_str_list,
-              help="Comma-separated transport modes.")
+@click.option("--resolution", default="720p", show_default=True, callback=_resolution_list,
+              help="Comma-separated photo resolutions (720p, 1080p) before the Qwen2-VL "
+                   "processor.")
+@click.option("--sweep", is_flag=True,
+              help="Issue 7's grid: --tp 2,4 --n 1,8 --images 1,8,32 --resolution 720p,1080p "
+                   "(options given explicitly still win).")
+@click.option("--modes", default="inline,fresh-segment,mmshm", show_default=True,
+              callback=_str_list, help="Comma-separated transport modes.")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Repetitions per (images, mode); medians are reported.")
+              help="Most repetitions per (config, mode); medians are reported.")
+@click.option("--budget", "budget_s", type=click.FloatRange(min=0), default=8.0,
+              show_default=True,
+              help="Measured end-to-end seconds after which a mode stops repeating in a "
+                   "config (one run at least).")
+@click.option("--max-mem", "max_mem_gb", type=click.FloatRange(min=0), default=None,
+              help="Skip runs estimated to need more GB than this "
+                   "[default: available memory less 2 GiB, before each config].")
 @click.option("--min-bytes", type=click.IntRange(min=0), default=None,
               help="Shared-memory threshold in bytes [default: MMSHM_MIN_BYTES].")
 @click.option("--shm-dir", type=click.Path(exists=True, file_okay=False), default=None,
@@ -64,34 +84,47 @@ def main() -> None:
               help="Run each mode once on a 1-image request first (not reported).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
               default=None, help="Write the results as JSON to this file ('-' for stdout).")
-def bench(tp, n, images, resolution, modes, repeat, min_bytes, shm_dir, timeout_s, warmup,
-          json_path) -> None:
-    """Time inline transport against mmshm on the request path of a VLM server.
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of end-to-end latency against payload, one line per mode.")
+@click.pass_context
+def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_mem_gb,
+          min_bytes, shm_dir, timeout_s, warmup, json_path, plot_path) -> None:
+    """Time transports on the request path of a VLM server, against the floor.
 
     Real photos go through the Qwen2-VL image processor, each request is
     fanned out into N copies, sent over ZMQ to TP rank 0 and broadcast to
-    the TP ranks; every rank checks the bytes. Exits 1 if any run delivered
-    wrong bytes or left a shared-memory segment behind, 2 on a usage error,
-    3 if the bench itself failed (a TP rank died or timed out).
+    the TP ranks; every rank checks the bytes. Modes: inline (pixels
+    pickled), fresh-segment (SGLang 0.5.23's n+1 fresh segments per request,
+    as a baseline) and mmshm. The floor, measured in the same run, is a
+    memcpy of the payload into warm memory plus a metadata-only broadcast.
+    Runs the host cannot hold are skipped with a note. Exits 1 if any run
+    delivered wrong bytes or left a shared-memory segment behind, 2 on a usage
+    error, 3 if the bench itself failed (a TP rank died or timed out).
     """
+    from click.core import ParameterSource
     from rich.console import Console
 
-    from .bench import MODES, BenchConfig, BenchError, run_bench
+    from .bench import MODES, SWEEP, BenchConfig, BenchError, run_bench
     from .bench.report import RichReporter, print_result
 
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise click.BadParameter(f"unknown mode(s) {', '.join(unknown)}; "
                                  f"choose from {', '.join(MODES)}", param_hint="--modes")
-    cfg = BenchConfig(tp=tp, n=n, images=images, resolution=resolution, modes=modes,
-                      repeat=repeat, min_bytes=min_bytes, timeout_s=timeout_s, warmup=warmup,
-                      shm_dir=shm_dir)
+    axes = {"tp": tp, "n": n, "images": images, "resolution": resolution}
+    if sweep:
+        for key in axes:
+            if ctx.get_parameter_source(key) != ParameterSource.COMMANDLINE:
+                axes[key] = SWEEP[key]
+    cfg = BenchConfig(**axes, modes=modes, repeat=repeat, budget_s=budget_s,
+                      max_mem_bytes=None if max_mem_gb is None else int(max_mem_gb * 1e9),
+                      min_bytes=min_bytes, timeout_s=timeout_s, warmup=warmup, shm_dir=shm_dir)
     # SIGTERM unwinds like Ctrl-C, so the TP ranks are stopped and joined
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     err = Console(stderr=True)
     out = Console(stderr=json_path == "-")
     if not out.is_terminal:
-        out.width = max(out.width, 132)
+        out.width = max(out.width, 160)
     try:
         with RichReporter(err) as rep:
             result = run_bench(cfg, reporter=rep)
@@ -101,6 +134,11 @@ def bench(tp, n, images, resolution, modes, repeat, min_bytes, shm_dir, timeout_
         err.print(f"[red]bench failed:[/] {exc}")
         sys.exit(3)
     print_result(result, out)
+    if plot_path:
+        from .bench.plot import plot_result
+
+        plot_result(result, plot_path)
+        out.print(f"plot written to {plot_path}")
     if json_path:
         text = json.dumps(result, indent=2)
         if json_path == "-":
@@ -109,7 +147,9 @@ def bench(tp, n, images, resolution, modes, repeat, min_bytes, shm_dir, timeout_
             with open(json_path, "w") as f:
                 f.write(text + "\n")
             out.print(f"results written to {json_path}")
-    bad = [r for r in result["runs"] if not r["correct"] or r["leftover_segments"]]
+    bad = [r for r in result["runs"]
+           if not r.get("skipped") and (not r["correct"] or r["leftover_segments"])]
+    bad += [f for f in result.get("floors", []) if f.get("problems")]
     if bad or result["leftover_segments"]:
         sys.exit(1)
 

@@ -1,4 +1,5 @@
-"""``mmshm bench`` end to end, small: TP=2, n=2, 1 and 2 images, one repetition.
+"""``mmshm bench`` end to end, small: TP=2, n=2, 1 and 2 images, one repetition,
+the three built-in modes, the floor, the plot; plus the pieces in-process.
 
 The bench runs as the real console entry point (``python -m mmshm.cli``) in a
 subprocess, inheriting the test's private ``MMSHM_DIR`` from the conftest.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -18,10 +20,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("skimage")
 
 RUN_KEYS = {
-    "mode": str, "tp": int, "n": int, "images": int, "resolution": str, "payload_bytes": int,
-    "broadcast_s": float, "end_to_end_s": float, "correct": bool, "broadcast_bytes": int,
-    "leftover_segments": list, "materialize_s": float,
+    "mode": str, "tp": int, "n": int, "copies": int, "images": int, "resolution": str,
+    "payload_bytes": int, "broadcast_s": float, "end_to_end_s": float, "correct": bool,
+    "broadcast_bytes": int, "leftover_segments": list, "materialize_s": float,
+    "floor_s": float, "floor_memcpy_s": float, "floor_broadcast_s": float,
+    "memcpy_Bps": float, "e2e_over_floor": float, "repeat": int,
 }
+MODES = ("inline", "fresh-segment", "mmshm")
+FRESH = "mmshm-bench-fresh-"
 
 
 def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -29,62 +35,140 @@ def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           check=False, text=True, timeout=timeout, env=dict(os.environ))
 
 
+def _bench_files(d: str) -> set[str]:
+    """``mmshm-*`` entries of ``d`` and the fresh-segment mode's subdirectories."""
+    try:
+        return {n for n in os.listdir(d) if n.startswith(("mmshm-", "bench-fresh-"))}
+    except FileNotFoundError:
+        return set()
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
 def test_bench_small_run_is_correct_and_leaves_nothing(shm_dir, tmp_path):
-    out = tmp_path / "out.json"
+    out, png = tmp_path / "out.json", tmp_path / "plot.png"
+    shm_before = _bench_files("/dev/shm")
     proc = _cli("bench", "--tp", "2", "--n", "2", "--images", "1,2", "--repeat", "1",
-                "--timeout", "60", "--json", str(out), timeout=85)
+                "--modes", ",".join(MODES + ("mmshm-hash-given",)), "--timeout", "60",
+                "--json", str(out), "--plot", str(png), timeout=85)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert png.exists() and png.stat().st_size > 1000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads(out.read_text())
 
     runs = result["runs"]
     assert {(r["mode"], r["images"]) for r in runs} == {
-        (m, k) for m in ("inline", "mmshm") for k in (1, 2)}
+        (m, k) for m in MODES + ("mmshm-hash-given",) for k in (1, 2)}
     for r in runs:
         for key, typ in RUN_KEYS.items():
             assert isinstance(r[key], typ), (key, r)
+        assert not r.get("skipped")
         assert r["correct"] is True, r["problems"]
         assert r["leftover_segments"] == []
         assert (r["tp"], r["n"], r["resolution"]) == (2, 2, "720p")
         assert r["broadcast_s"] > 0 and r["end_to_end_s"] >= r["broadcast_s"]
+        assert r["floor_s"] >= r["floor_memcpy_s"] > 0
+        assert r["e2e_over_floor"] == pytest.approx(r["end_to_end_s"] / r["floor_s"])
     by = {(r["mode"], r["images"]): r for r in runs}
     # a 720p photo through Qwen2-VL: [4784, 1176] float32 per image
     assert by["inline", 1]["payload_bytes"] == 4784 * 1176 * 4
     assert by["mmshm", 2]["payload_bytes"] == 2 * 4784 * 1176 * 4
     for k in (1, 2):
-        # inline pickles the pixels of the n copies into the broadcast; mmshm only metadata
-        assert by["inline", k]["broadcast_bytes"] >= 2 * by["inline", k]["payload_bytes"]
-        assert by["mmshm", k]["broadcast_bytes"] < 64 * 1024
-        assert by["mmshm", k]["broadcast_speedup_vs_inline"] > 1
+        p = by["inline", k]["payload_bytes"]
+        # inline pickles the pixels of the n copies into the broadcast; the others metadata
+        assert by["inline", k]["broadcast_bytes"] >= 2 * p
+        assert by["inline", k]["wrap_Bps"] is None
+        for m in ("mmshm", "fresh-segment", "mmshm-hash-given"):
+            assert by[m, k]["broadcast_bytes"] < 64 * 1024
+            assert by[m, k]["broadcast_speedup_vs_inline"] > 1
+            assert by[m, k]["wrap_Bps"] > 0 and by[m, k]["wrap_over_memcpy"] > 0
+        # mmshm writes the payload once; fresh-segment once per copy (warm-up + n)
+        assert by["mmshm", k]["wrap_bytes"] == by["mmshm-hash-given", k]["wrap_bytes"] == p
+        assert by["fresh-segment", k]["copies"] == 3
+        assert by["fresh-segment", k]["wrap_bytes"] == 3 * p
+        assert "end_to_end_speedup_vs_fresh_segment" in by["mmshm", k]
+    floors = result["floors"]
+    assert len(floors) == 2 and all(f["floor_broadcast_bytes"] < 64 * 1024 for f in floors)
     assert result["leftover_segments"] == []
     assert result["config"]["shm_dir"] == shm_dir
-    assert not [n for n in os.listdir(shm_dir) if n.startswith("mmshm-")]
+    assert not _bench_files(shm_dir)
+    new = {n for n in _bench_files("/dev/shm") - shm_before
+           if n.startswith(("bench-fresh-", FRESH))}  # others' mmshm-* are the conftest's
+    assert not new
 
 
-def test_cli_lists_bench_and_rejects_unknown_mode():
+def test_cli_lists_bench_and_rejects_bad_options():
     proc = _cli("--help", timeout=30)
     assert proc.returncode == 0 and "bench" in proc.stdout
     proc = _cli("bench", "--modes", "inline,bogus", timeout=30)
     assert proc.returncode == 2 and "bogus" in proc.stderr
+    proc = _cli("bench", "--resolution", "720p,4k", timeout=30)
+    assert proc.returncode == 2 and "4k" in proc.stderr
+    proc = _cli("bench", "--tp", "2,x", timeout=30)
+    assert proc.returncode == 2
+
+
+def test_sweep_expands_the_grid_and_explicit_options_win(monkeypatch):
+    from click.testing import CliRunner
+    from mmshm import bench, cli
+
+    seen = []
+
+    def fake_run_bench(cfg, reporter=None, on_run=None):
+        seen.append(cfg)
+        return {"runs": [], "floors": [], "summary": [], "leftover_segments": [],
+                "config": {"shm_dir": "/dev/shm"}, "elapsed_s": 0.0}
+
+    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    r = CliRunner().invoke(cli.main, ["bench", "--sweep"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli.main, ["bench", "--sweep", "--tp", "4", "--images", "32"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli.main, ["bench"])
+    assert r.exit_code == 0, r.output
+    full, partial, default = seen
+    assert (full.tp, full.n, full.images, full.resolution) == (
+        (2, 4), (1, 8), (1, 8, 32), ("720p", "1080p"))
+    assert (partial.tp, partial.n, partial.images) == ((4,), (1, 8), (32,))
+    assert (default.tp, default.n, default.images, default.resolution, default.modes) == (
+        (2,), (2,), (1, 8, 32), ("720p",), MODES)
+    assert len(full.configs()) == 24
+
+
+def test_memory_estimates_skip_what_cannot_fit(shm_dir):
+    from mmshm.bench.modes import MODES as REGISTRY
+    from mmshm.bench.runner import _skip_reason
+
+    gb = 10**9
+    # inline at 32 images x n=8 pickles the payload many times over: skipped
+    why, mem, shm = _skip_reason(REGISTRY["inline"], int(0.72 * gb), 8, 2, 16 * gb, shm_dir)
+    assert why and "memory" in why and mem > 16 * gb and shm == 0
+    why, mem, _ = _skip_reason(REGISTRY["mmshm"], int(0.72 * gb), 8, 2, 16 * gb, shm_dir)
+    assert why is None and mem < 4 * gb
+    # fresh-segment holds a segment per copy: n+1 of them
+    _, mem, shm = _skip_reason(REGISTRY["fresh-segment"], gb, 9, 4, None, shm_dir)
+    assert shm == 9 * gb and mem > shm
 
 
 def test_modes_registry_and_verify():
     import mmshm
     import torch
-    from mmshm.bench import MODES, Mode, get_mode, register
+    from mmshm.bench import MODES as REGISTRY
+    from mmshm.bench import Mode, get_mode, register
     from mmshm.bench.requests import MultimodalDataItem, MultimodalInputs, Req, verify
 
-    assert {"inline", "mmshm"} <= set(MODES)
+    assert set(MODES) <= set(REGISTRY)
 
     @register
     class Dummy(Mode):
         name = "dummy-test"
 
     try:
-        assert isinstance(get_mode("dummy-test"), Dummy)
+        d = get_mode("dummy-test")
+        assert isinstance(d, Dummy)
+        assert d.copies(4) == 4 and d.producer_stats() == {} and d.after_run("/") == []
     finally:
-        del MODES["dummy-test"]
+        del REGISTRY["dummy-test"]
     with pytest.raises(KeyError):
         get_mode("nope")
 
@@ -95,3 +179,66 @@ def test_modes_registry_and_verify():
     bad = MultimodalDataItem("image", mmshm.content_hash(f), f + 1, (1, 2, 2))
     assert verify([Req("b", MultimodalInputs([bad]), [])], 1, 1)
     assert verify([req], 2, 1)
+
+
+def test_fresh_segment_mode_in_process(shm_dir):
+    """The baseline's producer half and one rank's half in one process (TP=1):
+    n+1 copies with independent mm_items, a segment per copy and tensor,
+    names+shape+dtype on the wire, copy-on-write tensors, nothing left."""
+    import mmshm
+    import torch
+    from mmshm.bench.modes import FreshShmPointer, fresh_files, get_mode, remove_fresh_dirs
+    from mmshm.bench.requests import MultimodalDataItem, MultimodalInputs, Req, verify
+
+    f = torch.rand(300, 1176)
+    items = [MultimodalDataItem("image", mmshm.content_hash(f), f.clone(), (1, 10, 30))
+             for _ in range(2)]
+    req = Req("r", MultimodalInputs(items), [1, 2, 3], n=2)
+    mode = get_mode("fresh-segment", min_bytes=0)
+    copies = mode.fan_out(req, 2)
+    assert len(copies) == mode.copies(2) == 3
+    assert len({id(c.mm_inputs.mm_items) for c in copies}) == 3
+    msgs = []
+    for c in copies:
+        mode.before_send(c)
+        msgs.append(mode.dumps(c))
+        mode.after_send(c)
+    assert all(isinstance(it.feature, torch.Tensor) for it in req.mm_inputs.mm_items)
+    assert len(fresh_files(shm_dir)) == 6
+    assert all(len(m) < 2048 for m in msgs)  # metadata only
+    assert mode.producer_stats()["wrap_bytes"] == 6 * f.numel() * 4
+    data = [mode.loads(m) for m in msgs]
+    assert isinstance(data[0].mm_inputs.mm_items[0].feature, FreshShmPointer)
+    out = mode.broadcast(data, 0, None, 0)  # world of one: no barrier
+    assert verify(out, 3, 2) == []
+    assert fresh_files(shm_dir) == [] and mode.after_run(shm_dir) == []
+    remove_fresh_dirs(shm_dir, {os.getpid()})
+    assert not _bench_files(shm_dir)
+    t = out[0].mm_inputs.mm_items[0].feature
+    t[0, 0] = -1.0  # copy-on-write: the other copies keep their bytes
+    assert torch.equal(out[1].mm_inputs.mm_items[0].feature, f)
+
+    # a pointer whose segment is gone: unpickling does not raise, materialize does
+    gone = pickle.loads(pickle.dumps(FreshShmPointer(f"{FRESH}1-0", (2,), torch.float32,
+                                                     shm_dir)))
+    assert gone.error
+    with pytest.raises(OSError):
+        gone.materialize()
+
+
+def test_plot_from_a_result(tmp_path):
+    pytest.importorskip("matplotlib")
+    from mmshm.bench.plot import plot_result
+
+    runs, floors = [], []
+    for tp in (2, 4):
+        for k, p in ((1, 22_500_000), (32, 720_000_000)):
+            floors.append({"tp": tp, "n": 1, "resolution": "720p", "payload_bytes": p,
+                           "floor_s": p / 5e9})
+            for i, m in enumerate(MODES):
+                runs.append({"mode": m, "tp": tp, "n": 1, "resolution": "720p", "images": k,
+                             "payload_bytes": p, "end_to_end_s": p / 1e9 * (3 - i)})
+    runs.append({"mode": "inline", "tp": 4, "n": 1, "resolution": "1080p", "images": 32,
+                 "payload_bytes": 1, "skipped": "memory"})
+    path = plot_result({"runs": runs, "floors": floors}, str(tmp_path / "p.png"))
+    assert os.path.getsize(path) > 1000

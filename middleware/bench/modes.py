@@ -3,10 +3,11 @@
 A mode has two halves:
 
 * the **producer** half (tokenizer process): :meth:`Mode.fan_out` turns one
-  request into its ``n`` parallel-sampling copies; then, for each copy,
-  :meth:`Mode.before_send` runs, the copy is serialized (:meth:`Mode.dumps`,
-  pickle by default) and sent over ZMQ to TP rank 0, which decodes it with
-  :meth:`Mode.loads`, and :meth:`Mode.after_send` runs;
+  request into the :meth:`Mode.copies` messages it sends for ``n`` parallel
+  samples; then, for each copy, :meth:`Mode.before_send` runs, the copy is
+  serialized (:meth:`Mode.dumps`, pickle by default) and sent over ZMQ to TP
+  rank 0, which decodes it with :meth:`Mode.loads`, and :meth:`Mode.after_send`
+  runs;
 * the **scheduler** half (every TP rank): :meth:`Mode.broadcast` has the
   contract of SGLang's ``broadcast_pyobj(data, rank, dist_group, src) -> list``
   and must return requests whose tensors are in hand on every rank.
@@ -14,17 +15,34 @@ A mode has two halves:
 Add a mode by subclassing :class:`Mode` and decorating it with
 :func:`register`; it then appears in ``--modes``. Modes are instantiated in
 the producer and in every TP rank (spawned processes), so a mode must be
-defined in an importable module and be cheap to construct.
+defined in an importable module and be cheap to construct. Optional hooks
+report the producer's shared-memory writes (:meth:`Mode.producer_stats`),
+clean up after a run (:meth:`Mode.after_run`) and estimate the memory a run
+needs (:meth:`Mode.estimate`), so that the sweep skips what the host cannot
+hold instead of crashing.
+
+Built in: ``inline``, ``fresh-segment`` (SGLang 0.5.23's strategy as a
+baseline) and ``mmshm``, plus ``mmshm-hash-given`` (not run by default: mmshm
+with the content hashes taken from the request, to show what wrap's own
+hashing costs). Modes for SGLang's own code and vLLM's arena come
+with their integrations and register themselves here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
+import mmap
+import os
 import pickle
+import secrets
+import time
 from collections.abc import Callable
 from typing import ClassVar
 
 import mmshm
+import torch
 
 MODES: dict[str, type[Mode]] = {}
 
@@ -65,8 +83,13 @@ class Mode:
         self.min_bytes = min_bytes
 
     # -- producer (tokenizer) --------------------------------------------------
+    def copies(self, n: int) -> int:
+        """How many messages :meth:`fan_out` makes for ``n`` parallel samples
+        (what TP rank 0 receives and every rank must hold)."""
+        return n
+
     def fan_out(self, req, n: int) -> list:
-        """The ``n`` copies of ``req`` to send (parallel sampling)."""
+        """The :meth:`copies` copies of ``req`` to send (parallel sampling)."""
         raise NotImplementedError
 
     def before_send(self, req) -> None:
@@ -79,6 +102,25 @@ class Mode:
     def dumps(self, req) -> bytes:
         """The ZMQ message for one copy (default: pickle, as ``send_pyobj``)."""
         return pickle.dumps(req, pickle.DEFAULT_PROTOCOL)
+
+    def producer_stats(self) -> dict:
+        """Shared-memory writes of the last request on the producer:
+        ``{"wrap_s": seconds, "wrap_bytes": bytes}``, or ``{}`` when the mode
+        writes nothing to shared memory. Reset by :meth:`fan_out`."""
+        return {}
+
+    def after_run(self, directory: str) -> list[str]:
+        """Called on the producer once every TP rank is done with a request:
+        names of files of this mode's own making still present in
+        ``directory`` (leftovers, which this call removes)."""
+        return []
+
+    @classmethod
+    def estimate(cls, payload: int, copies: int, tp: int) -> tuple[int, int]:
+        """``(memory, tmpfs)``: bytes a run holds at its peak, over all the
+        bench's processes (tmpfs pages included), and the part of it in the
+        segment directory. Used to skip runs the host cannot hold."""
+        return 2 * payload, 0
 
     # -- TP rank 0 ----------------------------------------------------------------
     def loads(self, msg) -> object:
@@ -123,23 +165,44 @@ class InlineMode(Mode):
     def instrument_broadcast(self, inner):
         self._bcast = inner(mmshm.broadcast_pyobj)
 
+    @classmethod
+    def estimate(cls, payload, copies, tp):
+        # Measured peaks (TP=2, n=2, 32 images: producer 3.3 P, rank 0 3.9 nP,
+        # rank 1 4.8 nP above their baselines): the producer holds the request
+        # and the messages in flight; rank 0 the n unpickled copies, the pickled
+        # batch and broadcast_pyobj's array copy; every other rank the receive
+        # buffer, its bytes copy, the unpickled batch and gloo's staging.
+        batch = copies * payload
+        return payload + batch + batch * (4 + 5 * max(0, tp - 1)), 0
+
 
 @register
 class MmshmMode(Mode):
-    """Pixels go through shared memory once: :func:`mmshm.fan_out` makes the
-    ``n`` copies over the same segments, each send hands one reference to its
-    receiver, and TP rank 0 broadcasts metadata only through
-    :func:`mmshm.deferred_unwrap`; every rank materializes zero-copy views."""
+    """Pixels go through shared memory once: :func:`mmshm.wrap` writes each
+    tensor into a segment (from the warm pool when one is idle),
+    :func:`mmshm.fan_out` makes the ``n`` copies over the same segments, each
+    send hands one reference to its receiver, and TP rank 0 broadcasts
+    metadata only through :func:`mmshm.deferred_unwrap`; every rank
+    materializes zero-copy views."""
 
     name = "mmshm"
-    summary = "fan_out + share(1) per send; deferred_unwrap(broadcast_pyobj)"
+    summary = "wrap + fan_out + share(1) per send; deferred_unwrap(broadcast_pyobj)"
 
     def __init__(self, min_bytes: int | None = None):
         super().__init__(min_bytes)
         self._bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
+        self._stats: dict = {}
 
     def fan_out(self, req, n: int) -> list:
-        return _rename(mmshm.fan_out(req, n, min_bytes=self.min_bytes), req.rid)
+        t0 = time.perf_counter()
+        wrapped = mmshm.wrap(req, min_bytes=self.min_bytes)  # the producer's shm writes
+        t1 = time.perf_counter()
+        self._stats = {"wrap_s": t1 - t0,
+                       "wrap_bytes": sum(h.nbytes for h in mmshm.handles(wrapped))}
+        return _rename(mmshm.fan_out(wrapped, n, min_bytes=self.min_bytes), req.rid)
+
+    def producer_stats(self) -> dict:
+        return dict(self._stats)
 
     def before_send(self, req) -> None:
         for h in mmshm.handles(req):
@@ -153,3 +216,354 @@ class MmshmMode(Mode):
 
     def instrument_broadcast(self, inner):
         self._bcast = mmshm.deferred_unwrap(inner(mmshm.broadcast_pyobj))
+
+    @classmethod
+    def estimate(cls, payload, copies, tp):
+        # the request, its one set of segments, and (pooled) last run's segments
+        return 3 * payload, 2 * payload
+
+
+@register
+class MmshmHashGivenMode(MmshmMode):
+    """``mmshm`` where the producer hands each tensor's content hash to
+    :meth:`mmshm.ShmTensor.from_tensor` from the request (``item.hash``, which
+    the bench computes before timing, as SGLang's tokenizer does for its
+    prefix cache) instead of letting :func:`mmshm.wrap` compute BLAKE3 over the
+    segment. Not a default mode: it measures what wrap's hashing costs end to
+    end (``fresh-segment`` gets the hash for free in the same way)."""
+
+    name = "mmshm-hash-given"
+    summary = "mmshm, content hashes taken from the request instead of computed"
+
+    def fan_out(self, req, n: int) -> list:
+        from mmshm import config
+
+        threshold = self.min_bytes if self.min_bytes is not None else config.get().min_bytes
+        t0 = time.perf_counter()
+        c = copy.copy(req)
+        c.mm_inputs = copy.copy(req.mm_inputs)
+        c.mm_inputs.mm_items = [copy.copy(it) for it in req.mm_inputs.mm_items]
+        wrap_bytes = 0
+        for it in c.mm_inputs.mm_items:
+            f = it.feature
+            if not isinstance(f, torch.Tensor) or f.numel() * f.element_size() < threshold:
+                continue
+            try:
+                it.feature = mmshm.ShmTensor.from_tensor(f, hash=it.hash)
+            except (OSError, mmshm.MmshmError):
+                continue  # stays inline, as wrap's fallback
+            wrap_bytes += it.feature.nbytes
+        self._stats = {"wrap_s": time.perf_counter() - t0, "wrap_bytes": wrap_bytes}
+        return _rename(mmshm.fan_out(c, n, min_bytes=self.min_bytes), req.rid)
+
+
+# -- fresh-segment: SGLang 0.5.23's ShmPointerMMData, as our own baseline -------
+
+FRESH_PREFIX = "mmshm-bench-fresh-"
+# Fresh segments live in a per-producer subdirectory of the segment directory
+# (same tmpfs): the test suite's leak check treats any "mmshm-*" entry of
+# /dev/shm that is not an mmshm segment as its own and removes it, which would
+# pull the files from under a bench running beside it.
+FRESH_DIR_PREFIX = "bench-fresh-"
+_FRESH_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def fresh_dir(directory: str, pid: int | None = None) -> str:
+    """The subdirectory of ``directory`` holding the fresh segments of ``pid``
+    (default: this process)."""
+    return os.path.join(directory, f"{FRESH_DIR_PREFIX}{os.getpid() if pid is None else pid}")
+
+
+def _fresh_dirs(directory: str) -> dict[int, str]:
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for name in names:
+        pid = name[len(FRESH_DIR_PREFIX):]
+        if name.startswith(FRESH_DIR_PREFIX) and pid.isdigit():
+            out[int(pid)] = os.path.join(directory, name)
+    return out
+
+
+def fresh_files(directory: str, pids=None) -> list[str]:
+    """Fresh-segment files under ``directory`` (in its producers'
+    subdirectories, made by one of ``pids`` or by anyone), as paths relative
+    to ``directory``."""
+    out = []
+    for pid, d in _fresh_dirs(directory).items():
+        if pids is not None and pid not in pids:
+            continue
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            continue
+        out += [os.path.join(os.path.basename(d), n) for n in names
+                if n.startswith(FRESH_PREFIX)]
+    return sorted(out)
+
+
+def remove_fresh_dirs(directory: str, pids=None, dead_only: bool = False) -> list[str]:
+    """Remove the fresh-segment subdirectories of ``pids`` (or of every
+    producer no longer alive, with ``dead_only``) and their files; returns
+    the files removed (relative to ``directory``)."""
+    removed = []
+    for pid, d in _fresh_dirs(directory).items():
+        if pids is not None and pid not in pids:
+            continue
+        if dead_only and _alive(pid):
+            continue
+        for name in fresh_files(directory, {pid}):
+            if _unlink_quietly(os.path.join(directory, name)):
+                removed.append(name)
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink_quietly(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def write_fresh_segment(t: torch.Tensor, directory: str) -> str:
+    """Copy ``t`` into a new file of ``directory`` the way SGLang 0.5.23's
+    ``ShmPointerMMData.__init__`` does: create, ``ftruncate``,
+    ``posix_fallocate`` (ENOSPC instead of SIGBUS), map shared, copy, close.
+    Returns the file's name. Nothing is left behind on failure."""
+    t = t.detach().contiguous()
+    nbytes = t.numel() * t.element_size()
+    name = f"{FRESH_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    path = os.path.join(directory, name)
+    fd = os.open(path, _FRESH_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if nbytes:
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+            with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+                dst = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+                dst.copy_(t.reshape(-1).view(torch.uint8))
+                del dst
+    except BaseException:
+        _unlink_quietly(path)
+        raise
+    finally:
+        os.close(fd)
+    return name
+
+
+class FreshShmPointer:
+    """A tensor in a fresh segment: pickled as name, shape and dtype.
+
+    As SGLang's ``ShmPointerMMData``, unpickling opens and maps the segment
+    (and never raises: a failure is kept for :meth:`materialize`), and
+    :meth:`materialize` returns a copy-on-write (``MAP_PRIVATE``) mapping,
+    then closes and unlinks the segment, whatever happens.
+    """
+
+    __slots__ = ("_fd", "_map", "directory", "dtype", "error", "name", "nbytes", "shape")
+
+    def __init__(self, name: str, shape, dtype: torch.dtype, directory: str):
+        self.name = name
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.directory = directory
+        self.nbytes = 0
+        self.error: str | None = None
+        self._fd: int | None = None
+        self._map: mmap.mmap | None = None
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, self.name)
+
+    def __reduce__(self):
+        return (_open_fresh, (self.name, self.shape, self.dtype, self.directory))
+
+    def _open(self) -> None:
+        try:
+            self._fd = os.open(self.path, _FRESH_FLAGS)
+            self.nbytes = os.fstat(self._fd).st_size
+            if self.nbytes:  # SharedMemory(name) maps the whole segment, shared
+                self._map = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_SHARED,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except Exception as exc:  # noqa: BLE001 - unpickling must not raise
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._close()
+
+    def materialize(self) -> torch.Tensor:
+        """The tensor over a private copy-on-write mapping; the segment is
+        unlinked and this pointer's descriptors closed in any case."""
+        try:
+            if self.error is not None:
+                raise OSError(errno.ENOENT, self.error, self.path)
+            want = torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+            if want > self.nbytes:
+                raise OSError(errno.EINVAL, f"segment holds {self.nbytes} bytes, "
+                                            f"expected {want}", self.path)
+            if want == 0:
+                return torch.empty(self.shape, dtype=self.dtype)
+            owned = mmap.mmap(self._fd, want, flags=mmap.MAP_PRIVATE,
+                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            return torch.frombuffer(owned, dtype=self.dtype).reshape(self.shape)
+        finally:
+            self.close_and_unlink()
+
+    def close_and_unlink(self) -> None:
+        """Unlink the segment (tolerating another rank's unlink) and close."""
+        try:
+            _unlink_quietly(self.path)
+        except OSError:
+            pass
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self._close()  # only close: unlinking is materialize()'s job
+
+
+def _open_fresh(name: str, shape, dtype, directory: str) -> FreshShmPointer:
+    p = FreshShmPointer(name, shape, dtype, directory)
+    p._open()
+    return p
+
+
+def _items(req) -> list:
+    mm = getattr(req, "mm_inputs", None)
+    return list(getattr(mm, "mm_items", None) or ())
+
+
+@register
+class FreshSegmentMode(Mode):
+    """SGLang 0.5.23's strategy, written as a baseline: every copy sent (the
+    parallel-sampling warm-up copy plus the ``n`` samples when ``n > 1``) gets
+    its own full segment per tensor, created per request in fresh tmpfs pages;
+    the pickled messages and the broadcast carry name, shape and dtype; the TP
+    ranks meet at a barrier before anyone unlinks, then each materializes a
+    copy-on-write mapping and unlinks."""
+
+    name = "fresh-segment"
+    summary = "n+1 fresh segments per request; barrier, MAP_PRIVATE materialize, unlink"
+
+    def __init__(self, min_bytes: int | None = None):
+        super().__init__(min_bytes)
+        self._bcast = mmshm.broadcast_pyobj
+        self._wrap_s = 0.0
+        self._wrap_bytes = 0
+        self._created: list[str] = []
+        self._dir: str | None = None
+
+    def _directory(self) -> str:
+        if self._dir is None:
+            from mmshm import config
+
+            d = fresh_dir(config.get().dir)
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            self._dir = d
+        return self._dir
+
+    # -- producer --------------------------------------------------------------
+    def copies(self, n: int) -> int:
+        return n + 1 if n > 1 else n  # the prefix-caching warm-up copy, then n samples
+
+    def fan_out(self, req, n: int) -> list:
+        self._wrap_s, self._wrap_bytes = 0.0, 0
+        out = []
+        for _ in range(self.copies(n)):  # independent mm_items, as 0.5.23 makes them
+            c = copy.copy(req)
+            c.mm_inputs = copy.copy(req.mm_inputs)
+            c.mm_inputs.mm_items = [copy.copy(it) for it in req.mm_inputs.mm_items]
+            out.append(c)
+        return _rename(out, req.rid)
+
+    def before_send(self, req) -> None:
+        # wrap_shm_features, per copy at dispatch time
+        from mmshm import config
+
+        threshold = self.min_bytes if self.min_bytes is not None else config.get().min_bytes
+        d = self._directory()
+        t0 = time.perf_counter()
+        for it in _items(req):
+            f = it.feature
+            if not isinstance(f, torch.Tensor) or f.numel() * f.element_size() < threshold:
+                continue
+            try:
+                name = write_fresh_segment(f, d)
+            except OSError:
+                continue  # SGLang falls back to inline transport
+            self._created.append(name)
+            self._wrap_bytes += f.numel() * f.element_size()
+            it.feature = FreshShmPointer(name, f.shape, f.dtype, d)
+        self._wrap_s += time.perf_counter() - t0
+
+    def producer_stats(self) -> dict:
+        if not self._wrap_bytes:
+            return {}
+        return {"wrap_s": self._wrap_s, "wrap_bytes": self._wrap_bytes}
+
+    def after_run(self, directory: str) -> list[str]:
+        d = self._dir or fresh_dir(directory)
+        left = [n for n in self._created if _unlink_quietly(os.path.join(d, n))]
+        self._created = []
+        return [os.path.join(os.path.basename(d), n) for n in left]
+
+    @classmethod
+    def estimate(cls, payload, copies, tp):
+        # every copy's segments, the request, and a little for the ranks
+        return (copies + 2) * payload, copies * payload
+
+    # -- scheduler -------------------------------------------------------------
+    def broadcast(self, data, rank, dist_group, src=0):
+        import torch.distributed as dist
+
+        out = self._bcast(data, rank, dist_group, src)  # unpickling opens the segments
+        if dist.is_initialized() and dist.get_world_size(dist_group) > 1:
+            dist.barrier(group=dist_group)  # every rank has opened them: unlink is safe
+        failed = torch.zeros(len(out), dtype=torch.int32)
+        errors: dict[int, str] = {}
+        for i, req in enumerate(out):
+            pending = [it for it in _items(req) if isinstance(it.feature, FreshShmPointer)]
+            try:
+                for it in pending:
+                    it.feature = it.feature.materialize()
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
+                failed[i] = 1
+                errors[i] = f"{type(exc).__name__}: {exc}"
+                for it in pending:
+                    if isinstance(it.feature, FreshShmPointer):
+                        it.feature.close_and_unlink()
+        if dist.is_initialized() and dist.get_world_size(dist_group) > 1:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=dist_group)
+        for i in torch.nonzero(failed).reshape(-1).tolist():
+            why = errors.get(i, "failed on another rank")
+            out[i] = mmshm.MaterializeError(f"fresh-segment: request {i}: {why}",
+                                            request=out[i])
+        return out
+
+    def instrument_broadcast(self, inner):
+        self._bcast = inner(mmshm.broadcast_pyobj)

@@ -4,8 +4,9 @@ The photos are the colour samples bundled in the scikit-image wheel; a
 loader is used only when its file is in the wheel's data directory, so no
 download is ever attempted. Each photo is cropped to 16:9, resized to the
 target resolution with PIL and turned into ``pixel_values`` by
-``transformers``' Qwen2-VL image processor (PIL backend, default settings).
-A 720p photo gives ``pixel_values`` [4784, 1176] float32 (22.5 MB).
+``transformers``' Qwen2-VL image processor (PIL backend, with the pixel
+bounds of the released checkpoints). A 720p photo gives ``pixel_values``
+[4784, 1176] float32 (22.5 MB), a 1080p one [10764, 1176] (50.6 MB).
 """
 
 from __future__ import annotations
@@ -66,15 +67,26 @@ def available_photos() -> list[str]:
     return [name for name, fname, _ in _BUNDLED if os.path.exists(os.path.join(d, fname))]
 
 
+# The pixel bounds of the released Qwen2-VL checkpoints' preprocessor_config.json
+# (min_pixels 56*56, max_pixels 16384*28*28). transformers' bare default caps an
+# image at 1280*28*28 pixels, which would shrink 1080p to about 720p's size.
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 16384 * 28 * 28
+
+
 def image_processor():
-    """The Qwen2-VL image processor (PIL backend, defaults; nothing is downloaded)."""
+    """The Qwen2-VL image processor (PIL backend, the checkpoints' pixel bounds;
+    nothing is downloaded)."""
     global _processor
     if _processor is None:
         try:
             from transformers import Qwen2VLImageProcessorPil as cls
         except ImportError:  # older transformers: the slow processor is PIL-based
             from transformers import Qwen2VLImageProcessor as cls
-        _processor = cls()
+        size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+        try:
+            _processor = cls(size=size)
+        except (TypeError, ValueError):  # releases that took min/max_pixels instead
+            _processor = cls(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     return _processor
 
 

@@ -1,4 +1,4 @@
-"""Rich progress display and result table of ``mmshm bench``."""
+"""Rich progress display and result tables of ``mmshm bench``."""
 
 from __future__ import annotations
 
@@ -33,22 +33,24 @@ class RichReporter(Reporter):
     def stage(self, text: str) -> None:
         self.progress.update(self.task, description=text)
 
-    def step(self, text: str) -> None:
-        self.progress.update(self.task, advance=1, detail=text)
+    def step(self, text: str, advance: int = 1) -> None:
+        self.progress.update(self.task, advance=advance, detail=text)
 
     def warn(self, text: str) -> None:
         self.console.print(f"[yellow]warning:[/] {text}")
 
 
-def _ms(s: float) -> str:
-    return f"{s * 1e3:,.1f}"
+def _ms(s: float | None) -> str:
+    return "" if s is None else f"{s * 1e3:,.1f}"
 
 
 def _mb(b: int) -> str:
     return f"{b / 1e6:,.1f}"
 
 
-def _bytes(b: int) -> str:
+def _bytes(b: int | None) -> str:
+    if b is None:
+        return ""
     if b >= 1e6:
         return f"{b / 1e6:,.1f} MB"
     if b >= 1e3:
@@ -56,40 +58,98 @@ def _bytes(b: int) -> str:
     return f"{b} B"
 
 
+def _gbps(v: float | None) -> str:
+    return "" if v is None else f"{v / 1e9:,.2f}"
+
+
+def _x(v: float | None, digits: int = 1) -> str:
+    return "" if v is None else f"{v:,.{digits}f}x"
+
+
+def _groups(result: dict) -> list[tuple[tuple, list[dict]]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in result["runs"]:
+        out.setdefault((r["tp"], r["n"], r["resolution"]), []).append(r)
+    return list(out.items())
+
+
+_COLUMNS = (("images", "right"), ("payload MB", "right"), ("mode", "left"),
+            ("copies", "right"), ("bcast ms", "right"), ("e2e ms", "right"),
+            ("e2e / floor", "right"), ("vs inline", "right"), ("vs fresh", "right"),
+            ("wrap GB/s", "right"), ("wrap / memcpy", "right"), ("bcast bytes", "right"),
+            ("reps", "right"), ("correct", "center"), ("left", "right"))
+
+
+def result_tables(result: dict) -> list[Table]:
+    """One table per (TP, n, resolution): medians in milliseconds; for each
+    image count a ``floor`` row (warm memcpy of the payload + metadata-only
+    broadcast) and one row per mode with its ratios."""
+    tables = []
+    for (tp, n, res), runs in _groups(result):
+        t = Table(title=f"mmshm bench: TP={tp} n={n} {res} (medians)",
+                  caption="e2e / floor: end-to-end over the floor (lower is better); "
+                          "vs inline, vs fresh: their end-to-end over this mode's; "
+                          "floor wrap GB/s: memcpy into warm memory")
+        for col, just in _COLUMNS:
+            t.add_column(col, justify=just, no_wrap=col == "mode")
+        by_images: dict[int, list[dict]] = {}
+        for r in runs:
+            by_images.setdefault(r["images"], []).append(r)
+        for k, rs in sorted(by_images.items()):
+            f = rs[0]
+            t.add_row(str(k), _mb(f["payload_bytes"]), "[dim]floor[/]", "",
+                      _ms(f.get("floor_broadcast_s")), _ms(f.get("floor_s")), "1.0x", "", "",
+                      _gbps(f.get("memcpy_Bps")), "", _bytes(f.get("floor_broadcast_bytes")),
+                      "", "", "", style="dim")
+            for r in rs:
+                if r.get("skipped"):
+                    t.add_row("", "", r["mode"], str(r["copies"]), "",
+                              "[yellow]skipped[/]", "", "", "", "", "", "", "0", "", "")
+                    continue
+                t.add_row(
+                    "", "", r["mode"], str(r["copies"]), _ms(r["broadcast_s"]),
+                    _ms(r["end_to_end_s"]), _x(r.get("e2e_over_floor"), 2),
+                    _x(r.get("end_to_end_speedup_vs_inline")),
+                    _x(r.get("end_to_end_speedup_vs_fresh_segment")),
+                    _gbps(r.get("wrap_Bps")), _x(r.get("wrap_over_memcpy"), 2),
+                    _bytes(r.get("broadcast_bytes")), str(r.get("repeat", "")),
+                    "[green]yes[/]" if r["correct"] else "[red]NO[/]",
+                    str(len(r.get("leftover_segments", []))),
+                )
+            t.add_section()
+        tables.append(t)
+    return tables
+
+
 def result_table(result: dict) -> Table:
-    """A table of the runs: medians in milliseconds, ratios against ``inline``."""
-    runs = result["runs"]
-    cfg = result.get("config", {})
-    title = (f"mmshm bench: TP={cfg.get('tp')} n={cfg.get('n')} {cfg.get('resolution')} "
-             f"(medians of {cfg.get('repeat')})")
-    t = Table(title=title, caption="bcast x, e2e x: inline's time / this mode's time")
-    for col, just in (("images", "right"), ("payload MB", "right"), ("mode", "left"),
-                      ("broadcast ms", "right"), ("materialize ms", "right"),
-                      ("end-to-end ms", "right"), ("bcast bytes", "right"),
-                      ("bcast x", "right"), ("e2e x", "right"),
-                      ("correct", "center"), ("leftover", "right")):
-        t.add_column(col, justify=just)
-    for r in runs:
-        sb = r.get("broadcast_speedup_vs_inline")
-        se = r.get("end_to_end_speedup_vs_inline")
-        t.add_row(
-            str(r["images"]), _mb(r["payload_bytes"]), r["mode"], _ms(r["broadcast_s"]),
-            _ms(r.get("materialize_s", 0.0)), _ms(r["end_to_end_s"]),
-            _bytes(r.get("broadcast_bytes", 0)),
-            f"{sb:,.0f}x" if sb is not None else "",
-            f"{se:,.1f}x" if se is not None else "",
-            "[green]yes[/]" if r["correct"] else "[red]NO[/]",
-            str(len(r.get("leftover_segments", []))),
-        )
-    return t
+    """The first of :func:`result_tables` (one TP/n/resolution)."""
+    return result_tables(result)[0]
 
 
 def print_result(result: dict, console: Console) -> None:
-    """Print the result table, any problems and the leftover check."""
-    console.print(result_table(result))
+    """Print the result tables, skipped runs, any problems and the leftover check."""
+    for t in result_tables(result):
+        console.print(t)
     for r in result["runs"]:
+        tag = f"{r['mode']} TP={r['tp']} n={r['n']} {r['resolution']} x{r['images']}"
+        if r.get("skipped"):
+            console.print(f"[yellow]{tag} skipped:[/] {r['skipped']}")
         for p in r.get("problems", []):
-            console.print(f"[red]{r['mode']} x{r['images']}:[/] {p}")
+            console.print(f"[red]{tag}:[/] {p}")
+    for f in result.get("floors", []):
+        for p in f.get("problems", []):
+            console.print(f"[red]floor TP={f['tp']} n={f['n']} x{f['images']}:[/] {p}")
+    for s in result.get("summary", []):
+        if s["mode"] != "inline":
+            lo, hi = s["images"]
+            fg = s.get("floor_broadcast_growth")
+            bf = s.get("broadcast_over_floor") or [None, None]
+            console.print(
+                f"{s['mode']} TP={s['tp']} n={s['n']} {s['resolution']}: broadcast at {hi} vs "
+                f"{lo} image(s) {s['broadcast_growth']:.2f}x"
+                + (f" (metadata-only floor broadcast {fg:.2f}x)" if fg else "")
+                + (f"; broadcast + materialize over the floor's broadcast {bf[0]:.1f}x at {lo}, "
+                   f"{bf[1]:.1f}x at {hi}" if None not in bf else ""))
     left = result.get("leftover_segments", [])
     if left:
         console.print(f"[red]{len(left)} segment file(s) were left behind (removed):[/] "

@@ -82,6 +82,21 @@ def build_request(rid: str, photos: list[Photo], images: int, n: int) -> Req:
     return Req(rid=rid, mm_inputs=MultimodalInputs(mm_items=items), input_ids=input_ids, n=n)
 
 
+def metadata_only_batch(n: int, images: int) -> list[Req]:
+    """``n`` requests shaped like the bench's, each of ``images`` items whose
+    ``feature`` is a 64-byte stand-in for a handle: what a metadata-only
+    broadcast carries (the floor's broadcast)."""
+    out = []
+    for i in range(n):
+        items = [MultimodalDataItem(modality="image", hash=bytes(16), feature=bytes(64),
+                                    image_grid_thw=(1, 52, 92), photo="floor")
+                 for _ in range(images)]
+        out.append(Req(rid=f"floor-{i}", mm_inputs=MultimodalInputs(mm_items=items),
+                       input_ids=[9707, 11] + [VISION_START, IMAGE_PAD, VISION_END] * images,
+                       n=n))
+    return out
+
+
 def payload_bytes(req: Req) -> int:
     """Bytes of ``pixel_values`` in one request (all its mm items)."""
     total = 0

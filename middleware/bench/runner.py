@@ -1,10 +1,11 @@
-"""Orchestration of ``mmshm bench``: producer, TP ranks, timing, leftovers.
+"""Orchestration of ``mmshm bench``: producer, TP ranks, floor, timing, leftovers.
 
 The calling process is the producer (the tokenizer's role). It binds a ZMQ
-PUSH socket on an ``ipc://`` endpoint (as SGLang's tokenizer does), spawns
-``tp`` TP ranks (see :mod:`mmshm.bench.worker`) and, for every image count,
-repetition and mode, fans one request out into ``n`` copies and sends each
-to TP rank 0.
+PUSH socket on an ``ipc://`` endpoint (as SGLang's tokenizer does) and, for
+every TP size, spawns that many TP ranks (see :mod:`mmshm.bench.worker`). For
+every resolution, ``n`` and image count (a *config*) and every repetition it
+measures the floor, then, mode after mode, fans one request out into the
+mode's copies and sends each to TP rank 0.
 
 Measured per run (``time.perf_counter``, seconds):
 
@@ -13,15 +14,30 @@ Measured per run (``time.perf_counter``, seconds):
   includes the barrier the ranks meet at before the broadcast (sub-millisecond).
 * ``broadcast_s``: the broadcast step after that barrier: for ``inline``,
   ``broadcast_pyobj`` with its pickling and unpickling; for ``mmshm``, the
-  deferred unwrap's sharing plus the metadata broadcast and unpickling
-  (max over ranks). ``share_s`` is the part before the inner broadcast
-  starts (mmshm: TP rank 0 adding ``world - 1`` references per handle).
+  deferred unwrap's sharing plus the metadata broadcast and unpickling;
+  for ``fresh-segment``, the metadata broadcast with the opening of the
+  segments (max over ranks). ``share_s`` is the part before the inner
+  broadcast starts (mmshm: TP rank 0 adding ``world - 1`` references per handle).
 * ``materialize_s``: what follows the inner broadcast (mmshm: mapping the
-  segments, zero-copy, and all-reducing the failure flags; max over ranks).
-  ``broadcast_total_s`` is the sum as seen by each rank (max over ranks).
+  segments, zero-copy, and all-reducing the failure flags; fresh-segment: the
+  barrier, the copy-on-write mappings, the unlinks and the all-reduce; max
+  over ranks). ``broadcast_total_s`` is the sum as seen by each rank.
+* ``wrap_s``/``wrap_bytes``: the producer's writes into shared memory
+  (modes that make any), hence ``wrap_Bps``.
+* the **floor** of the config, in the same TP group and the same repetitions:
+  a copy of the payload into warm (pre-faulted) memory in the producer
+  (``floor_memcpy_s``, the best of three copies, hence ``memcpy_Bps``) plus
+  a metadata-only ``broadcast_pyobj`` of ``n`` requests (``floor_broadcast_s``).
+  ``floor_s`` is their sum; ``e2e_over_floor`` is ``end_to_end_s / floor_s``
+  and ``wrap_over_memcpy`` is ``wrap_Bps / memcpy_Bps``.
 
-Reported values are medians over the repetitions. Bytes are checked against
-the producer's hashes on every rank, outside the measured region.
+Reported values are medians over the repetitions. A mode stops repeating in a
+config once its samples' ``end_to_end_s`` add up to ``budget_s`` (at least one
+sample: in practice only ``inline`` at large payloads is cut short). A run whose
+estimated peak memory (all processes, tmpfs included) exceeds what the host
+has available, or whose segments would not fit in the segment directory, is
+skipped with the reason in ``skipped``. Bytes are checked against the
+producer's hashes on every rank, outside the measured region.
 """
 
 from __future__ import annotations
@@ -42,60 +58,91 @@ from typing import Any
 
 from mmshm import config, segment
 
-from .modes import MODES, get_mode
+from .modes import MODES, fresh_files, get_mode, remove_fresh_dirs
 
 DEFAULT_IMAGES = (1, 8, 32)
-DEFAULT_MODES = ("inline", "mmshm")
+DEFAULT_MODES = ("inline", "fresh-segment", "mmshm")
+# issue 7's grid: ``mmshm bench --sweep``
+SWEEP = {"tp": (2, 4), "n": (1, 8), "images": (1, 8, 32), "resolution": ("720p", "1080p")}
+# memory left to the rest of the host when deciding what fits
+HEADROOM_BYTES = 2 << 30
+# the floor's memcpy is the best of this many copies in each repetition: it is
+# a physical bound, and other processes on a loaded host only ever slow it down
+MEMCPY_TRIES = 3
 
 
 class BenchError(RuntimeError):
     """The bench could not complete (a rank failed, timed out or died)."""
 
 
+def _tuple(v) -> tuple:
+    if isinstance(v, (str, int)):
+        return (v,)
+    return tuple(v)
+
+
 @dataclasses.dataclass
 class BenchConfig:
-    """Settings of one bench invocation.
+    """Settings of one bench invocation (each list is one axis of the grid).
 
     Attributes:
-        tp: TP ranks (spawned processes).
+        tp: TP sizes; one group of spawned ranks each.
         n: parallel-sampling copies per request.
-        images: image counts per request, one set of runs each.
-        resolution: ``"720p"`` or ``"1080p"``.
+        images: image counts per request.
+        resolution: ``"720p"`` and/or ``"1080p"``.
         modes: transport modes (see :data:`mmshm.bench.modes.MODES`).
-        repeat: repetitions per (images, mode); medians are reported.
+        repeat: most repetitions per (config, mode); medians are reported.
+        budget_s: a mode stops repeating in a config once its samples'
+            ``end_to_end_s`` add up to this many seconds (it always gets one).
+        max_mem_bytes: skip runs estimated to need more memory than this
+            (default: available memory before each config less 2 GiB).
         min_bytes: shared-memory threshold in bytes (default ``MMSHM_MIN_BYTES``).
         timeout_s: bound in seconds on start-up, every collective and every wait.
         warmup: run each mode once on a 1-image request first (not reported).
         shm_dir: segment directory (default ``MMSHM_DIR``, else ``/dev/shm``).
     """
 
-    tp: int = 2
-    n: int = 2
+    tp: tuple[int, ...] = (2,)
+    n: tuple[int, ...] = (2,)
     images: tuple[int, ...] = DEFAULT_IMAGES
-    resolution: str = "720p"
+    resolution: tuple[str, ...] = ("720p",)
     modes: tuple[str, ...] = DEFAULT_MODES
     repeat: int = 3
+    budget_s: float = 8.0
+    max_mem_bytes: int | None = None
     min_bytes: int | None = None
     timeout_s: float = 300.0
     warmup: bool = True
     shm_dir: str | None = None
 
+    def __post_init__(self):
+        for f in ("tp", "n", "images", "resolution", "modes"):
+            setattr(self, f, _tuple(getattr(self, f)))
+
     def validate(self) -> None:
         from .photos import RESOLUTIONS
 
-        if self.tp < 1 or self.n < 1 or self.repeat < 1:
+        if not self.tp or not self.n or any(v < 1 for v in self.tp + self.n) or self.repeat < 1:
             raise ValueError("tp, n and repeat must be >= 1")
         if not self.images or any(k < 1 for k in self.images):
             raise ValueError("images must be a non-empty list of counts >= 1")
-        if self.resolution not in RESOLUTIONS:
-            raise ValueError(f"resolution must be one of {', '.join(RESOLUTIONS)}")
+        bad = [r for r in self.resolution if r not in RESOLUTIONS]
+        if not self.resolution or bad:
+            raise ValueError(f"resolution must be among {', '.join(RESOLUTIONS)}")
         if not self.modes:
             raise ValueError("at least one mode is needed")
         for m in self.modes:
             if m not in MODES:
                 raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        if self.budget_s < 0:
+            raise ValueError("budget_s must be >= 0")
         if self.shm_dir is not None and not os.path.isdir(self.shm_dir):
             raise ValueError(f"segment directory {self.shm_dir} does not exist")
+
+    def configs(self) -> list[tuple[int, str, int, int]]:
+        """``(tp, resolution, n, images)`` in the order they run."""
+        return [(tp, r, n, k) for tp in self.tp for r in self.resolution for n in self.n
+                for k in self.images]
 
 
 class Reporter:
@@ -105,10 +152,10 @@ class Reporter:
         """``total_steps`` measured runs are coming."""
 
     def stage(self, text: str) -> None:
-        """A new phase begins (start-up, warm-up, an image count)."""
+        """A new phase begins (start-up, warm-up, a config)."""
 
-    def step(self, text: str) -> None:
-        """One measured run finished."""
+    def step(self, text: str, advance: int = 1) -> None:
+        """``advance`` measured runs finished (or were skipped)."""
 
     def warn(self, text: str) -> None:
         """Something the user should see."""
@@ -124,9 +171,27 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def mem_available_bytes() -> int:
+    """``MemAvailable`` from /proc/meminfo (0 if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _dir_free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
 def our_segments(directory: str, pids: set[int]) -> set[str]:
-    """Segment files in ``directory`` created by one of ``pids``."""
-    out = set()
+    """mmshm segment files in ``directory`` created by one of ``pids``, and
+    the fresh-segment mode's files made by them."""
+    out = set(fresh_files(directory, pids))
     for name in segment.iter_segment_files(directory):
         m = segment.NAME_RE.match(name)
         if m and int(m.group(1)) in pids:
@@ -134,13 +199,38 @@ def our_segments(directory: str, pids: set[int]) -> set[str]:
     return out
 
 
-class _Session:
-    """The producer side: ZMQ socket, spawned ranks and their pipes."""
+def pooled_segments() -> set[str]:
+    """Names of this process's idle segments in mmshm's warm pool (kept on
+    purpose between requests, so not leftovers)."""
+    fn = getattr(segment, "pooled_names", None)
+    if fn is not None:
+        return set(fn())
+    state = getattr(segment, "STATE_POOLED", None)
+    if state is None:
+        return set()
+    try:
+        with segment._LOCK:
+            return {name for name, s in segment._REGISTRY.items()
+                    if getattr(s, "owned", False) and s.status() == state}
+    except Exception:  # noqa: BLE001 - a core without a pool, or a changed one
+        return set()
 
-    def __init__(self, cfg: BenchConfig, directory: str, reporter: Reporter):
+
+def _trim_pool() -> None:
+    trim = getattr(segment, "trim_pool", None)
+    if trim is not None:
+        trim()
+    segment.sweep()
+
+
+class _Session:
+    """The producer side of one TP size: ZMQ socket, spawned ranks and their pipes."""
+
+    def __init__(self, cfg: BenchConfig, tp: int, directory: str, reporter: Reporter):
         import zmq
 
         self.cfg = cfg
+        self.tp = tp
         self.dir = directory
         self.reporter = reporter
         self.procs: list = []
@@ -165,10 +255,10 @@ class _Session:
         port = _free_port()
         wcfg = {"timeout_s": self.cfg.timeout_s, "min_bytes": self.cfg.min_bytes,
                 "parent_pid": os.getpid()}
-        for r in range(self.cfg.tp):
+        for r in range(self.tp):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=rank_main, name=f"mmshm-bench-tp{r}", daemon=True,
-                            args=(r, self.cfg.tp, port, self.endpoint, child, wcfg))
+                            args=(r, self.tp, port, self.endpoint, child, wcfg))
             p.start()
             child.close()
             self.procs.append(p)
@@ -245,18 +335,52 @@ class _Session:
             self.zmq_ctx.term()
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
-    # -- one measured run ------------------------------------------------------
-    def run_once(self, mode_name: str, req, images: int) -> dict:
-        """Send ``n`` copies of ``req`` with ``mode_name`` and time the broadcast."""
-        mode = self.modes[mode_name]
-        n = self.cfg.n
+    # -- the floor -------------------------------------------------------------
+    def floor_once(self, req, n: int, images: int) -> dict:
+        """A copy of ``req``'s payload into warm memory, then a metadata-only
+        broadcast of ``n`` requests over the TP group. The destination is
+        allocated and pre-faulted outside the timing and freed after it, so
+        the modes' runs do not carry it."""
+        import torch
+
+        nbytes = sum(it.feature.numel() * it.feature.element_size()
+                     for it in req.mm_inputs.mm_items)
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        buf.fill_(0)  # fault every page in now: the floor copies into warm memory
+        memcpy_s = float("inf")
+        for _ in range(MEMCPY_TRIES):
+            t0 = time.perf_counter()
+            off = 0
+            for it in req.mm_inputs.mm_items:
+                f = it.feature
+                nb = f.numel() * f.element_size()
+                buf[off:off + nb].copy_(f.reshape(-1).view(torch.uint8))
+                off += nb
+            memcpy_s = min(memcpy_s, time.perf_counter() - t0)
+        del buf
         for c in self.conns:
-            c.send({"op": "run", "mode": mode_name, "n": n, "images": images})
+            c.send({"op": "floor", "n": n, "images": images})
+        res = self.gather()
+        bcast_s = max(m["t_done"] - m["t_start"] for m in res)
+        return {"floor_s": memcpy_s + bcast_s, "memcpy_s": memcpy_s, "broadcast_s": bcast_s,
+                "broadcast_bytes": res[0]["broadcast_bytes"],
+                "problems": [f"rank {m['rank']}: {p}" for m in res for p in m["problems"]]}
+
+    # -- one measured run ------------------------------------------------------
+    def run_once(self, mode_name: str, req, images: int, n: int) -> dict:
+        """Send ``mode_name``'s copies of ``req`` for ``n`` samples and time them."""
+        mode = self.modes[mode_name]
+        expected = mode.copies(n)
+        for c in self.conns:
+            c.send({"op": "run", "mode": mode_name, "n": expected, "images": images})
         t_start = time.perf_counter()
         copies = mode.fan_out(req, n)
+        if len(copies) != expected:
+            raise BenchError(f"mode {mode_name} made {len(copies)} copies, "
+                             f"announced {expected}")
         zmq_bytes = 0
         try:
-            for i in range(n):
+            for i in range(len(copies)):
                 c, copies[i] = copies[i], None
                 mode.before_send(c)
                 msg = mode.dumps(c)
@@ -271,6 +395,8 @@ class _Session:
             del copies
         t_sent = time.perf_counter()
         res = sorted(self.gather(), key=lambda m: m["rank"])
+        stats = mode.producer_stats()
+        left = mode.after_run(self.dir)
         # Unmap this producer's freed segments now, outside any measured region,
         # rather than in the next run's first segment.create() or in the sweeper.
         segment.sweep()
@@ -287,13 +413,20 @@ class _Session:
             "zmq_bytes": zmq_bytes,
             "problems": problems,
             "rank_open_segments": sum(m["open_segments"] for m in res),
+            "wrap_s": stats.get("wrap_s"),
+            "wrap_bytes": stats.get("wrap_bytes"),
+            "mode_leftovers": left,
         }
 
     def leftovers(self, before: set[str], settle_s: float = 1.0) -> list[str]:
-        """Our segment files still present (waiting up to ``settle_s`` seconds)."""
+        """Our segment files still present (waiting up to ``settle_s`` seconds),
+        less this producer's idle pooled segments."""
         deadline = time.monotonic() + settle_s
         while True:
             left = our_segments(self.dir, self.pids) - before
+            if left:
+                segment.sweep()
+                left -= pooled_segments()
             if not left or time.monotonic() > deadline:
                 return sorted(left)
             time.sleep(0.05)
@@ -311,13 +444,30 @@ _METRICS = ("broadcast_s", "share_s", "materialize_s", "broadcast_total_s", "end
             "produce_s", "recv_s")
 
 
-def _aggregate(cfg: BenchConfig, mode: str, images: int, payload: int, shape, samples: list,
-               leftovers: list[str]) -> dict:
-    run: dict[str, Any] = {
-        "mode": mode, "tp": cfg.tp, "n": cfg.n, "images": images,
-        "resolution": cfg.resolution, "payload_bytes": payload,
-        "image_shape": list(shape),
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _floor_summary(samples: list[dict], payload: int) -> dict:
+    memcpy_s = _median(s["memcpy_s"] for s in samples)
+    return {
+        "floor_s": _median(s["floor_s"] for s in samples),
+        "floor_memcpy_s": memcpy_s,
+        "floor_broadcast_s": _median(s["broadcast_s"] for s in samples),
+        "floor_broadcast_bytes": int(_median(s["broadcast_bytes"] for s in samples)),
+        "memcpy_Bps": payload / memcpy_s if memcpy_s else None,
     }
+
+
+def _base_run(mode: str, tp: int, n: int, copies: int, images: int, resolution: str,
+              payload: int, shape) -> dict:
+    return {"mode": mode, "tp": tp, "n": n, "copies": copies, "images": images,
+            "resolution": resolution, "payload_bytes": payload, "image_shape": list(shape)}
+
+
+def _aggregate(base: dict, samples: list, leftovers: list[str], floor: dict) -> dict:
+    run: dict[str, Any] = dict(base)
     for k in _METRICS:
         run[k] = statistics.median(s[k] for s in samples)
     run["broadcast_bytes"] = int(statistics.median(s["broadcast_bytes"] for s in samples))
@@ -329,24 +479,87 @@ def _aggregate(cfg: BenchConfig, mode: str, images: int, payload: int, shape, sa
     run["rank_open_segments"] = max(s["rank_open_segments"] for s in samples)
     run["repeat"] = len(samples)
     run["samples"] = {k: [s[k] for s in samples] for k in ("broadcast_s", "end_to_end_s")}
+    wrap_s = _median(s["wrap_s"] for s in samples)
+    wrap_bytes = _median(s["wrap_bytes"] for s in samples)
+    run["wrap_s"] = wrap_s
+    run["wrap_bytes"] = int(wrap_bytes) if wrap_bytes is not None else None
+    run["wrap_Bps"] = wrap_bytes / wrap_s if wrap_s and wrap_bytes else None
+    run.update(floor)
+    run["e2e_over_floor"] = (run["end_to_end_s"] / floor["floor_s"]
+                             if floor.get("floor_s") else None)
+    run["wrap_over_memcpy"] = (run["wrap_Bps"] / floor["memcpy_Bps"]
+                               if run["wrap_Bps"] and floor.get("memcpy_Bps") else None)
+    # the same number of requests and items, metadata only: what the broadcast
+    # of a zero-copy transport should cost whatever the payload
+    run["broadcast_over_floor"] = (run["broadcast_total_s"] / floor["floor_broadcast_s"]
+                                   if floor.get("floor_broadcast_s") else None)
     return run
 
 
 def _add_ratios(runs: list[dict]) -> None:
-    base = {r["images"]: r for r in runs if r["mode"] == "inline"}
+    def key(r):
+        return (r["tp"], r["n"], r["resolution"], r["images"])
+
+    for base_mode, suffix in (("inline", "inline"), ("fresh-segment", "fresh_segment")):
+        base = {key(r): r for r in runs if r["mode"] == base_mode and not r.get("skipped")}
+        for r in runs:
+            b = base.get(key(r))
+            if b is None or r is b or r.get("skipped"):
+                continue
+            for k in ("broadcast_s", "end_to_end_s"):
+                r[f"{k.removesuffix('_s')}_speedup_vs_{suffix}"] = (
+                    b[k] / r[k] if r[k] > 0 else float("inf"))
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per (mode, tp, n, resolution): how the broadcast and the end-to-end time
+    grow from the fewest to the most images (the broadcast of a metadata-only
+    mode should not grow with the payload)."""
+    groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        b = base.get(r["images"])
-        if b is None or r is b:
+        if not r.get("skipped"):
+            groups.setdefault((r["mode"], r["tp"], r["n"], r["resolution"]), []).append(r)
+    out = []
+    for (mode, tp, n, res), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["images"])
+        lo, hi = rs[0], rs[-1]
+        if lo is hi:
             continue
-        for k in ("broadcast_s", "end_to_end_s"):
-            r[f"{k.removesuffix('_s')}_speedup_vs_inline"] = (
-                b[k] / r[k] if r[k] > 0 else float("inf"))
+        out.append({
+            "mode": mode, "tp": tp, "n": n, "resolution": res,
+            "images": [lo["images"], hi["images"]],
+            "broadcast_growth": hi["broadcast_s"] / lo["broadcast_s"],
+            "end_to_end_growth": hi["end_to_end_s"] / lo["end_to_end_s"],
+            "floor_broadcast_growth": (hi["floor_broadcast_s"] / lo["floor_broadcast_s"]
+                                       if lo.get("floor_broadcast_s") else None),
+            "broadcast_over_floor": [lo.get("broadcast_over_floor"),
+                                     hi.get("broadcast_over_floor")],
+        })
+    return out
+
+
+def _skip_reason(mode_cls, payload: int, copies: int, tp: int, max_mem: int | None,
+                 directory: str) -> tuple[str | None, int, int]:
+    mem, shm = mode_cls.estimate(payload, copies, tp)
+    if max_mem is None:
+        avail = mem_available_bytes()
+        budget = max(0, avail - HEADROOM_BYTES) if avail else None
+    else:
+        budget = max_mem
+    if budget is not None and mem > budget:
+        return (f"estimated peak memory {mem / 1e9:.1f} GB exceeds the "
+                f"{budget / 1e9:.1f} GB available"), mem, shm
+    free = _dir_free_bytes(directory)
+    if shm > free:
+        return (f"its segments ({shm / 1e9:.1f} GB) exceed the {free / 1e9:.1f} GB free "
+                f"in {directory}"), mem, shm
+    return None, mem, shm
 
 
 def run_bench(cfg: BenchConfig, reporter: Reporter | None = None,
               on_run: Callable[[dict], None] | None = None) -> dict:
-    """Run the bench and return ``{"runs": [...], ...}`` (times in seconds,
-    sizes in bytes; see the module docstring).
+    """Run the bench and return ``{"runs": [...], "floors": [...], ...}`` (times
+    in seconds, sizes in bytes; see the module docstring).
 
     Every spawned process is joined (or terminated) before this returns or
     raises, and segment files left by this bench's processes are reported in
@@ -367,70 +580,69 @@ def run_bench(cfg: BenchConfig, reporter: Reporter | None = None,
     if cfg.shm_dir is not None:
         os.environ["MMSHM_DIR"] = cfg.shm_dir  # inherited by the spawned ranks
     config.reload()
-    directory = config.get().dir
+    settings = config.get()
+    directory = settings.dir
     if not os.path.isdir(directory):
         raise ValueError(f"segment directory {directory} does not exist (MMSHM_DIR)")
+    remove_fresh_dirs(directory, dead_only=True)  # left by a bench that was killed
     before = our_segments(directory, {os.getpid()})
     runs: list[dict] = []
+    floors: list[dict] = []
+    pics: dict[str, list] = {}
+    rss: dict[str, int] = {}
+    pids: set[int] = {os.getpid()}
     final_left: list[str] = []
     sess = None
     completed = False
+    n_configs = len(cfg.configs())
+    reporter.start(n_configs * (len(cfg.modes) + 1) * cfg.repeat)
     try:
-        reporter.stage(f"starting {cfg.tp} TP ranks")
-        sess = _Session(cfg, directory, reporter)
-        sess.spawn()
-        reporter.stage(f"processing photos at {cfg.resolution} (Qwen2-VL image processor)")
-        pics = photos(min(max(cfg.images), 8), cfg.resolution)  # while the ranks start
-        reporter.stage("waiting for the TP group")
-        sess.wait_ready()
-        reporter.start(len(cfg.images) * cfg.repeat * len(cfg.modes))
-        if cfg.warmup:
-            reporter.stage("warm-up")
-            req = build_request("warmup", pics, 1, cfg.n)
-            for m in cfg.modes:
-                sess.run_once(m, req, 1)
-            del req
-            found = sess.leftovers(before)
-            if found:
-                reporter.warn(f"warm-up: {len(found)} segment(s) left behind: "
-                              f"{', '.join(found[:3])}")
-                _remove(directory, found)
-        for k in cfg.images:
-            reporter.stage(f"{k} image(s) per request")
-            req = build_request(f"req-{k}", pics, k, cfg.n)
-            payload = payload_bytes(req)
-            shape = tuple(req.mm_inputs.mm_items[0].feature.shape)
-            samples: dict[str, list] = {m: [] for m in cfg.modes}
-            left: dict[str, set] = {m: set() for m in cfg.modes}
-            for rep in range(cfg.repeat):
-                for m in cfg.modes:  # modes interleaved: drift hits all of them alike
-                    samples[m].append(sess.run_once(m, req, k))
-                    found = sess.leftovers(before)
-                    if found:
-                        reporter.warn(f"{m}, {k} image(s): {len(found)} segment(s) left "
-                                      f"behind: {', '.join(found[:3])}")
-                        left[m].update(found)
-                        _remove(directory, found)
-                    reporter.step(f"{m} x{k} rep {rep + 1}/{cfg.repeat}")
-            del req
-            gc.collect()
-            for m in cfg.modes:
-                run = _aggregate(cfg, m, k, payload, shape, samples[m], sorted(left[m]))
-                runs.append(run)
-                if on_run is not None:
-                    on_run(run)
+        for tp in cfg.tp:
+            reporter.stage(f"starting {tp} TP ranks")
+            sess = _Session(cfg, tp, directory, reporter)
+            sess.spawn()
+            for res in cfg.resolution:  # while the ranks start
+                if res not in pics:
+                    reporter.stage(f"processing photos at {res} (Qwen2-VL image processor)")
+                    pics[res] = photos(min(max(cfg.images), 8), res)
+            reporter.stage(f"waiting for the TP group of {tp}")
+            sess.wait_ready()
+            pids |= sess.pids
+            if cfg.warmup:
+                reporter.stage("warm-up")
+                req = build_request("warmup", pics[cfg.resolution[0]], 1, cfg.n[0])
+                for m in cfg.modes:
+                    sess.run_once(m, req, 1, cfg.n[0])
+                del req
+                found = sess.leftovers(before)
+                if found:
+                    reporter.warn(f"warm-up: {len(found)} segment(s) left behind: "
+                                  f"{', '.join(found[:3])}")
+                    _remove(directory, found)
+            for res in cfg.resolution:
+                for n in cfg.n:
+                    for k in cfg.images:
+                        _run_config(sess, cfg, tp, res, n, k, pics[res], before, runs, floors,
+                                    reporter, on_run, build_request, payload_bytes)
+            for r, v in sorted(sess.rank_rss.items()):
+                rss[f"tp{tp}.rank{r}"] = v
+            sess.close(grace_s=10.0)
+            sess = None
         completed = True
     finally:
         try:
             if sess is not None:  # on an error or Ctrl-C the ranks get 1 s, not 10
+                pids |= sess.pids
                 sess.close(grace_s=10.0 if completed else 1.0)
         finally:
-            pids = sess.pids if sess is not None else {os.getpid()}
+            gc.collect()
+            _trim_pool()
             final_left = sorted(our_segments(directory, pids) - before)
             if final_left:
                 reporter.warn(f"{len(final_left)} segment file(s) left in {directory} by the "
                               f"bench's processes; removing them")
                 _remove(directory, final_left)
+            remove_fresh_dirs(directory, pids)
             if cfg.shm_dir is not None:
                 if old_dir is None:
                     os.environ.pop("MMSHM_DIR", None)
@@ -440,15 +652,84 @@ def run_bench(cfg: BenchConfig, reporter: Reporter | None = None,
     _add_ratios(runs)
     return {
         "runs": runs,
-        "config": {**dataclasses.asdict(cfg), "shm_dir": directory},
-        "photos": [p.name for p in pics],
+        "floors": floors,
+        "summary": summarize(runs),
+        "config": {**dataclasses.asdict(cfg), "shm_dir": directory,
+                   "pool": getattr(settings, "pool", None),
+                   "pool_idle_s": getattr(settings, "pool_idle_s", None),
+                   "min_bytes_effective": (cfg.min_bytes if cfg.min_bytes is not None
+                                           else settings.min_bytes)},
+        "photos": {res: [p.name for p in ps] for res, ps in pics.items()},
         "leftover_segments": final_left,
-        "peak_rss_bytes": {"producer": _peak_rss_bytes(),
-                           **{f"rank{r}": v for r, v in sorted(sess.rank_rss.items())}},
+        "peak_rss_bytes": {"producer": _peak_rss_bytes(), **rss},
         "elapsed_s": time.perf_counter() - t_begin,
         "versions": _versions(),
-        "host": {"cpus": os.cpu_count()},
+        "host": {"cpus": os.cpu_count(), "mem_available_bytes": mem_available_bytes()},
     }
+
+
+def _run_config(sess: _Session, cfg: BenchConfig, tp: int, res: str, n: int, k: int,
+                pics: list, before: set[str], runs: list, floors: list, reporter: Reporter,
+                on_run, build_request, payload_bytes) -> None:
+    """The floor and every mode for one (tp, resolution, n, images)."""
+    label = f"TP={tp} n={n} {res} x{k}"
+    reporter.stage(label)
+    gc.collect()
+    segment.sweep()
+    req = build_request(f"req-{k}", pics, k, n)
+    payload = payload_bytes(req)
+    shape = tuple(req.mm_inputs.mm_items[0].feature.shape)
+    bases: dict[str, dict] = {}
+    active: list[str] = []
+    for m in cfg.modes:
+        copies = sess.modes[m].copies(n)
+        bases[m] = _base_run(m, tp, n, copies, k, res, payload, shape)
+        why, mem, shm = _skip_reason(MODES[m], payload, copies, tp, cfg.max_mem_bytes, sess.dir)
+        bases[m]["est_peak_bytes"], bases[m]["est_shm_bytes"] = mem, shm
+        if why is None:
+            active.append(m)
+        else:
+            reporter.warn(f"{label}: {m} skipped: {why}")
+            bases[m]["skipped"] = why
+            reporter.step(f"{m} skipped", advance=cfg.repeat)
+    floor_samples: list[dict] = []
+    samples: dict[str, list] = {m: [] for m in active}
+    spent: dict[str, float] = {m: 0.0 for m in active}
+    left: dict[str, set] = {m: set() for m in active}
+    for rep in range(cfg.repeat):
+        floor_samples.append(sess.floor_once(req, n, k))
+        reporter.step(f"floor x{k} rep {rep + 1}")
+        for m in active:  # modes interleaved: drift hits all of them alike
+            if samples[m] and spent[m] >= cfg.budget_s:
+                reporter.step(f"{m} x{k}: budget spent")
+                continue
+            s = sess.run_once(m, req, k, n)
+            spent[m] += s["end_to_end_s"]  # measured time only, not the ranks' checks
+            samples[m].append(s)
+            found = set(sess.leftovers(before)) | set(s["mode_leftovers"])
+            if found:
+                reporter.warn(f"{m}, {label}: {len(found)} segment(s) left behind: "
+                              f"{', '.join(sorted(found)[:3])}")
+                left[m].update(found)
+                _remove(sess.dir, found)
+            reporter.step(f"{m} x{k} rep {rep + 1}/{cfg.repeat}")
+            gc.collect()
+    del req
+    gc.collect()
+    floor = _floor_summary(floor_samples, payload)
+    floor_problems = [p for s in floor_samples for p in s["problems"]]
+    floors.append({"tp": tp, "n": n, "images": k, "resolution": res, "payload_bytes": payload,
+                   **floor, "repeat": len(floor_samples), "problems": floor_problems[:10],
+                   "samples": {"floor_s": [s["floor_s"] for s in floor_samples]}})
+    for m in cfg.modes:
+        if m in samples:
+            run = _aggregate(bases[m], samples[m], sorted(left[m]), floor)
+        else:
+            run = {**bases[m], **floor, "correct": None, "leftover_segments": [],
+                   "problems": [], "repeat": 0}
+        runs.append(run)
+        if on_run is not None:
+            on_run(run)
 
 
 def _versions() -> dict:

@@ -131,6 +131,27 @@ class _Rank:
             "peak_rss_bytes": _peak_rss_bytes(),
         }
 
+    def floor(self, cmd: dict) -> dict:
+        """The floor's broadcast: ``n`` requests of ``images`` items whose
+        features are 64-byte stand-ins (a handle's size on the wire), sent with
+        the plain ``broadcast_pyobj`` over the same TP group and timed as a run."""
+        from mmshm import broadcast_pyobj
+
+        from .requests import metadata_only_batch
+
+        n, images = int(cmd["n"]), int(cmd["images"])
+        data = metadata_only_batch(n, images) if self.rank == 0 else None
+        gc.collect()
+        self.dist.barrier(group=self.group)
+        self.bytes_broadcast = 0
+        t0 = time.perf_counter()
+        out = broadcast_pyobj(data, self.rank, self.group, 0)
+        t1 = time.perf_counter()
+        problems = [] if len(out) == n else [f"floor: {len(out)} of {n} requests"]
+        return {"op": "floor", "rank": self.rank, "pid": os.getpid(), "t_start": t0,
+                "t_done": t1, "broadcast_bytes": self.bytes_broadcast, "problems": problems,
+                "peak_rss_bytes": _peak_rss_bytes()}
+
     def close(self) -> None:
         if self.pull is not None:
             self.pull.close(0)
@@ -154,8 +175,9 @@ def rank_main(rank: int, tp: int, port: int, endpoint: str, conn, cfg: dict) -> 
     """Entry point of TP rank ``rank`` (a spawned process).
 
     Protocol on ``conn``: the rank sends ``{"op": "ready"}``, then answers each
-    ``{"op": "run", mode, n, images}`` with ``{"op": "result", ...}`` until it
-    gets ``{"op": "stop"}``. Any exception is sent as ``{"op": "error"}``.
+    ``{"op": "run", mode, n, images}`` with ``{"op": "result", ...}`` and each
+    ``{"op": "floor", n, images}`` with ``{"op": "floor", ...}`` until it gets
+    ``{"op": "stop"}``. Any exception is sent as ``{"op": "error"}``.
     """
     # Ctrl-C goes to the whole process group: only the parent handles it, and
     # it stops (or terminates) the ranks.
@@ -173,9 +195,10 @@ def rank_main(rank: int, tp: int, port: int, endpoint: str, conn, cfg: dict) -> 
         conn.send({"op": "ready", "rank": rank, "pid": os.getpid()})
         while True:
             cmd = conn.recv()
-            if cmd.get("op") == "stop":
+            op = cmd.get("op")
+            if op == "stop":
                 break
-            conn.send(r.run(cmd))
+            conn.send(r.floor(cmd) if op == "floor" else r.run(cmd))
     except EOFError:  # the parent went away
         pass
     except BaseException:  # noqa: BLE001
