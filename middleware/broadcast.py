@@ -145,7 +145,8 @@ def _share_for_broadcast(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
     for i, req in enumerate(data):
         per_seg: dict[SegKey, int] = {}
         poisoned: MmshmError | None = None
-        for h in handles(req):
+        hs = handles(req)
+        for h in hs:
             if id(h) in seen:
                 continue
             if not h.owns_reference:
@@ -167,7 +168,7 @@ def _share_for_broadcast(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
         if poisoned is not None:
             out[i] = _poison(req, poisoned)
             continue
-        seen.update(id(h) for h in handles(req))
+        seen.update(id(h) for h in hs)
         for key in done:
             added[key] = added.get(key, 0) + per_seg[key]
     return out, added
