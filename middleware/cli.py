@@ -78,6 +78,9 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
               help="Shared-memory threshold in bytes [default: MMSHM_MIN_BYTES].")
 @click.option("--shm-dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Segment directory [default: MMSHM_DIR or /dev/shm].")
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Simulate this many nodes on this machine (own segment directory and "
+                   "node id each; TP ranks in contiguous blocks; at most the TP size).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300.0,
               show_default=True, help="Seconds allowed for start-up and each step.")
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
@@ -88,7 +91,7 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
               help="Write a PNG of end-to-end latency against payload, one line per mode.")
 @click.pass_context
 def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_mem_gb,
-          min_bytes, shm_dir, timeout_s, warmup, json_path, plot_path) -> None:
+          min_bytes, shm_dir, nodes, timeout_s, warmup, json_path, plot_path) -> None:
     """Time transports on the request path of a VLM server, against the floor.
 
     Real photos go through the Qwen2-VL image processor, each request is
@@ -97,6 +100,8 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     pickled), fresh-segment (SGLang 0.5.23's n+1 fresh segments per request,
     as a baseline) and mmshm. The floor, measured in the same run, is a
     memcpy of the payload into warm memory plus a metadata-only broadcast.
+    --nodes K simulates K nodes on this machine and reports the bytes sent
+    between them (fresh-segment is skipped: it is single-node only).
     Runs the host cannot hold are skipped with a note. Exits 1 if any run
     delivered wrong bytes or left a shared-memory segment behind, 2 on a usage
     error, 3 if the bench itself failed (a TP rank died or timed out).
@@ -118,7 +123,8 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
                 axes[key] = SWEEP[key]
     cfg = BenchConfig(**axes, modes=modes, repeat=repeat, budget_s=budget_s,
                       max_mem_bytes=None if max_mem_gb is None else int(max_mem_gb * 1e9),
-                      min_bytes=min_bytes, timeout_s=timeout_s, warmup=warmup, shm_dir=shm_dir)
+                      min_bytes=min_bytes, timeout_s=timeout_s, warmup=warmup, shm_dir=shm_dir,
+                      nodes=nodes)
     # SIGTERM unwinds like Ctrl-C, so the TP ranks are stopped and joined
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     err = Console(stderr=True)

@@ -242,3 +242,41 @@ def test_plot_from_a_result(tmp_path):
                  "payload_bytes": 1, "skipped": "memory"})
     path = plot_result({"runs": runs, "floors": floors}, str(tmp_path / "p.png"))
     assert os.path.getsize(path) > 1000
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_bench_two_simulated_nodes(shm_dir, tmp_path):
+    """--nodes 2 over TP=4: ranks 0-1 on node 0 (with the producer), 2-3 on
+    node 1. mmshm sends each payload once to node 1's leader; inline pickles
+    it to both ranks of node 1. Nothing is left in any node directory."""
+    from mmshm import node
+
+    out = tmp_path / "nodes.json"
+    proc = _cli("bench", "--tp", "4", "--n", "1", "--images", "1,2", "--nodes", "2",
+                "--modes", "inline,mmshm", "--repeat", "1", "--timeout", "40",
+                "--json", str(out), timeout=55)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["config"]["nodes"] == 2
+    by = {(r["mode"], r["images"]): r for r in result["runs"]}
+    assert set(by) == {(m, k) for m in ("inline", "mmshm") for k in (1, 2)}
+    for r in by.values():
+        assert r["correct"] is True, r["problems"]
+        assert r["nodes"] == 2 and r["leftover_segments"] == []
+    for k in (1, 2):
+        mm, inl = by["mmshm", k], by["inline", k]
+        assert mm["internode_bytes"] == mm["payload_bytes"] * 1 * (2 - 1)
+        # the pickled batch, to the 2 ranks of node 1
+        assert inl["internode_bytes"] == 2 * inl["broadcast_bytes"]
+        assert inl["internode_bytes"] > mm["internode_bytes"]
+    assert result["leftover_segments"] == []
+    for k in range(2):
+        assert not _bench_files(node.simulated_dir(shm_dir, k))
+    assert not _bench_files(shm_dir)
+    assert "inter-node" in proc.stdout
+
+
+def test_bench_rejects_more_nodes_than_ranks():
+    proc = _cli("bench", "--tp", "2", "--nodes", "3", timeout=30)
+    assert proc.returncode == 2 and "nodes" in proc.stderr

@@ -86,12 +86,19 @@ def result_tables(result: dict) -> list[Table]:
     broadcast) and one row per mode with its ratios."""
     tables = []
     for (tp, n, res), runs in _groups(result):
-        t = Table(title=f"mmshm bench: TP={tp} n={n} {res} (medians)",
+        nodes = max((r.get("nodes", 1) for r in runs), default=1)
+        multi = nodes > 1
+        where = f" over {nodes} nodes" if multi else ""
+        t = Table(title=f"mmshm bench: TP={tp} n={n} {res}{where} (medians)",
                   caption="e2e / floor: end-to-end over the floor (lower is better); "
                           "vs inline, vs fresh: their end-to-end over this mode's; "
-                          "floor wrap GB/s: memcpy into warm memory")
-        for col, just in _COLUMNS:
+                          "floor wrap GB/s: memcpy into warm memory"
+                          + ("; inter-node: bytes sent between the simulated nodes"
+                             if multi else ""))
+        columns = _COLUMNS + ((("inter-node", "right"),) if multi else ())
+        for col, just in columns:
             t.add_column(col, justify=just, no_wrap=col == "mode")
+        extra = (lambda v: (v,)) if multi else (lambda v: ())
         by_images: dict[int, list[dict]] = {}
         for r in runs:
             by_images.setdefault(r["images"], []).append(r)
@@ -100,11 +107,12 @@ def result_tables(result: dict) -> list[Table]:
             t.add_row(str(k), _mb(f["payload_bytes"]), "[dim]floor[/]", "",
                       _ms(f.get("floor_broadcast_s")), _ms(f.get("floor_s")), "1.0x", "", "",
                       _gbps(f.get("memcpy_Bps")), "", _bytes(f.get("floor_broadcast_bytes")),
-                      "", "", "", style="dim")
+                      "", "", "", *extra(""), style="dim")
             for r in rs:
                 if r.get("skipped"):
                     t.add_row("", "", r["mode"], str(r["copies"]), "",
-                              "[yellow]skipped[/]", "", "", "", "", "", "", "0", "", "")
+                              "[yellow]skipped[/]", "", "", "", "", "", "", "0", "", "",
+                              *extra(""))
                     continue
                 t.add_row(
                     "", "", r["mode"], str(r["copies"]), _ms(r["broadcast_s"]),
@@ -115,6 +123,7 @@ def result_tables(result: dict) -> list[Table]:
                     _bytes(r.get("broadcast_bytes")), str(r.get("repeat", "")),
                     "[green]yes[/]" if r["correct"] else "[red]NO[/]",
                     str(len(r.get("leftover_segments", []))),
+                    *extra(_bytes(r.get("internode_bytes"))),
                 )
             t.add_section()
         tables.append(t)
@@ -155,5 +164,7 @@ def print_result(result: dict, console: Console) -> None:
         console.print(f"[red]{len(left)} segment file(s) were left behind (removed):[/] "
                       + ", ".join(left[:5]))
     else:
-        console.print(f"no mmshm-* segment left in {result['config']['shm_dir']} by the bench "
-                      f"({result['elapsed_s']:.1f} s in all)")
+        k = result["config"].get("nodes", 1)
+        where = f" (nor in its {k} node directories)" if k > 1 else ""
+        console.print(f"no mmshm-* segment left in {result['config']['shm_dir']}{where} by the "
+                      f"bench ({result['elapsed_s']:.1f} s in all)")

@@ -38,6 +38,15 @@ estimated peak memory (all processes, tmpfs included) exceeds what the host
 has available, or whose segments would not fit in the segment directory, is
 skipped with the reason in ``skipped``. Bytes are checked against the
 producer's hashes on every rank, outside the measured region.
+
+With ``nodes`` K > 1 the bench simulates K nodes on one machine: each gets
+its own segment directory under the bench's (:func:`mmshm.node.simulated_dir`)
+and its own ``MMSHM_NODE_ID``; TP ranks go to nodes in contiguous blocks
+(:func:`mmshm.node.node_of_rank`) and the producer is on node 0, the source
+rank's. Every run reports ``nodes`` and ``internode_bytes``: for ``inline``
+the pickled broadcast times the ranks on other nodes; for the other modes the
+sum over ranks of :func:`mmshm.node.internode_bytes` during the run.
+``fresh-segment`` is single-node only and is skipped when K > 1.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mmshm import config, segment
+from mmshm import config, node, segment
 
 from .modes import MODES, fresh_files, get_mode, remove_fresh_dirs
 
@@ -100,6 +109,8 @@ class BenchConfig:
         timeout_s: bound in seconds on start-up, every collective and every wait.
         warmup: run each mode once on a 1-image request first (not reported).
         shm_dir: segment directory (default ``MMSHM_DIR``, else ``/dev/shm``).
+        nodes: simulated nodes (1 to the smallest TP size), each with its own
+            segment directory under ``shm_dir`` and its own node id.
     """
 
     tp: tuple[int, ...] = (2,)
@@ -114,6 +125,7 @@ class BenchConfig:
     timeout_s: float = 300.0
     warmup: bool = True
     shm_dir: str | None = None
+    nodes: int = 1
 
     def __post_init__(self):
         for f in ("tp", "n", "images", "resolution", "modes"):
@@ -134,6 +146,11 @@ class BenchConfig:
         for m in self.modes:
             if m not in MODES:
                 raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        if not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ValueError("nodes must be >= 1")
+        if self.nodes > min(self.tp):
+            raise ValueError(f"cannot spread {min(self.tp)} TP ranks over {self.nodes} nodes "
+                             f"(nodes must be <= tp)")
         if self.budget_s < 0:
             raise ValueError("budget_s must be >= 0")
         if self.shm_dir is not None and not os.path.isdir(self.shm_dir):
@@ -199,6 +216,25 @@ def our_segments(directory: str, pids: set[int]) -> set[str]:
     return out
 
 
+def node_dirs(directory: str, nodes: int) -> list[str]:
+    """The segment directories of a bench with ``nodes`` simulated nodes, as
+    paths relative to ``directory`` (``""``: the directory itself)."""
+    if nodes <= 1:
+        return [""]
+    return [""] + [os.path.relpath(node.simulated_dir(directory, k), directory)
+                   for k in range(nodes)]
+
+
+def all_segments(directory: str, nodes: int, pids: set[int]) -> set[str]:
+    """:func:`our_segments` of ``directory`` and of every simulated node's
+    directory, as paths relative to ``directory``."""
+    out = set()
+    for rel in node_dirs(directory, nodes):
+        out |= {os.path.join(rel, name) if rel else name
+                for name in our_segments(os.path.join(directory, rel), pids)}
+    return out
+
+
 def pooled_segments() -> set[str]:
     """Names of this process's idle segments in mmshm's warm pool (kept on
     purpose between requests, so not leftovers)."""
@@ -214,6 +250,23 @@ def pooled_segments() -> set[str]:
                     if getattr(s, "owned", False) and s.status() == state}
     except Exception:  # noqa: BLE001 - a core without a pool, or a changed one
         return set()
+
+
+def _pooled_on_disk(path: str) -> bool:
+    """Whether the segment file at ``path`` is idle in its owner's warm pool
+    (a TP rank's, with ``--nodes``: a node leader's copies of the payloads),
+    read from its header; those are unlinked when the rank stops."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        raw = os.pread(fd, 4, segment._OFF_STATE)
+        return len(raw) == 4 and segment._U32.unpack(raw)[0] == segment.STATE_POOLED
+    except (OSError, AttributeError):
+        return False
+    finally:
+        os.close(fd)
 
 
 def _trim_pool() -> None:
@@ -257,9 +310,24 @@ class _Session:
                 "parent_pid": os.getpid()}
         for r in range(self.tp):
             parent, child = ctx.Pipe()
+            rcfg = dict(wcfg)
+            env: dict[str, str] = {}
+            if self.cfg.nodes > 1:
+                k = node.node_of_rank(r, self.tp, self.cfg.nodes)
+                rcfg["node"], rcfg["node_base_dir"] = k, self.dir
+                env = node.simulated_env(self.dir, k)
             p = ctx.Process(target=rank_main, name=f"mmshm-bench-tp{r}", daemon=True,
-                            args=(r, self.tp, port, self.endpoint, child, wcfg))
-            p.start()
+                            args=(r, self.tp, port, self.endpoint, child, rcfg))
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)  # the child starts with its node's settings
+            try:
+                p.start()
+            finally:
+                for key, v in saved.items():
+                    if v is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = v
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
@@ -401,6 +469,12 @@ class _Session:
         # rather than in the next run's first segment.create() or in the sweeper.
         segment.sweep()
         problems = [f"rank {m['rank']}: {p}" for m in res for p in m["problems"]]
+        if mode_name == "inline":  # the pickled batch reaches every rank of another node
+            remote = sum(1 for r in range(self.tp)
+                         if node.node_of_rank(r, self.tp, self.cfg.nodes) != 0)
+            internode = res[0]["broadcast_bytes"] * remote
+        else:
+            internode = sum(m.get("internode_bytes", 0) for m in res)
         return {
             "broadcast_s": max(m["t_broadcast_end"] - m["t_broadcast_start"] for m in res),
             "share_s": max(m["t_inner_start"] - m["t_broadcast_start"] for m in res),
@@ -411,6 +485,7 @@ class _Session:
             "recv_s": res[0]["t_recv"] - t_start,
             "broadcast_bytes": res[0]["broadcast_bytes"],
             "zmq_bytes": zmq_bytes,
+            "internode_bytes": internode,
             "problems": problems,
             "rank_open_segments": sum(m["open_segments"] for m in res),
             "wrap_s": stats.get("wrap_s"),
@@ -423,10 +498,12 @@ class _Session:
         less this producer's idle pooled segments."""
         deadline = time.monotonic() + settle_s
         while True:
-            left = our_segments(self.dir, self.pids) - before
+            left = all_segments(self.dir, self.cfg.nodes, self.pids) - before
             if left:
                 segment.sweep()
-                left -= pooled_segments()
+                pooled = pooled_segments()
+                left = {x for x in left if os.path.basename(x) not in pooled
+                        and not _pooled_on_disk(os.path.join(self.dir, x))}
             if not left or time.monotonic() > deadline:
                 return sorted(left)
             time.sleep(0.05)
@@ -461,9 +538,19 @@ def _floor_summary(samples: list[dict], payload: int) -> dict:
 
 
 def _base_run(mode: str, tp: int, n: int, copies: int, images: int, resolution: str,
-              payload: int, shape) -> dict:
+              payload: int, shape, nodes: int = 1) -> dict:
     return {"mode": mode, "tp": tp, "n": n, "copies": copies, "images": images,
-            "resolution": resolution, "payload_bytes": payload, "image_shape": list(shape)}
+            "resolution": resolution, "payload_bytes": payload, "image_shape": list(shape),
+            "nodes": nodes}
+
+
+# modes whose transport cannot cross simulated nodes
+SINGLE_NODE_MODES = ("fresh-segment",)
+
+
+def _single_node_note(mode: str) -> str:
+    return (f"{mode} is single-node only (its segments are opened by path on every rank); "
+            f"skipped with --nodes > 1")
 
 
 def _aggregate(base: dict, samples: list, leftovers: list[str], floor: dict) -> dict:
@@ -472,6 +559,7 @@ def _aggregate(base: dict, samples: list, leftovers: list[str], floor: dict) -> 
         run[k] = statistics.median(s[k] for s in samples)
     run["broadcast_bytes"] = int(statistics.median(s["broadcast_bytes"] for s in samples))
     run["zmq_bytes"] = int(statistics.median(s["zmq_bytes"] for s in samples))
+    run["internode_bytes"] = int(statistics.median(s["internode_bytes"] for s in samples))
     problems = [p for s in samples for p in s["problems"]]
     run["correct"] = not problems
     run["problems"] = problems[:10]
@@ -576,7 +664,7 @@ def run_bench(cfg: BenchConfig, reporter: Reporter | None = None,
     cfg.validate()
     reporter = reporter or Reporter()
     t_begin = time.perf_counter()
-    old_dir = os.environ.get("MMSHM_DIR")
+    old_env = {k: os.environ.get(k) for k in ("MMSHM_DIR", "MMSHM_NODE_ID")}
     if cfg.shm_dir is not None:
         os.environ["MMSHM_DIR"] = cfg.shm_dir  # inherited by the spawned ranks
     config.reload()
@@ -584,8 +672,12 @@ def run_bench(cfg: BenchConfig, reporter: Reporter | None = None,
     directory = settings.dir
     if not os.path.isdir(directory):
         raise ValueError(f"segment directory {directory} does not exist (MMSHM_DIR)")
+    existed = {rel for rel in node_dirs(directory, cfg.nodes)
+               if os.path.isdir(os.path.join(directory, rel))}
+    if cfg.nodes > 1:
+        node.simulate(directory, 0)  # the producer is on the source rank's node
     remove_fresh_dirs(directory, dead_only=True)  # left by a bench that was killed
-    before = our_segments(directory, {os.getpid()})
+    before = all_segments(directory, cfg.nodes, {os.getpid()})
     runs: list[dict] = []
     floors: list[dict] = []
     pics: dict[str, list] = {}
@@ -612,7 +704,8 @@ def run_bench(cfg: BenchConfig, reporter: Reporter | None = None,
                 reporter.stage("warm-up")
                 req = build_request("warmup", pics[cfg.resolution[0]], 1, cfg.n[0])
                 for m in cfg.modes:
-                    sess.run_once(m, req, 1, cfg.n[0])
+                    if cfg.nodes == 1 or m not in SINGLE_NODE_MODES:
+                        sess.run_once(m, req, 1, cfg.n[0])
                 del req
                 found = sess.leftovers(before)
                 if found:
@@ -637,18 +730,24 @@ def run_bench(cfg: BenchConfig, reporter: Reporter | None = None,
         finally:
             gc.collect()
             _trim_pool()
-            final_left = sorted(our_segments(directory, pids) - before)
+            final_left = sorted(all_segments(directory, cfg.nodes, pids) - before)
             if final_left:
                 reporter.warn(f"{len(final_left)} segment file(s) left in {directory} by the "
                               f"bench's processes; removing them")
                 _remove(directory, final_left)
             remove_fresh_dirs(directory, pids)
-            if cfg.shm_dir is not None:
-                if old_dir is None:
-                    os.environ.pop("MMSHM_DIR", None)
+            for rel in node_dirs(directory, cfg.nodes):
+                if rel and rel not in existed:  # the node directories this bench made
+                    try:
+                        os.rmdir(os.path.join(directory, rel))
+                    except OSError:
+                        pass
+            for key, v in old_env.items():
+                if v is None:
+                    os.environ.pop(key, None)
                 else:
-                    os.environ["MMSHM_DIR"] = old_dir
-                config.reload()
+                    os.environ[key] = v
+            config.reload()
     _add_ratios(runs)
     return {
         "runs": runs,
@@ -683,8 +782,10 @@ def _run_config(sess: _Session, cfg: BenchConfig, tp: int, res: str, n: int, k: 
     active: list[str] = []
     for m in cfg.modes:
         copies = sess.modes[m].copies(n)
-        bases[m] = _base_run(m, tp, n, copies, k, res, payload, shape)
+        bases[m] = _base_run(m, tp, n, copies, k, res, payload, shape, cfg.nodes)
         why, mem, shm = _skip_reason(MODES[m], payload, copies, tp, cfg.max_mem_bytes, sess.dir)
+        if cfg.nodes > 1 and m in SINGLE_NODE_MODES:
+            why = _single_node_note(m)
         bases[m]["est_peak_bytes"], bases[m]["est_shm_bytes"] = mem, shm
         if why is None:
             active.append(m)

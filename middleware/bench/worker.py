@@ -93,7 +93,7 @@ class _Rank:
         return m
 
     def run(self, cmd: dict) -> dict:
-        from mmshm import segment
+        from mmshm import node, segment
 
         from .requests import verify
 
@@ -113,9 +113,11 @@ class _Rank:
         self.dist.barrier(group=self.group)  # outside the measured region
         self.bytes_broadcast = 0
         self.t_inner_start = self.t_inner_end = None
+        sent0 = node.internode_bytes()
         t0 = time.perf_counter()
         out = mode.broadcast(data, self.rank, self.group, 0)
         t1 = time.perf_counter()
+        internode = node.internode_bytes() - sent0
         t_inner = self.t_inner_end if self.t_inner_end is not None else t1
         t_inner_start = self.t_inner_start if self.t_inner_start is not None else t0
         nbytes = self.bytes_broadcast
@@ -126,7 +128,8 @@ class _Rank:
             "op": "result", "rank": self.rank, "pid": os.getpid(),
             "t_recv": t_recv, "t_broadcast_start": t0, "t_inner_start": t_inner_start,
             "t_broadcast_end": t_inner,
-            "t_done": t1, "broadcast_bytes": nbytes, "problems": problems[:10],
+            "t_done": t1, "broadcast_bytes": nbytes, "internode_bytes": internode,
+            "problems": problems[:10],
             "open_segments": len(segment.open_segments()),
             "peak_rss_bytes": _peak_rss_bytes(),
         }
@@ -187,6 +190,12 @@ def rank_main(rank: int, tp: int, port: int, endpoint: str, conn, cfg: dict) -> 
         return  # the parent died before the death signal was armed
     r = None
     try:
+        if cfg.get("node") is not None:
+            # this rank's simulated node, before anything of mmshm runs (the
+            # spawned process already inherited it; this makes it explicit)
+            from mmshm import node
+
+            node.simulate(cfg["node_base_dir"], int(cfg["node"]))
         r = _Rank(rank, tp, port, endpoint, cfg)
         from . import modes, requests  # noqa: F401 - imported before gc.freeze()
 
