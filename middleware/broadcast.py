@@ -134,44 +134,69 @@ def _update(key: SegKey, delta: int) -> int:
 
 def _share_for_broadcast(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
     """Add ``k`` references per handle object of the batch, in one locked
-    update per segment (fan-out copies share segments). A handle object that
-    appears in several requests (``copy.copy``'d requests share ``mm_items``)
-    is pickled once for the whole batch, so it gets ``k`` once. A request whose
-    handles cannot be shared is poisoned instead. Returns the (possibly
-    rebuilt) list and {segment: references added}, for rollback."""
-    added: dict[SegKey, int] = {}
-    seen: set[int] = set()
+    update per segment for the whole batch (fan-out copies share segments). A
+    handle object that appears in several requests (``copy.copy``'d requests
+    share ``mm_items``) is pickled once for the whole batch, so it gets ``k``
+    once. A request whose handles cannot be shared is poisoned instead (and so
+    is every request sharing a handle object with it), and what was added for
+    it is taken back. Returns the (possibly rebuilt) list and
+    {segment: references added}, for rollback."""
     out = list(data)
+    owner: dict[int, int] = {}                # handle object -> first request holding it
+    per_req: dict[int, dict[SegKey, int]] = {}
+    hs_of: dict[int, list[ShmTensor]] = {}
+    poison: dict[int, Exception] = {}
     for i, req in enumerate(data):
-        per_seg: dict[SegKey, int] = {}
-        poisoned: MmshmError | None = None
         hs = handles(req)
+        if not hs:
+            continue
+        hs_of[i] = hs
+        counts: dict[SegKey, int] = {}
         for h in hs:
-            if id(h) in seen:
+            if owner.setdefault(id(h), i) != i:
                 continue
             if not h.owns_reference:
-                poisoned = HandleStateError(f"handle {h.name} no longer owns a reference")
+                poison[i] = HandleStateError(f"handle {h.name} no longer owns a reference")
                 break
             key = _key(h)
-            per_seg[key] = per_seg.get(key, 0) + k
-        done: list[SegKey] = []
-        if poisoned is None:
-            try:
-                for key, refs in per_seg.items():
-                    _update(key, refs)
-                    done.append(key)
-            except MmshmError as exc:
-                for key in done:
-                    _update(key, -per_seg[key])
-                done = []
-                poisoned = _foreign_error(req) or exc
-        if poisoned is not None:
-            out[i] = _poison(req, poisoned)
-            continue
-        seen.update(id(h) for h in hs)
-        for key in done:
-            added[key] = added.get(key, 0) + per_seg[key]
-    return out, added
+            counts[key] = counts.get(key, 0) + k
+        per_req[i] = counts
+    batch: dict[SegKey, int] = {}
+    for i, counts in per_req.items():
+        if i not in poison:
+            for key, refs in counts.items():
+                batch[key] = batch.get(key, 0) + refs
+    failed: dict[SegKey, Exception] = {}
+    for key, refs in batch.items():
+        try:
+            _update(key, refs)
+        except MmshmError as exc:
+            failed[key] = exc
+    for i, counts in per_req.items():
+        bad = next((failed[key] for key in counts if key in failed), None)
+        if bad is not None and i not in poison:
+            poison[i] = _foreign_error(data[i]) or bad
+    # a request sharing a handle object with a poisoned one is poisoned too
+    changed = bool(poison)
+    while changed:
+        changed = False
+        bad_ids = {id(h) for i in poison for h in hs_of.get(i, ())}
+        for i, hs in hs_of.items():
+            if i not in poison and any(id(h) in bad_ids for h in hs):
+                poison[i] = poison[owner[next(id(h) for h in hs if id(h) in bad_ids)]]
+                changed = True
+    added = {key: refs for key, refs in batch.items() if key not in failed}
+    for i, exc in poison.items():
+        for key, refs in per_req.get(i, {}).items():
+            if key in added:  # give back what was added for the poisoned request
+                added[key] -= refs
+                try:
+                    _update(key, -refs)
+                except MmshmError:
+                    pass
+    for i, exc in poison.items():
+        out[i] = _poison(data[i], exc)
+    return out, {key: refs for key, refs in added.items() if refs}
 
 
 def _foreign_error(req) -> WrongNodeError | None:
