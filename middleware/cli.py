@@ -8,6 +8,7 @@ its implementation lazily (spawned processes re-import this module, and
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 
@@ -89,9 +90,13 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
               default=None, help="Write the results as JSON to this file ('-' for stdout).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of end-to-end latency against payload, one line per mode.")
+@click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
+              help="Serve the pipeline's Prometheus metrics (every bench process, merged) "
+                   "on 127.0.0.1:PORT while it runs.")
 @click.pass_context
 def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_mem_gb,
-          min_bytes, shm_dir, nodes, timeout_s, warmup, json_path, plot_path) -> None:
+          min_bytes, shm_dir, nodes, timeout_s, warmup, json_path, plot_path,
+          metrics_port) -> None:
     """Time transports on the request path of a VLM server, against the floor.
 
     Real photos go through the Qwen2-VL image processor, each request is
@@ -131,6 +136,7 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     out = Console(stderr=json_path == "-")
     if not out.is_terminal:
         out.width = max(out.width, 160)
+    metrics_dir = _start_bench_metrics(metrics_port, err) if metrics_port is not None else None
     try:
         with RichReporter(err) as rep:
             result = run_bench(cfg, reporter=rep)
@@ -139,6 +145,16 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     except BenchError as exc:
         err.print(f"[red]bench failed:[/] {exc}")
         sys.exit(3)
+    finally:
+        if metrics_port is not None:
+            from . import metrics
+
+            metrics.stop_exporter()
+            if metrics_dir:
+                import shutil
+
+                shutil.rmtree(metrics_dir, ignore_errors=True)
+                os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     print_result(result, out)
     if plot_path:
         from .bench.plot import plot_result
@@ -158,6 +174,26 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     bad += [f for f in result.get("floors", []) if f.get("problems")]
     if bad or result["leftover_segments"]:
         sys.exit(1)
+
+
+def _start_bench_metrics(port: int, console) -> str | None:
+    """Put every bench process in prometheus-client's multiprocess mode (a
+    private PROMETHEUS_MULTIPROC_DIR, inherited by the spawned producer and TP
+    ranks) and serve the merged series on 127.0.0.1:``port``. Returns the
+    directory it made (removed when the bench ends), or None."""
+    import tempfile
+
+    from . import metrics
+
+    made = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        made = tempfile.mkdtemp(prefix="mmshm-bench-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = made
+    metrics.init()
+    srv = metrics.start_exporter(port)
+    bound = srv.server_port if hasattr(srv, "server_port") else port
+    console.print(f"metrics: http://127.0.0.1:{bound}/metrics")
+    return made
 
 
 def _size(n: int) -> str:
