@@ -280,3 +280,74 @@ def test_bench_two_simulated_nodes(shm_dir, tmp_path):
 def test_bench_rejects_more_nodes_than_ranks():
     proc = _cli("bench", "--tp", "2", "--nodes", "3", timeout=30)
     assert proc.returncode == 2 and "nodes" in proc.stderr
+
+
+def _sglang_missing() -> str | None:
+    from mmshm.bench.modes import MODES as ALL
+
+    return ALL["sglang"].unavailable()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_sglang_mode_is_skipped_cleanly_without_sglang(shm_dir, tmp_path):
+    """Where SGLang cannot be imported the ``sglang`` mode is reported as
+    skipped with a note; the other modes run, and no sglang module is loaded."""
+    if not _sglang_missing():
+        pytest.skip("sglang is importable here")
+    out = tmp_path / "out.json"
+    proc = _cli("bench", "--tp", "2", "--n", "2", "--images", "1", "--repeat", "1",
+                "--modes", "inline,sglang", "--timeout", "60", "--json", str(out), timeout=85)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"inline", "sglang"}
+    assert "not importable" in runs["sglang"]["skipped"]
+    assert runs["sglang"]["repeat"] == 0 and runs["sglang"]["leftover_segments"] == []
+    assert not runs["inline"].get("skipped") and runs["inline"]["correct"] is True
+    assert "broadcast_speedup_vs_sglang" not in runs["inline"]
+
+
+def test_sglang_mode_unavailable_does_not_import_sglang():
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    assert "not importable" in _sglang_missing()
+    assert not any(m == "sglang" or m.startswith("sglang.") for m in sys.modules)
+
+
+def test_sglang_mode_in_process():
+    """With SGLang importable (its venv): SGLang's own ShmPointerMMData per
+    copy and tensor, metadata on the wire, materialized bytes, nothing left."""
+    why = _sglang_missing()
+    if why:
+        pytest.skip(why)
+    import mmshm
+    import torch
+    from mmshm.bench.modes import get_mode, load_sglang
+    from mmshm.bench.requests import MultimodalDataItem, MultimodalInputs, Req, verify
+
+    mm, _ = load_sglang()
+    f = torch.rand(300, 1176)
+    items = [MultimodalDataItem("image", mmshm.content_hash(f), f.clone(), (1, 10, 30))
+             for _ in range(2)]
+    req = Req("r", MultimodalInputs(items), [1, 2, 3], n=2)
+    mode = get_mode("sglang")
+    copies = mode.fan_out(req, 2)
+    assert len(copies) == mode.copies(2) == 3
+    msgs = []
+    for c in copies:
+        mode.before_send(c)
+        assert isinstance(c.mm_inputs.mm_items[0].feature, mm.ShmPointerMMData)
+        msgs.append(mode.dumps(c))
+        mode.after_send(c)
+    assert all(len(m) < 2048 for m in msgs)
+    assert mode.producer_stats()["wrap_bytes"] == 6 * f.numel() * 4
+    names = list(mode._created)
+    assert all(os.path.exists(f"/dev/shm/{n}") for n in names) and len(names) == 6
+    # world of one: SGLang's broadcast_pyobj needs a process group, rank 0 keeps its data
+    mode.instrument_broadcast(lambda fn: lambda data, rank, group, src: data)
+    out = mode.broadcast([mode.loads(m) for m in msgs], 0, None, 0)
+    assert verify(out, 3, 2) == []
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+    assert mode.after_run("/dev/shm") == []

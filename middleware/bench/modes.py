@@ -24,8 +24,9 @@ hold instead of crashing.
 Built in: ``inline``, ``fresh-segment`` (SGLang 0.5.23's strategy as a
 baseline) and ``mmshm``, plus ``mmshm-hash-given`` (not run by default: mmshm
 with the content hashes taken from the request, to show what wrap's own
-hashing costs). Modes for SGLang's own code and vLLM's arena come
-with their integrations and register themselves here.
+hashing costs), and ``sglang`` (SGLang's own transport code, when sglang is
+importable; skipped otherwise). Modes for vLLM's arena come with its
+integration and register themselves here.
 """
 
 from __future__ import annotations
@@ -114,6 +115,13 @@ class Mode:
         names of files of this mode's own making still present in
         ``directory`` (leftovers, which this call removes)."""
         return []
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this mode cannot run in this interpreter (it is then reported as
+        skipped with that note), or None. Called on the producer only for the
+        modes selected."""
+        return None
 
     @classmethod
     def estimate(cls, payload: int, copies: int, tp: int) -> tuple[int, int]:
@@ -567,3 +575,193 @@ class FreshSegmentMode(Mode):
 
     def instrument_broadcast(self, inner):
         self._bcast = inner(mmshm.broadcast_pyobj)
+
+
+# -- sglang: SGLang's own transport code (0.5.23), when it is importable -------
+
+SGLANG_MM = "sglang.srt.managers.mm_utils"
+SGLANG_COMMON = "sglang.srt.utils.common"
+# SGLang 0.5.23 names its segments sgl_shm_<kind>_<pid>_<rand> (make_shm_name);
+# older releases let SharedMemory pick psm_<rand>.
+SGLANG_SHM_DIR = "/dev/shm"
+# CPU stand-ins for triton / torchvision used by the integration tests.
+_SGLANG_STUBS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "tests", "integrations", "stubs")
+
+
+def _sglang_add_stubs() -> None:
+    """On a CPU-only host SGLang needs importable ``triton`` / ``torchvision``
+    modules: put the test suite's stubs on ``sys.path`` when the real ones are
+    missing, and keep torch from believing triton exists."""
+    import importlib.util
+    import sys
+
+    if (importlib.util.find_spec("triton") is not None
+            and importlib.util.find_spec("torchvision") is not None):
+        return
+    if not os.path.isdir(_SGLANG_STUBS) or _SGLANG_STUBS in sys.path:
+        return
+    sys.path.insert(0, _SGLANG_STUBS)
+    import torch.utils._triton as tt
+
+    saved = sys.modules.get("triton", False)
+    sys.modules["triton"] = None  # type: ignore[assignment]
+    try:
+        tt.has_triton_package()  # functools.cache: False from now on
+    finally:
+        if saved is False:
+            del sys.modules["triton"]
+        else:
+            sys.modules["triton"] = saved
+
+
+_SGLANG: dict = {}
+
+
+def load_sglang():
+    """``(mm_utils, utils.common)`` of the SGLang in this interpreter, with its
+    shared-memory transport switched on (transport mode not ``default``, a
+    tokenizer present). Raises ImportError when SGLang cannot be imported."""
+    if "mm" not in _SGLANG:
+        import importlib
+        import importlib.util
+        import types
+
+        if importlib.util.find_spec("sglang") is None:
+            raise ImportError("sglang is not installed in this interpreter")
+        _sglang_add_stubs()
+        mm = importlib.import_module(SGLANG_MM)
+        common = importlib.import_module(SGLANG_COMMON)
+        for sym in ("ShmPointerMMData", "_wrap_tensor_or_list", "_unwrap_tensor_or_list",
+                    "_discard_tensor_or_list", "_feature_has_shm"):
+            if not hasattr(mm, sym):
+                raise ImportError(f"{SGLANG_MM}.{sym} not found (SGLang release "
+                                  f"without 0.5.23's transport code)")
+        mm._is_default_tensor_transport = False
+        args = types.SimpleNamespace(skip_tokenizer_init=False)
+        for name in ("get_global_server_args", "get_serving"):
+            if hasattr(mm, name):
+                setattr(mm, name, lambda: args)
+        _SGLANG["mm"], _SGLANG["common"] = mm, common
+    return _SGLANG["mm"], _SGLANG["common"]
+
+
+def _sglang_version() -> str | None:
+    import importlib.metadata as md
+
+    try:
+        return md.version("sglang")
+    except md.PackageNotFoundError:
+        return None
+
+
+@register
+class SglangMode(FreshSegmentMode):
+    """SGLang's own transport code (written for 0.5.23), run when
+    ``sglang.srt.managers.mm_utils`` is importable; skipped otherwise.
+
+    Producer: 0.5.23's fan-out (the warm-up copy plus ``n`` samples when
+    ``n > 1``, independent ``mm_items``), then, per copy at dispatch,
+    ``wrap_shm_features``' body: every CPU tensor becomes a
+    ``ShmPointerMMData`` (a fresh ``sgl_shm_mm_*`` segment, fallocated and
+    filled), pickled through ZMQ. Rank 0's unpickling opens the segments;
+    SGLang's own ``broadcast_pyobj`` carries name, shape and dtype; then, as
+    ``SchedulerRequestReceiver._finalize_shm_features``: a TP barrier (every
+    rank has opened them), ``materialize`` (``MAP_PRIVATE`` copy, close,
+    unlink) per request, failures all-reduced. SGLang's ``unwrap_shm_features``
+    only accepts its own request classes, so its per-item body
+    (``_unwrap_tensor_or_list``) is called on the bench's requests."""
+
+    name = "sglang"
+    summary = "SGLang's own ShmPointerMMData wrap / broadcast_pyobj / barrier+materialize"
+
+    def __init__(self, min_bytes: int | None = None):
+        super().__init__(min_bytes)
+        self._inner: Callable[[Callable], Callable] | None = None
+        self._bcast = None
+        self._created: list[str] = []
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        try:
+            load_sglang()
+        except Exception as exc:  # noqa: BLE001 - any failure to import means "skip"
+            return (f"SGLang's transport code is not importable in this interpreter "
+                    f"({type(exc).__name__}: {exc}); run the bench with a Python that "
+                    f"has sglang, e.g. .venvs/sglang-0.5.23/bin/python")
+        return None
+
+    # -- producer --------------------------------------------------------------
+    def before_send(self, req) -> None:
+        mm, _ = load_sglang()
+        t0 = time.perf_counter()
+        for it in _items(req):
+            f = it.feature
+            if f is None:
+                continue
+            it.feature = mm._wrap_tensor_or_list(f, precomputed_hash=it.hash)
+            for p in (it.feature if isinstance(it.feature, (list, tuple)) else [it.feature]):
+                if isinstance(p, mm.ShmPointerMMData):
+                    self._created.append(p.shm_name)
+                    self._wrap_bytes += p.shape.numel() * p.dtype.itemsize
+        self._wrap_s += time.perf_counter() - t0
+
+    def after_run(self, directory: str) -> list[str]:
+        """SGLang's segments of this producer still in /dev/shm (all are unlinked)."""
+        import glob
+
+        names = {n.lstrip("/") for n in self._created}
+        self._created = []
+        names |= {os.path.basename(p) for p in
+                  glob.glob(os.path.join(SGLANG_SHM_DIR, f"sgl_shm_*_{os.getpid()}_*"))}
+        return sorted(p for p in (os.path.join(SGLANG_SHM_DIR, n) for n in names)
+                      if _unlink_quietly(p))
+
+    # -- TP rank 0 ----------------------------------------------------------------
+    def loads(self, msg):
+        load_sglang()  # the stubs and module in place before unpickling opens segments
+        return pickle.loads(msg)
+
+    # -- scheduler -------------------------------------------------------------
+    def instrument_broadcast(self, inner):
+        self._inner = inner
+        self._bcast = None
+
+    def broadcast(self, data, rank, dist_group, src=0):
+        import torch.distributed as dist
+
+        mm, common = load_sglang()
+        if self._bcast is None:
+            fn = common.broadcast_pyobj
+            self._bcast = self._inner(fn) if self._inner is not None else fn
+        out = self._bcast(data, rank, dist_group, src)  # unpickling opens the segments
+        multi = dist.is_initialized() and dist.get_world_size(dist_group) > 1
+
+        def has_shm(req) -> bool:
+            return any(mm._feature_has_shm(it.feature) for it in _items(req))
+
+        if not any(has_shm(r) for r in out):
+            return out
+        if multi:
+            dist.barrier(group=dist_group)  # 1. every rank has opened the segments
+        failed = torch.zeros(len(out), dtype=torch.int32)
+        errors: dict[int, str] = {}
+        for i, req in enumerate(out):  # 2. materialize per request
+            if not has_shm(req):
+                continue
+            try:
+                for it in _items(req):
+                    it.feature = mm._unwrap_tensor_or_list(it.feature)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
+                for it in _items(req):
+                    mm._discard_tensor_or_list(it.feature)
+                failed[i] = 1
+                errors[i] = f"{type(exc).__name__}: {exc}"
+        if multi:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=dist_group)  # 3. agree
+        for i in torch.nonzero(failed).reshape(-1).tolist():
+            for it in _items(out[i]):
+                mm._discard_tensor_or_list(it.feature)
+            why = errors.get(i, "failed on another rank")
+            out[i] = mmshm.MaterializeError(f"sglang: request {i}: {why}", request=out[i])
+        return out

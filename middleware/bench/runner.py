@@ -46,7 +46,9 @@ and its own ``MMSHM_NODE_ID``; TP ranks go to nodes in contiguous blocks
 rank's. Every run reports ``nodes`` and ``internode_bytes``: for ``inline``
 the pickled broadcast times the ranks on other nodes; for the other modes the
 sum over ranks of :func:`mmshm.node.internode_bytes` during the run.
-``fresh-segment`` is single-node only and is skipped when K > 1.
+``fresh-segment`` and ``sglang`` are single-node only and are skipped when
+K > 1. A mode whose :meth:`~mmshm.bench.modes.Mode.unavailable` gives a
+reason (``sglang`` where SGLang is not importable) is skipped with it.
 """
 
 from __future__ import annotations
@@ -545,7 +547,7 @@ def _base_run(mode: str, tp: int, n: int, copies: int, images: int, resolution: 
 
 
 # modes whose transport cannot cross simulated nodes
-SINGLE_NODE_MODES = ("fresh-segment",)
+SINGLE_NODE_MODES = ("fresh-segment", "sglang")
 
 
 def _single_node_note(mode: str) -> str:
@@ -588,7 +590,8 @@ def _add_ratios(runs: list[dict]) -> None:
     def key(r):
         return (r["tp"], r["n"], r["resolution"], r["images"])
 
-    for base_mode, suffix in (("inline", "inline"), ("fresh-segment", "fresh_segment")):
+    for base_mode, suffix in (("inline", "inline"), ("fresh-segment", "fresh_segment"),
+                              ("sglang", "sglang")):
         base = {key(r): r for r in runs if r["mode"] == base_mode and not r.get("skipped")}
         for r in runs:
             b = base.get(key(r))
@@ -629,6 +632,9 @@ def summarize(runs: list[dict]) -> list[dict]:
 def _skip_reason(mode_cls, payload: int, copies: int, tp: int, max_mem: int | None,
                  directory: str) -> tuple[str | None, int, int]:
     mem, shm = mode_cls.estimate(payload, copies, tp)
+    why = _unavailable(mode_cls)
+    if why is not None:
+        return why, mem, shm
     if max_mem is None:
         avail = mem_available_bytes()
         budget = max(0, avail - HEADROOM_BYTES) if avail else None
@@ -642,6 +648,17 @@ def _skip_reason(mode_cls, payload: int, copies: int, tp: int, max_mem: int | No
         return (f"its segments ({shm / 1e9:.1f} GB) exceed the {free / 1e9:.1f} GB free "
                 f"in {directory}"), mem, shm
     return None, mem, shm
+
+
+_UNAVAILABLE: dict[type, str | None] = {}
+
+
+def _unavailable(mode_cls) -> str | None:
+    """``mode_cls.unavailable()``, asked once per mode class."""
+    if mode_cls not in _UNAVAILABLE:
+        check = getattr(mode_cls, "unavailable", None)
+        _UNAVAILABLE[mode_cls] = check() if check is not None else None
+    return _UNAVAILABLE[mode_cls]
 
 
 def run_bench(cfg: BenchConfig, reporter: Reporter | None = None,
@@ -704,7 +721,8 @@ def run_bench(cfg: BenchConfig, reporter: Reporter | None = None,
                 reporter.stage("warm-up")
                 req = build_request("warmup", pics[cfg.resolution[0]], 1, cfg.n[0])
                 for m in cfg.modes:
-                    if cfg.nodes == 1 or m not in SINGLE_NODE_MODES:
+                    if ((cfg.nodes == 1 or m not in SINGLE_NODE_MODES)
+                            and _unavailable(MODES[m]) is None):
                         sess.run_once(m, req, 1, cfg.n[0])
                 del req
                 found = sess.leftovers(before)
