@@ -44,6 +44,7 @@ from typing import ClassVar
 
 import mmshm
 import torch
+from mmshm.reaper import pid_alive
 
 MODES: dict[str, type[Mode]] = {}
 
@@ -320,7 +321,7 @@ def remove_fresh_dirs(directory: str, pids=None, dead_only: bool = False) -> lis
     for pid, d in _fresh_dirs(directory).items():
         if pids is not None and pid not in pids:
             continue
-        if dead_only and _alive(pid):
+        if dead_only and pid_alive(pid):
             continue
         for name in fresh_files(directory, {pid}):
             if _unlink_quietly(os.path.join(directory, name)):
@@ -328,16 +329,6 @@ def remove_fresh_dirs(directory: str, pids=None, dead_only: bool = False) -> lis
         with contextlib.suppress(OSError):
             os.rmdir(d)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlink_quietly(path: str) -> bool:
