@@ -117,6 +117,11 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     from .bench import MODES, SWEEP, BenchConfig, BenchError, run_bench
     from .bench.report import RichReporter, print_result
 
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--plot needs matplotlib: pip install 'mmshm[bench]'") from None
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise click.BadParameter(f"unknown mode(s) {', '.join(unknown)}; "
