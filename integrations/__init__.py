@@ -19,10 +19,9 @@ from __future__ import annotations
 import importlib
 from importlib import metadata
 
+from mmshm.errors import MmshmError
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-
-from mmshm.errors import MmshmError
 
 REGISTRY: dict[str, str] = {
     "sglang": "mmshm.integrations.sglang:SGLangInstrumentor",
