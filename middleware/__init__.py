@@ -8,8 +8,6 @@ Public API:
     broadcast_pyobj  a mirror of SGLang's CPU broadcast, for tests and the bench
 """
 
-from .autopatch import instrument, uninstrument
-from .broadcast import broadcast_pyobj, deferred_unwrap
 from .errors import (
     DescriptorLimitError,
     HandleError,
@@ -22,9 +20,32 @@ from .errors import (
     ShmSpaceError,
     WrongNodeError,
 )
-from .fanout import fan_out
-from .handle import ShmTensor, content_hash
-from .walker import handles, release, unwrap, wrap
+
+# The rest imports torch: loaded on first use (PEP 562), so that `mmshm --help`,
+# `mmshm doctor`, `mmshm gc` and the start-up hook stay fast.
+_LAZY = {
+    "instrument": "autopatch", "uninstrument": "autopatch",
+    "broadcast_pyobj": "broadcast", "deferred_unwrap": "broadcast",
+    "fan_out": "fanout",
+    "ShmTensor": "handle", "content_hash": "handle",
+    "handles": "walker", "release": "walker", "unwrap": "walker", "wrap": "walker",
+}
+
+
+def __getattr__(name: str):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'mmshm' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 
