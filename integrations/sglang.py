@@ -207,8 +207,8 @@ def _wrap_features(mm_inputs, send: _Send):
     """``mm_inputs`` with CPU tensors of at least ``MMSHM_MIN_BYTES`` replaced
     by handles (a new object; the input is not modified)."""
     import torch
-    from mmshm import ShmTensor, config
-    from mmshm.walker import record_fallback, transform
+    from mmshm import config
+    from mmshm.walker import to_shm, transform
 
     cfg = config.get()
     if cfg.disable:
@@ -223,12 +223,8 @@ def _wrap_features(mm_inputs, send: _Send):
         first = made.get(id(x))
         h = first.clone() if first is not None else _share_segment(x)
         if h is None:
-            try:
-                h = ShmTensor.from_tensor(x, hash=_DIGESTS.get(x))
-            except TypeError:
-                return x
-            except OSError as exc:
-                record_fallback(exc)
+            h = to_shm(x, hash=_DIGESTS.get(x))
+            if h is None:
                 return x
             _SEGMENTS.put(x, h.meta)
             if _DIGESTS.get(x) is None:

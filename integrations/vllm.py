@@ -62,7 +62,7 @@ from mmshm import codec, config, segment
 from mmshm.errors import HandleError, MaterializeError, MmshmError, failure_reason
 from mmshm.handle import ShmTensor
 from mmshm.metrics import BROADCAST_SECONDS, MATERIALIZE_FAILURES, REQUEST_FAILURES
-from mmshm.walker import record_fallback, transform
+from mmshm.walker import record_fallback, to_shm, transform
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import UnsupportedVersionError, check_version, installed_version
@@ -142,12 +142,8 @@ class _SendScope:
         entry = made.get(id(t))
         h = entry[1] if entry is not None and entry[0] is t else None
         if h is None:
-            try:
-                h = ShmTensor.from_tensor(t)
-            except (TypeError, HandleError):
-                return None
-            except OSError as exc:
-                record_fallback(exc)
+            h = to_shm(t)
+            if h is None:
                 return None
             made[id(t)] = (t, h)
         try:
@@ -411,12 +407,8 @@ class _BroadcastScope:
             else:
                 self.handed.append((meta.name, self.n, meta.gen))
                 return _rebuild_from_broadcast, (wire, self.t0)
-        try:
-            h = ShmTensor.from_tensor(t)
-        except (TypeError, HandleError):
-            return None
-        except OSError as exc:
-            record_fallback(exc)
+        h = to_shm(t)
+        if h is None:
             return None
         try:
             h.share(self.n)  # one per reader; ours goes back below

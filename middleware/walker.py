@@ -250,6 +250,22 @@ def record_fallback(exc: BaseException) -> str:
     return reason
 
 
+def to_shm(t: torch.Tensor, hash: bytes | None = None,
+           directory: str | None = None) -> ShmTensor | None:
+    """:meth:`ShmTensor.from_tensor`, or None when the tensor must travel
+    inline: unsupported (GPU, sparse, quantized: silently) or no segment could
+    be made (ENOSPC, budget, EMFILE, other: counted in
+    ``mmshm_inline_fallbacks_total{reason}`` and warned about once per reason).
+    The one place wrap and the instrumentors turn a tensor into a handle."""
+    try:
+        return ShmTensor.from_tensor(t, hash=hash, directory=directory)
+    except TypeError:
+        return None
+    except (OSError, MmshmError) as exc:
+        record_fallback(exc)
+        return None
+
+
 def wrap(obj, min_bytes: int | None = None, directory: str | None = None):
     """Return ``obj`` with every CPU tensor of at least ``min_bytes`` bytes
     replaced by a :class:`ShmTensor` (one segment per tensor).
@@ -282,12 +298,8 @@ def wrap(obj, min_bytes: int | None = None, directory: str | None = None):
                 return first.clone()
             except MmshmError:
                 return x
-        try:
-            h = ShmTensor.from_tensor(x, directory=directory)
-        except TypeError:
-            return x
-        except (OSError, MmshmError) as exc:
-            record_fallback(exc)
+        h = to_shm(x, directory=directory)
+        if h is None:
             return x
         made[id(x)] = h
         return h
