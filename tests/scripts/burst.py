@@ -86,6 +86,10 @@ def rank_main(rank: int, world: int, port: int, conn, out_path: str, timeout_s: 
         if rank == 0:
             conn.send_bytes(b"ack")
     stats["rids"] = sorted(rids)
+    # the final (empty) broadcast returns at once on the source rank: without
+    # this barrier it could tear gloo down while a peer still reads from it
+    # ("terminate called without an active exception", SIGABRT)
+    dist.barrier()
     dist.destroy_process_group()
     with open(out_path, "w") as f:
         json.dump(stats, f)
