@@ -17,6 +17,8 @@ agree on them.
 from __future__ import annotations
 
 import math
+import re
+from typing import Annotated
 
 import msgspec
 import torch
@@ -69,16 +71,23 @@ class HandleMeta(msgspec.Struct, array_like=True, frozen=True):
     node: int = msgspec.field(default_factory=_local_node)
 
 
+_WIRE_NAME_RE = re.compile(r"(?:mmshm-)?[0-9]{1,10}-[0-9a-f]{16}")
+_Dim = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class _Wire(msgspec.Struct, array_like=True, frozen=True):
-    """The wire array; ``name`` without the ``mmshm-`` prefix."""
+    """The wire array; ``name`` without the ``mmshm-`` prefix. The range
+    checks of :func:`validate` that msgspec can express are done here, by
+    msgspec's decoder (in C); the name's pattern is matched after decoding
+    (msgspec's ``pattern`` constraint costs twice as much)."""
 
     name: str
-    nbytes: int
-    dtype: int
-    shape: tuple[int, ...]
-    hash: bytes
-    gen: int = 0
-    node: int | None = None
+    nbytes: Annotated[int, msgspec.Meta(ge=0)]
+    dtype: Annotated[int, msgspec.Meta(ge=0, lt=len(DTYPES))]
+    shape: Annotated[tuple[_Dim, ...], msgspec.Meta(max_length=MAX_NDIM)]
+    hash: Annotated[bytes, msgspec.Meta(min_length=HASH_BYTES, max_length=32)]
+    gen: Annotated[int, msgspec.Meta(ge=0)] = 0
+    node: Annotated[int, msgspec.Meta(ge=0, lt=_NODE_LIMIT)] | None = None
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -130,14 +139,25 @@ def encode(meta: HandleMeta) -> bytes:
 
 
 def decode(data: bytes) -> HandleMeta:
-    """Decode and validate wire bytes. Raises :class:`HandleError`."""
+    """Decode and validate wire bytes (the checks of :func:`validate`).
+
+    Raises:
+        HandleError: not a wire array, a name outside the naming scheme, a
+            value out of range, an unknown dtype code, or
+            ``prod(shape) * itemsize != nbytes``.
+    """
     try:
         w = _DECODER.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise HandleError(f"malformed handle metadata: {exc}") from None
+    if _WIRE_NAME_RE.fullmatch(w.name) is None:
+        raise HandleError(f"segment name {w.name!r} is outside the naming scheme")
+    dt = DTYPES[w.dtype]
+    if dt is None:
+        raise HandleError(f"unknown dtype code {w.dtype}")
+    if math.prod(w.shape) * dt.itemsize != w.nbytes:
+        raise HandleError(f"shape {w.shape} x itemsize {dt.itemsize} != nbytes {w.nbytes}")
     name = w.name if w.name.startswith(PREFIX) else PREFIX + w.name
     if w.node is None:
-        meta = HandleMeta(name, w.nbytes, w.dtype, w.shape, w.hash, w.gen)
-    else:
-        meta = HandleMeta(name, w.nbytes, w.dtype, w.shape, w.hash, w.gen, w.node)
-    return validate(meta)
+        return HandleMeta(name, w.nbytes, w.dtype, w.shape, w.hash, w.gen)
+    return HandleMeta(name, w.nbytes, w.dtype, w.shape, w.hash, w.gen, w.node)

@@ -81,6 +81,19 @@ def _release_view(name: str, gen: int, seg: segment.Segment) -> None:
         segment.unpin(seg)
 
 
+# This process's pid, kept current across fork (os.getpid() is a system call,
+# and every handle checks it when constructed and when dropped).
+_PID = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _PID
+    _PID = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class ShmTensor:
     """Pointer to a CPU tensor stored in a shared-memory segment.
 
@@ -98,7 +111,7 @@ class ShmTensor:
                  directory: str | None = None, error: Exception | None = None):
         self._meta = meta
         self._owns = owns and meta is not None
-        self._pid = os.getpid()
+        self._pid = _PID
         self._dir = directory
         self._error = error
 
@@ -258,7 +271,7 @@ class ShmTensor:
     @property
     def owns_reference(self) -> bool:
         """Whether this object still owns its reference."""
-        return self._owns and self._pid == os.getpid()
+        return self._owns and self._pid == _PID
 
     def __repr__(self) -> str:
         if self._error is not None:
@@ -319,7 +332,7 @@ class ShmTensor:
         already disappeared (ENOENT) is tolerated. The last release unlinks.
         A handle of another node is only dropped: its segment cannot be
         reached from here (the reference it stood for stays with that node)."""
-        if not self._owns or self._pid != os.getpid():
+        if not self._owns or self._pid != _PID:
             return
         self._owns = False
         if not node.is_local(self._meta.node, self._dir):  # type: ignore[union-attr]
@@ -337,7 +350,7 @@ class ShmTensor:
 
     def __del__(self):
         try:
-            if self._owns and self._pid == os.getpid():
+            if self._owns and self._pid == _PID:
                 self.release()
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown
             pass
