@@ -69,7 +69,7 @@ class MaterializeError(MmshmError):
             handles have been released.
         reason: short machine-readable reason (``not_found``, ``corrupt``,
             ``malformed``, ``wrong_node``, ``emfile``, ``other``).
-        ranks: the TP ranks of this group that failed (as all-reduced), or
+        ranks: the TP ranks of this group that failed (as agreed by all ranks), or
             ``None`` when unknown.
     """
 
