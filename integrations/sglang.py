@@ -226,9 +226,9 @@ def _wrap_features(mm_inputs, send: _Send):
             h = to_shm(x, hash=_DIGESTS.get(x))
             if h is None:
                 return x
+            # the hash is left to _set_item_hashes, for items SGLang's
+            # processor did not hash (MMSHM_HASH=lazy: computed only if needed)
             _SEGMENTS.put(x, h.meta)
-            if _DIGESTS.get(x) is None:
-                _DIGESTS.put(x, h.hash)
         made.setdefault(id(x), h)
         if send.extra:
             h.share(send.extra)

@@ -9,7 +9,8 @@ has it is accepted too); ``node`` is the 32-bit id of the node that holds the
 segment (:func:`mmshm.node.node_id`). A wire array without ``node`` (six
 elements, or five without the generation) decodes with this process's own
 node. A 720p Qwen2-VL ``pixel_values`` handle ([4784, 1176] float32, 16-byte
-hash, the largest pid Linux hands out) encodes to 63 bytes. Dtype codes are a
+hash, the largest pid Linux hands out) encodes to 63 bytes; 47 with the hash
+empty (not computed yet, ``MMSHM_HASH=lazy``). Dtype codes are a
 fixed, append-only table so that processes running different torch builds
 agree on them.
 """
@@ -55,7 +56,9 @@ class HandleMeta(msgspec.Struct, array_like=True, frozen=True):
         nbytes: payload size in bytes (= prod(shape) * itemsize).
         dtype: code into :data:`DTYPES`.
         shape: tensor shape.
-        hash: BLAKE3 digest of the payload, 16 to 32 bytes.
+        hash: BLAKE3 digest of the payload, 16 to 32 bytes; empty when it was
+            not computed before the handle was encoded (``MMSHM_HASH=lazy``:
+            :attr:`mmshm.ShmTensor.hash` computes it on first use).
         gen: the segment's generation (bumped each time the owner's pool
             reuses it).
         node: id of the node whose segment directory holds the segment
@@ -85,7 +88,7 @@ class _Wire(msgspec.Struct, array_like=True, frozen=True):
     nbytes: Annotated[int, msgspec.Meta(ge=0)]
     dtype: Annotated[int, msgspec.Meta(ge=0, lt=len(DTYPES))]
     shape: Annotated[tuple[_Dim, ...], msgspec.Meta(max_length=MAX_NDIM)]
-    hash: Annotated[bytes, msgspec.Meta(min_length=HASH_BYTES, max_length=32)]
+    hash: Annotated[bytes, msgspec.Meta(max_length=32)]
     gen: Annotated[int, msgspec.Meta(ge=0)] = 0
     node: Annotated[int, msgspec.Meta(ge=0, lt=_NODE_LIMIT)] | None = None
 
@@ -123,8 +126,8 @@ def validate(meta: HandleMeta) -> HandleMeta:
         raise HandleError(f"invalid generation {meta.gen}")
     if not 0 <= meta.node < _NODE_LIMIT:
         raise HandleError(f"invalid node id {meta.node}")
-    if not HASH_BYTES <= len(meta.hash) <= 32:
-        raise HandleError(f"hash must be 16..32 bytes, got {len(meta.hash)}")
+    if 0 < len(meta.hash) < HASH_BYTES or len(meta.hash) > 32:
+        raise HandleError(f"hash must be empty or 16..32 bytes, got {len(meta.hash)}")
     return meta
 
 
@@ -152,6 +155,8 @@ def decode(data: bytes) -> HandleMeta:
         raise HandleError(f"malformed handle metadata: {exc}") from None
     if _WIRE_NAME_RE.fullmatch(w.name) is None:
         raise HandleError(f"segment name {w.name!r} is outside the naming scheme")
+    if 0 < len(w.hash) < HASH_BYTES:
+        raise HandleError(f"hash must be empty or 16..32 bytes, got {len(w.hash)}")
     dt = DTYPES[w.dtype]
     if dt is None:
         raise HandleError(f"unknown dtype code {w.dtype}")

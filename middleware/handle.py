@@ -16,10 +16,11 @@ import os
 import weakref
 
 import blake3
+import msgspec
 import numpy as np
 import torch
 
-from . import codec, node, segment
+from . import codec, config, node, segment
 from .codec import HandleMeta
 from .errors import (
     HandleError,
@@ -81,6 +82,32 @@ def _release_view(name: str, gen: int, seg: segment.Segment) -> None:
         segment.unpin(seg)
 
 
+_EMPTY_DIGEST = blake3.blake3(b"").digest(codec.HASH_BYTES)
+
+
+def _segment_digest(seg: segment.Segment, meta: HandleMeta) -> bytes:
+    """BLAKE3-128 of ``meta.nbytes`` payload bytes of ``seg`` (pinned by the
+    caller), memoized on the segment for its generation so that the handles
+    of one segment in this process hash it once."""
+    cached = seg.digest
+    if cached is not None and cached[0] == meta.gen:
+        return cached[1]
+    if seg.shared_map is not None:  # the creator's own mapping
+        mm = None
+        buf = memoryview(seg.shared_map)[segment.HEADER_SIZE:segment.HEADER_SIZE + meta.nbytes]
+    else:
+        mm = seg.map_private(meta.nbytes)
+        buf = memoryview(mm)
+    try:
+        digest = blake3.blake3(buf, max_threads=blake3.blake3.AUTO).digest(codec.HASH_BYTES)
+    finally:
+        buf.release()
+        if mm is not None:
+            mm.close()
+    seg.digest = (meta.gen, digest)
+    return digest
+
+
 # This process's pid, kept current across fork (os.getpid() is a system call,
 # and every handle checks it when constructed and when dropped).
 _PID = os.getpid()
@@ -125,11 +152,14 @@ class ShmTensor:
         Args:
             t: any CPU strided tensor (any dtype torch has but quantized ones;
                 non-contiguous, 0-dim and 0-element tensors included).
-            hash: the payload's content hash (16-32 bytes) if already known;
-                otherwise BLAKE3-128 is computed once here.
+            hash: the payload's content hash (16-32 bytes) if already known.
+                ``None``: BLAKE3-128, computed here with ``MMSHM_HASH=eager``,
+                else (the default, ``lazy``) on the first read of
+                :attr:`hash`. ``b""``: not computed here whatever the setting.
             directory: segment directory (default ``MMSHM_DIR``).
         Raises:
             TypeError: not a CPU strided tensor, or an unsupported dtype.
+            ValueError: a ``hash`` of another length.
             ShmSpaceError: ENOSPC (the caller may fall back to inline).
             DescriptorLimitError, SegmentError: other OS failures.
         """
@@ -158,8 +188,9 @@ class ShmTensor:
             shape: tensor shape.
             write: ``write(dst)`` with ``dst`` a writable ``uint8`` tensor of
                 ``nbytes`` elements (not called when ``nbytes`` is 0).
-            hash: the payload's content hash if known (16..32 bytes);
-                otherwise BLAKE3-128 of what ``write`` wrote.
+            hash: the payload's content hash if known (16..32 bytes); as for
+                :meth:`from_tensor` otherwise (``None``: BLAKE3-128 of what
+                ``write`` wrote, now or on first use; ``b""``: on first use).
             directory: segment directory (default ``MMSHM_DIR``).
         Raises:
             ShmSpaceError, DescriptorLimitError, SegmentError: the segment
@@ -168,8 +199,9 @@ class ShmTensor:
             Whatever ``write`` raises (the segment is given back first).
         """
         code = dtype if isinstance(dtype, int) else codec.dtype_code(dtype)
-        if hash is not None and not codec.HASH_BYTES <= len(hash) <= 32:
-            raise ValueError("hash must be 16..32 bytes")
+        if hash is not None and len(hash) and not codec.HASH_BYTES <= len(hash) <= 32:
+            raise ValueError(f"hash must be 16..32 bytes (or empty), got {len(hash)}")
+        eager = hash is None and config.get().hash == "eager"
         if not 0 <= code < len(codec.DTYPES) or codec.DTYPES[code] is None:
             raise HandleError(f"unknown dtype code {code}")
         itemsize = codec.DTYPES[code].itemsize  # type: ignore[union-attr]
@@ -182,17 +214,18 @@ class ShmTensor:
                 dst = torch.frombuffer(seg.shared_map, dtype=torch.uint8, count=nbytes,
                                        offset=segment.HEADER_SIZE)
                 write(dst)
-                if hash is None:
+                if eager:
                     hash = blake3.blake3(dst.numpy(), max_threads=blake3.blake3.AUTO).digest(
                         codec.HASH_BYTES)
                 del dst
             elif hash is None:
-                hash = blake3.blake3(b"").digest(codec.HASH_BYTES)
+                hash = _EMPTY_DIGEST
         except BaseException:
             segment.update_refcount(seg.name, -1, directory, seg.gen)
             raise
         SHM_WRITTEN_BYTES.inc(nbytes)
-        meta = HandleMeta(seg.name, nbytes, code, shape, hash, seg.gen, node.node_id(directory))
+        meta = HandleMeta(seg.name, nbytes, code, shape, hash or b"", seg.gen,
+                          node.node_id(directory))
         return cls(meta, owns=True, directory=directory)
 
     @classmethod
@@ -250,7 +283,34 @@ class ShmTensor:
 
     @property
     def hash(self) -> bytes:
-        return self._usable_meta().hash
+        """BLAKE3 content hash of the payload (16 bytes unless a longer one
+        was given). When the handle does not carry one yet (``MMSHM_HASH=lazy``,
+        the default), it is computed here from the segment's bytes, once per
+        segment in this process, and carried from then on (by this handle and
+        whatever is pickled from it).
+
+        Raises:
+            HandleStateError: no hash was carried and the handle no longer
+                owns a reference (the segment may be gone or reused).
+            WrongNodeError, SegmentNotFoundError, SegmentCorruptError,
+                DescriptorLimitError: as for :meth:`materialize`.
+        """
+        meta = self._usable_meta()
+        if meta.hash:
+            return meta.hash
+        meta = self._require_owned()
+        self._check_node(meta)
+        if meta.nbytes == 0:
+            digest = _EMPTY_DIGEST
+        else:
+            seg = segment.attach(meta.name, self._dir, meta.gen)
+            segment.pin(seg)
+            try:
+                digest = _segment_digest(seg, meta)
+            finally:
+                segment.unpin(seg)
+        self._meta = msgspec.structs.replace(meta, hash=digest)
+        return digest
 
     @property
     def node(self) -> int:

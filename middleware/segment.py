@@ -155,7 +155,7 @@ class Segment:
     :func:`attach`, never the constructor.
     """
 
-    __slots__ = ("directory", "fd", "gen", "idle_since", "name", "owned", "path",
+    __slots__ = ("digest", "directory", "fd", "gen", "idle_since", "name", "owned", "path",
                  "payload_size", "pins", "shared_map")
 
     def __init__(self, name: str, path: str, fd: int, payload_size: int, owned: bool,
@@ -170,6 +170,8 @@ class Segment:
         self.pins = 0
         self.idle_since: float | None = None
         self.shared_map: mmap.mmap | None = None
+        # (generation, content hash) once computed in this process (lazy hashing)
+        self.digest: tuple[int, bytes] | None = None
 
     # -- reference count -------------------------------------------------
     def update_refcount(self, delta: int, gen: int | None = None) -> int:

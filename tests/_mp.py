@@ -470,6 +470,21 @@ def open_pickled(blob: bytes, seed: int, shape, dtype_name: str, churn: int = 0)
     return {"name": name, "ok": ok}
 
 
+def hash_pickled(blob: bytes) -> dict:
+    """Unpickle a handle that carries no hash, read its hash (computed here
+    from the segment), then materialize it; report both hashes."""
+    import mmshm
+
+    h = pickle.loads(blob)
+    carried = h.meta.hash
+    digest = h.hash
+    t = h.materialize()
+    out = {"carried": carried, "hash": digest, "of_view": mmshm.content_hash(t)}
+    del t
+    gc.collect()
+    return out
+
+
 def chain_stage(inq, outq, resq, stage: int, seed: int, shape, dtype_name: str) -> None:
     """One hop of a hand-over chain: receive pickled bytes, hand out one
     reference for the next holder, pass the bytes on, drop this holder's

@@ -43,13 +43,16 @@ def _bench_files(d: str) -> set[str]:
         return set()
 
 
+EXTRA_MODES = (*MODES, "mmshm-hash-given", "mmshm-eager-hash")
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
 def test_bench_small_run_is_correct_and_leaves_nothing(shm_dir, tmp_path):
     out, png = tmp_path / "out.json", tmp_path / "plot.png"
     shm_before = _bench_files("/dev/shm")
     proc = _cli("bench", "--tp", "2", "--n", "2", "--images", "1,2", "--repeat", "1",
-                "--modes", ",".join(MODES + ("mmshm-hash-given",)), "--timeout", "60",
+                "--modes", ",".join(EXTRA_MODES), "--timeout", "60",
                 "--json", str(out), "--plot", str(png), timeout=85)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert png.exists() and png.stat().st_size > 1000
@@ -58,7 +61,7 @@ def test_bench_small_run_is_correct_and_leaves_nothing(shm_dir, tmp_path):
 
     runs = result["runs"]
     assert {(r["mode"], r["images"]) for r in runs} == {
-        (m, k) for m in MODES + ("mmshm-hash-given",) for k in (1, 2)}
+        (m, k) for m in EXTRA_MODES for k in (1, 2)}
     for r in runs:
         for key, typ in RUN_KEYS.items():
             assert isinstance(r[key], typ), (key, r)
@@ -78,12 +81,13 @@ def test_bench_small_run_is_correct_and_leaves_nothing(shm_dir, tmp_path):
         # inline pickles the pixels of the n copies into the broadcast; the others metadata
         assert by["inline", k]["broadcast_bytes"] >= 2 * p
         assert by["inline", k]["wrap_Bps"] is None
-        for m in ("mmshm", "fresh-segment", "mmshm-hash-given"):
+        for m in ("mmshm", "fresh-segment", "mmshm-hash-given", "mmshm-eager-hash"):
             assert by[m, k]["broadcast_bytes"] < 64 * 1024
             assert by[m, k]["broadcast_speedup_vs_inline"] > 1
             assert by[m, k]["wrap_Bps"] > 0 and by[m, k]["wrap_over_memcpy"] > 0
         # mmshm writes the payload once; fresh-segment once per copy (warm-up + n)
         assert by["mmshm", k]["wrap_bytes"] == by["mmshm-hash-given", k]["wrap_bytes"] == p
+        assert by["mmshm-eager-hash", k]["wrap_bytes"] == p
         assert by["fresh-segment", k]["copies"] == 3
         assert by["fresh-segment", k]["wrap_bytes"] == 3 * p
         assert "end_to_end_speedup_vs_fresh_segment" in by["mmshm", k]

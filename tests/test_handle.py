@@ -389,3 +389,104 @@ def test_threads_sharing_one_descriptor_are_serialized(shm_dir, monkeypatch):
     assert _mp.refcount(h.name) == 1
     h.release()
     assert _mp.seg_files() == []
+
+
+# -- content hash: lazy by default, eager on request --------------------------------
+def _count_blake3(monkeypatch) -> list:
+    import blake3
+
+    calls = []
+    real = blake3.blake3
+
+    def counting(*args, **kwargs):
+        if args and memoryview(args[0]).nbytes > 4096:  # a payload, not a node id
+            calls.append(1)
+        return real(*args, **kwargs)
+
+    counting.AUTO = real.AUTO
+    monkeypatch.setattr(blake3, "blake3", counting)
+    return calls
+
+
+def test_hash_is_lazy_computed_once_per_segment_and_then_carried(shm_dir, monkeypatch):
+    t = _mp.make_tensor(41, (300, 300))
+    calls = _count_blake3(monkeypatch)
+    h = mmshm.ShmTensor.from_tensor(t)
+    assert calls == []  # nothing hashed while wrapping
+    other = h.clone()
+    bare = h.encode()
+    assert codec.decode(bare).hash == b""
+    assert h.hash == mmshm.content_hash(t)
+    n = len(calls)
+    assert n == 2  # the lazy hash and content_hash just above
+    assert codec.decode(h.encode()).hash == h.hash  # carried from now on
+    assert pickle.loads(pickle.dumps(h)).meta.hash == h.hash
+    assert other.meta.hash == b""  # a clone made before the hash was computed
+    assert other.hash == h.hash and len(calls) == n  # memoized on the segment
+    other.share(1)
+    res, code = _mp.run_child(_mp.hash_pickled, pickle.dumps(other))
+    assert code == 0, _mp.signal_name(code)
+    assert res["carried"] == res["hash"] == h.hash  # it travelled: not recomputed there
+    h.release()
+    other.release()
+
+
+def test_receiver_computes_a_hash_that_was_not_carried(shm_dir):
+    t = _mp.make_tensor(42, (256, 512))
+    h = mmshm.ShmTensor.from_tensor(t)
+    h.share(1)
+    res, code = _mp.run_child(_mp.hash_pickled, pickle.dumps(h))
+    assert code == 0, _mp.signal_name(code)
+    assert res["carried"] == b""
+    assert res["hash"] == res["of_view"] == mmshm.content_hash(t)
+    h.release()
+    gc.collect()
+    assert _mp.seg_files() == []
+
+
+def test_eager_hash_is_computed_at_creation(shm_dir, monkeypatch):
+    monkeypatch.setenv("MMSHM_HASH", "eager")
+    mmshm.config.reload()
+    t = _mp.make_tensor(43, (128, 128))
+    h = mmshm.ShmTensor.from_tensor(t)
+    assert h.meta.hash == mmshm.content_hash(t)
+    assert codec.decode(h.encode()).hash == h.meta.hash
+    given = mmshm.ShmTensor.from_tensor(t, hash=b"\x07" * 16)
+    assert given.hash == b"\x07" * 16  # a given hash is never recomputed
+    deferred = mmshm.ShmTensor.from_tensor(t, hash=b"")
+    assert deferred.meta.hash == b"" and deferred.hash == h.hash
+    for x in (h, given, deferred):
+        x.release()
+
+
+def test_bad_hash_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("MMSHM_HASH", "sometimes")
+    with pytest.raises(ValueError, match="MMSHM_HASH"):
+        mmshm.config.reload()
+    monkeypatch.delenv("MMSHM_HASH")
+    mmshm.config.reload()
+
+
+def test_lazy_hash_needs_the_reference(shm_dir):
+    h = mmshm.ShmTensor.from_tensor(_mp.make_tensor(44, (64, 64)))
+    v = h.materialize()
+    with pytest.raises(mmshm.HandleStateError):
+        h.hash  # noqa: B018 - the view holds the reference now
+    del v
+    gc.collect()
+    empty = mmshm.ShmTensor.from_tensor(torch.empty(0, 3))
+    assert empty.hash == mmshm.content_hash(torch.empty(0, 3))
+    empty.release()
+
+
+def test_lazy_hash_of_a_reused_pool_segment_is_of_the_new_bytes(pool):
+    a = _mp.make_tensor(45, (256, 256))
+    b = _mp.make_tensor(46, (256, 256))
+    h = mmshm.ShmTensor.from_tensor(a)
+    assert h.hash == mmshm.content_hash(a)
+    name = h.name
+    h.release()  # back to the pool, its digest memoized for the old generation
+    h2 = mmshm.ShmTensor.from_tensor(b)
+    assert h2.name == name and h2.meta.gen != h.meta.gen  # the same segment, reused
+    assert h2.hash == mmshm.content_hash(b) != mmshm.content_hash(a)
+    h2.release()

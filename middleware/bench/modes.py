@@ -22,9 +22,10 @@ needs (:meth:`Mode.estimate`), so that the sweep skips what the host cannot
 hold instead of crashing.
 
 Built in: ``inline``, ``fresh-segment`` (SGLang 0.5.23's strategy as a
-baseline) and ``mmshm``, plus ``mmshm-hash-given`` (not run by default: mmshm
-with the content hashes taken from the request, to show what wrap's own
-hashing costs), and ``sglang`` (SGLang's own transport code, when sglang is
+baseline) and ``mmshm``, plus, not run by default, ``mmshm-hash-given``
+(mmshm with the content hashes taken from the request) and
+``mmshm-eager-hash`` (mmshm with every hash computed by the producer, the cost
+of ``MMSHM_HASH=eager``), and ``sglang`` (SGLang's own transport code, when sglang is
 importable; skipped otherwise). Modes for vLLM's arena come with its
 integration and register themselves here.
 """
@@ -238,8 +239,10 @@ class MmshmHashGivenMode(MmshmMode):
     :meth:`mmshm.ShmTensor.from_tensor` from the request (``item.hash``, which
     the bench computes before timing, as SGLang's tokenizer does for its
     prefix cache) instead of letting :func:`mmshm.wrap` compute BLAKE3 over the
-    segment. Not a default mode: it measures what wrap's hashing costs end to
-    end (``fresh-segment`` gets the hash for free in the same way)."""
+    segment when asked. Not a default mode: with ``MMSHM_HASH=lazy`` (the
+    default) nobody asks in the bench, so it costs what ``mmshm`` does; it
+    shows that a given hash is free (``fresh-segment`` gets the hash from the
+    request in the same way)."""
 
     name = "mmshm-hash-given"
     summary = "mmshm, content hashes taken from the request instead of computed"
@@ -264,6 +267,28 @@ class MmshmHashGivenMode(MmshmMode):
             wrap_bytes += it.feature.nbytes
         self._stats = {"wrap_s": time.perf_counter() - t0, "wrap_bytes": wrap_bytes}
         return _rename(mmshm.fan_out(c, n, min_bytes=self.min_bytes), req.rid)
+
+
+@register
+class MmshmEagerHashMode(MmshmMode):
+    """``mmshm`` where the producer computes every handle's BLAKE3 content
+    hash before sending, so that it travels with the handle: the cost of
+    ``MMSHM_HASH=eager`` (the default, ``lazy``, hashes only for a consumer
+    that asks, such as SGLang's prefix cache for an item its processor left
+    unhashed). Not a default mode."""
+
+    name = "mmshm-eager-hash"
+    summary = "mmshm, BLAKE3 of every tensor computed by the producer (MMSHM_HASH=eager)"
+
+    def fan_out(self, req, n: int) -> list:
+        t0 = time.perf_counter()
+        wrapped = mmshm.wrap(req, min_bytes=self.min_bytes)
+        hs = mmshm.handles(wrapped)
+        for h in hs:
+            h.hash  # noqa: B018 - computed from the segment, carried from now on
+        self._stats = {"wrap_s": time.perf_counter() - t0,
+                       "wrap_bytes": sum(h.nbytes for h in hs)}
+        return _rename(mmshm.fan_out(wrapped, n, min_bytes=self.min_bytes), req.rid)
 
 
 # -- fresh-segment: SGLang 0.5.23's ShmPointerMMData, as our own baseline -------
