@@ -137,7 +137,8 @@ def _release_all(state: list) -> None:
 
 def test_wrap_32_images(benchmark, request_32):
     """The producer's write of 32 720p images (720 MB) into shared memory;
-    after the warm-up round the segments come from the warm pool."""
+    after the warm-up round the segments come from the warm pool. No hash is
+    computed (``MMSHM_HASH=lazy``, the default)."""
     state: list = []
 
     def setup():
@@ -151,6 +152,28 @@ def test_wrap_32_images(benchmark, request_32):
 
     w = benchmark.pedantic(wrap, setup=setup, rounds=3, warmup_rounds=1, iterations=1)
     assert len(mmshm.handles(w)) == IMAGES
+    benchmark.extra_info["bytes"] = _payload(request_32)
+    _release_all(state)
+
+
+def test_wrap_32_images_eager_hash(benchmark, request_32):
+    """:func:`test_wrap_32_images` plus the BLAKE3 hash of every handle, read
+    right after the wrap: the cost of ``MMSHM_HASH=eager``."""
+    state: list = []
+
+    def setup():
+        _release_all(state)
+        segment.sweep()
+
+    def wrap():
+        w = mmshm.wrap(request_32)
+        for h in mmshm.handles(w):
+            h.hash  # noqa: B018 - computes it
+        state.append(w)
+        return w
+
+    w = benchmark.pedantic(wrap, setup=setup, rounds=3, warmup_rounds=1, iterations=1)
+    assert all(len(h.meta.hash) == 16 for h in mmshm.handles(w))
     benchmark.extra_info["bytes"] = _payload(request_32)
     _release_all(state)
 
@@ -262,15 +285,17 @@ def test_content_hash_32_images(benchmark, request_32):
     assert len(set(hashes)) == IMAGES
 
 
-@pytest.mark.parametrize("hashed", [False, True], ids=["hash-computed", "hash-given"])
-def test_from_tensor_one_image(benchmark, request_32, hashed):
-    """One 720p image into a (warm, pooled) segment, with the content hash
-    computed by mmshm or handed in by the caller."""
+@pytest.mark.parametrize("hashing", ["lazy", "eager", "given"])
+def test_from_tensor_one_image(benchmark, request_32, hashing):
+    """One 720p image into a (warm, pooled) segment: no hash (lazy), the
+    content hash computed right away (eager), or handed in by the caller."""
     t = request_32["mm_items"][0]["feature"]
-    h = mmshm.content_hash(t) if hashed else None
+    h = mmshm.content_hash(t) if hashing == "given" else None
 
     def make():
         s = mmshm.ShmTensor.from_tensor(t, hash=h)
+        if hashing == "eager":
+            s.hash  # noqa: B018 - computes it
         s.release()
 
     benchmark.pedantic(make, rounds=5, warmup_rounds=1, iterations=1)
