@@ -27,6 +27,7 @@ its node, the leader on the others).
 from __future__ import annotations
 
 import functools
+import logging
 import pickle
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import node, segment
+from .codec import HandleMeta
 from .errors import (
     HandleStateError,
     MaterializeError,
@@ -54,6 +56,8 @@ from .metrics import (
     REQUEST_FAILURES,
 )
 from .walker import handles, transform
+
+log = logging.getLogger("mmshm")
 
 # Estimates for mmshm_broadcast_bytes, so that nothing is pickled twice: a
 # handle's pickled size and a request's own pickled overhead (bytes).
@@ -276,8 +280,18 @@ class _Unwrapper:
 
     Handle objects are indexed batch-wide in order of first appearance; the
     order is the same on every rank (pickle keeps object identity within the
-    batch), so per-handle flags can be combined across ranks. A handle object shared by
-    several requests is materialized once and its tensor reused."""
+    batch), so per-handle flags can be combined across ranks. A handle object
+    shared by several requests is materialized once and its tensor reused.
+
+    Zero-copy (``copy=False``): the handles of one segment (the ``n`` copies
+    of a fan-out, each sent with its own handle) share one copy-on-write
+    mapping per rank; each gets its own tensor object over it, and their
+    extra references go back in one locked update per segment
+    (:meth:`give_back_duplicates`). One mapping per segment means one
+    page-table walk, and the rank's RSS grows by the payload once, not ``n``
+    times. The copies' tensors alias one another within the rank, as the
+    copies' ``mm_items`` share one object in the producer after SGLang's
+    ``copy.copy`` fan-out; another process's bytes are never affected."""
 
     def __init__(self, copy: bool):
         self.copy = copy
@@ -286,6 +300,9 @@ class _Unwrapper:
         self.state: list = []  # per handle: tensor, exception, or None
         self.current: list[int] = []
         self.wire_bytes = 0
+        # zero-copy: the first view of each segment, by (metadata, directory)
+        self.mapped: dict[tuple[HandleMeta, str | None], torch.Tensor] = {}
+        self.duplicates: dict[SegKey, int] = {}  # references to give back per segment
 
     def _idx(self, h: ShmTensor) -> int:
         idx = self.index.get(id(h))
@@ -306,13 +323,36 @@ class _Unwrapper:
         if isinstance(st, BaseException):
             raise st
         if st is None:
+            h = self.order[idx]  # x, or (multi-node) the copy on this node
+            first = None if self.copy else self.mapped.get((h._meta, h._dir))
+            if first is not None and h.owns_reference:
+                h._disown()  # its reference goes back in give_back_duplicates
+                key = _key(h)
+                self.duplicates[key] = self.duplicates.get(key, 0) + 1
+                st = self.state[idx] = first.view(first.shape)
+                return st
             try:
-                # order[idx] is x, or (multi-node) the copy on this node
-                st = self.state[idx] = self.order[idx].materialize(copy=self.copy)
+                st = self.state[idx] = h.materialize(copy=self.copy)
             except Exception as exc:
                 self.state[idx] = exc
                 raise
+            if not self.copy:
+                self.mapped[(h._meta, h._dir)] = st
         return st
+
+    def give_back_duplicates(self) -> None:
+        """Release the references of the handles that reuse another handle's
+        mapping (the mapping holds one reference for all of them)."""
+        for key, refs in self.duplicates.items():
+            try:
+                _update(key, -refs)
+            except (MmshmError, OSError) as exc:
+                # cannot happen while the mapping holds a reference, unless a
+                # third party removed the file: the reaper reclaims it then
+                log.warning("mmshm: giving back %d reference(s) of %s failed: %s",
+                            refs, key[0], exc)
+        self.duplicates = {}
+        self.mapped = {}
 
     def request_handles(self, req) -> list[int]:
         """Indices of every handle in ``req`` (after a walk that stopped early)."""
@@ -385,6 +425,7 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
             reasons[i] = _REASON_CODE.get(reason, _OTHER)
             failed[i, group_rank] = 1
             results[i] = None
+    unw.give_back_duplicates()
     if plan is not None:
         plan.send_payloads(unw)  # the source rank, to the other nodes' leaders
     BROADCAST_BYTES.labels(role=role).observe(unw.wire_bytes + _REQUEST_WIRE_BYTES * n)

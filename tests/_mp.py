@@ -600,3 +600,41 @@ def rank_shared_handles(rank: int, world: int, seed: int) -> dict:
     del out
     gc.collect()
     return {"kinds": kinds, "names": names}
+
+
+def _mappings_of(name: str) -> int:
+    """How many mappings of segment file ``name`` this process has."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip().endswith("/" + name))
+
+
+def rank_fanout_one_mapping(rank: int, world: int, seed: int, n: int) -> dict:
+    """A request fanned out into ``n`` copies (each sent with its own handles)
+    is broadcast in one batch: each rank maps each segment once, gives every
+    copy its own tensor object, and holds one reference per segment."""
+    import mmshm
+
+    bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
+    if rank == 0:
+        req = mmshm.wrap(_request(1, seed), min_bytes=1024)
+        copies = mmshm.fan_out(req, n, min_bytes=1024)
+        mmshm.release(req)
+        out = bcast(copies, rank, None, 0)
+        del copies, req
+    else:
+        out = bcast(None, rank, None, 0)
+    for r in out:
+        _check_request(r, 1, seed)
+    feats = [[it["feature"] for it in r["mm_inputs"]["mm_items"]] for r in out]
+    ptrs = [[f.data_ptr() for f in fs] for fs in feats]
+    tensors = len({id(f) for fs in feats for f in fs})
+    segs = sorted(n_ for n_ in os.listdir(seg_dir()) if n_.startswith("mmshm-"))
+    maps = {s_: _mappings_of(s_) for s_ in segs}
+    refs = {s_: refcount(s_) for s_ in segs}
+    # a write by one copy is seen by its twins on this rank, and by no other rank
+    before = float(feats[0][0].view(-1)[0])
+    feats[0][0].view(-1)[0] += 1
+    seen = [float(fs[0].view(-1)[0]) != before for fs in feats]
+    del out, feats
+    gc.collect()
+    return {"ptrs": ptrs, "tensors": tensors, "maps": maps, "refs": refs, "seen": seen}

@@ -141,3 +141,30 @@ def test_requests_sharing_handle_objects(shm_dir):
     finally:
         for n in _mp.seg_files():
             os.unlink(os.path.join(shm_dir, n))
+
+
+@pytest.mark.timeout(120)
+def test_fanout_copies_share_one_mapping_per_rank(shm_dir):
+    """n=4 copies of a 2-image request in one batch, TP=2: every rank maps each
+    segment once (RSS grows by the payload once), every copy gets its own
+    tensor object over it with the right bytes, each rank's mapping holds
+    exactly one reference, a write stays on its rank, and nothing leaks."""
+    n, world = 4, 2
+    try:
+        res = _mp.run_group(_mp.rank_fanout_one_mapping, world, 23, n)
+        for rank in range(world):
+            r = res[rank]
+            assert r["tensors"] == n * 2, r
+            for j in range(2):  # copy i's item j: one address for all copies
+                assert len({p[j] for p in r["ptrs"]}) == 1, r["ptrs"]
+            # one copy-on-write view each (rank 0 made the segments: + its writable map)
+            want = 1 + (rank == 0)
+            assert len(r["maps"]) == 2 and set(r["maps"].values()) == {want}, (rank, r["maps"])
+            # both ranks' views are alive when each rank counts (agreement);
+            # rank 0 may count before or after rank 1 has dropped its views
+            assert all(1 <= c <= world for c in r["refs"].values()), r["refs"]
+            assert r["seen"] == [True] * n  # aliasing within the rank
+        assert _mp.seg_files() == []
+    finally:
+        for name in _mp.seg_files():
+            os.unlink(os.path.join(shm_dir, name))
