@@ -24,7 +24,8 @@ RUN_KEYS = {
     "payload_bytes": int, "broadcast_s": float, "end_to_end_s": float, "correct": bool,
     "broadcast_bytes": int, "leftover_segments": list, "materialize_s": float,
     "floor_s": float, "floor_memcpy_s": float, "floor_broadcast_s": float,
-    "memcpy_Bps": float, "e2e_over_floor": float, "repeat": int,
+    "memcpy_Bps": float, "e2e_over_floor": float, "repeat": int, "rss_growth_bytes": int,
+    "rss_growth_over_payload": float,
 }
 MODES = ("inline", "fresh-segment", "mmshm")
 FRESH = "mmshm-bench-fresh-"
@@ -88,6 +89,10 @@ def test_bench_small_run_is_correct_and_leaves_nothing(shm_dir, tmp_path):
         # mmshm writes the payload once; fresh-segment once per copy (warm-up + n)
         assert by["mmshm", k]["wrap_bytes"] == by["mmshm-hash-given", k]["wrap_bytes"] == p
         assert by["mmshm-eager-hash", k]["wrap_bytes"] == p
+        # zero-copy: a rank holding both copies (read in full) grows by the payload
+        # once (issue 7: at most 1.1x); inline holds a private copy per request
+        assert by["mmshm", k]["rss_growth_over_payload"] <= 1.1, by["mmshm", k]
+        assert by["inline", k]["rss_growth_over_payload"] >= 1.9, by["inline", k]
         assert by["fresh-segment", k]["copies"] == 3
         assert by["fresh-segment", k]["wrap_bytes"] == 3 * p
         assert "end_to_end_speedup_vs_fresh_segment" in by["mmshm", k]

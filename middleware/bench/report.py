@@ -77,7 +77,7 @@ _COLUMNS = (("images", "right"), ("payload MB", "right"), ("mode", "left"),
             ("copies", "right"), ("bcast ms", "right"), ("e2e ms", "right"),
             ("e2e / floor", "right"), ("vs inline", "right"), ("vs fresh", "right"),
             ("wrap GB/s", "right"), ("wrap / memcpy", "right"), ("bcast bytes", "right"),
-            ("reps", "right"), ("correct", "center"), ("left", "right"))
+            ("rank RSS / payload", "right"), ("reps", "right"), ("correct", "center"), ("left", "right"))
 
 
 def result_tables(result: dict) -> list[Table]:
@@ -92,7 +92,8 @@ def result_tables(result: dict) -> list[Table]:
         t = Table(title=f"mmshm bench: TP={tp} n={n} {res}{where} (medians)",
                   caption="e2e / floor: end-to-end over the floor (lower is better); "
                           "vs inline, vs fresh: their end-to-end over this mode's; "
-                          "floor wrap GB/s: memcpy into warm memory"
+                          "floor wrap GB/s: memcpy into warm memory; rank RSS / payload: "
+                          "the most a TP rank's RSS grew holding the batch"
                           + ("; inter-node: bytes sent between the simulated nodes"
                              if multi else ""))
         columns = _COLUMNS + ((("inter-node", "right"),) if multi else ())
@@ -107,11 +108,11 @@ def result_tables(result: dict) -> list[Table]:
             t.add_row(str(k), _mb(f["payload_bytes"]), "[dim]floor[/]", "",
                       _ms(f.get("floor_broadcast_s")), _ms(f.get("floor_s")), "1.0x", "", "",
                       _gbps(f.get("memcpy_Bps")), "", _bytes(f.get("floor_broadcast_bytes")),
-                      "", "", "", *extra(""), style="dim")
+                      "", "", "", "", *extra(""), style="dim")
             for r in rs:
                 if r.get("skipped"):
                     t.add_row("", "", r["mode"], str(r["copies"]), "",
-                              "[yellow]skipped[/]", "", "", "", "", "", "", "0", "", "",
+                              "[yellow]skipped[/]", "", "", "", "", "", "", "", "0", "", "",
                               *extra(""))
                     continue
                 t.add_row(
@@ -120,7 +121,8 @@ def result_tables(result: dict) -> list[Table]:
                     _x(r.get("end_to_end_speedup_vs_inline")),
                     _x(r.get("end_to_end_speedup_vs_fresh_segment")),
                     _gbps(r.get("wrap_Bps")), _x(r.get("wrap_over_memcpy"), 2),
-                    _bytes(r.get("broadcast_bytes")), str(r.get("repeat", "")),
+                    _bytes(r.get("broadcast_bytes")), _x(r.get("rss_growth_over_payload"), 2),
+                    str(r.get("repeat", "")),
                     "[green]yes[/]" if r["correct"] else "[red]NO[/]",
                     str(len(r.get("leftover_segments", []))),
                     *extra(_bytes(r.get("internode_bytes"))),

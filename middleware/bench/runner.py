@@ -19,9 +19,13 @@ Measured per run (``time.perf_counter``, seconds):
   segments (max over ranks). ``share_s`` is the part before the inner
   broadcast starts (mmshm: TP rank 0 adding ``world - 1`` references per handle).
 * ``materialize_s``: what follows the inner broadcast (mmshm: mapping the
-  segments, zero-copy, and all-reducing the failure flags; fresh-segment: the
+  segments, zero-copy, and agreeing on the failure flags; fresh-segment: the
   barrier, the copy-on-write mappings, the unlinks and the all-reduce; max
   over ranks). ``broadcast_total_s`` is the sum as seen by each rank.
+* ``rss_growth_bytes``: how much a TP rank's resident set grew from before
+  the broadcast to after the bytes check, which reads every byte (the most of
+  any rank; shared pages count once per mapping); ``rss_growth_over_payload``
+  divides it by one request's payload.
 * ``wrap_s``/``wrap_bytes``: the producer's writes into shared memory
   (modes that make any), hence ``wrap_Bps``.
 * the **floor** of the config, in the same TP group and the same repetitions:
@@ -490,6 +494,7 @@ class _Session:
             "internode_bytes": internode,
             "problems": problems,
             "rank_open_segments": sum(m["open_segments"] for m in res),
+            "rss_growth_bytes": max(m.get("rss_growth_bytes", 0) for m in res),
             "wrap_s": stats.get("wrap_s"),
             "wrap_bytes": stats.get("wrap_bytes"),
             "mode_leftovers": left,
@@ -567,6 +572,10 @@ def _aggregate(base: dict, samples: list, leftovers: list[str], floor: dict) -> 
     run["problems"] = problems[:10]
     run["leftover_segments"] = leftovers
     run["rank_open_segments"] = max(s["rank_open_segments"] for s in samples)
+    # the most any rank's RSS grew while holding the batch, over one request's payload
+    run["rss_growth_bytes"] = int(statistics.median(s["rss_growth_bytes"] for s in samples))
+    run["rss_growth_over_payload"] = (run["rss_growth_bytes"] / run["payload_bytes"]
+                                      if run.get("payload_bytes") else None)
     run["repeat"] = len(samples)
     run["samples"] = {k: [s[k] for s in samples] for k in ("broadcast_s", "end_to_end_s")}
     wrap_s = _median(s["wrap_s"] for s in samples)

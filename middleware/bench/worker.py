@@ -28,6 +28,19 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_bytes() -> int:
+    """Resident set size now (``/proc/self/statm``); shared pages count once
+    per mapping that has them resident."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class _Rank:
     def __init__(self, rank: int, tp: int, port: int, endpoint: str, cfg: dict):
         import torch.distributed as dist
@@ -111,6 +124,7 @@ class _Rank:
                 data.append(mode.loads(self.pull.recv()))  # recv_pyobj by default
             t_recv = time.perf_counter()
         self.dist.barrier(group=self.group)  # outside the measured region
+        rss0 = _rss_bytes()
         self.bytes_broadcast = 0
         self.t_inner_start = self.t_inner_end = None
         sent0 = node.internode_bytes()
@@ -121,7 +135,8 @@ class _Rank:
         t_inner = self.t_inner_end if self.t_inner_end is not None else t1
         t_inner_start = self.t_inner_start if self.t_inner_start is not None else t0
         nbytes = self.bytes_broadcast
-        problems = verify(out, n, images)  # outside the measured region
+        problems = verify(out, n, images)  # outside the measured region (reads every byte)
+        rss_growth = _rss_bytes() - rss0
         del out, data
         gc.collect()  # drops the views: every reference of this rank goes back
         return {
@@ -132,6 +147,7 @@ class _Rank:
             "problems": problems[:10],
             "open_segments": len(segment.open_segments()),
             "peak_rss_bytes": _peak_rss_bytes(),
+            "rss_growth_bytes": rss_growth,
         }
 
     def floor(self, cmd: dict) -> dict:
