@@ -38,6 +38,7 @@ _DTYPE_NAMES = (
 )
 DTYPES: tuple[torch.dtype | None, ...] = tuple(getattr(torch, n, None) for n in _DTYPE_NAMES)
 DTYPE_CODES: dict[torch.dtype, int] = {dt: i for i, dt in enumerate(DTYPES) if dt is not None}
+_ITEMSIZES = tuple(dt.itemsize if dt is not None else 0 for dt in DTYPES)  # 0: not in this build
 
 HASH_BYTES = 16  # BLAKE3 truncated to 128 bits
 MAX_NDIM = 32
@@ -157,11 +158,11 @@ def decode(data: bytes) -> HandleMeta:
         raise HandleError(f"segment name {w.name!r} is outside the naming scheme")
     if 0 < len(w.hash) < HASH_BYTES:
         raise HandleError(f"hash must be empty or 16..32 bytes, got {len(w.hash)}")
-    dt = DTYPES[w.dtype]
-    if dt is None:
+    itemsize = _ITEMSIZES[w.dtype]
+    if not itemsize:
         raise HandleError(f"unknown dtype code {w.dtype}")
-    if math.prod(w.shape) * dt.itemsize != w.nbytes:
-        raise HandleError(f"shape {w.shape} x itemsize {dt.itemsize} != nbytes {w.nbytes}")
+    if math.prod(w.shape) * itemsize != w.nbytes:
+        raise HandleError(f"shape {w.shape} x itemsize {itemsize} != nbytes {w.nbytes}")
     name = w.name if w.name.startswith(PREFIX) else PREFIX + w.name
     if w.node is None:
         return HandleMeta(name, w.nbytes, w.dtype, w.shape, w.hash, w.gen)

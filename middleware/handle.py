@@ -232,7 +232,7 @@ class ShmTensor:
     def decode(cls, data: bytes, directory: str | None = None) -> ShmTensor:
         """Build a handle from wire bytes; it owns the reference the giver
         handed out. Raises :class:`HandleError` on malformed metadata."""
-        return cls(codec.decode(data), owns=True, directory=directory)
+        return _adopt(cls, codec.decode(data), directory)
 
     def encode(self) -> bytes:
         """Wire bytes of this handle's metadata (no side effect)."""
@@ -473,9 +473,25 @@ class ShmTensor:
             segment.unpin(seg)
 
 
+def _adopt(cls, meta: HandleMeta, directory: str | None) -> ShmTensor:
+    """A handle owning the reference handed out for ``meta`` (what
+    ``cls(meta, owns=True, directory=directory)`` makes, without the call
+    overhead: one is built per handle unpickled)."""
+    h = _new(cls)
+    h._meta = meta
+    h._owns = True
+    h._pid = _PID
+    h._dir = directory
+    h._error = None
+    return h
+
+
+_new = object.__new__
+
+
 def _rebuild(data: bytes) -> ShmTensor:
     try:
-        return ShmTensor(codec.decode(data), owns=True)
+        return _adopt(ShmTensor, codec.decode(data), None)
     except HandleError as exc:
         return ShmTensor(None, error=exc)
 
