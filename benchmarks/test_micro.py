@@ -135,10 +135,12 @@ def _release_all(state: list) -> None:
         mmshm.release(state.pop())
 
 
-def test_wrap_32_images(benchmark, request_32):
+@pytest.mark.parametrize("hashing", ["lazy", "eager"])
+def test_wrap_32_images(benchmark, request_32, hashing):
     """The producer's write of 32 720p images (720 MB) into shared memory;
-    after the warm-up round the segments come from the warm pool. No hash is
-    computed (``MMSHM_HASH=lazy``, the default)."""
+    after the warm-up round the segments come from the warm pool. ``lazy``
+    (the default, ``MMSHM_HASH=lazy``) computes no hash; ``eager`` reads every
+    handle's BLAKE3 hash right after the wrap, the cost of ``MMSHM_HASH=eager``."""
     state: list = []
 
     def setup():
@@ -147,33 +149,16 @@ def test_wrap_32_images(benchmark, request_32):
 
     def wrap():
         w = mmshm.wrap(request_32)
+        if hashing == "eager":
+            for h in mmshm.handles(w):
+                h.hash  # noqa: B018 - computes it
         state.append(w)
         return w
 
     w = benchmark.pedantic(wrap, setup=setup, rounds=3, warmup_rounds=1, iterations=1)
-    assert len(mmshm.handles(w)) == IMAGES
-    benchmark.extra_info["bytes"] = _payload(request_32)
-    _release_all(state)
-
-
-def test_wrap_32_images_eager_hash(benchmark, request_32):
-    """:func:`test_wrap_32_images` plus the BLAKE3 hash of every handle, read
-    right after the wrap: the cost of ``MMSHM_HASH=eager``."""
-    state: list = []
-
-    def setup():
-        _release_all(state)
-        segment.sweep()
-
-    def wrap():
-        w = mmshm.wrap(request_32)
-        for h in mmshm.handles(w):
-            h.hash  # noqa: B018 - computes it
-        state.append(w)
-        return w
-
-    w = benchmark.pedantic(wrap, setup=setup, rounds=3, warmup_rounds=1, iterations=1)
-    assert all(len(h.meta.hash) == 16 for h in mmshm.handles(w))
+    hs = mmshm.handles(w)
+    assert len(hs) == IMAGES
+    assert all(len(h.meta.hash) == (16 if hashing == "eager" else 0) for h in hs)
     benchmark.extra_info["bytes"] = _payload(request_32)
     _release_all(state)
 
