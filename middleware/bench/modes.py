@@ -26,8 +26,9 @@ baseline) and ``mmshm``, plus, not run by default, ``mmshm-hash-given``
 (mmshm with the content hashes taken from the request) and
 ``mmshm-eager-hash`` (mmshm with every hash computed by the producer, the cost
 of ``MMSHM_HASH=eager``), and ``sglang`` (SGLang's own transport code, when sglang is
-importable; skipped otherwise). Modes for vLLM's arena come with its
-integration and register themselves here.
+importable; skipped otherwise). ``vllm`` and ``vllm-arena`` (vLLM 0.33.0's own
+transport code, its default path and its tensor arena, when vllm is importable;
+skipped otherwise) live in :mod:`mmshm.bench.vllm_modes`, imported at the end.
 """
 
 from __future__ import annotations
@@ -781,3 +782,8 @@ class SglangMode(FreshSegmentMode):
             why = errors.get(i, "failed on another rank")
             out[i] = mmshm.MaterializeError(f"sglang: request {i}: {why}", request=out[i])
         return out
+
+
+# -- vllm, vllm-arena: vLLM's own transport code (imports vllm only when run) ---------
+with contextlib.suppress(Exception):  # a broken optional module must not break the others
+    from . import vllm_modes  # noqa: F401 - registers its modes

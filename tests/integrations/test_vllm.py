@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -769,3 +770,66 @@ def test_message_queue_fallback_and_references(rdr, shm_dir, monkeypatch):
         q.acquire_write = real
     del view
     _assert_clean(shm_dir)
+
+
+# -- mmshm bench: vLLM's own transport code against mmshm ------------------------------
+def _psm_files() -> set[str]:
+    """Names of multiprocessing.shared_memory segments (vLLM's ring buffers and
+    tensor arenas) in /dev/shm."""
+    return {n for n in os.listdir(_mp.SHM_ROOT) if n.startswith("psm_")}
+
+
+def _orphans(names: set[str]) -> set[str]:
+    """Those of ``names`` that still exist and that no live process maps."""
+    mapped = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                mapped |= {n for n in names if n in f.read()}
+        except OSError:
+            continue
+    return {n for n in names - mapped if os.path.exists(os.path.join(_mp.SHM_ROOT, n))}
+
+
+@pytest.mark.timeout(120)
+def test_bench_runs_vllm_transport_modes(shm_dir, tmp_path):
+    """``mmshm bench`` with vLLM's own code: the ``vllm`` mode (MsgpackEncoder
+    frames to TP rank 0, MessageQueue with ZMQ overflow to rank 1) and
+    ``vllm-arena`` (its tensor arena) deliver the right bytes next to mmshm,
+    and the pixels cross the broadcast only in vLLM's default path."""
+    pytest.importorskip("skimage")  # the bench's photos (mmshm[bench])
+    out = tmp_path / "bench.json"
+    psm_before = _psm_files()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmshm.cli", "bench", "--tp", "2", "--n", "2", "--images", "1",
+         "--repeat", "1", "--no-warmup", "--modes", "vllm,vllm-arena,mmshm",
+         "--json", str(out), "--timeout", "60"],
+        capture_output=True, check=False, text=True, timeout=110, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    runs = {r["mode"]: r for r in result["runs"]}
+    assert set(runs) == {"vllm", "vllm-arena", "mmshm"}
+    for mode, r in runs.items():
+        assert not r.get("skipped"), (mode, r.get("skipped"))
+        assert r["correct"] is True, (mode, r["problems"])
+        assert r["leftover_segments"] == [], mode
+        assert r["copies"] == 2 and r["repeat"] == 1, mode
+    assert result["leftover_segments"] == []
+    payload = runs["mmshm"]["payload_bytes"]
+    assert payload == IMAGE_SHAPE[0] * IMAGE_SHAPE[1] * 4
+    assert {r["payload_bytes"] for r in runs.values()} == {payload}
+    # vLLM's frontend sends the pixels of each child request (n = 2) as frames
+    for mode in ("vllm", "vllm-arena"):
+        assert runs[mode]["zmq_bytes"] >= 2 * payload, mode
+    # default path: both copies overflow the 16 MiB chunk onto the queue's socket
+    vllm = runs["vllm"]["broadcast_bytes"]
+    assert vllm >= 2 * payload
+    # the arena takes both 22 MB tensors; mmshm broadcasts metadata only
+    assert runs["vllm-arena"]["broadcast_bytes"] < 64 * 1024
+    assert runs["mmshm"]["broadcast_bytes"] < 64 * 1024
+    assert runs["mmshm"]["broadcast_bytes"] * 1000 < vllm
+    # the queues' ring buffers and arena are gone from /dev/shm with the TP ranks
+    assert not _orphans(_psm_files() - psm_before)
+    assert not _segments(shm_dir)
