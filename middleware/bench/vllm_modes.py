@@ -74,6 +74,7 @@ from typing import ClassVar
 
 from .modes import Mode, _items, register
 from .requests import IMAGE_PAD, MultimodalDataItem, MultimodalInputs, Req
+from .worker import count_broadcast_bytes
 
 VLLM_VERSION = "0.33.0"
 # MultiprocExecutor's rpc_broadcast_mq: VLLM_MQ_MAX_CHUNK_BYTES_MB (16) MiB chunks,
@@ -199,25 +200,6 @@ def split_frames(msg) -> list[memoryview]:
 
 
 # -- the MessageQueue of a TP group (every TP rank) ----------------------------------
-def _add_broadcast_bytes(nbytes: int) -> None:
-    """Add ``nbytes`` to the bench TP rank's broadcast-byte count.
-
-    :mod:`mmshm.bench.worker` counts the bytes passed to
-    ``torch.distributed.broadcast`` by wrapping it in a closure over the rank;
-    the MessageQueue never calls it, so its bytes go to the same counter.
-    Outside the bench (no such wrapper) nothing happens."""
-    import torch.distributed as dist
-
-    for cell in getattr(dist.broadcast, "__closure__", None) or ():
-        try:
-            owner = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(getattr(owner, "bytes_broadcast", None), int):
-            owner.bytes_broadcast += nbytes
-            return
-
-
 def _chunk_bytes(buf) -> int:
     """Bytes ``MessageQueue.enqueue`` wrote into a ring-buffer chunk: the
     overflow flag alone, or flag, buffer count and each length-prefixed buffer."""
@@ -364,7 +346,7 @@ class TPQueue:
         if self.writer:
             self.sent = 0
             self.mq.enqueue(data, timeout=WAIT_S)
-            _add_broadcast_bytes(self.sent)
+            count_broadcast_bytes(self.sent)
             return data
         return self.mq.dequeue(timeout=WAIT_S)
 

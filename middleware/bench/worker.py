@@ -41,6 +41,18 @@ def _rss_bytes() -> int:
         return 0
 
 
+_CURRENT: _Rank | None = None  # this process's TP rank, once set up
+
+
+def count_broadcast_bytes(nbytes: int) -> None:
+    """Add ``nbytes`` to this TP rank's ``broadcast_bytes``: for modes whose
+    broadcast does not go through ``torch.distributed.broadcast`` (which is
+    counted by itself), such as vLLM's ``MessageQueue``. Outside a bench TP
+    rank nothing happens."""
+    if _CURRENT is not None:
+        _CURRENT.bytes_broadcast += nbytes
+
+
 class _Rank:
     def __init__(self, rank: int, tp: int, port: int, endpoint: str, cfg: dict):
         import torch.distributed as dist
@@ -65,6 +77,8 @@ class _Rank:
         # the TP CPU group, as SGLang's tp_cpu_group
         self.group = dist.new_group(list(range(tp)), backend="gloo", timeout=timeout)
         self._count_broadcast_bytes()
+        global _CURRENT
+        _CURRENT = self
 
         self.zmq_ctx = zmq.Context()
         self.pull = None

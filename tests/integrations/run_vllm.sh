@@ -6,7 +6,8 @@
 # Creates (once) a virtualenv in .venvs/vllm-0.33.0 (git-ignored; override
 # with MMSHM_VLLM_VENV) holding torch 2.13.0 CPU (pinned by constraints.txt,
 # never the CUDA build), vLLM 0.33.0 installed --no-deps, the pure-Python
-# packages listed in vllm_requirements.txt, and mmshm (editable). A stamp
+# packages listed in vllm_requirements.txt, and mmshm (editable, with its
+# bench extra: the bench modes vllm and vllm-arena are tested here). A stamp
 # records what was installed, so later runs reuse the environment. The exit
 # status is pytest's (tests that fail fail this script).
 set -euo pipefail
@@ -34,7 +35,7 @@ if [ ! -f "$STAMP" ]; then
   }
   pipq -r "$REQS" "torch==$(sed -n 's/^torch==//p' constraints.txt)"
   pipq --no-deps "vllm==$VLLM_VERSION" xgrammar==0.2.8 apache-tvm-ffi==0.1.11
-  pipq -e .
+  pipq -e '.[bench]'  # the bench's modes (vllm, vllm-arena) are tested here too
   "$VENV/bin/python" - <<'PY'
 import importlib
 for m in ("vllm.v1.serial_utils", "vllm.v1.engine.core", "vllm.v1.engine.core_client",
