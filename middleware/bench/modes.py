@@ -635,6 +635,18 @@ def _sglang_add_stubs() -> None:
 _SGLANG: dict = {}
 
 
+def import_failure(load, server: str, package: str, venv: str) -> str | None:
+    """None if ``load()`` succeeds, else the note a mode that runs
+    ``server``'s own code is skipped with (naming a Python that has it)."""
+    try:
+        load()
+    except Exception as exc:  # noqa: BLE001 - any failure to import means "skip"
+        return (f"{server}'s transport code is not importable in this interpreter "
+                f"({type(exc).__name__}: {exc}); run the bench with a Python that has "
+                f"{package}, e.g. {venv}/bin/python")
+    return None
+
+
 def load_sglang():
     """``(mm_utils, utils.common)`` of the SGLang in this interpreter, with its
     shared-memory transport switched on (transport mode not ``default``, a
@@ -700,13 +712,7 @@ class SglangMode(FreshSegmentMode):
 
     @classmethod
     def unavailable(cls) -> str | None:
-        try:
-            load_sglang()
-        except Exception as exc:  # noqa: BLE001 - any failure to import means "skip"
-            return (f"SGLang's transport code is not importable in this interpreter "
-                    f"({type(exc).__name__}: {exc}); run the bench with a Python that "
-                    f"has sglang, e.g. .venvs/sglang-0.5.23/bin/python")
-        return None
+        return import_failure(load_sglang, "SGLang", "sglang", ".venvs/sglang-0.5.23")
 
     # -- producer --------------------------------------------------------------
     def before_send(self, req) -> None:

@@ -72,7 +72,7 @@ import types
 import warnings
 from typing import ClassVar
 
-from .modes import Mode, _items, register
+from .modes import Mode, _items, import_failure, register
 from .requests import IMAGE_PAD, MultimodalDataItem, MultimodalInputs, Req
 from .worker import count_broadcast_bytes
 
@@ -412,15 +412,13 @@ class VllmMode(Mode):
 
     @classmethod
     def unavailable(cls) -> str | None:
-        try:
+        def load():
             load_vllm()
             if cls.arena:
                 load_vllm_arena()
-        except Exception as exc:  # noqa: BLE001 - any failure to import means "skip"
-            return (f"vLLM's transport code is not importable in this interpreter "
-                    f"({type(exc).__name__}: {exc}); run the bench with a Python that has "
-                    f"vllm {VLLM_VERSION}, e.g. .venvs/vllm-{VLLM_VERSION}/bin/python")
-        return None
+
+        return import_failure(load, "vLLM", f"vllm {VLLM_VERSION}",
+                              f".venvs/vllm-{VLLM_VERSION}")
 
     @classmethod
     def estimate(cls, payload, copies, tp):
