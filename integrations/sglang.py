@@ -248,14 +248,23 @@ def _set_item_hashes(mm_inputs) -> None:
     """Give every item without a hash the int of its feature's content hash
     (carried by the handle, or computed once for an inline tensor), so the
     scheduler never hashes pixels. Deterministic, so setting it on an item
-    that fan-out copies share is harmless."""
+    that fan-out copies share is harmless. A handle's hash is computed here
+    from its segment if it carries none yet (``MMSHM_HASH=lazy``)."""
+    from mmshm import MmshmError
+
     for item in _items(mm_inputs):
         if getattr(item, "hash", 0) is not None:
             continue
         feature = getattr(item, "feature", None)
         if feature is None:
             feature = getattr(item, "precomputed_embeddings", None)
-        d = digest_of(feature) if feature is not None else None
+        try:
+            d = digest_of(feature) if feature is not None else None
+        except (MmshmError, OSError) as exc:
+            # the segment vanished under us (MMSHM_HASH=lazy reads it here):
+            # leave the item unhashed; the scheduler's unwrap reports the loss
+            log.warning("mmshm: could not hash a multimodal item: %s", exc)
+            continue
         if d is not None:
             item.hash = hash_int(d)
 

@@ -189,6 +189,29 @@ def test_hash_is_carried_and_transport_independent(ns, monkeypatch):
     assert _segments() == []
 
 
+def test_item_whose_segment_vanished_before_hashing_stays_unhashed(ns, caplog):
+    """MMSHM_HASH=lazy: the tokenizer side reads the handle's hash from its
+    segment. A segment removed in between (an operator's rm) leaves the item
+    unhashed with a warning; the send goes on, nothing raises."""
+    h = mmshm.ShmTensor.from_tensor(E.expected_feature(3))
+    assert h.meta.hash == b""  # not computed yet
+    name = h.name
+    h2 = h.clone()
+    h.release()
+    h2.release()  # the last reference: the segment is gone
+    assert name not in _segments()
+    orphan = mmshm.ShmTensor(h2.meta)  # a handle whose segment no longer exists
+    item = ns.sb.MultimodalDataItem(modality=ns.sb.Modality.IMAGE, feature=orphan,
+                                    offsets=[(0, 4)])
+    item.hash = None
+    mm_inputs = E.make_mm_inputs(ns, [item])
+    with caplog.at_level("WARNING", logger="mmshm"):
+        glue._set_item_hashes(mm_inputs)
+    assert item.hash is None
+    assert any("could not hash" in r.getMessage() for r in caplog.records)
+    orphan._disown()  # it never owned a live reference
+
+
 # -- instrumentor behaviour --------------------------------------------------------------
 def test_instrument_is_idempotent_and_reversible(ns):
     originals = (ns.tm.wrap_shm_features, ns.mm.hash_feature,
