@@ -84,6 +84,21 @@ def _summarize(item, mv, codec) -> dict:
             "n": item.sampling_params.n if item.sampling_params else None, "tensors": tensors}
 
 
+def _serve(conn, **handlers) -> None:
+    """A child's command loop: ``("stop",)`` ends it, ``("env", {...})`` swaps
+    the MMSHM_* environment (answering "ok"), any other ``(cmd, *args)``
+    calls ``handlers[cmd](*args)``, which answers on ``conn`` itself."""
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "stop":
+            return
+        if cmd == "env":
+            _setenv(args[0])
+            conn.send("ok")
+        else:
+            handlers[cmd](*args)
+
+
 def _setenv(env: dict) -> None:
     from mmshm import config
 
@@ -139,26 +154,21 @@ def engine_main(conn, address: str, env: dict) -> None:
 
         threading.Thread(target=pump, daemon=True).start()
         conn.send(("ready", os.getpid(), type(eng.tensor_ipc_receiver).__name__))
-        while True:
-            cmd, *args = conn.recv()
-            if cmd == "stop":
-                break
-            if cmd == "env":
-                _setenv(args[0])
-                conn.send("ok")
-            elif cmd == "take":
-                count, timeout = args
-                got = []
-                for _ in range(count):
-                    kind, item = results.get(timeout=timeout)
-                    if kind != "add":
-                        got.append({"kind": kind, "item": item})
-                        continue
-                    got.append(_summarize(item, mv, codec))
-                    del item
-                kind = item = None
-                gc.collect()
-                conn.send(got)
+
+        def take(count, timeout):
+            got = []
+            for _ in range(count):
+                kind, item = results.get(timeout=timeout)
+                if kind != "add":
+                    got.append({"kind": kind, "item": item})
+                    continue
+                got.append(_summarize(item, mv, codec))
+                del item
+            kind = item = None  # noqa: F841 - no request alive at the gc below
+            gc.collect()
+            conn.send(got)
+
+        _serve(conn, take=take)
     except BaseException:
         conn.send(("crash", traceback.format_exc()))
         raise
@@ -189,23 +199,19 @@ def reader_main(conn, handles: dict, rank: int, env: dict) -> None:
             queues[name].wait_until_ready()
             queues[name].local_socket.setsockopt(zmq.RCVTIMEO, -1)
         conn.send("ready")
-        while True:
-            cmd, *args = conn.recv()
-            if cmd == "stop":
-                break
-            if cmd == "env":
-                _setenv(args[0])
-                conn.send("ok")
-            elif cmd == "read":  # one report per message, then "done"
-                name, count = args
-                for _ in range(count):
-                    conn.send(_read_one(queues[name]))
-                gc.collect()
-                conn.send("done")
-            elif cmd == "metric":
-                from prometheus_client import REGISTRY
 
-                conn.send(REGISTRY.get_sample_value(*args))
+        def read(name, count):  # one report per message, then "done"
+            for _ in range(count):
+                conn.send(_read_one(queues[name]))
+            gc.collect()
+            conn.send("done")
+
+        def metric(*args):
+            from prometheus_client import REGISTRY
+
+            conn.send(REGISTRY.get_sample_value(*args))
+
+        _serve(conn, read=read, metric=metric)
     except BaseException:
         conn.send(("crash", traceback.format_exc()))
         raise
