@@ -82,7 +82,7 @@ def _release_view(name: str, gen: int, seg: segment.Segment) -> None:
         segment.unpin(seg)
 
 
-_EMPTY_DIGEST = blake3.blake3(b"").digest(codec.HASH_BYTES)
+_EMPTY_DIGEST = content_hash(b"")
 
 
 def _segment_digest(seg: segment.Segment, meta: HandleMeta) -> bytes:
@@ -99,7 +99,7 @@ def _segment_digest(seg: segment.Segment, meta: HandleMeta) -> bytes:
         mm = seg.map_private(meta.nbytes)
         buf = memoryview(mm)
     try:
-        digest = blake3.blake3(buf, max_threads=blake3.blake3.AUTO).digest(codec.HASH_BYTES)
+        digest = content_hash(buf)
     finally:
         buf.release()
         if mm is not None:
@@ -215,8 +215,7 @@ class ShmTensor:
                                        offset=segment.HEADER_SIZE)
                 write(dst)
                 if eager:
-                    hash = blake3.blake3(dst.numpy(), max_threads=blake3.blake3.AUTO).digest(
-                        codec.HASH_BYTES)
+                    hash = content_hash(dst.numpy())
                 del dst
             elif hash is None:
                 hash = _EMPTY_DIGEST
