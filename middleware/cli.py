@@ -62,8 +62,8 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
               help="Comma-separated photo resolutions (720p, 1080p) before the Qwen2-VL "
                    "processor.")
 @click.option("--sweep", is_flag=True,
-              help="Issue 7's grid: --tp 2,4 --n 1,8 --images 1,8,32 --resolution 720p,1080p "
-                   "(options given explicitly still win).")
+              help="The full grid: --tp 2,4 --n 1,8 --images 1,8,32 --resolution "
+                   "720p,1080p (options given explicitly still win).")
 @click.option("--modes", default="inline,fresh-segment,mmshm", show_default=True,
               callback=_str_list, help="Comma-separated transport modes.")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
@@ -103,8 +103,13 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     fanned out into N copies, sent over ZMQ to TP rank 0 and broadcast to
     the TP ranks; every rank checks the bytes. Modes: inline (pixels
     pickled), fresh-segment (SGLang 0.5.23's n+1 fresh segments per request,
-    as a baseline) and mmshm. The floor, measured in the same run, is a
-    memcpy of the payload into warm memory plus a metadata-only broadcast.
+    as a baseline) and mmshm by default; also mmshm-eager-hash (every
+    content hash computed by the producer), mmshm-hash-given, and the
+    servers' own code where the interpreter has it: sglang (SGLang 0.5.23),
+    vllm and vllm-arena (vLLM 0.33.0; tests/integrations/run_sglang.py and
+    run_vllm.sh build such interpreters under .venvs/). The floor, measured
+    in the same run, is a memcpy of the payload into warm memory plus a
+    metadata-only broadcast; on a busy host a mode can land below it.
     --nodes K simulates K nodes on this machine and reports the bytes sent
     between them (fresh-segment is skipped: it is single-node only).
     Runs the host cannot hold are skipped with a note. Exits 1 if any run
@@ -115,7 +120,7 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     from rich.console import Console
 
     from .bench import MODES, SWEEP, BenchConfig, BenchError, run_bench
-    from .bench.report import RichReporter, print_result
+    from .bench.report import FULL_WIDTH, RichReporter, print_result
 
     if plot_path:
         try:
@@ -139,8 +144,8 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     err = Console(stderr=True)
     out = Console(stderr=json_path == "-")
-    if not out.is_terminal:
-        out.width = max(out.width, 160)
+    if not out.is_terminal:  # a file or a pipe: the full table
+        out.width = max(out.width, FULL_WIDTH + 20)
     metrics_dir = _start_bench_metrics(metrics_port, err) if metrics_port is not None else None
     try:
         with RichReporter(err) as rep:

@@ -643,7 +643,7 @@ def import_failure(load, server: str, package: str, venv: str) -> str | None:
     except Exception as exc:  # noqa: BLE001 - any failure to import means "skip"
         return (f"{server}'s transport code is not importable in this interpreter "
                 f"({type(exc).__name__}: {exc}); run the bench with a Python that has "
-                f"{package}, e.g. {venv}/bin/python")
+                f"{package}, e.g. {venv}/bin/python (tests/integrations/ builds it)")
     return None
 
 

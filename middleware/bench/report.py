@@ -73,49 +73,73 @@ def _groups(result: dict) -> list[tuple[tuple, list[dict]]]:
     return list(out.items())
 
 
-_COLUMNS = (("images", "right"), ("payload MB", "right"), ("mode", "left"),
+_COLUMNS = (("images", "right"), ("MB", "right"), ("mode", "left"),
             ("copies", "right"), ("bcast ms", "right"), ("e2e ms", "right"),
-            ("e2e / floor", "right"), ("vs inline", "right"), ("vs fresh", "right"),
-            ("wrap GB/s", "right"), ("wrap / memcpy", "right"), ("bcast bytes", "right"),
-            ("rank RSS / payload", "right"), ("reps", "right"), ("correct", "center"), ("left", "right"))
+            ("e2e/floor", "right"), ("vs inline", "right"), ("vs fresh", "right"),
+            ("wrap GB/s", "right"), ("wrap/memcpy", "right"), ("bcast B", "right"),
+            ("RSS/payload", "right"), ("reps", "right"), ("ok", "center"), ("left", "right"))
 
 
-def result_tables(result: dict) -> list[Table]:
+# the columns kept on a terminal narrower than FULL_WIDTH, and than NARROW_WIDTH
+_COMPACT = ("images", "mode", "e2e ms", "e2e/floor", "vs inline", "vs fresh",
+            "wrap/memcpy", "RSS/payload", "ok")
+_NARROW = ("images", "mode", "e2e ms", "e2e/floor", "vs inline", "ok")
+FULL_WIDTH = 160
+NARROW_WIDTH = 100
+
+
+def result_tables(result: dict, width: int | None = None) -> list[Table]:
     """One table per (TP, n, resolution): medians in milliseconds; for each
     image count a ``floor`` row (warm memcpy of the payload + metadata-only
-    broadcast) and one row per mode with its ratios."""
+    broadcast) and one row per mode with its ratios. With ``width`` below
+    :data:`FULL_WIDTH` (characters) only the :data:`_COMPACT` columns are kept,
+    below :data:`NARROW_WIDTH` only the :data:`_NARROW` ones (the JSON output
+    has everything)."""
+    shown = (None if width is None or width >= FULL_WIDTH
+             else _COMPACT if width >= NARROW_WIDTH else _NARROW)
+    compact = shown is not None
     tables = []
     for (tp, n, res), runs in _groups(result):
         nodes = max((r.get("nodes", 1) for r in runs), default=1)
         multi = nodes > 1
         where = f" over {nodes} nodes" if multi else ""
         t = Table(title=f"mmshm bench: TP={tp} n={n} {res}{where} (medians)",
-                  caption="e2e / floor: end-to-end over the floor (lower is better); "
-                          "vs inline, vs fresh: their end-to-end over this mode's; "
-                          "floor wrap GB/s: memcpy into warm memory; rank RSS / payload: "
-                          "the most a TP rank's RSS grew holding the batch"
+                  caption="MB: payload per request; e2e/floor: end-to-end over the floor "
+                          "(lower is better); vs inline, vs fresh: their end-to-end over this "
+                          "mode's; floor wrap GB/s: memcpy into warm memory; bcast B: bytes "
+                          "broadcast; RSS/payload: the most a TP rank's RSS grew holding the "
+                          "batch; ok: bytes correct on every rank; left: segments left behind"
                           + ("; inter-node: bytes sent between the simulated nodes"
-                             if multi else ""))
+                             if multi else "")
+                          + (f"; a terminal of {FULL_WIDTH}+ columns (or --json) shows "
+                             f"every column" if compact else ""))
         columns = _COLUMNS + ((("inter-node", "right"),) if multi else ())
-        for col, just in columns:
-            t.add_column(col, justify=just, no_wrap=col == "mode")
+        keep = [i for i, (col, _) in enumerate(columns)
+                if shown is None or col in shown or col == "inter-node"]
+        for i in keep:
+            col, just = columns[i]
+            t.add_column(col, justify=just, no_wrap=True)
+
+        def row(*cells, t=t, keep=keep, **kw):
+            t.add_row(*(cells[i] for i in keep), **kw)
+
         extra = (lambda v: (v,)) if multi else (lambda v: ())
         by_images: dict[int, list[dict]] = {}
         for r in runs:
             by_images.setdefault(r["images"], []).append(r)
         for k, rs in sorted(by_images.items()):
             f = rs[0]
-            t.add_row(str(k), _mb(f["payload_bytes"]), "[dim]floor[/]", "",
-                      _ms(f.get("floor_broadcast_s")), _ms(f.get("floor_s")), "1.0x", "", "",
-                      _gbps(f.get("memcpy_Bps")), "", _bytes(f.get("floor_broadcast_bytes")),
-                      "", "", "", "", *extra(""), style="dim")
+            row(str(k), _mb(f["payload_bytes"]), "[dim]floor[/]", "",
+                _ms(f.get("floor_broadcast_s")), _ms(f.get("floor_s")), "1.0x", "", "",
+                _gbps(f.get("memcpy_Bps")), "", _bytes(f.get("floor_broadcast_bytes")),
+                "", "", "", "", *extra(""), style="dim")
             for r in rs:
                 if r.get("skipped"):
-                    t.add_row("", "", r["mode"], str(r["copies"]), "",
-                              "[yellow]skipped[/]", "", "", "", "", "", "", "", "0", "", "",
-                              *extra(""))
+                    row("", "", r["mode"], str(r["copies"]), "",
+                        "[yellow]skipped[/]", "", "", "", "", "", "", "", "0", "", "",
+                        *extra(""))
                     continue
-                t.add_row(
+                row(
                     "", "", r["mode"], str(r["copies"]), _ms(r["broadcast_s"]),
                     _ms(r["end_to_end_s"]), _x(r.get("e2e_over_floor"), 2),
                     _x(r.get("end_to_end_speedup_vs_inline")),
@@ -139,7 +163,7 @@ def result_table(result: dict) -> Table:
 
 def print_result(result: dict, console: Console) -> None:
     """Print the result tables, skipped runs, any problems and the leftover check."""
-    for t in result_tables(result):
+    for t in result_tables(result, console.width):
         console.print(t)
     for r in result["runs"]:
         tag = f"{r['mode']} TP={r['tp']} n={r['n']} {r['resolution']} x{r['images']}"
