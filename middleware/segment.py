@@ -407,10 +407,16 @@ def _revive(seg: Segment) -> bool:
 
 
 def _pool_take(directory: str, total: int) -> Segment | None:
+    """An idle pooled segment of this size class, revived (count 1). A
+    segment taken moves to the end of the registry, so the scan meets the
+    longest-idle segments first and under steady traffic stops at the first
+    candidate (one ``fstat``), not after every busy one."""
     for seg in list(_REGISTRY.values()):
         if (seg.owned and seg.pins == 0 and seg.directory == directory
                 and HEADER_SIZE + seg.payload_size == total
                 and seg.status() == STATE_POOLED and _revive(seg)):
+            del _REGISTRY[seg.name]
+            _REGISTRY[seg.name] = seg
             return seg
     return None
 
@@ -477,13 +483,15 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
         maybe_reap(d)
     _ensure_exit_hook()
     with _LOCK:
-        sweep()  # let go of segments freed elsewhere before counting what is in use
         if cfg.pool:
+            # a hit needs no sweep: the segment's state is read from its header,
+            # and the background sweeper trims the pool
             seg = _pool_take(d, total)
             if seg is not None:
                 POOL_REQUESTS.labels(result="hit").inc()
                 return seg
             POOL_REQUESTS.labels(result="miss").inc()
+        sweep()  # let go of segments freed elsewhere before counting what is in use
     try:
         check_budget(d, total)
     except ShmSpaceError:

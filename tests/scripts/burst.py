@@ -168,6 +168,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     before = fallbacks()
     created0 = REGISTRY.get_sample_value("mmshm_segments_created_total") or 0.0
+    hits0 = REGISTRY.get_sample_value("mmshm_pool_requests_total", {"result": "hit"}) or 0.0
     inline_tensors = 0
     shm_tensors = 0
     bursts = []
@@ -222,6 +223,8 @@ def main() -> int:
         exitcodes[p.name] = p.exitcode
     after = fallbacks()
     created = int((REGISTRY.get_sample_value("mmshm_segments_created_total") or 0.0) - created0)
+    hits = int((REGISTRY.get_sample_value("mmshm_pool_requests_total", {"result": "hit"})
+                or 0.0) - hits0)
     rank_stats = []
     for path in outs:
         try:
@@ -242,7 +245,7 @@ def main() -> int:
     result = {
         "requests": i, "n": args.n, "tp": args.tp, "bursts": len(bursts),
         "fs_size": fs_size, "fallbacks": fb, "inline_tensors": inline_tensors,
-        "shm_tensors": shm_tensors, "segments_created": created,
+        "shm_tensors": shm_tensors, "segments_created": created, "pool_hits": hits,
         "expected_inline": expected_inline,
         "exitcodes": exitcodes, "crashes": sum(1 for c in exitcodes.values() if c != 0),
         "leftovers": leftovers, "other_files": sorted(
