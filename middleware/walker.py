@@ -16,6 +16,7 @@ import enum
 import logging
 import types
 from collections.abc import Callable
+from operator import is_not
 from typing import Any
 
 import msgspec
@@ -99,6 +100,8 @@ class _Walk:
             return self.leaf(obj)
         if depth > MAX_DEPTH:
             return obj
+        if kind <= _NAMEDTUPLE and not self.copy_all and _SCALARS.issuperset(map(type, obj)):
+            return obj  # a list or tuple of scalars (token ids, a grid): one pass in C
         key = id(obj)
         memo = self.memo
         if key in memo:
@@ -112,12 +115,7 @@ class _Walk:
         visit = self.visit
         scalar = _SCALARS
         out = [v if type(v) in scalar else visit(v, depth) for v in values]
-        changed = False
-        for a, b in zip(out, values):
-            if a is not b:
-                changed = True
-                break
-        return out, changed
+        return out, any(map(is_not, out, values))
 
     def _container(self, obj, kind, names, depth):
         if kind == _LIST:
@@ -147,7 +145,7 @@ class _Walk:
             new.update(zip(keys, items))
             return new
         if kind == _STRUCT:
-            values = [getattr(obj, n) for n in names]
+            values = msgspec.structs.astuple(obj)
             items, changed = self._items(values, depth)
             if not (changed or self.copy_all):
                 return obj

@@ -336,3 +336,33 @@ def test_instances_of_one_class_with_different_attributes(shm_dir):
     b1, b2 = mmshm.unwrap([w1, w2])
     assert _mp.same(b1.other, first.other)
     assert _mp.same(b2.feature, second.feature) and _mp.same(b2.late, second.late)
+
+
+def test_sequences_of_scalars_are_kept_and_a_tensor_among_them_is_found(shm_dir):
+    """Lists and tuples of scalars (token ids, grids) come back as the same
+    objects; a tensor anywhere in a long list of ints, or in a namedtuple, is
+    still wrapped, and unwrapping gives its bytes back."""
+    from mmshm.walker import transform
+
+    class Grid(NamedTuple):
+        t: int
+        h: int
+        w: int
+
+    ids = list(range(100_000))
+    grid = Grid(1, 52, 92)
+    t1, t2 = big(1), big(2)
+    req = {"input_ids": ids, "grid": grid, "thw": (1, 2.0, "x", None, b"", True),
+           "mixed": [*range(50_000), t1, *range(10)], "nt": (7, t2)}
+    out = transform(req, lambda x: x)
+    assert out is req
+    w = mmshm.wrap(req, min_bytes=BIG)
+    assert w["input_ids"] is ids and w["grid"] is grid and w["thw"] is req["thw"]
+    assert isinstance(w["mixed"][50_000], mmshm.ShmTensor) and w["mixed"][:3] == [0, 1, 2]
+    assert isinstance(w["nt"][1], mmshm.ShmTensor)
+    back = mmshm.unwrap(w)
+    assert _mp.same(back["mixed"][50_000], t1) and _mp.same(back["nt"][1], t2)
+    assert req["mixed"][50_000] is t1  # the input is not mutated
+    del back, w
+    gc.collect()
+    assert _mp.seg_files() == []
