@@ -137,15 +137,18 @@ def _update(key: SegKey, delta: int) -> int:
     return segment.update_refcount(key[0], delta, key[1], key[2])
 
 
-def _share_for_broadcast(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
+def _share_for_broadcast(data: list, k: int
+                         ) -> tuple[list, dict[SegKey, int], list[ShmTensor]]:
     """Add ``k`` references per handle object of the batch, in one locked
     update per segment for the whole batch (fan-out copies share segments). A
     handle object that appears in several requests (``copy.copy``'d requests
     share ``mm_items``) is pickled once for the whole batch, so it gets ``k``
     once. A request whose handles cannot be shared is poisoned instead (and so
     is every request sharing a handle object with it), and what was added for
-    it is taken back. Returns the (possibly rebuilt) list and
-    {segment: references added}, for rollback."""
+    it is taken back. The fan-out copies' handle objects are then collapsed
+    into one per segment (:func:`_collapse_copies`). Returns the (possibly
+    rebuilt) list, {segment: net references added} and the collapsed handle
+    objects, for rollback."""
     out = list(data)
     owner: dict[int, int] = {}                # handle object -> first request holding it
     per_req: dict[int, dict[SegKey, int]] = {}
@@ -201,7 +204,62 @@ def _share_for_broadcast(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
                     pass
     for i, exc in poison.items():
         out[i] = _poison(data[i], exc)
-    return out, {key: refs for key, refs in added.items() if refs}
+    collapsed = _collapse_copies(data, out, hs_of, poison, k, added)
+    return out, {key: refs for key, refs in added.items() if refs}, collapsed
+
+
+def _collapse_copies(data: list, out: list, hs_of: dict[int, list[ShmTensor]],
+                     poison: dict[int, Exception], k: int,
+                     added: dict[SegKey, int]) -> list[ShmTensor]:
+    """Send one handle per segment, not one per fan-out copy.
+
+    The ``n`` copies of a fan-out reach the source rank each with its own
+    handle objects over the same segments. Among the requests that were not
+    poisoned, every later handle object equal to an earlier one (same
+    metadata, same directory) is replaced by the earlier in ``out`` (the
+    requests on the path are shallow-copied; ``data`` is not changed), so the
+    batch pickles one handle per segment: the TP ranks unpickle and index
+    ``n`` times fewer handles, and a multi-node broadcast sends each payload
+    once. The replaced objects give up their own reference and the ``k``
+    just added for them, in one locked update per segment (recorded in
+    ``added``). Returns the replaced objects, which the caller makes owners
+    again if the broadcast fails."""
+    canon: dict[tuple, ShmTensor] = {}
+    swap: dict[int, ShmTensor] = {}
+    by_seg: dict[SegKey, list[ShmTensor]] = {}
+    for i, hs in hs_of.items():
+        if i in poison:
+            continue
+        for h in hs:
+            if id(h) in swap:
+                continue
+            c = canon.setdefault((h._meta, h._dir), h)
+            if c is not h:
+                swap[id(h)] = c
+                by_seg.setdefault(_key(h), []).append(h)
+    if not swap:
+        return []
+    collapsed: list[ShmTensor] = []
+    for key, dups in by_seg.items():
+        refs = (1 + k) * len(dups)
+        try:
+            _update(key, -refs)
+        except MmshmError:
+            for h in dups:  # keep them: sent as they are
+                del swap[id(h)]
+            continue
+        added[key] = added.get(key, 0) - refs
+        for h in dups:
+            h._disown()
+        collapsed.extend(dups)
+
+    def leaf(x):
+        return swap.get(id(x), x) if isinstance(x, ShmTensor) else x
+
+    for i, hs in hs_of.items():
+        if i not in poison and any(id(h) in swap for h in hs):
+            out[i] = transform(data[i], leaf)
+    return collapsed
 
 
 def _foreign_error(req) -> WrongNodeError | None:
@@ -255,9 +313,10 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
                 plan = _NodePlan(lay, dist_group, group_rank, src_group_rank)
                 receivers = len(lay.ranks_on_node_of(src_group_rank)) - 1
         added: dict[SegKey, int] = {}
+        collapsed: list[ShmTensor] = []
         t0 = time.perf_counter()
         if is_src and world > 1 and data:
-            data, added = _share_for_broadcast(data, receivers)
+            data, added, collapsed = _share_for_broadcast(data, receivers)
         try:
             out = broadcast_fn(data, rank, dist_group, src, *args, **kwargs)
         except BaseException:
@@ -266,6 +325,8 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
                     _update(key, -refs)
                 except MmshmError:
                     pass
+            for h in collapsed:  # their references are back in the count
+                h._owns = True
             raise
         BROADCAST_SECONDS.labels(role=role).observe(time.perf_counter() - t0)
         return _unwrap_all(out, dist_group, world, group_rank, copy, on_failure, role,
@@ -281,7 +342,9 @@ class _Unwrapper:
     Handle objects are indexed batch-wide in order of first appearance; the
     order is the same on every rank (pickle keeps object identity within the
     batch), so per-handle flags can be combined across ranks. A handle object
-    shared by several requests is materialized once and its tensor reused.
+    met more than once (shared by ``copy.copy``'d requests, or sent once for
+    all the copies of a fan-out) is materialized once; every further
+    occurrence gets its own tensor object over the same memory.
 
     Zero-copy (``copy=False``): the handles of one segment (the ``n`` copies
     of a fan-out, each sent with its own handle) share one copy-on-write
@@ -322,6 +385,10 @@ class _Unwrapper:
         st = self.state[idx]
         if isinstance(st, BaseException):
             raise st
+        if st is not None:
+            # a handle object met again: the source rank sends one per segment
+            # for all the copies of a fan-out, and each copy gets its own tensor
+            return st.view(st.shape)
         if st is None:
             h = self.order[idx]  # x, or (multi-node) the copy on this node
             first = None if self.copy else self.mapped.get((h._meta, h._dir))

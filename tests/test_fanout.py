@@ -188,3 +188,78 @@ def test_missing_segment_rolls_back(shm_dir):
     missing.release()
     good.release()
     assert _mp.seg_files() == []
+
+
+def _fake_tp_group(monkeypatch, world: int) -> None:
+    """deferred_unwrap on TP rank 0 of a one-node group of ``world`` ranks,
+    without peers: enough for what happens before and around the inner
+    broadcast (which the test supplies)."""
+    import types
+
+    from mmshm import broadcast
+
+    monkeypatch.setattr(broadcast, "_world", lambda group: (world, 0))
+    monkeypatch.setattr(broadcast.node, "layout", lambda group: types.SimpleNamespace(single=True))
+
+
+def test_source_rank_sends_one_handle_per_segment_and_rolls_back(shm_dir, monkeypatch):
+    """The 4 copies of a 2-image fan-out reach the source rank with 8 handle
+    objects; the batch it broadcasts carries 2 (one per segment), each
+    counting the source's reference plus one per other rank. If the
+    broadcast raises, every copy owns its reference again and the counts are
+    what they were; releasing the copies then frees everything."""
+    _fake_tp_group(monkeypatch, world=3)
+    req, _ts = make_req()
+    wrapped = mmshm.wrap(req, min_bytes=1024)
+    copies = mmshm.fan_out(wrapped, 4, min_bytes=1024)
+    mmshm.release(wrapped)
+    names = sorted({h.name for h in mmshm.handles(copies)})
+    assert len(names) == 2 and len(mmshm.handles(copies)) == 8
+    assert [_mp.refcount(n) for n in names] == [4, 4]
+    seen: dict = {}
+
+    def failing_broadcast(data, rank, group, src):
+        hs = mmshm.handles(data)
+        seen["objects"] = len({id(h) for h in hs})
+        seen["counts"] = [_mp.refcount(n) for n in names]
+        seen["distinct_items"] = len({id(r.mm_inputs.mm_items[0]) for r in data})
+        raise RuntimeError("the TP group went away")
+
+    with pytest.raises(RuntimeError, match="went away"):
+        mmshm.deferred_unwrap(failing_broadcast)(copies, 0, None, 0)
+    assert seen["objects"] == 2            # not 8
+    assert seen["counts"] == [3, 3]        # the source's view-to-be + 2 other ranks
+    assert seen["distinct_items"] == 4     # the copies' containers stay their own
+    assert [_mp.refcount(n) for n in names] == [4, 4]
+    assert all(h.owns_reference for h in mmshm.handles(copies))
+    mmshm.release(copies)
+    gc.collect()
+    assert _mp.seg_files() == []
+
+
+def test_source_rank_collapse_then_materialize(shm_dir, monkeypatch):
+    """The same batch through an inner broadcast that returns it (what the
+    source rank gets back): every copy holds the right bytes in its own
+    tensor object, over one mapping per segment, and dropping them frees the
+    segments once the other ranks' references (handed out, never used here)
+    are given back."""
+    _fake_tp_group(monkeypatch, world=2)
+    req, ts = make_req()
+    wrapped = mmshm.wrap(req, min_bytes=1024)
+    copies = mmshm.fan_out(wrapped, 4, min_bytes=1024)
+    mmshm.release(wrapped)
+    names = sorted({h.name for h in mmshm.handles(copies)})
+    monkeypatch.setattr("mmshm.broadcast._agree_max", lambda flat, *a: flat)
+    out = mmshm.deferred_unwrap(lambda data, *a: data)(copies, 0, None, 0)
+    del copies
+    feats = [[it.feature for it in r.mm_inputs.mm_items] for r in out]
+    assert len({id(f) for fs in feats for f in fs}) == 8
+    for fs in feats:
+        assert all(_mp.same(f, t) for f, t in zip(fs, ts))
+    assert len({fs[0].data_ptr() for fs in feats}) == 1
+    assert [_mp.refcount(n) for n in names] == [2, 2]  # this rank's mapping + rank 1's
+    del out, feats, fs
+    gc.collect()
+    for n in names:
+        mmshm.segment.update_refcount(n, -1)  # rank 1's, never used
+    assert _mp.seg_files() == []

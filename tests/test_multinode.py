@@ -75,9 +75,11 @@ def _assert_nodes_empty(base: str, nodes: int = NODES) -> None:
 
 
 # -- children ------------------------------------------------------------------------
-def rank_nodes(rank: int, world: int, base: str, seed: int, rounds: int, nodes: int) -> dict:
+def rank_nodes(rank: int, world: int, base: str, seed: int, rounds: int, nodes: int,
+               fanout: bool = False) -> dict:
     """Deferred unwrap over ``nodes`` simulated nodes: bytes, references and
-    the inter-node payload traffic of each round."""
+    the inter-node payload traffic of each round. With ``fanout`` the batch is
+    the 4 copies of one 2-image request (``mmshm.fan_out``)."""
     import torch.distributed as dist
 
     k = _enter_node(rank, world, base, nodes)
@@ -90,16 +92,25 @@ def rank_nodes(rank: int, world: int, base: str, seed: int, rounds: int, nodes: 
         created0 = _mp.metric("mmshm_segments_created_total")
         info: dict = {}
         if rank == 0:
-            reqs = [mmshm.wrap(_mp._request(i, s), min_bytes=1024) for i in range(4)]
-            hs = mmshm.handles(reqs)
-            info["payload"] = sum(h.nbytes for h in hs)
-            info["handles"] = len(hs)
+            if fanout:
+                one = mmshm.wrap(_mp._request(1, s), min_bytes=1024)
+                reqs = mmshm.fan_out(one, 4, min_bytes=1024)
+                mmshm.release(one)
+                del one
+            else:
+                reqs = [mmshm.wrap(_mp._request(i, s), min_bytes=1024) for i in range(4)]
+            segs = {h.name: h.nbytes for h in mmshm.handles(reqs)}
+            info["payload"] = sum(segs.values())
+            info["handles"] = len(segs)
             out = bcast(reqs, rank, None, 0)
+            del reqs
         else:
             out = bcast(None, rank, None, 0)
         assert len(out) == 4
         for i, req in enumerate(out):
-            _mp._check_request(req, i, s)
+            if fanout:
+                req = {**req, "rid": "req-1"}
+            _mp._check_request(req, 1 if fanout else i, s)
         del req  # holds views
         assert not mmshm.handles(out)
         # while every rank holds its views: each node's segments count its 2 ranks
@@ -298,15 +309,19 @@ def rank_one_node(rank: int, world: int, seed: int, dirs: list | None) -> dict:
 # -- multi-process tests ------------------------------------------------------------
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nodes,pool", [(2, "0"), (2, "1"), (3, "0")])
-def test_nodes_bytes_references_and_internode_traffic(shm_dir, monkeypatch, nodes, pool):
+@pytest.mark.parametrize("nodes,pool,fanout", [(2, "0", False), (2, "1", False),
+                                               (3, "0", False), (2, "1", True)])
+def test_nodes_bytes_references_and_internode_traffic(shm_dir, monkeypatch, nodes, pool,
+                                                      fanout):
     """2 nodes x 2 ranks (and 3 nodes: [0, 1], [2], [3]): the bytes are right
     on every rank, each payload crosses to every other node once, each node's
-    copies count one reference per rank of that node, nothing is left over."""
+    copies count one reference per rank of that node, nothing is left over.
+    With ``fanout`` the batch is 4 fan-out copies of one request: each
+    segment's payload still crosses once, not once per copy."""
     monkeypatch.setenv("MMSHM_POOL", pool)
     monkeypatch.setenv("MMSHM_POOL_IDLE_S", "60")
     rounds = 2
-    res = _mp.run_group(rank_nodes, WORLD, shm_dir, 21, rounds, nodes, timeout=180)
+    res = _mp.run_group(rank_nodes, WORLD, shm_dir, 21, rounds, nodes, fanout, timeout=180)
     node_of = [node.node_of_rank(r, WORLD, nodes) for r in range(WORLD)]
     assert [res[r]["node"] for r in range(WORLD)] == node_of
     ids = [res[r]["node_id"] for r in range(WORLD)]
@@ -317,7 +332,7 @@ def test_nodes_bytes_references_and_internode_traffic(shm_dir, monkeypatch, node
     for rnd in range(rounds):
         info = {r: res[r]["rounds"][rnd] for r in range(WORLD)}
         payload, nh = info[0]["payload"], info[0]["handles"]
-        assert nh == 6 and payload > 0
+        assert nh == (2 if fanout else 6) and payload > 0
         # each payload crossed to every other node once: payload x (nodes - 1),
         # not payload x (ranks - 1)
         sent = sum(info[r]["stats"]["sent_bytes"] for r in range(WORLD))
