@@ -402,6 +402,7 @@ class VllmMode(Mode):
     name = "vllm"
     summary = "vLLM's MsgpackEncoder/Decoder; MessageQueue (pickle, ZMQ overflow)"
     arena: ClassVar[bool] = False
+    warm_up_per_config = True  # the MessageQueue's ring buffer (and arena) stay mapped
 
     def __init__(self, min_bytes: int | None = None):
         super().__init__(min_bytes)  # no threshold of ours: vLLM's own apply

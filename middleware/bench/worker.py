@@ -128,7 +128,6 @@ class _Rank:
         n, images = int(cmd["n"]), int(cmd["images"])
         data = None
         t_recv = None
-        gc.collect()  # before anything is received: not inside end_to_end_s
         if self.rank == 0:
             data = []
             for _ in range(n):
@@ -208,7 +207,8 @@ def rank_main(rank: int, tp: int, port: int, endpoint: str, conn, cfg: dict) -> 
     """Entry point of TP rank ``rank`` (a spawned process).
 
     Protocol on ``conn``: the rank sends ``{"op": "ready"}``, then answers each
-    ``{"op": "run", mode, n, images}`` with ``{"op": "result", ...}`` and each
+    ``{"op": "run", mode, n, images}`` with ``{"op": "armed"}`` (once it is idle,
+    its garbage collected) and then ``{"op": "result", ...}``, and each
     ``{"op": "floor", n, images}`` with ``{"op": "floor", ...}`` until it gets
     ``{"op": "stop"}``. Any exception is sent as ``{"op": "error"}``.
     """
@@ -237,6 +237,12 @@ def rank_main(rank: int, tp: int, port: int, endpoint: str, conn, cfg: dict) -> 
             op = cmd.get("op")
             if op == "stop":
                 break
+            if op == "run":
+                # the collector runs before the producer starts its clock, and
+                # the producer waits for every rank to say so: no rank competes
+                # for the CPU with the measured wrap
+                gc.collect()
+                conn.send({"op": "armed", "rank": rank})
             conn.send(r.floor(cmd) if op == "floor" else r.run(cmd))
     except EOFError:  # the parent went away
         pass
