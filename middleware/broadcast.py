@@ -139,16 +139,81 @@ def _update(key: SegKey, delta: int) -> int:
 
 def _share_for_broadcast(data: list, k: int
                          ) -> tuple[list, dict[SegKey, int], list[ShmTensor]]:
+    """Hand out ``k`` references per segment of the batch for the other
+    ranks, sending one handle per segment.
+
+    The ``n`` copies of a fan-out reach the source rank each with its own
+    handle objects over the same segments. In one walk, every later handle
+    object equal to an earlier one (same metadata, same directory) is
+    replaced by the earlier (the requests on the path are shallow-copied;
+    ``data`` is not changed), so the batch pickles one handle per segment: the
+    TP ranks unpickle and index ``n`` times fewer handles, and a multi-node
+    broadcast sends each payload once. A replaced object's own reference goes
+    to the other ranks; each segment gets ``k`` per handle sent less the
+    replaced ones, in one locked update per segment.
+
+    If a handle owns no reference or an update fails, what was updated is
+    taken back and :func:`_share_each` takes over (no collapsing; per-request
+    poisoning). Returns the list to broadcast, {segment: net references
+    added} and the replaced handle objects, for rollback (the caller makes
+    them owners again if the broadcast fails)."""
+    canon: dict[tuple, ShmTensor] = {}
+    dups: list[ShmTensor] = []
+    seen: set[int] = set()
+    sent: dict[SegKey, int] = {}   # handle objects sent, per segment
+    spent: dict[SegKey, int] = {}  # replaced handle objects, per segment
+    usable = True
+
+    def leaf(x):
+        nonlocal usable
+        if not isinstance(x, ShmTensor):
+            return x
+        if not x.owns_reference:  # released, handed over, or broken
+            usable = False
+            return x
+        c = canon.setdefault((x._meta, x._dir), x)
+        if id(x) not in seen:
+            seen.add(id(x))
+            key = _key(x)
+            if c is x:
+                sent[key] = sent.get(key, 0) + 1
+            else:
+                spent[key] = spent.get(key, 0) + 1
+                dups.append(x)
+        return c
+
+    out = [transform(req, leaf) for req in data]
+    if not usable:
+        return (*_share_each(data, k), [])
+    added: dict[SegKey, int] = {}
+    for key, n_sent in sent.items():
+        delta = k * n_sent - spent.get(key, 0)
+        if not delta:
+            continue
+        try:
+            _update(key, delta)
+        except MmshmError:
+            for done, refs in added.items():
+                try:
+                    _update(done, -refs)
+                except MmshmError:
+                    pass
+            return (*_share_each(data, k), [])
+        added[key] = delta
+    for h in dups:
+        h._disown()  # its reference now stands for another rank's
+    return out, added, dups
+
+
+def _share_each(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
     """Add ``k`` references per handle object of the batch, in one locked
     update per segment for the whole batch (fan-out copies share segments). A
     handle object that appears in several requests (``copy.copy``'d requests
     share ``mm_items``) is pickled once for the whole batch, so it gets ``k``
     once. A request whose handles cannot be shared is poisoned instead (and so
     is every request sharing a handle object with it), and what was added for
-    it is taken back. The fan-out copies' handle objects are then collapsed
-    into one per segment (:func:`_collapse_copies`). Returns the (possibly
-    rebuilt) list, {segment: net references added} and the collapsed handle
-    objects, for rollback."""
+    it is taken back. Returns the (possibly rebuilt) list and {segment:
+    references added}, for rollback."""
     out = list(data)
     owner: dict[int, int] = {}                # handle object -> first request holding it
     per_req: dict[int, dict[SegKey, int]] = {}
@@ -204,62 +269,7 @@ def _share_for_broadcast(data: list, k: int
                     pass
     for i, exc in poison.items():
         out[i] = _poison(data[i], exc)
-    collapsed = _collapse_copies(data, out, hs_of, poison, k, added)
-    return out, {key: refs for key, refs in added.items() if refs}, collapsed
-
-
-def _collapse_copies(data: list, out: list, hs_of: dict[int, list[ShmTensor]],
-                     poison: dict[int, Exception], k: int,
-                     added: dict[SegKey, int]) -> list[ShmTensor]:
-    """Send one handle per segment, not one per fan-out copy.
-
-    The ``n`` copies of a fan-out reach the source rank each with its own
-    handle objects over the same segments. Among the requests that were not
-    poisoned, every later handle object equal to an earlier one (same
-    metadata, same directory) is replaced by the earlier in ``out`` (the
-    requests on the path are shallow-copied; ``data`` is not changed), so the
-    batch pickles one handle per segment: the TP ranks unpickle and index
-    ``n`` times fewer handles, and a multi-node broadcast sends each payload
-    once. The replaced objects give up their own reference and the ``k``
-    just added for them, in one locked update per segment (recorded in
-    ``added``). Returns the replaced objects, which the caller makes owners
-    again if the broadcast fails."""
-    canon: dict[tuple, ShmTensor] = {}
-    swap: dict[int, ShmTensor] = {}
-    by_seg: dict[SegKey, list[ShmTensor]] = {}
-    for i, hs in hs_of.items():
-        if i in poison:
-            continue
-        for h in hs:
-            if id(h) in swap:
-                continue
-            c = canon.setdefault((h._meta, h._dir), h)
-            if c is not h:
-                swap[id(h)] = c
-                by_seg.setdefault(_key(h), []).append(h)
-    if not swap:
-        return []
-    collapsed: list[ShmTensor] = []
-    for key, dups in by_seg.items():
-        refs = (1 + k) * len(dups)
-        try:
-            _update(key, -refs)
-        except MmshmError:
-            for h in dups:  # keep them: sent as they are
-                del swap[id(h)]
-            continue
-        added[key] = added.get(key, 0) - refs
-        for h in dups:
-            h._disown()
-        collapsed.extend(dups)
-
-    def leaf(x):
-        return swap.get(id(x), x) if isinstance(x, ShmTensor) else x
-
-    for i, hs in hs_of.items():
-        if i not in poison and any(id(h) in swap for h in hs):
-            out[i] = transform(data[i], leaf)
-    return collapsed
+    return out, {key: refs for key, refs in added.items() if refs}
 
 
 def _foreign_error(req) -> WrongNodeError | None:
