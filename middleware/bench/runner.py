@@ -38,7 +38,12 @@ Measured per run (``time.perf_counter``, seconds):
   (``floor_memcpy_s``, the best of three copies, hence ``memcpy_Bps``) plus
   a metadata-only ``broadcast_pyobj`` of ``n`` requests (``floor_broadcast_s``).
   ``floor_s`` is their sum; ``e2e_over_floor`` is ``end_to_end_s / floor_s``
-  and ``wrap_over_memcpy`` is ``wrap_Bps / memcpy_Bps``.
+  and ``wrap_over_memcpy`` is ``wrap_Bps / memcpy_Bps``. Before each of the
+  floor's copies and before each run the producer writes a buffer of twice
+  the last-level cache: every copy, the floor's and the modes', reads and
+  writes DRAM. Without it a payload that fits in the cache (22.5 MB next to a
+  260 MB L3) would be copied cache-hot by the floor's second try and
+  cache-cold by a run.
 
 The producer keeps idle pooled segments for ``BENCH_POOL_IDLE_S`` seconds
 (``MMSHM_POOL_IDLE_S`` unless set): repetitions interleave the modes, and a
@@ -98,6 +103,46 @@ HEADROOM_BYTES = 2 << 30
 # the floor's memcpy is the best of this many copies in each repetition: it is
 # a physical bound, and other processes on a loaded host only ever slow it down
 MEMCPY_TRIES = 3
+# bytes written to flush the CPU caches before every timed copy: twice the
+# last-level cache (fallback 64 MiB), at most 1 GiB
+EVICT_MAX_BYTES = 1 << 30
+
+
+def _llc_bytes() -> int:
+    """Size of the largest CPU cache of cpu0 (sysfs), or 32 MiB if unknown."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        entries = []
+    for e in entries:
+        try:
+            with open(os.path.join(base, e, "size")) as f:
+                text = f.read().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            best = max(best, int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return best or 32 << 20
+
+
+class _CacheFlusher:
+    """Writes a buffer of twice the last-level cache, so that the next copy
+    reads its source from and writes its destination to DRAM, whatever ran
+    before: the floor's copies and every mode's run start alike."""
+
+    def __init__(self):
+        import torch
+
+        n = min(2 * _llc_bytes(), EVICT_MAX_BYTES)
+        self.buf = torch.zeros(n, dtype=torch.uint8)
+
+    def __call__(self) -> None:
+        self.buf.add_(1)
 
 
 class BenchError(RuntimeError):
@@ -319,6 +364,7 @@ class _Session:
         self.push.setsockopt(zmq.SNDTIMEO, int(cfg.timeout_s * 1000))
         self.push.bind(self.endpoint)
         self.modes = {m: get_mode(m, min_bytes=cfg.min_bytes) for m in cfg.modes}
+        self.flush_caches = _CacheFlusher()
 
     # -- ranks -----------------------------------------------------------------
     def spawn(self) -> None:
@@ -437,6 +483,7 @@ class _Session:
         buf.fill_(0)  # fault every page in now: the floor copies into warm memory
         memcpy_s = float("inf")
         for _ in range(MEMCPY_TRIES):
+            self.flush_caches()  # from and into DRAM, as a run's wrap
             t0 = time.perf_counter()
             off = 0
             for it in req.mm_inputs.mm_items:
@@ -462,6 +509,7 @@ class _Session:
         for c in self.conns:
             c.send({"op": "run", "mode": mode_name, "n": expected, "images": images})
         self.gather()  # "armed": every rank idle, its garbage collected
+        self.flush_caches()
         t_start = time.perf_counter()
         copies = mode.fan_out(req, n)
         if len(copies) != expected:
