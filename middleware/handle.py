@@ -371,7 +371,7 @@ class ShmTensor:
 
     def _spawn(self) -> ShmTensor:
         """A new handle object owning a reference already added by share()."""
-        return ShmTensor(self._meta, owns=True, directory=self._dir)
+        return _adopt(type(self), self._meta, self._dir)
 
     def hand_over(self) -> None:
         """Give this object's reference to the copy just pickled for one

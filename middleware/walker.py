@@ -100,8 +100,11 @@ class _Walk:
             return self.leaf(obj)
         if depth > MAX_DEPTH:
             return obj
-        if kind <= _NAMEDTUPLE and not self.copy_all and _SCALARS.issuperset(map(type, obj)):
-            return obj  # a list or tuple of scalars (token ids, a grid): one pass in C
+        if (kind <= _NAMEDTUPLE and (kind != _LIST or not self.copy_all)
+                and _SCALARS.issuperset(map(type, obj))):
+            # a list or tuple of scalars (token ids, a grid): one pass in C; an
+            # immutable tuple of scalars is kept even by copy_all
+            return obj
         key = id(obj)
         memo = self.memo
         if key in memo:
@@ -179,8 +182,9 @@ def transform(obj, leaf: Leaf, copy_all: bool = False):
     """Rebuild ``obj`` with every tensor / handle leaf replaced by ``leaf(x)``.
 
     ``leaf`` returns its argument to leave it in place. Containers on the path
-    to a changed leaf are shallow copies; with ``copy_all`` every container is
-    copied. The input is never mutated.
+    to a changed leaf are shallow copies; with ``copy_all`` every mutable
+    container is copied (a tuple of scalars, which no one can change, is
+    kept). The input is never mutated.
     """
     return _Walk(leaf, copy_all).visit(obj)
 

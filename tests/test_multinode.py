@@ -267,13 +267,15 @@ def rank_node_failures(rank: int, world: int, base: str, seed: int) -> dict:
 def rank_one_node(rank: int, world: int, seed: int, dirs: list | None) -> dict:
     """Two ranks, no MMSHM_NODE_ID: one shared directory is one node (one
     all_gather_object for the group, then no collective and no point-to-point
-    message beyond the single-node path); two directories are two nodes."""
+    message beyond the single-node path: the agreement's two messages per
+    call); two directories are two nodes."""
     import torch.distributed as dist
+    from mmshm.broadcast import AGREE_TAG
 
     if dirs is not None:
         os.environ["MMSHM_DIR"] = dirs[rank]
         config.reload()
-    calls = {"gather": 0, "p2p": 0}
+    calls = {"gather": 0, "p2p": 0, "agree": 0}
     real_gather = dist.all_gather_object
 
     def gather(*a, **kw):
@@ -282,11 +284,17 @@ def rank_one_node(rank: int, world: int, seed: int, dirs: list | None) -> dict:
 
     dist.all_gather_object = gather
     if dirs is None:
-        def no_p2p(*a, **kw):
-            calls["p2p"] += 1
-            raise AssertionError("point-to-point message on one node")
+        def only_agreement(real):
+            def p2p(*a, **kw):
+                if kw.get("tag") == AGREE_TAG:
+                    calls["agree"] += 1
+                    return real(*a, **kw)
+                calls["p2p"] += 1
+                raise AssertionError("point-to-point payload message on one node")
+            return p2p
 
-        dist.isend = dist.send = dist.recv = no_p2p
+        dist.isend, dist.irecv = only_agreement(dist.isend), only_agreement(dist.irecv)
+        dist.send, dist.recv = only_agreement(dist.send), only_agreement(dist.recv)
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
     sent0 = node.internode_bytes()
     payload = 0
@@ -401,7 +409,8 @@ def test_one_node_pays_one_gather_and_nothing_else(shm_dir):
     res = _mp.run_group(rank_one_node, 2, 25, None, timeout=120)
     for r in range(2):
         assert res[r]["single"] is True and res[r]["nodes"] == [[0, 1]]
-        assert res[r]["calls"] == {"gather": 1, "p2p": 0}, res[r]
+        # 3 calls, each: the other rank's vector to rank 0 and the maximum back
+        assert res[r]["calls"] == {"gather": 1, "p2p": 0, "agree": 3 * 2}, res[r]
         assert res[r]["sent"] == 0
     assert _mp.seg_files() == []
 
