@@ -90,7 +90,10 @@ class _Rank:
 
     def _count_broadcast_bytes(self) -> None:
         """Count the bytes this process passes to ``torch.distributed.broadcast``
-        (the bench's own process only)."""
+        (the bench's own process only): what TP rank 0 broadcasts. Point-to-point
+        messages are not counted (mmshm's failure agreement, a vector of
+        ``n + n * tp + handles * tp`` int32 per rank, and the multi-node
+        payloads, which ``internode_bytes`` reports)."""
         dist = self.dist
         orig = dist.broadcast
 
