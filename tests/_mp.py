@@ -638,3 +638,47 @@ def rank_fanout_one_mapping(rank: int, world: int, seed: int, n: int) -> dict:
     del out, feats
     gc.collect()
     return {"ptrs": ptrs, "tensors": tensors, "maps": maps, "refs": refs, "seen": seen}
+
+
+def rank_subgroups(rank: int, world: int, seed: int) -> dict:
+    """Two TP groups of two ranks ([0, 1] and [2, 3], as with DP=2), each
+    broadcasting from its lowest global rank. In group [2, 3], rank 3 cannot
+    materialize request 0 in round 0: both of its ranks fail that request
+    (the agreement names group rank 1), group [0, 1] is untouched, and no
+    segment is left."""
+    import mmshm
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    g = rank // 2
+    mine, src = groups[g], 2 * g
+
+    def breaks_on_rank_3(data, rank_, group=None, src_=0):
+        out = mmshm.broadcast_pyobj(data, rank_, group, src_)
+        if rank_ == 3 and breaks_on_rank_3.armed:
+            for item in out[0]["mm_inputs"]["mm_items"]:
+                item["feature"].release()
+                item["feature"] = mmshm.ShmTensor(
+                    None, error=mmshm.HandleError("corrupted in transit on rank 3"))
+        return out
+
+    bcast = mmshm.deferred_unwrap(breaks_on_rank_3)
+    failures = []
+    for rnd in range(2):
+        breaks_on_rank_3.armed = rnd == 0
+        s = seed + rnd + 10 * g
+        if rank == src:
+            reqs = [mmshm.wrap(_request(i, s), min_bytes=1024) for i in range(3)]
+            out = bcast(reqs, rank, mine, src)
+            del reqs
+        else:
+            out = bcast(None, rank, mine, src)
+        for i, r in enumerate(out):
+            if isinstance(r, mmshm.MaterializeError):
+                failures.append((rnd, i, r.reason, r.ranks))
+            else:
+                _check_request(r, i, s)
+        del out
+        gc.collect()
+        dist.barrier(group=mine)  # verification only: both ranks dropped their views
+    return {"failures": failures}

@@ -168,3 +168,13 @@ def test_fanout_copies_share_one_mapping_per_rank(shm_dir):
     finally:
         for name in _mp.seg_files():
             os.unlink(os.path.join(shm_dir, name))
+
+
+def test_tp_subgroups_broadcast_and_agree_within_their_group(shm_dir):
+    """DP=2 x TP=2: the deferred unwrap runs on each TP subgroup with global
+    source ranks 0 and 2; a failure on global rank 3 fails that request on
+    both of its group's ranks (and names group rank 1) and nowhere else."""
+    res = _mp.run_group(_mp.rank_subgroups, 4, 31, timeout=120)
+    assert res[0]["failures"] == res[1]["failures"] == []
+    assert res[2]["failures"] == res[3]["failures"] == [(0, 0, "malformed", [1])]
+    assert _mp.seg_files() == []
