@@ -138,6 +138,16 @@ def _update(key: SegKey, delta: int) -> int:
     return segment.update_refcount(key[0], delta, key[1], key[2])
 
 
+def _take_back(added: dict[SegKey, int]) -> None:
+    """Undo ``{segment: references added}`` (best effort: a segment that is
+    gone has nothing to give back to)."""
+    for key, refs in added.items():
+        try:
+            _update(key, -refs)
+        except MmshmError:
+            pass
+
+
 def _share_for_broadcast(data: list, k: int
                          ) -> tuple[list, dict[SegKey, int], list[ShmTensor]]:
     """Hand out ``k`` references per segment of the batch for the other
@@ -194,11 +204,7 @@ def _share_for_broadcast(data: list, k: int
         try:
             _update(key, delta)
         except MmshmError:
-            for done, refs in added.items():
-                try:
-                    _update(done, -refs)
-                except MmshmError:
-                    pass
+            _take_back(added)
             return (*_share_each(data, k), [])
         added[key] = delta
     for h in dups:
@@ -331,11 +337,7 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
         try:
             out = broadcast_fn(data, rank, dist_group, src, *args, **kwargs)
         except BaseException:
-            for key, refs in added.items():
-                try:
-                    _update(key, -refs)
-                except MmshmError:
-                    pass
+            _take_back(added)
             for h in collapsed:  # their references are back in the count
                 h._owns = True
             raise

@@ -202,18 +202,25 @@ def _fake_tp_group(monkeypatch, world: int) -> None:
     monkeypatch.setattr(broadcast.node, "layout", lambda group: types.SimpleNamespace(single=True))
 
 
+def _fanned_copies(monkeypatch, world: int):
+    """On TP rank 0 of a fake group of ``world``: the 4 fan-out copies of a
+    2-image request, the names of its 2 segments, and the original tensors."""
+    _fake_tp_group(monkeypatch, world)
+    req, ts = make_req()
+    wrapped = mmshm.wrap(req, min_bytes=1024)
+    copies = mmshm.fan_out(wrapped, 4, min_bytes=1024)
+    mmshm.release(wrapped)
+    names = sorted({h.name for h in mmshm.handles(copies)})
+    return copies, names, ts
+
+
 def test_source_rank_sends_one_handle_per_segment_and_rolls_back(shm_dir, monkeypatch):
     """The 4 copies of a 2-image fan-out reach the source rank with 8 handle
     objects; the batch it broadcasts carries 2 (one per segment), each
     counting the source's reference plus one per other rank. If the
     broadcast raises, every copy owns its reference again and the counts are
     what they were; releasing the copies then frees everything."""
-    _fake_tp_group(monkeypatch, world=3)
-    req, _ts = make_req()
-    wrapped = mmshm.wrap(req, min_bytes=1024)
-    copies = mmshm.fan_out(wrapped, 4, min_bytes=1024)
-    mmshm.release(wrapped)
-    names = sorted({h.name for h in mmshm.handles(copies)})
+    copies, names, _ = _fanned_copies(monkeypatch, world=3)
     assert len(names) == 2 and len(mmshm.handles(copies)) == 8
     assert [_mp.refcount(n) for n in names] == [4, 4]
     seen: dict = {}
@@ -243,12 +250,7 @@ def test_source_rank_collapse_then_materialize(shm_dir, monkeypatch):
     tensor object, over one mapping per segment, and dropping them frees the
     segments once the other ranks' references (handed out, never used here)
     are given back."""
-    _fake_tp_group(monkeypatch, world=2)
-    req, ts = make_req()
-    wrapped = mmshm.wrap(req, min_bytes=1024)
-    copies = mmshm.fan_out(wrapped, 4, min_bytes=1024)
-    mmshm.release(wrapped)
-    names = sorted({h.name for h in mmshm.handles(copies)})
+    copies, names, ts = _fanned_copies(monkeypatch, world=2)
     monkeypatch.setattr("mmshm.broadcast._agree_max", lambda flat, *a: flat)
     out = mmshm.deferred_unwrap(lambda data, *a: data)(copies, 0, None, 0)
     del copies
