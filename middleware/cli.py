@@ -86,6 +86,9 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
               show_default=True, help="Seconds allowed for start-up and each step.")
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
               help="Run each mode once on a 1-image request first (not reported).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cuda: every TP rank also times copying what it holds to its GPU, "
+                   "from pageable and from registered (pinned) memory.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
               default=None, help="Write the results as JSON to this file ('-' for stdout).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
@@ -95,7 +98,7 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
                    "on 127.0.0.1:PORT while it runs.")
 @click.pass_context
 def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_mem_gb,
-          min_bytes, shm_dir, nodes, timeout_s, warmup, json_path, plot_path,
+          min_bytes, shm_dir, nodes, timeout_s, warmup, device, json_path, plot_path,
           metrics_port) -> None:
     """Time transports on the request path of a VLM server, against the floor.
 
@@ -139,7 +142,7 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     cfg = BenchConfig(**axes, modes=modes, repeat=repeat, budget_s=budget_s,
                       max_mem_bytes=None if max_mem_gb is None else int(max_mem_gb * 1e9),
                       min_bytes=min_bytes, timeout_s=timeout_s, warmup=warmup, shm_dir=shm_dir,
-                      nodes=nodes)
+                      nodes=nodes, device=device)
     # SIGTERM unwinds like Ctrl-C, so the TP ranks are stopped and joined
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     err = Console(stderr=True)

@@ -360,3 +360,56 @@ def test_sglang_mode_in_process():
     assert verify(out, 3, 2) == []
     assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
     assert mode.after_run("/dev/shm") == []
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present")
+def test_device_cuda_is_refused_clearly_without_a_gpu():
+    from mmshm.bench import BenchConfig
+
+    with pytest.raises(ValueError, match="--device cuda: torch .* sees no CUDA device"):
+        BenchConfig(device="cuda").validate()
+    with pytest.raises(ValueError, match="device must be cpu or cuda"):
+        BenchConfig(device="tpu").validate()
+    proc = _cli("bench", "--device", "cuda", timeout=60)
+    assert proc.returncode == 2 and "sees no CUDA device" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_h2d_pieces_without_a_gpu():
+    """What --device cuda does around the GPU: one copy per memory block (the
+    fan-out copies' views share theirs), the slowest rank's times, the
+    medians and bandwidths, and the report's line (pinned, or the driver's
+    error)."""
+    import torch
+    from mmshm.bench.h2d import distinct_features
+    from mmshm.bench.report import h2d_line
+    from mmshm.bench.requests import MultimodalDataItem, MultimodalInputs, Req
+    from mmshm.bench.runner import _aggregate, _h2d_of
+
+    a, b = torch.arange(1024.0), torch.arange(2048.0)
+
+    def req(*feats):
+        return Req("r", MultimodalInputs([MultimodalDataItem("image", b"", f) for f in feats]),
+                   [])
+    got = distinct_features([req(a, b), req(a.view(1024), b), req(torch.empty(0), "x"), None])
+    assert [t.data_ptr() for t in got] == [a.data_ptr(), b.data_ptr()]
+    ranks = [{"h2d_bytes": 4096, "h2d_pageable_s": 0.002, "h2d_pinned_s": 0.001,
+              "host_register_s": 0.0005, "host_unregister_s": 0.0001, "h2d_error": None},
+             {"h2d_bytes": 4096, "h2d_pageable_s": 0.004, "h2d_pinned_s": None,
+              "host_register_s": 0.0002, "host_unregister_s": 0.0, "h2d_error": "error 1"}]
+    one = _h2d_of(ranks)
+    assert one["h2d_pageable_s"] == 0.004 and one["h2d_pinned_s"] == 0.001
+    assert one["h2d_error"] == "error 1" and _h2d_of([{"rank": 0}]) == {}
+    base = {"mode": "mmshm", "tp": 2, "n": 1, "images": 1, "resolution": "720p",
+            "payload_bytes": 4096}
+    sample = {k: 0.01 for k in ("broadcast_s", "share_s", "materialize_s", "broadcast_total_s",
+                                "end_to_end_s", "produce_s", "recv_s")}
+    sample.update(broadcast_bytes=1, zmq_bytes=1, internode_bytes=0, problems=[],
+                  rank_open_segments=0, rss_growth_bytes=0, wrap_s=None, wrap_bytes=None)
+    run = _aggregate(base, [{**sample, **one}], [], {"floor_s": 0.01})
+    assert run["h2d_pageable_Bps"] == 4096 / 0.004 and run["h2d_pinned_Bps"] == 4096 / 0.001
+    assert h2d_line(run) == ("host to device 0.0 MB per rank: pageable 0.00 GB/s, registered "
+                             "0.00 GB/s (+0.5 ms to register, 0.1 ms to unregister)")
+    run = _aggregate(base, [{**sample, **one, "h2d_pinned_s": None}], [], {"floor_s": 0.01})
+    assert run["h2d_pinned_Bps"] is None and h2d_line(run).endswith("registered: error 1")
+    assert h2d_line(base) is None

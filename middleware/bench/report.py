@@ -161,6 +161,18 @@ def result_table(result: dict) -> Table:
     return result_tables(result)[0]
 
 
+def h2d_line(r: dict) -> str | None:
+    """``--device cuda``: a run's host-to-device copies in words, or None."""
+    if not r.get("h2d_bytes"):
+        return None
+    pinned = r.get("h2d_pinned_Bps")
+    return (f"host to device {r['h2d_bytes'] / 1e6:,.1f} MB per rank: pageable "
+            f"{r['h2d_pageable_Bps'] / 1e9:.2f} GB/s, "
+            + (f"registered {pinned / 1e9:.2f} GB/s (+{r['host_register_s'] * 1e3:.1f} ms to "
+               f"register, {r['host_unregister_s'] * 1e3:.1f} ms to unregister)"
+               if pinned else f"registered: {r.get('h2d_error') or 'not measured'}"))
+
+
 def print_result(result: dict, console: Console) -> None:
     """Print the result tables, skipped runs, any problems and the leftover check."""
     for t in result_tables(result, console.width):
@@ -171,6 +183,9 @@ def print_result(result: dict, console: Console) -> None:
             console.print(f"[yellow]{tag} skipped:[/] {r['skipped']}")
         for p in r.get("problems", []):
             console.print(f"[red]{tag}:[/] {p}")
+        line = h2d_line(r)
+        if line:
+            console.print(f"{tag}: {line}")
     for f in result.get("floors", []):
         for p in f.get("problems", []):
             console.print(f"[red]floor TP={f['tp']} n={f['n']} x{f['images']}:[/] {p}")

@@ -176,6 +176,9 @@ class BenchConfig:
         shm_dir: segment directory (default ``MMSHM_DIR``, else ``/dev/shm``).
         nodes: simulated nodes (1 to the smallest TP size), each with its own
             segment directory under ``shm_dir`` and its own node id.
+        device: ``"cpu"``, or ``"cuda"``: every TP rank then also times the
+            copy of what it holds to its GPU, from pageable and from
+            registered (pinned) memory (:mod:`mmshm.bench.h2d`).
     """
 
     tp: tuple[int, ...] = (2,)
@@ -191,6 +194,7 @@ class BenchConfig:
     warmup: bool = True
     shm_dir: str | None = None
     nodes: int = 1
+    device: str = "cpu"
 
     def __post_init__(self):
         for f in ("tp", "n", "images", "resolution", "modes"):
@@ -216,6 +220,14 @@ class BenchConfig:
         if self.nodes > min(self.tp):
             raise ValueError(f"cannot spread {min(self.tp)} TP ranks over {self.nodes} nodes "
                              f"(nodes must be <= tp)")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, not {self.device!r}")
+        if self.device == "cuda":
+            from .h2d import unavailable
+
+            why = unavailable()
+            if why:
+                raise ValueError(f"--device cuda: {why}")
         if self.budget_s < 0:
             raise ValueError("budget_s must be >= 0")
         if self.shm_dir is not None and not os.path.isdir(self.shm_dir):
@@ -373,7 +385,7 @@ class _Session:
         ctx = mp.get_context("spawn")
         port = _free_port()
         wcfg = {"timeout_s": self.cfg.timeout_s, "min_bytes": self.cfg.min_bytes,
-                "parent_pid": os.getpid()}
+                "parent_pid": os.getpid(), "device": self.cfg.device}
         for r in range(self.tp):
             parent, child = ctx.Pipe()
             rcfg = dict(wcfg)
@@ -562,6 +574,7 @@ class _Session:
             "rss_growth_bytes": max(m.get("rss_growth_bytes", 0) for m in res),
             "wrap_s": stats.get("wrap_s"),
             "wrap_bytes": stats.get("wrap_bytes"),
+            **_h2d_of(res),
             "mode_leftovers": left,
         }
 
@@ -591,6 +604,21 @@ def _remove(directory: str, names) -> None:
 
 _METRICS = ("broadcast_s", "share_s", "materialize_s", "broadcast_total_s", "end_to_end_s",
             "produce_s", "recv_s")
+
+
+_H2D_TIMES = ("h2d_pageable_s", "h2d_pinned_s", "host_register_s", "host_unregister_s")
+
+
+def _h2d_of(res: list[dict]) -> dict:
+    """``--device cuda``: each host-to-device time, the slowest rank's; the
+    bytes one rank copied; the first driver error."""
+    if not any("h2d_bytes" in m for m in res):
+        return {}
+    out: dict[str, Any] = {k: max((m[k] for m in res if m.get(k) is not None), default=None)
+                           for k in _H2D_TIMES}
+    out["h2d_bytes"] = max(m.get("h2d_bytes", 0) for m in res)
+    out["h2d_error"] = next((m["h2d_error"] for m in res if m.get("h2d_error")), None)
+    return out
 
 
 def _median(values):
@@ -641,6 +669,13 @@ def _aggregate(base: dict, samples: list, leftovers: list[str], floor: dict) -> 
     run["rss_growth_bytes"] = int(statistics.median(s["rss_growth_bytes"] for s in samples))
     run["rss_growth_over_payload"] = (run["rss_growth_bytes"] / run["payload_bytes"]
                                       if run.get("payload_bytes") else None)
+    if "h2d_bytes" in samples[0]:
+        for k in _H2D_TIMES:
+            run[k] = _median(s.get(k) for s in samples)
+        run["h2d_bytes"] = samples[0]["h2d_bytes"]
+        run["h2d_error"] = next((s["h2d_error"] for s in samples if s.get("h2d_error")), None)
+        for k, bps in (("h2d_pageable_s", "h2d_pageable_Bps"), ("h2d_pinned_s", "h2d_pinned_Bps")):
+            run[bps] = run["h2d_bytes"] / run[k] if run[k] else None
     run["repeat"] = len(samples)
     run["samples"] = {k: [s[k] for s in samples] for k in ("broadcast_s", "end_to_end_s")}
     wrap_s = _median(s["wrap_s"] for s in samples)

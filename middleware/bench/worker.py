@@ -153,6 +153,11 @@ class _Rank:
         nbytes = self.bytes_broadcast
         problems = verify(out, n, images)  # outside the measured region (reads every byte)
         rss_growth = _rss_bytes() - rss0
+        h2d: dict = {}
+        if self.cfg.get("device") == "cuda":  # outside the measured region too
+            from . import h2d as h2d_mod
+
+            h2d = h2d_mod.measure(h2d_mod.distinct_features(out), self.rank)
         del out, data
         gc.collect()  # drops the views: every reference of this rank goes back
         return {
@@ -164,6 +169,7 @@ class _Rank:
             "open_segments": len(segment.open_segments()),
             "peak_rss_bytes": _peak_rss_bytes(),
             "rss_growth_bytes": rss_growth,
+            **h2d,
         }
 
     def floor(self, cmd: dict) -> dict:

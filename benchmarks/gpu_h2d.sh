@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU check of `mmshm bench --device cuda`, prepared to run in under five
+# minutes on a lent GPU machine that cannot reach PyPI (one H200, its image's
+# python3 with torch, click, rich, prometheus-client, scikit-image,
+# transformers, wrapt and matplotlib; no msgspec, blake3 or pyzmq).
+#
+# On the development machine, in the repository root, once:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl msgspec blake3 pyzmq
+# Then run this script there with `.whl` carried; results land in $OUT.
+set -euo pipefail
+OUT=${OUT:-/tmp/mmshm-gpu}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+  --target /tmp/site .
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+  | tee -a "$OUT/gpu.txt"
+# 720p, TP=2, n=1 and 8, 1/8/32 images: mmshm's views against inline tensors,
+# each copied to the GPU from pageable and from registered memory
+timeout 270 python3 -m mmshm.cli bench --device cuda --tp 2 --n 1,8 --images 1,8,32 \
+  --modes inline,mmshm --repeat 3 --budget 4 --json "$OUT/gpu.json" --plot "$OUT/gpu.png" \
+  2>&1 | tee "$OUT/bench.txt"
