@@ -402,22 +402,21 @@ class _Unwrapper:
             # a handle object met again: the source rank sends one per segment
             # for all the copies of a fan-out, and each copy gets its own tensor
             return st.view(st.shape)
-        if st is None:
-            h = self.order[idx]  # x, or (multi-node) the copy on this node
-            first = None if self.copy else self.mapped.get((h._meta, h._dir))
-            if first is not None and h.owns_reference:
-                h._disown()  # its reference goes back in give_back_duplicates
-                key = _key(h)
-                self.duplicates[key] = self.duplicates.get(key, 0) + 1
-                st = self.state[idx] = first.view(first.shape)
-                return st
-            try:
-                st = self.state[idx] = h.materialize(copy=self.copy)
-            except Exception as exc:
-                self.state[idx] = exc
-                raise
-            if not self.copy:
-                self.mapped[(h._meta, h._dir)] = st
+        h = self.order[idx]  # x, or (multi-node) the copy on this node
+        first = None if self.copy else self.mapped.get((h._meta, h._dir))
+        if first is not None and h.owns_reference:
+            h._disown()  # its reference goes back in give_back_duplicates
+            key = _key(h)
+            self.duplicates[key] = self.duplicates.get(key, 0) + 1
+            st = self.state[idx] = first.view(first.shape)
+            return st
+        try:
+            st = self.state[idx] = h.materialize(copy=self.copy)
+        except Exception as exc:
+            self.state[idx] = exc
+            raise
+        if not self.copy:
+            self.mapped[(h._meta, h._dir)] = st
         return st
 
     def give_back_duplicates(self) -> None:
