@@ -217,11 +217,15 @@ class MmshmMode(Mode):
 
     def fan_out(self, req, n: int) -> list:
         t0 = time.perf_counter()
-        wrapped = mmshm.wrap(req, min_bytes=self.min_bytes)  # the producer's shm writes
+        wrapped = self._wrap(req)  # the producer's shm writes
         t1 = time.perf_counter()
         self._stats = {"wrap_s": t1 - t0,
                        "wrap_bytes": sum(h.nbytes for h in mmshm.handles(wrapped))}
         return _rename(mmshm.fan_out(wrapped, n, min_bytes=self.min_bytes), req.rid)
+
+    def _wrap(self, req):
+        """``req`` with its large tensors in shared memory (timed as ``wrap_s``)."""
+        return mmshm.wrap(req, min_bytes=self.min_bytes)
 
     def producer_stats(self) -> dict:
         return dict(self._stats)
@@ -261,15 +265,13 @@ class MmshmHashGivenMode(MmshmMode):
     name = "mmshm-hash-given"
     summary = "mmshm, content hashes taken from the request instead of computed"
 
-    def fan_out(self, req, n: int) -> list:
+    def _wrap(self, req):
         from mmshm import config
 
         threshold = self.min_bytes if self.min_bytes is not None else config.get().min_bytes
-        t0 = time.perf_counter()
         c = copy.copy(req)
         c.mm_inputs = copy.copy(req.mm_inputs)
         c.mm_inputs.mm_items = [copy.copy(it) for it in req.mm_inputs.mm_items]
-        wrap_bytes = 0
         for it in c.mm_inputs.mm_items:
             f = it.feature
             if not isinstance(f, torch.Tensor) or f.numel() * f.element_size() < threshold:
@@ -278,9 +280,7 @@ class MmshmHashGivenMode(MmshmMode):
                 it.feature = mmshm.ShmTensor.from_tensor(f, hash=it.hash)
             except (OSError, mmshm.MmshmError):
                 continue  # stays inline, as wrap's fallback
-            wrap_bytes += it.feature.nbytes
-        self._stats = {"wrap_s": time.perf_counter() - t0, "wrap_bytes": wrap_bytes}
-        return _rename(mmshm.fan_out(c, n, min_bytes=self.min_bytes), req.rid)
+        return c
 
 
 @register
@@ -294,15 +294,11 @@ class MmshmEagerHashMode(MmshmMode):
     name = "mmshm-eager-hash"
     summary = "mmshm, BLAKE3 of every tensor computed by the producer (MMSHM_HASH=eager)"
 
-    def fan_out(self, req, n: int) -> list:
-        t0 = time.perf_counter()
-        wrapped = mmshm.wrap(req, min_bytes=self.min_bytes)
-        hs = mmshm.handles(wrapped)
-        for h in hs:
+    def _wrap(self, req):
+        wrapped = super()._wrap(req)
+        for h in mmshm.handles(wrapped):
             h.hash  # noqa: B018 - computed from the segment, carried from now on
-        self._stats = {"wrap_s": time.perf_counter() - t0,
-                       "wrap_bytes": sum(h.nbytes for h in hs)}
-        return _rename(mmshm.fan_out(wrapped, n, min_bytes=self.min_bytes), req.rid)
+        return wrapped
 
 
 # -- fresh-segment: SGLang 0.5.23's ShmPointerMMData, as our own baseline -------

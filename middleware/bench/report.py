@@ -73,32 +73,29 @@ def _groups(result: dict) -> list[tuple[tuple, list[dict]]]:
     return list(out.items())
 
 
-_COLUMNS = (("images", "right"), ("MB", "right"), ("mode", "left"),
-            ("copies", "right"), ("bcast ms", "right"), ("e2e ms", "right"),
-            ("e2e/floor", "right"), ("vs inline", "right"), ("vs fresh", "right"),
-            ("wrap GB/s", "right"), ("wrap/memcpy", "right"), ("bcast B", "right"),
-            ("RSS/payload", "right"), ("reps", "right"), ("ok", "center"), ("left", "right"))
+# (header, justification, what it means: in the table's caption when shown)
+_COLUMNS = (
+    ("images", "right", None),
+    ("MB", "right", "MB: payload per request"),
+    ("mode", "left", None),
+    ("copies", "right", "copies: messages TP rank 0 receives (n, or n+1 for fresh-segment)"),
+    ("bcast ms", "right", "bcast ms: the broadcast step (sharing, metadata, unpickling)"),
+    ("e2e ms", "right", "e2e ms: producer to every TP rank holding its tensors"),
+    ("e2e/floor", "right", "e2e/floor: end to end over the floor (lower is better)"),
+    ("vs inline", "right", "vs inline: inline's end to end over this mode's"),
+    ("vs fresh", "right", "vs fresh: fresh-segment's end to end over this mode's"),
+    ("wrap GB/s", "right", ("wrap GB/s: the producer's copy into shared memory (floor row: its "
+                           "memcpy into warm memory)")),
+    ("wrap/memcpy", "right", "wrap/memcpy: that copy's speed over the floor's"),
+    ("bcast B", "right", "bcast B: bytes TP rank 0 broadcasts"),
+    ("RSS/payload", "right", "RSS/payload: the most a TP rank's RSS grew holding the batch"),
+    ("reps", "right", ("reps: repetitions behind the medians (fewer than --repeat once --budget "
+                      "is spent)")),
+    ("ok", "center", "ok: bytes correct on every rank"),
+    ("left", "right", "left: segments left behind"),
+)
+_INTER_NODE = ("inter-node", "right", "inter-node: bytes sent between the simulated nodes")
 
-
-# what each column means, in the table's caption (only for the columns shown)
-_EXPLAIN = {
-    "MB": "MB: payload per request",
-    "copies": "copies: messages TP rank 0 receives (n, or n+1 for fresh-segment)",
-    "bcast ms": "bcast ms: the broadcast step (sharing, metadata, unpickling)",
-    "e2e ms": "e2e ms: producer to every TP rank holding its tensors",
-    "e2e/floor": "e2e/floor: end to end over the floor (lower is better)",
-    "vs inline": "vs inline: inline's end to end over this mode's",
-    "vs fresh": "vs fresh: fresh-segment's end to end over this mode's",
-    "wrap GB/s": "wrap GB/s: the producer's copy into shared memory (floor row: its memcpy "
-                 "into warm memory)",
-    "wrap/memcpy": "wrap/memcpy: that copy's speed over the floor's",
-    "bcast B": "bcast B: bytes TP rank 0 broadcasts",
-    "RSS/payload": "RSS/payload: the most a TP rank's RSS grew holding the batch",
-    "reps": "reps: repetitions behind the medians (fewer than --repeat once --budget is spent)",
-    "ok": "ok: bytes correct on every rank",
-    "left": "left: segments left behind",
-    "inter-node": "inter-node: bytes sent between the simulated nodes",
-}
 
 # the columns kept on a terminal narrower than FULL_WIDTH, and than NARROW_WIDTH
 _COMPACT = ("images", "mode", "e2e ms", "e2e/floor", "vs inline", "vs fresh",
@@ -123,16 +120,16 @@ def result_tables(result: dict, width: int | None = None) -> list[Table]:
         nodes = max((r.get("nodes", 1) for r in runs), default=1)
         multi = nodes > 1
         where = f" over {nodes} nodes" if multi else ""
-        columns = _COLUMNS + ((("inter-node", "right"),) if multi else ())
-        keep = [i for i, (col, _) in enumerate(columns)
+        columns = _COLUMNS + ((_INTER_NODE,) if multi else ())
+        keep = [i for i, (col, _, _) in enumerate(columns)
                 if shown is None or col in shown or col == "inter-node"]
-        caption = "; ".join(_EXPLAIN[columns[i][0]] for i in keep if columns[i][0] in _EXPLAIN)
+        caption = "; ".join(columns[i][2] for i in keep if columns[i][2])
         caption += ("; a mode can land below the floor when the host is busy"
                     + (f"; a terminal of {FULL_WIDTH}+ columns (or --json) shows every column"
                        if compact else ""))
         t = Table(title=f"mmshm bench: TP={tp} n={n} {res}{where} (medians)", caption=caption)
         for i in keep:
-            col, just = columns[i]
+            col, just, _ = columns[i]
             t.add_column(col, justify=just, no_wrap=True)
 
         def row(*cells, t=t, keep=keep, **kw):
