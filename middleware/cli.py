@@ -308,20 +308,35 @@ def gc(directory, dry_run, as_json) -> None:
 
 @main.command(context_settings={"ignore_unknown_options": True,
                                 "allow_interspersed_args": False})
+@click.option("--info", is_flag=True,
+              help="Say what would be instrumented for the interpreter COMMAND runs "
+                   "(server, distribution, version, supported or why not), without "
+                   "starting it. Exits 0 if something would be, 1 if not.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(command) -> None:
+def run(info, command) -> None:
     """Run COMMAND with mmshm instrumenting every Python process it starts.
 
-    Example: mmshm run -- python -m sglang.launch_server --model-path M --tp 2
+    Example: mmshm run -- python -m vllm.entrypoints.openai.api_server --model M
 
-    Spawned children (SGLang's scheduler and detokenizer) are instrumented
-    too. MMSHM_INSTRUMENT selects the instrumentors (comma-separated, or
-    "none"); by default, every installed one. An existing sitecustomize keeps
-    working. The exit status is COMMAND's.
+    Spawned children (vLLM's EngineCore and workers, SGLang's scheduler and
+    detokenizer) are instrumented too. Each instrumented process writes one
+    line to stderr naming the server, its version, its role and the paths it
+    turned on; a path left off is a WARNING with the reason and the fix.
+    Orphaned segments are reclaimed as the server starts, and what the
+    server's processes left is reclaimed once COMMAND has exited.
+    MMSHM_INSTRUMENT selects the instrumentors (comma-separated, or "none");
+    by default every known one. An existing sitecustomize keeps working. The
+    exit status is COMMAND's (2 for a bad MMSHM_INSTRUMENT).
     """
+    from .autopatch import InstrumentSelectionError
+    from .autopatch import info as run_info
     from .autopatch import run as run_command
 
-    sys.exit(run_command(list(command)))
+    try:
+        sys.exit(run_info(list(command)) if info else run_command(list(command)))
+    except InstrumentSelectionError as exc:
+        click.echo(f"mmshm run: {exc}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -172,3 +172,41 @@ def maybe_reap(directory: str | None = None) -> ReapReport | None:
     except OSError as exc:
         log.warning("mmshm: reaper pass over %s failed: %s", d, exc)
         return None
+
+
+def reclaim_left_by(pids: set[int] | frozenset[int], directory: str | None = None
+                    ) -> ReapReport:
+    """Reclaim the segments in ``directory`` (default ``MMSHM_DIR``) that
+    processes ``pids`` created and that no live process holds.
+
+    For ``mmshm run`` once the server it ran has exited: all of the server's
+    processes are gone, so none of their segments can still be in flight.
+    Segments of other processes are not looked at; a segment some live
+    process still holds is kept (counted in ``live``). Counts
+    ``mmshm_reaped_segments_total`` and ``mmshm_reaped_bytes_total``.
+    """
+    d = segment_dir(directory)
+    rep = ReapReport(directory=d, dry_run=False)
+    wanted = {int(p) for p in pids}
+    for name in sorted(iter_segment_files(d)):
+        try:
+            pid = int(name.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if pid not in wanted:
+            continue
+        r = _probe(os.path.join(d, name), unlink=True)
+        if r is None:
+            continue
+        orphan, size = r
+        if orphan:
+            rep.reclaimed += 1
+            rep.reclaimed_bytes += size
+            rep.names.append(name)
+        else:
+            rep.live += 1
+            rep.live_bytes += size
+    if rep.reclaimed:
+        REAPED_SEGMENTS.inc(rep.reclaimed)
+        REAPED_BYTES.inc(rep.reclaimed_bytes)
+    return rep

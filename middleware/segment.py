@@ -126,6 +126,47 @@ def segment_dir(directory: str | None = None) -> str:
     return directory if directory is not None else config.get().dir
 
 
+_dir_checked: dict[str, str | None] = {}
+
+
+def ensure_dir(directory: str) -> bool:
+    """Make the segment directory usable, once per process and directory.
+
+    A missing directory whose parent exists is created with mode 0700 (the
+    example launch scripts point ``MMSHM_DIR`` at one that does not exist
+    yet). A directory that cannot hold segments (parent missing, not a
+    directory, not writable, read-only) gets one WARNING naming it, the
+    reason and the fix; tensors then travel inline, each fallback counted.
+    Returns whether the directory was created now. Never raises.
+    """
+    if directory in _dir_checked:
+        return False
+    made = False
+    problem = None
+    try:
+        os.mkdir(directory, 0o700)
+        made = True
+        log.info("mmshm: created the segment directory %s (mode 0700)", directory)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        problem = f"its parent {os.path.dirname(directory.rstrip('/')) or '/'} does not exist"
+    except OSError as exc:
+        problem = f"it cannot be created ({exc.strerror})"
+    if problem is None:
+        if not os.path.isdir(directory):
+            problem = "it is not a directory"
+        elif not os.access(directory, os.W_OK | os.X_OK):
+            problem = "this process cannot write to it (permissions or a read-only mount)"
+    _dir_checked[directory] = problem
+    if problem is not None:
+        log.warning("mmshm: the segment directory MMSHM_DIR=%s cannot hold segments: %s; "
+                    "every tensor travels inline (correct, but without shared memory). Fix: "
+                    "point MMSHM_DIR at a writable directory on a tmpfs, e.g. /dev/shm or "
+                    "a directory under it", directory, problem)
+    return made
+
+
 def new_name() -> str:
     """A fresh segment name: creator pid plus 64 random bits."""
     return f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
@@ -479,6 +520,7 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     total = size_class(HEADER_SIZE + nbytes) if cfg.pool else HEADER_SIZE + nbytes
     if d not in _reaped_dirs:
         _reaped_dirs.add(d)
+        ensure_dir(d)
         from .reaper import maybe_reap
         maybe_reap(d)
     _ensure_exit_hook()

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import torch
 
-from . import config
+from . import config, segment
 from .errors import MmshmError, ShmSpaceError
 from .handle import ShmTensor
 from .metrics import FALLBACKS
@@ -245,7 +245,8 @@ def record_fallback(exc: BaseException) -> str:
     """Count one inline fallback and log a warning once per reason."""
     reason = fallback_reason(exc)
     FALLBACKS.labels(reason=reason).inc()
-    if reason not in _warned:
+    if reason not in _warned and not segment._dir_checked.get(config.get().dir):
+        # (a directory that cannot hold segments was warned about once already)
         _warned.add(reason)
         log.warning("mmshm: a tensor travels inline instead of through shared memory "
                     "(%s: %s). Fix: %s", reason, exc, _ADVICE.get(reason, ""))

@@ -350,9 +350,9 @@ def test_free_bytes_is_read_at_scrape_time(private_dir, tmp_path, monkeypatch):
 COUNTERS = {"mmshm_segments_created", "mmshm_shm_written_bytes", "mmshm_inline_fallbacks",
             "mmshm_materialize_failures", "mmshm_fanout_copies", "mmshm_request_failures",
             "mmshm_reaped_segments", "mmshm_reaped_bytes", "mmshm_pool_requests",
-            "mmshm_internode_bytes"}
+            "mmshm_internode_bytes", "mmshm_references_handed"}
 GAUGES = {"mmshm_segments_in_use", "mmshm_shm_in_use_bytes", "mmshm_dir_free_bytes",
-          "mmshm_dir_size_bytes"}
+          "mmshm_dir_size_bytes", "mmshm_path_enabled"}
 HISTOGRAMS = {"mmshm_materialize_seconds", "mmshm_broadcast_seconds", "mmshm_broadcast_bytes"}
 
 
@@ -532,7 +532,8 @@ def test_multiprocess_collector_sums_processes(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mmshm.metrics", "--once"], env=env,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     fams = mmshm_families(out)
-    assert set(fams) == COUNTERS | GAUGES | HISTOGRAMS
+    # mmshm_path_enabled has samples only from processes an instrumentor ran in
+    assert set(fams) == COUNTERS | GAUGES - {"mmshm_path_enabled"} | HISTOGRAMS
     created = [s.value for s in fams["mmshm_segments_created"].samples]
     assert created == [n_seg]
     assert next(s.value for s in fams["mmshm_dir_free_bytes"].samples) > 0

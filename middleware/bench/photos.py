@@ -103,6 +103,22 @@ def _load_rgb(name: str, size: tuple[int, int]):
     return ImageOps.fit(img, size, method=Image.Resampling.BICUBIC)
 
 
+def rgb(name: str, resolution: str, shift: int = 0):
+    """The bundled photo ``name`` as an RGB ``PIL.Image`` of ``resolution``
+    (cropped to 16:9), before the processor: what a client uploads. ``shift``
+    rolls it right by that many pixels (a different image of the same size).
+    Raises KeyError for an unknown photo, ValueError for an unknown
+    resolution."""
+    if resolution not in RESOLUTIONS:
+        raise ValueError(f"unknown resolution {resolution!r}; choose from {sorted(RESOLUTIONS)}")
+    img = _load_rgb(name, RESOLUTIONS[resolution])
+    if shift:
+        from PIL import ImageChops
+
+        img = ImageChops.offset(img, shift, 0)
+    return img
+
+
 def photo(name: str, resolution: str) -> Photo:
     """The processed photo ``name`` at ``resolution`` (processed once, then cached)."""
     if resolution not in RESOLUTIONS:

