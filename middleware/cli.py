@@ -89,6 +89,13 @@ def _dir_error(command: str, directory: str | None) -> None:
         sys.exit(EXIT_BAD_DIR)
 
 
+#: What --quick sets (one size, one repetition).
+QUICK = {"tp": (2,), "n": (2,), "images": (2,), "resolution": ("720p",), "repeat": 1}
+QUICK_HELP = ("--tp 2 --n 2 --images 2 --resolution 720p --repeat 1, and a 64 MiB "
+              "cache-flush buffer")
+QUICK_EVICT_BYTES = 64 << 20
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     sys.exit(128 + signum)
 
@@ -153,10 +160,17 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
 @click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
               help="Serve the pipeline's Prometheus metrics (every bench process, merged) "
                    "on 127.0.0.1:PORT while it runs.")
+@click.option("--quick", is_flag=True,
+              help="A check in seconds, well under 1 GB: " + QUICK_HELP + " (options given "
+                   "explicitly still win).")
+@click.option("--skip-missing", is_flag=True,
+              help="Skip requested modes this interpreter cannot run (sglang, vllm, "
+                   "vllm-arena without the server installed) instead of stopping with an "
+                   "error.")
 @click.pass_context
 def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_mem_gb,
           min_bytes, shm_dir, nodes, timeout_s, warmup, device, json_path, plot_path,
-          metrics_port) -> None:
+          metrics_port, quick, skip_missing) -> None:
     """Time transports on the request path of a VLM server, against the floor.
 
     Real photos go through the Qwen2-VL image processor, each request is
@@ -172,16 +186,23 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     metadata-only broadcast; on a busy host a mode can land below it.
     --nodes K simulates K nodes on this machine and reports the bytes sent
     between them (fresh-segment is skipped: it is single-node only).
-    Runs the host cannot hold are skipped with a note. Exits 1 if any run
-    delivered wrong bytes or left a shared-memory segment behind, 2 on a usage
-    error, 3 if the bench itself failed (a TP rank died or timed out).
+    Runs the host cannot hold are skipped with a note; a requested mode this
+    interpreter cannot run is a usage error unless --skip-missing. --quick
+    checks the pipeline in seconds. Progress goes to stderr (plain lines
+    when it is not a terminal). Exits 1 if any run delivered wrong bytes or
+    left a shared-memory segment behind, 2 on a usage error (checked before
+    anything runs, output paths included), 3 if the bench itself failed (a
+    TP rank died or timed out), 4 on a bad MMSHM_* value.
     """
     from click.core import ParameterSource
     from rich.console import Console
 
     from .bench import MODES, SWEEP, BenchConfig, BenchError, run_bench
-    from .bench.report import FULL_WIDTH, RichReporter, print_result
+    from .bench.report import FULL_WIDTH, PlainReporter, RichReporter, print_result
 
+    _check_settings("bench")
+    _check_output(json_path, "--json")
+    _check_output(plot_path, "--plot")
     if plot_path:
         try:
             import matplotlib  # noqa: F401
@@ -191,15 +212,24 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     if unknown:
         raise click.BadParameter(f"unknown mode(s) {', '.join(unknown)}; "
                                  f"choose from {', '.join(MODES)}", param_hint="--modes")
-    axes = {"tp": tp, "n": n, "images": images, "resolution": resolution}
-    if sweep:
-        for key in axes:
-            if ctx.get_parameter_source(key) != ParameterSource.COMMANDLINE:
-                axes[key] = SWEEP[key]
-    cfg = BenchConfig(**axes, modes=modes, repeat=repeat, budget_s=budget_s,
+    if sweep and quick:
+        raise click.UsageError("--sweep and --quick exclude each other")
+    missing = {m: why for m in modes
+               if (why := getattr(MODES[m], "unavailable", lambda: None)()) is not None}
+    if missing and not skip_missing:
+        m, why = next(iter(missing.items()))
+        raise click.BadParameter(f"mode {m} cannot run: {why} "
+                                 f"(--skip-missing runs the other modes)", param_hint="--modes")
+    axes = {"tp": tp, "n": n, "images": images, "resolution": resolution, "repeat": repeat}
+    for key, grid in (("sweep", SWEEP if sweep else None), ("quick", QUICK if quick else None)):
+        for k, v in (grid or {}).items():
+            if ctx.get_parameter_source(k) != ParameterSource.COMMANDLINE:
+                axes[k] = v
+    cfg = BenchConfig(**axes, modes=modes, budget_s=budget_s,
                       max_mem_bytes=None if max_mem_gb is None else int(max_mem_gb * 1e9),
                       min_bytes=min_bytes, timeout_s=timeout_s, warmup=warmup, shm_dir=shm_dir,
-                      nodes=nodes, device=device)
+                      nodes=nodes, device=device,
+                      **({"evict_max_bytes": QUICK_EVICT_BYTES} if quick else {}))
     # SIGTERM unwinds like Ctrl-C, so the TP ranks are stopped and joined
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     err = Console(stderr=True)
@@ -208,7 +238,7 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
         out.width = max(out.width, FULL_WIDTH + 20)
     metrics_dir = _start_bench_metrics(metrics_port, err) if metrics_port is not None else None
     try:
-        with RichReporter(err) as rep:
+        with (RichReporter(err) if err.is_terminal else PlainReporter(err)) as rep:
             result = run_bench(cfg, reporter=rep)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -244,6 +274,23 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     bad += [f for f in result.get("floors", []) if f.get("problems")]
     if bad or result["leftover_segments"]:
         sys.exit(1)
+
+
+def _check_output(path: str | None, option: str) -> None:
+    """A usage error, before anything runs, if ``path`` cannot be written
+    (its directory is missing or not writable, or it is a directory)."""
+    if not path or path == "-":
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        why = f"the directory {parent} does not exist"
+    elif os.path.isdir(path):
+        why = "it is a directory"
+    elif not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        why = "permission denied"
+    else:
+        return
+    raise click.BadParameter(f"cannot write {path}: {why}", param_hint=option)
 
 
 def _start_bench_metrics(port: int, console) -> str | None:
