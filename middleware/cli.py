@@ -450,7 +450,6 @@ def status(directory, as_json) -> None:
     Exits 0, or 4 on a bad MMSHM_* value, 5 if the directory cannot be read.
     """
     import msgspec
-    from rich.table import Table
     from rich.text import Text
 
     from .status import status as survey_status
@@ -465,20 +464,20 @@ def status(directory, as_json) -> None:
     con.print(Text.assemble(("mmshm status: ", "bold"), rep.directory, f" ({rep.fs_type}, "
                             f"{_size(rep.fs_size_bytes)})"))
     if rep.processes:
-        t = Table(title="processes (references: counts on the segments each owns)",
-                  title_justify="left", box=None, pad_edge=False)
-        for col in ("pid", "role", "run", "owned", "held", "bytes", "refs", "oldest",
-                    "pooled", "command"):
-            t.add_column(col, justify="left" if col in ("role", "command", "run") else "right",
-                         no_wrap=col != "command", overflow="ellipsis")
+        con.print(Text("processes:", style="bold"))
+        con.print(Text(f"  {'pid':>7}  {'owned':>5} {'held':>4}  {'bytes':>9}  {'refs':>4}  "
+                       f"{'oldest':>6}  {'pooled':<16} {'run':<3}  role: command"))
         for p in rep.processes:
             run = {True: "yes", False: "no", None: "?"}[p.under_mmshm_run]
-            t.add_row(str(p.pid), p.role or "", run, str(p.owned), str(p.held), _size(p.bytes),
-                      str(p.references), _age(p.oldest_age_s),
-                      f"{p.pooled} ({_size(p.pooled_bytes)})" if p.pooled else "0", p.command)
-        con.print(t)
-        con.print(Text("  run: started under `mmshm run`; owned: created by it; held: opened "
-                       "from another process's handle; pooled: idle in its warm pool"))
+            pooled = f"{p.pooled} ({_size(p.pooled_bytes)})" if p.pooled else "0"
+            who = (f"{p.role}: " if p.role else "") + p.command
+            con.print(Text(f"  {p.pid:>7}  {p.owned:>5} {p.held:>4}  {_size(p.bytes):>9}  "
+                           f"{p.references:>4}  {_age(p.oldest_age_s):>6}  {pooled:<16} "
+                           f"{run:<3}  {who[:100]}"))
+        con.print(Text("  owned: segments it created; held: opened from another process's "
+                       "handle; refs: references outstanding on those it owns; pooled: idle "
+                       "in its warm pool, reused by its next request; run: started under "
+                       "`mmshm run`"))
     else:
         con.print(Text("no process holds a segment in this directory, and no SGLang or vLLM "
                        "process is running" if not rep.segments else

@@ -55,6 +55,7 @@ OWNER_PATTERNS: tuple[tuple[str, str], ...] = (
     ("sglang_loads_*", "SGLang load reporting"),
     ("deepspeed_allreduce_buffer_*", "DeepSpeed all-reduce buffer"),
     ("torch_*", "PyTorch tensor sharing"),
+    ("vllm_dist_*", "vLLM CPU shared-memory communicator"),
     ("sem.*", "POSIX semaphores"),
 )
 MMSHM_ELSEWHERE = "mmshm segments in another directory"
