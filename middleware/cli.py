@@ -398,7 +398,8 @@ def doctor(directory, expected_bytes, as_json) -> None:
         ("reserve", f"{_size(rep.reserve_bytes)} kept free for NCCL (MMSHM_MIN_FREE_BYTES)"),
         ("expected load", f"{_size(rep.expected_bytes)} of multimodal tensors in flight "
                           f"({rep.expected_assumption})"),
-        ("advised size", f"--shm-size={rep.shm_size_gib}g for that load"),
+        ("advised size", f"--shm-size={rep.shm_size_gib}g for that load plus the other files "
+                         f"below (README: sizing /dev/shm)"),
         ("segments", f"{rep.segments} ({_size(rep.segment_bytes)})"),
         ("orphans", f"{rep.orphans} ({_size(rep.orphan_bytes)})"),
         ("descriptors", fd),

@@ -255,8 +255,8 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
     elsewhere = [g for g in others if g.owner.startswith("mmshm")]
     for g in elsewhere:
         notes.append(f"{g.files} mmshm segment(s) ({g.bytes // MiB} MiB) in "
-                     f"{os.path.dirname(g.pattern)}, not in {d}: a server runs with another "
-                     f"MMSHM_DIR; check it with --dir {os.path.dirname(g.pattern)}")
+                     f"{os.path.dirname(g.pattern)}, not in {d} (a process runs with another "
+                     f"MMSHM_DIR); check them with --dir {os.path.dirname(g.pattern)}")
     if size < reserve + expected:
         problems.append(Problem(
             f"{d} is only {size // MiB} MiB: NCCL's reserve ({reserve // MiB} MiB) plus the "

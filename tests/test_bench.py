@@ -117,18 +117,11 @@ def test_cli_lists_bench_and_rejects_bad_options():
     assert proc.returncode == 2
 
 
-def test_sweep_expands_the_grid_and_explicit_options_win(monkeypatch):
+def test_sweep_expands_the_grid_and_explicit_options_win(no_bench):
     from click.testing import CliRunner
-    from mmshm import bench, cli
+    from mmshm import cli
 
-    seen = []
-
-    def fake_run_bench(cfg, reporter=None, on_run=None):
-        seen.append(cfg)
-        return {"runs": [], "floors": [], "summary": [], "leftover_segments": [],
-                "config": {"shm_dir": "/dev/shm"}, "elapsed_s": 0.0}
-
-    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    seen = no_bench
     r = CliRunner().invoke(cli.main, ["bench", "--sweep"])
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(cli.main, ["bench", "--sweep", "--tp", "4", "--images", "32"])

@@ -263,22 +263,6 @@ def test_doctor_checks_descriptors_cgroup_and_server_versions(shm_dir, monkeypat
 
 
 # -- bench ---------------------------------------------------------------------------------
-@pytest.fixture
-def no_bench(monkeypatch):
-    """run_bench recorded, never run."""
-    from mmshm import bench
-
-    seen = []
-
-    def fake_run_bench(cfg, reporter=None, on_run=None):
-        seen.append(cfg)
-        return {"runs": [], "floors": [], "summary": [], "leftover_segments": [],
-                "config": {"shm_dir": "/dev/shm"}, "elapsed_s": 0.0}
-
-    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
-    return seen
-
-
 def test_bench_checks_output_paths_and_lists_first(no_bench, tmp_path):
     for args, hint in ((["--json", "/nonexistent/dir/out.json"], "--json"),
                        (["--plot", str(tmp_path)], "--plot"),
