@@ -461,6 +461,7 @@ def test_eager_hash_is_computed_at_creation(shm_dir, monkeypatch):
 
 def test_bad_hash_setting_warns_and_uses_the_default(monkeypatch, caplog):
     monkeypatch.setenv("MMSHM_HASH", "sometimes")
+    monkeypatch.setattr(mmshm.config, "_warned", set())
     with caplog.at_level("WARNING", logger="mmshm"):
         assert mmshm.config.reload().hash == "lazy"  # a server keeps running
     assert "MMSHM_HASH='sometimes' is not valid: expected lazy or eager" in caplog.text

@@ -63,12 +63,16 @@ def test_bad_setting_in_a_subprocess_has_no_traceback(shm_dir):
 ])
 def test_a_server_warns_and_uses_the_default(monkeypatch, caplog, var, value, field, default):
     monkeypatch.setenv(var, value)
+    monkeypatch.setattr(config, "_warned", set())  # once per value and process: forget others
     with caplog.at_level("WARNING", logger="mmshm"):
         settings = config.reload()  # never raises: a server keeps running
     assert getattr(settings, field) == default
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and f"{var}={value!r} is not valid" in warned[0], warned
     assert "using the default" in warned[0]
+    with caplog.at_level("WARNING", logger="mmshm"):
+        config.reload()
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1  # not repeated
 
 
 def test_sizes_accept_units(monkeypatch):
