@@ -6,8 +6,14 @@
 #   examples/sglang_launch.sh [extra sglang.launch_server flags]
 #
 # Docker: /dev/shm defaults to 64 MiB; give the container room for in-flight
-# images (docker run --shm-size=2g, or --ipc=host). mmshm never SIGBUSes on a
-# full /dev/shm: a tensor that does not fit travels inline and is counted.
+# images: docker run --shm-size=1g (or --ipc=host) holds 32 Qwen2-VL 720p images
+# plus NCCL's reserve; `mmshm doctor --expected-bytes 2GiB` prints the size for
+# your load (the README's formula). mmshm never SIGBUSes on a full /dev/shm: a
+# tensor that does not fit travels inline and is counted.
+#
+# Check the host from the same environment (same MMSHM_DIR: both use the
+# default /dev/shm unless you export another one before running this script):
+#   mmshm doctor; mmshm status; mmshm config; mmshm gc
 set -euo pipefail
 
 MODEL=${MODEL:-Qwen/Qwen2-VL-7B-Instruct}
@@ -15,7 +21,9 @@ PORT=${PORT:-30000}
 
 # Which instrumentors to load (default: every installed one).
 export MMSHM_INSTRUMENT=${MMSHM_INSTRUMENT:-sglang}
-# Segment directory (a tmpfs). Keep the default unless /dev/shm is too small.
+# Segment directory (a tmpfs). Keep the default unless /dev/shm is too small; if
+# you change it, export the same value where you run mmshm doctor/status/gc
+# (or pass them --dir).
 export MMSHM_DIR=${MMSHM_DIR:-/dev/shm}
 # Tensors below this many bytes stay inline (pickling them is cheaper).
 export MMSHM_MIN_BYTES=${MMSHM_MIN_BYTES:-65536}

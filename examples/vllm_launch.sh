@@ -15,22 +15,27 @@
 # EMFILE) travels the usual way and is counted in
 # mmshm_inline_fallbacks_total.
 #
-# Containers: give /dev/shm room for the images in flight plus what vLLM's
-# multimodal receiver cache holds (docker run --shm-size=8g, or --ipc=host; a
-# Kubernetes emptyDir with medium: Memory). `mmshm doctor` checks the host.
+# Containers: give /dev/shm room for the images in flight: docker run
+# --shm-size=1g (or --ipc=host; a Kubernetes emptyDir with medium: Memory)
+# holds 32 Qwen2-VL 720p images plus NCCL's reserve. vLLM keeps its own
+# message queues there too (psm_* files); `mmshm doctor --expected-bytes 2GiB`
+# counts them and prints the size for your load (the README's formula).
+#
+# Check the host from the same environment (same MMSHM_DIR: both use the
+# default /dev/shm unless you export another one before running this script):
+#   mmshm doctor; mmshm status; mmshm config; mmshm gc
 set -euo pipefail
 
 MODEL=${1:-Qwen/Qwen2-VL-7B-Instruct}
 shift || true
 
-# Segments live here (a tmpfs). A private directory keeps them apart from
-# other servers on the host and lets the reaper work on this one only.
-export MMSHM_DIR=${MMSHM_DIR:-/dev/shm/mmshm-vllm}
-mkdir -p -m 0700 "$MMSHM_DIR"
+# Segments live here (a tmpfs). The reaper only reclaims segments no live
+# process holds, so sharing /dev/shm with other servers is safe. If you change
+# it, export the same value where you run mmshm doctor/status/gc (or pass them
+# --dir).
+export MMSHM_DIR=${MMSHM_DIR:-/dev/shm}
 # Tensors smaller than this stay inline (pickling them is cheaper).
 export MMSHM_MIN_BYTES=${MMSHM_MIN_BYTES:-65536}
-# Keep this much of the tmpfs free for NCCL and vLLM's own ring buffers.
-export MMSHM_MIN_FREE_BYTES=${MMSHM_MIN_FREE_BYTES:-268435456}
 # Only the vLLM instrumentor (MMSHM_INSTRUMENT=none turns mmshm off).
 export MMSHM_INSTRUMENT=${MMSHM_INSTRUMENT:-vllm}
 # Metrics: `mmshm run` points PROMETHEUS_MULTIPROC_DIR at a private directory
@@ -38,9 +43,9 @@ export MMSHM_INSTRUMENT=${MMSHM_INSTRUMENT:-vllm}
 # (mmshm_broadcast_seconds{role}, mmshm_shm_written_bytes_total,
 # mmshm_inline_fallbacks_total{reason}, ...) from the API server, the
 # EngineCore and the workers land in the multiprocess files that vLLM's
-# /metrics merges. With MMSHM_METRICS_PORT set, the first instrumented process
-# also serves all of them on http://127.0.0.1:$MMSHM_METRICS_PORT/metrics.
-export MMSHM_METRICS_PORT=${MMSHM_METRICS_PORT:-9477}
+# /metrics merges: examples/prometheus.yml scrapes them there. (Setting
+# MMSHM_METRICS_PORT would serve the same series a second time, on mmshm's own
+# exporter: scrape one or the other, never both.)
 
 exec mmshm run -- vllm serve "$MODEL" \
   --tensor-parallel-size "${TP:-2}" \

@@ -15,21 +15,85 @@ import sys
 import click
 
 
+#: Exit status for a directory that does not exist or cannot be read (gc, status).
+EXIT_BAD_DIR = 5
+
+
+def _items(value: str) -> list[str]:
+    """The items of a comma-separated list; an empty item (``1,,8``, ``1,``)
+    is a usage error."""
+    items = [v.strip() for v in value.split(",")]
+    if any(not v for v in items):
+        raise click.BadParameter(f"{value!r} has an empty item: expected a comma-separated "
+                                 f"list such as 1,8,32")
+    return items
+
+
 def _int_list(ctx, param, value: str) -> tuple[int, ...]:
+    items = _items(value)
     try:
-        out = tuple(int(v) for v in value.split(",") if v.strip())
+        out = tuple(int(v) for v in items)
     except ValueError:
-        raise click.BadParameter("expected a comma-separated list of integers") from None
-    if not out or any(v < 1 for v in out):
-        raise click.BadParameter("expected positive integers")
+        raise click.BadParameter(f"{value!r}: expected a comma-separated list of integers") \
+            from None
+    if any(v < 1 for v in out):
+        raise click.BadParameter(f"{value!r}: expected positive integers")
     return out
 
 
 def _str_list(ctx, param, value: str) -> tuple[str, ...]:
-    out = tuple(v.strip() for v in value.split(",") if v.strip())
-    if not out:
-        raise click.BadParameter("expected a comma-separated list")
-    return out
+    return tuple(_items(value))
+
+
+class _Size(click.ParamType):
+    """Bytes, with units: ``720M``, ``2GiB``, ``1e9`` (:func:`mmshm.config.parse_size`)."""
+
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        from .config import parse_size
+
+        try:
+            return parse_size(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def _check_settings(command: str) -> None:
+    """Exit with :data:`mmshm.config.EXIT_BAD_SETTING` and one line per bad
+    ``MMSHM_*`` value, before the command does anything."""
+    from . import config
+
+    bad = config.problems()
+    if bad:
+        for exc in bad:
+            click.echo(f"mmshm {command}: error: {exc}", err=True)
+        sys.exit(config.EXIT_BAD_SETTING)
+    config.reload(warn=False)
+
+
+def _dir_error(command: str, directory: str | None) -> None:
+    """Exit with :data:`EXIT_BAD_DIR` and one line if the segment directory
+    cannot be listed."""
+    from .segment import segment_dir
+
+    d = segment_dir(directory)
+    where = "--dir" if directory is not None else "MMSHM_DIR or the default"
+    try:
+        os.listdir(d)
+    except OSError as exc:
+        click.echo(f"mmshm {command}: error: the segment directory {d} (from {where}) cannot "
+                   f"be read: {exc.strerror}", err=True)
+        sys.exit(EXIT_BAD_DIR)
+
+
+#: What --quick sets (one size, one repetition).
+QUICK = {"tp": (2,), "n": (2,), "images": (2,), "resolution": ("720p",), "repeat": 1}
+QUICK_HELP = ("--tp 2 --n 2 --images 2 --resolution 720p --repeat 1, and a 64 MiB "
+              "cache-flush buffer")
+QUICK_EVICT_BYTES = 64 << 20
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -96,10 +160,17 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
 @click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
               help="Serve the pipeline's Prometheus metrics (every bench process, merged) "
                    "on 127.0.0.1:PORT while it runs.")
+@click.option("--quick", is_flag=True,
+              help="A check in seconds, well under 1 GB: " + QUICK_HELP + " (options given "
+                   "explicitly still win).")
+@click.option("--skip-missing", is_flag=True,
+              help="Skip requested modes this interpreter cannot run (sglang, vllm, "
+                   "vllm-arena without the server installed) instead of stopping with an "
+                   "error.")
 @click.pass_context
 def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_mem_gb,
           min_bytes, shm_dir, nodes, timeout_s, warmup, device, json_path, plot_path,
-          metrics_port) -> None:
+          metrics_port, quick, skip_missing) -> None:
     """Time transports on the request path of a VLM server, against the floor.
 
     Real photos go through the Qwen2-VL image processor, each request is
@@ -115,16 +186,23 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     metadata-only broadcast; on a busy host a mode can land below it.
     --nodes K simulates K nodes on this machine and reports the bytes sent
     between them (fresh-segment is skipped: it is single-node only).
-    Runs the host cannot hold are skipped with a note. Exits 1 if any run
-    delivered wrong bytes or left a shared-memory segment behind, 2 on a usage
-    error, 3 if the bench itself failed (a TP rank died or timed out).
+    Runs the host cannot hold are skipped with a note; a requested mode this
+    interpreter cannot run is a usage error unless --skip-missing. --quick
+    checks the pipeline in seconds. Progress goes to stderr (plain lines
+    when it is not a terminal). Exits 1 if any run delivered wrong bytes or
+    left a shared-memory segment behind, 2 on a usage error (checked before
+    anything runs, output paths included), 3 if the bench itself failed (a
+    TP rank died or timed out), 4 on a bad MMSHM_* value.
     """
     from click.core import ParameterSource
     from rich.console import Console
 
     from .bench import MODES, SWEEP, BenchConfig, BenchError, run_bench
-    from .bench.report import FULL_WIDTH, RichReporter, print_result
+    from .bench.report import FULL_WIDTH, PlainReporter, RichReporter, print_result
 
+    _check_settings("bench")
+    _check_output(json_path, "--json")
+    _check_output(plot_path, "--plot")
     if plot_path:
         try:
             import matplotlib  # noqa: F401
@@ -134,15 +212,24 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     if unknown:
         raise click.BadParameter(f"unknown mode(s) {', '.join(unknown)}; "
                                  f"choose from {', '.join(MODES)}", param_hint="--modes")
-    axes = {"tp": tp, "n": n, "images": images, "resolution": resolution}
-    if sweep:
-        for key in axes:
-            if ctx.get_parameter_source(key) != ParameterSource.COMMANDLINE:
-                axes[key] = SWEEP[key]
-    cfg = BenchConfig(**axes, modes=modes, repeat=repeat, budget_s=budget_s,
+    if sweep and quick:
+        raise click.UsageError("--sweep and --quick exclude each other")
+    missing = {m: why for m in modes
+               if (why := getattr(MODES[m], "unavailable", lambda: None)()) is not None}
+    if missing and not skip_missing:
+        m, why = next(iter(missing.items()))
+        raise click.BadParameter(f"mode {m} cannot run: {why} "
+                                 f"(--skip-missing runs the other modes)", param_hint="--modes")
+    axes = {"tp": tp, "n": n, "images": images, "resolution": resolution, "repeat": repeat}
+    for key, grid in (("sweep", SWEEP if sweep else None), ("quick", QUICK if quick else None)):
+        for k, v in (grid or {}).items():
+            if ctx.get_parameter_source(k) != ParameterSource.COMMANDLINE:
+                axes[k] = v
+    cfg = BenchConfig(**axes, modes=modes, budget_s=budget_s,
                       max_mem_bytes=None if max_mem_gb is None else int(max_mem_gb * 1e9),
                       min_bytes=min_bytes, timeout_s=timeout_s, warmup=warmup, shm_dir=shm_dir,
-                      nodes=nodes, device=device)
+                      nodes=nodes, device=device,
+                      **({"evict_max_bytes": QUICK_EVICT_BYTES} if quick else {}))
     # SIGTERM unwinds like Ctrl-C, so the TP ranks are stopped and joined
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     err = Console(stderr=True)
@@ -151,7 +238,7 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
         out.width = max(out.width, FULL_WIDTH + 20)
     metrics_dir = _start_bench_metrics(metrics_port, err) if metrics_port is not None else None
     try:
-        with RichReporter(err) as rep:
+        with (RichReporter(err) if err.is_terminal else PlainReporter(err)) as rep:
             result = run_bench(cfg, reporter=rep)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -187,6 +274,23 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     bad += [f for f in result.get("floors", []) if f.get("problems")]
     if bad or result["leftover_segments"]:
         sys.exit(1)
+
+
+def _check_output(path: str | None, option: str) -> None:
+    """A usage error, before anything runs, if ``path`` cannot be written
+    (its directory is missing or not writable, or it is a directory)."""
+    if not path or path == "-":
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        why = f"the directory {parent} does not exist"
+    elif os.path.isdir(path):
+        why = "it is a directory"
+    elif not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        why = "permission denied"
+    else:
+        return
+    raise click.BadParameter(f"cannot write {path}: {why}", param_hint=option)
 
 
 def _start_bench_metrics(port: int, console) -> str | None:
@@ -225,43 +329,89 @@ def _console():
     return Console(soft_wrap=not sys.stdout.isatty(), highlight=False)
 
 
+_DIR_HELP = ("Segment directory [default: MMSHM_DIR or /dev/shm; the launch scripts in "
+             "examples/ use the default].")
+
+
+def _print_others(con, others, total: int) -> None:
+    from rich.text import Text
+
+    if not others:
+        con.print(Text("  nothing else on this file system"))
+        return
+    for g in others:
+        ex = ", ".join(g.examples) + (", ..." if g.files > len(g.examples) else "")
+        con.print(Text(f"  {_size(g.bytes):>10}  {g.files:>4} file(s)  {g.owner} "
+                       f"({g.pattern}): {ex}"))
+    con.print(Text(f"  {_size(total):>10}  in all"))
+
+
 @main.command()
-@click.option("--dir", "directory", default=None, metavar="DIR",
-              help="Segment directory [default: MMSHM_DIR or /dev/shm].")
-@click.option("--expected-bytes", type=click.IntRange(min=0), default=None, metavar="N",
-              help="Multimodal bytes expected in flight at once "
-                   "[default: 32 Qwen2-VL 720p images, about 720 MB].")
+@click.option("--dir", "directory", default=None, metavar="DIR", help=_DIR_HELP)
+@click.option("--expected-bytes", type=_Size(), default=None, metavar="SIZE",
+              help="Multimodal bytes expected in flight at once, e.g. 720M, 2GiB "
+                   "[default: 32 Qwen2-VL 720p images, about 687 MiB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor(directory, expected_bytes, as_json) -> None:
-    """Check that the segment directory is fit for the load.
+    """Check that this host is fit for mmshm's load.
 
-    Reports the directory's size and free space, mmshm's segments (count,
-    bytes, orphans left by crashed processes) and whether the free headroom
-    covers NCCL's reserve plus the expected multimodal load, each problem with
-    its concrete fix (docker --shm-size / --ipc=host, a Kubernetes emptyDir,
-    `mmshm gc`). Exits 1 when something needs fixing.
+    Reports the segment directory's size and free space, mmshm's segments
+    (count, bytes, orphans left by crashed processes), what else fills the
+    same file system (NCCL's nccl-*, psm_*, SGLang's sgl_shm_mq_* ...),
+    ulimit -n against the descriptors a full batch needs, the memory cgroup
+    that tmpfs pages count against, the installed SGLang/vLLM against the
+    supported ranges, and server processes not started under `mmshm run`.
+    Each problem comes with its fix; the --shm-size advised is the README's
+    formula (expected load x 9/8 + other programs' files + the reserve,
+    rounded up to whole GiB).
+
+    Exits 0 when nothing needs fixing, 1 when something does, 2 on a usage
+    error, 4 on a bad MMSHM_* value.
     """
     import msgspec
     from rich.text import Text
 
     from .doctor import diagnose
 
+    _check_settings("doctor")
     rep = diagnose(directory, expected_bytes=expected_bytes)
     if as_json:
         click.echo(msgspec.json.encode(rep).decode())
         sys.exit(0 if rep.ok else 1)
     con = _console()
     con.print(Text.assemble(("mmshm doctor: ", "bold"), rep.directory, f" ({rep.fs_type})"))
+    fd = (f"ulimit -n {rep.fd_soft_limit if rep.fd_soft_limit is not None else 'unlimited'}"
+          f" (hard {rep.fd_hard_limit if rep.fd_hard_limit is not None else 'unlimited'}); a "
+          f"full batch needs about {rep.fd_needed} per process")
+    if rep.cgroup_limit_bytes is not None:
+        cg = (f"limit {_size(rep.cgroup_limit_bytes)}, {_size(rep.cgroup_usage_bytes or 0)} "
+              f"in use (tmpfs pages count against it)")
+    else:
+        cg = "no memory limit" + (f" ({_size(rep.cgroup_usage_bytes)} in use)"
+                                   if rep.cgroup_usage_bytes is not None else "")
+    servers = ", ".join(f"{s.distribution} {s.version} "
+                        f"({'supported' if s.supported else 'NOT supported'}: "
+                        f"{s.supported_range})" for s in rep.servers) or "none installed here"
     rows = (
         ("size", _size(rep.fs_size_bytes)),
         ("free", _size(rep.fs_free_bytes)),
         ("reserve", f"{_size(rep.reserve_bytes)} kept free for NCCL (MMSHM_MIN_FREE_BYTES)"),
-        ("expected load", f"{_size(rep.expected_bytes)} of multimodal tensors in flight"),
+        ("expected load", f"{_size(rep.expected_bytes)} of multimodal tensors in flight "
+                          f"({rep.expected_assumption})"),
+        ("advised size", f"--shm-size={rep.shm_size_gib}g for that load plus the other files "
+                         f"below (README: sizing /dev/shm)"),
         ("segments", f"{rep.segments} ({_size(rep.segment_bytes)})"),
         ("orphans", f"{rep.orphans} ({_size(rep.orphan_bytes)})"),
+        ("descriptors", fd),
+        ("memory cgroup", cg),
+        ("servers", servers),
     )
     for key, value in rows:
         con.print(Text.assemble(f"  {key:<14}", value))
+    con.print(Text("other files on this file system:", style="bold"))
+    _print_others(con, rep.others, rep.other_bytes)
+    for note in rep.notes:
+        con.print(Text.assemble(("note: ", "bold yellow"), note))
     if rep.ok:
         con.print(Text("no problems found", style="green"))
         return
@@ -271,9 +421,156 @@ def doctor(directory, expected_bytes, as_json) -> None:
     sys.exit(1)
 
 
+def _age(s: float | None) -> str:
+    if s is None:
+        return ""
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
 @main.command()
-@click.option("--dir", "directory", default=None, metavar="DIR",
-              help="Segment directory [default: MMSHM_DIR or /dev/shm].")
+@click.option("--dir", "directory", default=None, metavar="DIR", help=_DIR_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def status(directory, as_json) -> None:
+    """Show what holds shared memory now: per process, then everything else.
+
+    For each process that has segments open (pid, command, server role where
+    its command line tells, whether it runs under `mmshm run`): segments it
+    owns and holds, their bytes, the references outstanding on the ones it
+    owns, the oldest one's age and its warm pool. Server processes with no
+    segment are listed too. Then the other files on the same file system by
+    owner (NCCL, Python shared memory, SGLang, DeepSpeed, semaphores), and
+    totals against the file system's size and the reserve. Read-only and
+    safe beside live servers: liveness comes from the segments' locks, and a
+    pid reused during the scan is dropped. Processes of other users show up
+    only when run as root.
+
+    Exits 0, or 4 on a bad MMSHM_* value, 5 if the directory cannot be read.
+    """
+    import msgspec
+    from rich.text import Text
+
+    from .status import status as survey_status
+
+    _check_settings("status")
+    _dir_error("status", directory)
+    rep = survey_status(directory)
+    if as_json:
+        click.echo(msgspec.json.encode(rep).decode())
+        return
+    con = _console()
+    con.print(Text.assemble(("mmshm status: ", "bold"), rep.directory, f" ({rep.fs_type}, "
+                            f"{_size(rep.fs_size_bytes)})"))
+    if rep.processes:
+        con.print(Text("processes:", style="bold"))
+        con.print(Text(f"  {'pid':>7}  {'owned':>5} {'held':>4}  {'bytes':>9}  {'refs':>4}  "
+                       f"{'oldest':>6}  {'pooled':<16} {'run':<3}  role: command"))
+        for p in rep.processes:
+            run = {True: "yes", False: "no", None: "?"}[p.under_mmshm_run]
+            pooled = f"{p.pooled} ({_size(p.pooled_bytes)})" if p.pooled else "0"
+            who = (f"{p.role}: " if p.role else "") + p.command
+            con.print(Text(f"  {p.pid:>7}  {p.owned:>5} {p.held:>4}  {_size(p.bytes):>9}  "
+                           f"{p.references:>4}  {_age(p.oldest_age_s):>6}  {pooled:<16} "
+                           f"{run:<3}  {who[:100]}"))
+        con.print(Text("  owned: segments it created; held: opened from another process's "
+                       "handle; refs: references outstanding on those it owns; pooled: idle "
+                       "in its warm pool, reused by its next request; run: started under "
+                       "`mmshm run`"))
+    else:
+        con.print(Text("no process holds a segment in this directory, and no SGLang or vLLM "
+                       "process is running" if not rep.segments else
+                       "no visible process holds these segments"))
+    live = [s for s in rep.segments if s.held]
+    con.print(Text(f"segments: {len(rep.segments)} ({_size(rep.segment_bytes)}): "
+                   f"{len(live)} held, {rep.orphans} orphaned ({_size(rep.orphan_bytes)}; "
+                   f"`mmshm gc` reclaims them), {_size(rep.pooled_bytes)} idle in pools"))
+    if rep.unattributed:
+        con.print(Text(f"  {rep.unattributed} held segment(s) ({_size(rep.unattributed_bytes)}) "
+                       f"belong to processes this user cannot see"))
+    con.print(Text(f"other files on this file system ({rep.root}):", style="bold"))
+    _print_others(con, rep.others, rep.other_bytes)
+    con.print(Text(
+        f"totals: {_size(rep.fs_used_bytes)} used of {_size(rep.fs_size_bytes)} "
+        f"(mmshm {_size(rep.segment_bytes)}, other files {_size(rep.other_bytes)}"
+        + (f", not in any visible file {_size(rep.unaccounted_bytes)}"
+           if rep.unaccounted_bytes else "")
+        + f"); {_size(rep.fs_free_bytes)} free, of which mmshm keeps "
+          f"{_size(rep.reserve_bytes)} as the reserve (MMSHM_MIN_FREE_BYTES)"))
+    for note in rep.notes:
+        con.print(Text.assemble(("note: ", "bold yellow"), note))
+
+
+@main.command(name="config")
+@click.option("--json", "as_json", is_flag=True, help="Print the settings as JSON.")
+def config_cmd(as_json) -> None:
+    """Print every MMSHM_* setting in effect and where it came from.
+
+    Values are read from this environment, as a server started from it would
+    read them (a launch script's exports apply only inside that script).
+    Exits 0, or 4 if a variable holds a value mmshm cannot use (listed, one
+    line each, with what is allowed; a server would warn and use the
+    default).
+    """
+    import os as _os
+
+    from rich.text import Text
+
+    from . import config
+
+    rows = []
+    bad = []
+    d = config.reload(warn=False).dir
+    try:
+        st = _os.statvfs(d)
+        fs_size = st.f_blocks * st.f_frsize
+    except OSError:
+        fs_size = None
+    for var in config.VARIABLES:
+        raw = _os.environ.get(var.name)
+        try:
+            value, source = config.parse_variable(var)
+            error = None
+        except config.SettingError as exc:
+            value, source, error = var.default, "default (bad value ignored)", str(exc)
+            bad.append(exc)
+        shown = value
+        if var.name == "MMSHM_MIN_FREE_BYTES" and value is None and fs_size is not None:
+            shown = f"{config.default_min_free_bytes(fs_size)} (5% of {d}, 16 MiB..1 GiB)"
+        elif var.name == "MMSHM_POOL_MAX_BYTES" and value is None and fs_size is not None:
+            shown = f"{int(min(fs_size // 4, 2 << 30))} (1/4 of {d}, at most 2 GiB)"
+        elif var.name == "MMSHM_INSTRUMENT" and value is None:
+            shown = "the installed instrumentors"
+        elif value is None:
+            shown = "unset"
+        elif isinstance(value, bool):
+            shown = "1" if value else "0"
+        rows.append({"variable": var.name, "value": value, "shown": str(shown), "raw": raw,
+                     "source": source, "allowed": var.allowed, "meaning": var.meaning,
+                     "error": error})
+    unknown = config.unknown_variables()
+    if as_json:
+        click.echo(json.dumps({"settings": [{k: v for k, v in r.items() if k != "shown"}
+                                            for r in rows], "unknown": unknown}))
+    else:
+        con = _console()
+        con.print(Text("mmshm settings in effect for processes started from this environment:",
+                       style="bold"))
+        for r in rows:
+            con.print(Text(f"  {r['variable']:<24}{r['shown']}  [{r['source']}]  {r['meaning']}",
+                           style="red" if r["error"] else ""))
+        for name in unknown:
+            con.print(Text(f"note: {name} is set but mmshm reads no such variable"))
+    for exc in bad:
+        click.echo(f"mmshm config: error: {exc}", err=True)
+    if bad:
+        sys.exit(config.EXIT_BAD_SETTING)
+
+
+@main.command()
+@click.option("--dir", "directory", default=None, metavar="DIR", help=_DIR_HELP)
 @click.option("--dry-run", is_flag=True, help="List the orphans without removing them.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reaper's report as JSON.")
 def gc(directory, dry_run, as_json) -> None:
@@ -282,13 +579,19 @@ def gc(directory, dry_run, as_json) -> None:
     Liveness comes from the locks every holder keeps on its segments, never
     from pids, so segments of other live servers on the host are left alone.
     Prints how many segments and bytes were (or, with --dry-run, would be)
-    freed, and their names.
+    freed, and their names. With the warm pool on, a released segment stays
+    in the directory (held by its creator) until MMSHM_POOL_IDLE_S passes: it
+    is not an orphan, and gc keeps it.
+
+    Exits 0, or 4 on a bad MMSHM_* value, 5 if the directory cannot be read.
     """
     import msgspec
     from rich.text import Text
 
     from .reaper import reap
 
+    _check_settings("gc")
+    _dir_error("gc", directory)
     rep = reap(directory, dry_run=dry_run)
     if as_json:
         click.echo(msgspec.json.encode(rep).decode())
@@ -303,7 +606,6 @@ def gc(directory, dry_run, as_json) -> None:
         con.print(Text(f"  {name}"))
     con.print(Text(f"kept {rep.live} live segment(s), {rep.live_bytes} bytes"
                    + (" (dry run: nothing removed)" if dry_run else "")))
-
 
 
 @main.command(context_settings={"ignore_unknown_options": True,

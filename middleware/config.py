@@ -45,35 +45,278 @@ Variables:
         string is hashed. Unset (the default): the identity comes from the
         system (boot id, IPC and mount namespace, segment directory). Meant for
         tests and for simulating several nodes on one machine.
+
+Bad values: a value a variable does not accept never stops a process. The
+settings fall back to that variable's default and log one WARNING naming the
+variable, the value and what is allowed (a server keeps running). The
+``mmshm`` commands check first (:func:`check`) and exit with
+:data:`EXIT_BAD_SETTING` and that one line. :data:`VARIABLES` lists every
+variable with what it accepts; ``mmshm config`` prints the values in effect.
+Sizes accept units (:func:`parse_size`: ``720M``, ``2GiB``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from .errors import MmshmError
 
-def _env_bool(name: str, default: bool) -> bool:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    return v.strip().lower() in ("1", "true", "yes", "on")
+log = logging.getLogger("mmshm")
+
+#: Exit status of every ``mmshm`` command (but ``run``, which exits with its
+#: command's status) when an ``MMSHM_*`` variable has a value it cannot use.
+EXIT_BAD_SETTING = 4
 
 
-def _env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """The value of ``name`` (default: the first choice). Raises
-    :class:`ValueError` naming the variable and the choices."""
-    v = (os.environ.get(name) or "").strip().lower() or choices[0]
-    if v not in choices:
-        raise ValueError(f"{name}={os.environ.get(name)!r}: expected one of {', '.join(choices)}")
+class SettingError(MmshmError, ValueError):
+    """An ``MMSHM_*`` environment variable holds a value mmshm cannot use.
+
+    ``str()`` is one line naming the variable, the value and what is allowed.
+
+    Attributes:
+        variable: the variable's name, e.g. ``"MMSHM_MIN_BYTES"``.
+        value: the value found in the environment.
+        allowed: what the variable accepts, in words.
+    """
+
+    def __init__(self, variable: str, value: str, allowed: str):
+        super().__init__(f"{variable}={value!r} is not valid: expected {allowed}")
+        self.variable = variable
+        self.value = value
+        self.allowed = allowed
+
+    def __reduce__(self):
+        return (type(self), (self.variable, self.value, self.allowed))
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*\Z")
+SIZE_SYNTAX = ("bytes: an integer or a size such as 64K, 720M, 2GiB (K, M, G, T = KiB, MiB, "
+               "GiB, TiB; KB, MB, GB, TB = powers of 1000)")
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: ``"65536"``, ``"1e9"``, ``"720M"``, ``"2GiB"``, ``"1.5G"``.
+
+    K, M, G, T and KiB, MiB, GiB, TiB are powers of 1024 (as in docker's
+    ``--shm-size``); KB, MB, GB, TB powers of 1000. Case is ignored.
+
+    Raises:
+        ValueError: not a non-negative number with one of those units.
+    """
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not {SIZE_SYNTAX}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bool(raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(raw)
+
+
+def _nonneg_int(raw: str) -> int:
+    v = int(raw.strip())
+    if v < 0:
+        raise ValueError(raw)
     return v
 
 
-def _env_int(name: str) -> int | None:
-    v = os.environ.get(name)
-    if v is None or v.strip() == "":
+def _size(raw: str) -> int:
+    return parse_size(raw)
+
+
+def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        v = float(raw.strip())
+        if v != v or v in (float("inf"),) or v < 0 or (minimum_exclusive and v == 0):
+            raise ValueError(raw)
+        return v
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        v = raw.strip().lower()
+        if v not in choices:
+            raise ValueError(raw)
+        return v
+    return parse
+
+
+def _port(raw: str) -> int:
+    v = int(raw.strip())
+    if not 0 <= v <= 65535:
+        raise ValueError(raw)
+    return v
+
+
+def _text(raw: str) -> str:
+    return raw.strip()
+
+
+def known_instrumentors() -> list[str]:
+    """Names ``MMSHM_INSTRUMENT`` may list (the instrumentor registry)."""
+    from mmshm.integrations import REGISTRY
+
+    return sorted(REGISTRY)
+
+
+def instrument_names(value: str | None, known: Iterable[str] | None = None) -> list[str] | None:
+    """The instrumentors an ``MMSHM_INSTRUMENT`` value selects.
+
+    Args:
+        value: the variable's value (``None`` or empty: unset).
+        known: the valid names (default :func:`known_instrumentors`).
+
+    Returns:
+        ``None`` when unset (the caller picks the installed ones), ``[]`` for
+        ``none`` (or ``0``, ``off``, ``false``), else the listed names in order.
+
+    Raises:
+        SettingError: a name that is no instrumentor, or an empty list item.
+    """
+    if value is None or value.strip() == "":
         return None
-    return int(float(v))
+    if value.strip().lower() in ("none", "0", "off", "false"):
+        return []
+    known = list(known_instrumentors() if known is None else known)
+    names = [n.strip() for n in value.split(",")]
+    if any(not n or n not in known for n in names):
+        raise SettingError("MMSHM_INSTRUMENT", value,
+                           f"a comma-separated list of {', '.join(known)}, or none")
+    return names
+
+
+def _instrument(raw: str) -> str:
+    instrument_names(raw)
+    return raw.strip()
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One ``MMSHM_*`` setting: how it is parsed and what it accepts.
+
+    Attributes:
+        name: the environment variable.
+        field: the :class:`Settings` attribute it sets (None: read elsewhere,
+            validated here).
+        parse: turns the raw text into the value; raises ValueError (or
+            SettingError) on a bad one.
+        default: the value used when unset or bad.
+        allowed: what it accepts, in words (for errors).
+        meaning: one line for ``mmshm config``.
+    """
+
+    name: str
+    field: str | None
+    parse: Callable[[str], object]
+    default: object
+    allowed: str
+    meaning: str
+
+
+_BOOL = "1 or 0 (also true/false, yes/no, on/off)"
+VARIABLES: tuple[Variable, ...] = (
+    Variable("MMSHM_DIR", "dir", _text, "/dev/shm", "a directory path",
+             "segment directory (a tmpfs)"),
+    Variable("MMSHM_MIN_BYTES", "min_bytes", _size, 65536, SIZE_SYNTAX,
+             "smaller tensors stay inline"),
+    Variable("MMSHM_DISABLE", "disable", _bool, False, _BOOL, "1: everything travels inline"),
+    Variable("MMSHM_SWEEP_INTERVAL_S", "sweep_interval_s", _seconds(True), 1.0,
+             "a number of seconds above 0", "seconds between sweeps of finished segments"),
+    Variable("MMSHM_MIN_FREE_BYTES", "min_free_bytes", _size, None, SIZE_SYNTAX,
+             "budget guard reserve kept free (NCCL headroom)"),
+    Variable("MMSHM_MAX_BYTES", "max_bytes", _size, 0, SIZE_SYNTAX,
+             "cap on one process's live segment bytes (0: none)"),
+    Variable("MMSHM_FD_RESERVE", "fd_reserve", _nonneg_int, 64, "an integer >= 0",
+             "descriptors kept free below RLIMIT_NOFILE"),
+    Variable("MMSHM_REAP_INTERVAL_S", "reap_interval_s", _seconds(False), 60.0,
+             "a number of seconds >= 0 (0: off)", "automatic reaper period"),
+    Variable("MMSHM_POOL", "pool", _bool, True, _BOOL, "warm segment pool"),
+    Variable("MMSHM_POOL_IDLE_S", "pool_idle_s", _seconds(False), 10.0,
+             "a number of seconds >= 0", "idle pooled segments are unlinked after this"),
+    Variable("MMSHM_POOL_MAX_BYTES", "pool_max_bytes", _size, None, SIZE_SYNTAX,
+             "idle pooled bytes one process keeps"),
+    Variable("MMSHM_HASH", "hash", _choice("lazy", "eager"), "lazy", "lazy or eager",
+             "when a handle's content hash is computed"),
+    Variable("MMSHM_NODE_ID", "node_id", _text, None, "any text",
+             "overrides this process's node identity"),
+    Variable("MMSHM_INSTRUMENT", None, _instrument, None,
+             "a comma-separated list of instrumentors (sglang, vllm), or none",
+             "instrumentors `mmshm run` loads (unset: the installed ones)"),
+    Variable("MMSHM_METRICS_PORT", None, _port, None, "a port number, 0 to 65535",
+             "start a standalone Prometheus exporter on this port"),
+    Variable("MMSHM_METRICS_ADDR", None, _text, "127.0.0.1", "an address to listen on",
+             "the standalone exporter's address"),
+    Variable("MMSHM_METRICS_REFRESH_S", None, _seconds(True), 5.0,
+             "a number of seconds above 0", "how often directory gauges are refreshed"),
+)
+BY_NAME = {v.name: v for v in VARIABLES}
+# set by `mmshm run` for its start-up hook, or read by other modules / the tests
+_INTERNAL = ("MMSHM_AUTOPATCH_", "MMSHM_DEBUG_", "MMSHM_TEST_", "MMSHM_CHAOS_",
+             "MMSHM_SGLANG_", "MMSHM_VLLM_")
+
+
+def parse_variable(var: Variable, environ=None) -> tuple[object, str]:
+    """``(value, source)`` of one variable: source is ``"environment"`` or
+    ``"default"``.
+
+    Raises:
+        SettingError: the variable is set to a value it does not accept.
+    """
+    raw = (os.environ if environ is None else environ).get(var.name)
+    if raw is None or raw.strip() == "":
+        return var.default, "default"
+    try:
+        return var.parse(raw), "environment"
+    except SettingError:
+        raise
+    except (ValueError, TypeError, OverflowError):
+        raise SettingError(var.name, raw, var.allowed) from None
+
+
+def problems(environ=None) -> list[SettingError]:
+    """Every ``MMSHM_*`` variable set to a value mmshm cannot use (empty
+    when all is well). Reads the environment; changes nothing."""
+    out = []
+    for var in VARIABLES:
+        try:
+            parse_variable(var, environ)
+        except SettingError as exc:
+            out.append(exc)
+    return out
+
+
+def unknown_variables(environ=None) -> list[str]:
+    """``MMSHM_*`` names set in the environment that mmshm does not read
+    (typos such as ``MMSHM_MINBYTES``)."""
+    env = os.environ if environ is None else environ
+    return sorted(k for k in env if k.startswith("MMSHM_") and k not in BY_NAME
+                  and not k.startswith(_INTERNAL))
+
+
+def check(environ=None) -> None:
+    """Raise the first :class:`SettingError` among :func:`problems`, if any
+    (the CLI's commands call it first, and exit with :data:`EXIT_BAD_SETTING`)."""
+    bad = problems(environ)
+    if bad:
+        raise bad[0]
 
 
 def default_min_free_bytes(fs_size: int) -> int:
@@ -114,24 +357,30 @@ class Settings:
 _settings: Settings | None = None
 
 
-def reload() -> Settings:
-    """Re-read the environment and return the new settings."""
+_warned: set[tuple[str, str]] = set()
+
+
+def reload(warn: bool = True) -> Settings:
+    """Re-read the environment and return the new settings.
+
+    A variable set to a value it does not accept takes its default instead,
+    and (with ``warn``) logs one WARNING naming it, once per value and
+    process. Never raises on a bad value: see :func:`check` for that.
+    """
     global _settings
-    _settings = Settings(
-        dir=os.environ.get("MMSHM_DIR") or "/dev/shm",
-        min_bytes=int(os.environ.get("MMSHM_MIN_BYTES", "65536")),
-        disable=_env_bool("MMSHM_DISABLE", False),
-        sweep_interval_s=float(os.environ.get("MMSHM_SWEEP_INTERVAL_S", "1.0")),
-        min_free_bytes=_env_int("MMSHM_MIN_FREE_BYTES"),
-        max_bytes=_env_int("MMSHM_MAX_BYTES") or 0,
-        fd_reserve=_env_int("MMSHM_FD_RESERVE") if os.environ.get("MMSHM_FD_RESERVE") else 64,
-        reap_interval_s=float(os.environ.get("MMSHM_REAP_INTERVAL_S", "60")),
-        pool=_env_bool("MMSHM_POOL", True),
-        pool_idle_s=float(os.environ.get("MMSHM_POOL_IDLE_S", "10")),
-        pool_max_bytes=_env_int("MMSHM_POOL_MAX_BYTES"),
-        node_id=(os.environ.get("MMSHM_NODE_ID") or "").strip() or None,
-        hash=_env_choice("MMSHM_HASH", ("lazy", "eager")),
-    )
+    values = {}
+    for var in VARIABLES:
+        if var.field is None:
+            continue
+        try:
+            values[var.field] = parse_variable(var)[0]
+        except SettingError as exc:
+            values[var.field] = var.default
+            if warn and (exc.variable, exc.value) not in _warned:
+                _warned.add((exc.variable, exc.value))
+                log.warning("mmshm: %s; using the default (%s)", exc,
+                            "its computed default" if var.default is None else var.default)
+    _settings = Settings(**values)
     return _settings
 
 

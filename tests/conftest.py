@@ -96,3 +96,19 @@ def pool(monkeypatch, shm_dir):
     monkeypatch.setenv("MMSHM_POOL_IDLE_S", "60")
     config.reload()
     yield shm_dir
+
+
+@pytest.fixture
+def no_bench(monkeypatch):
+    """run_bench recorded, never run."""
+    from mmshm import bench
+
+    seen = []
+
+    def fake_run_bench(cfg, reporter=None, on_run=None):
+        seen.append(cfg)
+        return {"runs": [], "floors": [], "summary": [], "leftover_segments": [],
+                "config": {"shm_dir": "/dev/shm"}, "elapsed_s": 0.0}
+
+    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    return seen

@@ -21,6 +21,7 @@ mmshm loaded, which keeps each trial well under a second.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import random
@@ -37,6 +38,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 import mmshm
 import mmshm_faults as F
 from mmshm import reaper
+
+log = logging.getLogger("tests.figures")
 
 TRIALS = int(os.environ.get("MMSHM_CHAOS_TRIALS", "100"))
 SEED = int(os.environ.get("MMSHM_CHAOS_SEED", "20240603"))
@@ -119,7 +122,7 @@ TRIAL = {"producer": _producer_trial, "consumer": _consumer_trial, "tp_rank": _t
 
 
 @pytest.mark.timeout(240)
-def test_chaos_sigkill_trials(segdir, capsys):
+def test_chaos_sigkill_trials(segdir):
     rnd = random.Random(SEED)
     kinds = [KINDS[i % len(KINDS)] for i in range(TRIALS)]
     rnd.shuffle(kinds)
@@ -164,7 +167,7 @@ def test_chaos_sigkill_trials(segdir, capsys):
     assert F.recv(live_conn) == "bye"
     assert F.join(live) == 0
     assert F.segment_files(segdir) == []
-    with capsys.disabled():  # quotable from any run's log
-        print(f"\nchaos: {TRIALS} trials (seed {SEED}), kills {dict(kills)}, "
-              f"reclaimed {reclaimed} segments / {reclaimed_bytes} bytes, orphans left 0, "
-              f"live segments intact {len(live_names)}, slowest trial {slowest:.2f}s")
+    # diagnostic figures go to the log (pytest -o log_cli=true --log-cli-level=INFO)
+    log.info("chaos: %d trials (seed %s), kills %s, reclaimed %d segments / %d bytes, "
+             "orphans left 0, live segments intact %d, slowest trial %.2fs", TRIALS, SEED,
+             dict(kills), reclaimed, reclaimed_bytes, len(live_names), slowest)

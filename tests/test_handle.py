@@ -459,10 +459,14 @@ def test_eager_hash_is_computed_at_creation(shm_dir, monkeypatch):
         x.release()
 
 
-def test_bad_hash_setting_is_a_clear_error(monkeypatch):
+def test_bad_hash_setting_warns_and_uses_the_default(monkeypatch, caplog):
     monkeypatch.setenv("MMSHM_HASH", "sometimes")
-    with pytest.raises(ValueError, match="MMSHM_HASH"):
-        mmshm.config.reload()
+    monkeypatch.setattr(mmshm.config, "_warned", set())
+    with caplog.at_level("WARNING", logger="mmshm"):
+        assert mmshm.config.reload().hash == "lazy"  # a server keeps running
+    assert "MMSHM_HASH='sometimes' is not valid: expected lazy or eager" in caplog.text
+    with pytest.raises(mmshm.config.SettingError, match="MMSHM_HASH"):
+        mmshm.config.check()
     monkeypatch.delenv("MMSHM_HASH")
     mmshm.config.reload()
 

@@ -157,12 +157,18 @@ def test_expressions_name_only_emitted_metrics():
     assert names <= emitted, f"not emitted by the exporter: {sorted(names - emitted)}"
 
 
-def test_scrape_config_targets_server_and_exporter():
+def test_scrape_config_targets_each_server_once():
+    """mmshm_* comes from one job per server: the servers' /metrics merge
+    mmshm's series, so an active job on mmshm's exporter (port 9477) would
+    make the dashboard's sum() panels count every series twice."""
     cfg = yaml.safe_load(SCRAPE_CONFIG.read_text())
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
-    assert {"sglang", "mmshm"} <= set(jobs)
+    assert set(jobs) == {"sglang", "vllm"}
+    targets = [t for j in jobs.values() for sc in j["static_configs"] for t in sc["targets"]]
+    assert len(targets) == len(set(targets)) and not any(t.endswith(":9477") for t in targets)
     assert jobs["sglang"].get("metrics_path", "/metrics") == "/metrics"
     assert cfg["rule_files"] == ["alerts.yml"]
+    assert "one place per server" in dashboard()["description"]
 
 
 # -- promtool -----------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ import mmshm
 import mmshm_faults as F
 from mmshm import config, segment
 
+log = logging.getLogger("tests.figures")
+
 MiB = 1 << 20
 SCRIPTS = F.HERE
 
@@ -55,7 +57,7 @@ def _set_env(monkeypatch, **kv):
 @pytest.mark.fault
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_container_burst_tp2_n4_200_photos_in_64mib(tmp_path, capsys):
+def test_container_burst_tp2_n4_200_photos_in_64mib(tmp_path):
     """The issue's container burst. The summary line is meant to be quoted."""
     _needs_unshare()
     pytest.importorskip("transformers")
@@ -66,11 +68,12 @@ def test_container_burst_tp2_n4_200_photos_in_64mib(tmp_path, capsys):
                        size="64m", timeout=280)
     assert out.exists(), f"the driver died (rc {r.returncode}):\n{r.stderr[-4000:]}"
     res = json.loads(out.read_text())
-    with capsys.disabled():  # quotable from any run's log
-        print(f"\nburst: requests={res['requests']} fallbacks={res['fallbacks']} "
-              f"crashes={res['crashes']} leftovers={len(res['leftovers'])} "
-              f"segments={res['segments_created']} pool_hits={res['pool_hits']} "
-              f"seconds={res['seconds']}")
+    # diagnostic figures go to the log (pytest -o log_cli=true --log-cli-level=INFO);
+    # fallbacks are expected here: a 64 MiB tmpfs cannot hold every image
+    log.info("burst: requests=%s inline fallbacks by reason (expected in 64 MiB)=%s "
+             "crashes=%s leftovers=%d segments=%s pool_hits=%s seconds=%s", res["requests"],
+             res["fallbacks"], res["crashes"], len(res["leftovers"]), res["segments_created"],
+             res["pool_hits"], res["seconds"])
     # no process dies: the producer and both TP ranks exit 0, no signal
     assert res["error"] is None, res["error"]
     assert r.returncode == 0, r.stderr[-4000:]

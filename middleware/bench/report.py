@@ -40,6 +40,48 @@ class RichReporter(Reporter):
         self.console.print(f"[yellow]warning:[/] {text}")
 
 
+class PlainReporter(Reporter):
+    """Progress as plain lines on ``console`` (stderr that is not a terminal:
+    a log or a pipe): each phase as it begins, and the count of finished runs
+    at most every ``every_s`` seconds."""
+
+    def __init__(self, console: Console, every_s: float = 10.0):
+        import time
+
+        self.console = console
+        self.every_s = every_s
+        self._clock = time.monotonic
+        self.t0 = self._clock()
+        self.last = self.t0
+        self.done = 0
+        self.total: int | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def _line(self, text: str) -> None:
+        self.last = self._clock()
+        self.console.print(f"[{self.last - self.t0:5.0f} s] {text}", markup=False,
+                           highlight=False)
+
+    def start(self, total_steps: int) -> None:
+        self.total = total_steps
+
+    def stage(self, text: str) -> None:
+        self._line(text)
+
+    def step(self, text: str, advance: int = 1) -> None:
+        self.done += advance
+        if self._clock() - self.last >= self.every_s:
+            self._line(f"{self.done}/{self.total} runs done ({text})")
+
+    def warn(self, text: str) -> None:
+        self.console.print(f"warning: {text}", markup=False, highlight=False)
+
+
 def _ms(s: float | None) -> str:
     return "" if s is None else f"{s * 1e3:,.1f}"
 
@@ -127,7 +169,9 @@ def result_tables(result: dict, width: int | None = None) -> list[Table]:
         caption += ("; a mode can land below the floor when the host is busy"
                     + (f"; a terminal of {FULL_WIDTH}+ columns (or --json) shows every column"
                        if compact else ""))
-        t = Table(title=f"mmshm bench: TP={tp} n={n} {res}{where} (medians)", caption=caption)
+        reps = max((r.get("repeat") or 0 for r in runs), default=0)
+        how = "1 run" if reps <= 1 else f"medians of up to {reps} runs"
+        t = Table(title=f"mmshm bench: TP={tp} n={n} {res}{where} ({how})", caption=caption)
         for i in keep:
             col, just, _ = columns[i]
             t.add_column(col, justify=just, no_wrap=True)
@@ -185,6 +229,30 @@ def h2d_line(r: dict) -> str | None:
                if pinned else f"registered: {r.get('h2d_error') or 'not measured'}"))
 
 
+def summary_lines(result: dict) -> list[str]:
+    """The summary under the tables, in plain words: per mode (but inline)
+    and configuration, how its broadcast step grew from the fewest to the
+    most images, next to the metadata-only floor's, and how it compares with
+    the floor's broadcast."""
+    out = []
+    for s in result.get("summary", []):
+        if s["mode"] == "inline":
+            continue
+        lo, hi = s["images"]
+        fg = s.get("floor_broadcast_growth")
+        bf = s.get("broadcast_over_floor") or [None, None]
+        line = (f"{s['mode']}, TP={s['tp']} n={s['n']} {s['resolution']}: with {hi} images "
+                f"instead of {lo}, its broadcast step took {s['broadcast_growth']:.2f} times "
+                f"as long")
+        if fg:
+            line += f" (a metadata-only broadcast: {fg:.2f} times)"
+        if None not in bf:
+            line += (f"; it took {bf[0]:.1f} times a metadata-only broadcast at {lo} "
+                     f"image(s) and {bf[1]:.1f} times at {hi}")
+        out.append(line + ".")
+    return out
+
+
 def print_result(result: dict, console: Console) -> None:
     """Print the result tables, skipped runs, any problems and the leftover check."""
     for t in result_tables(result, console.width):
@@ -201,17 +269,8 @@ def print_result(result: dict, console: Console) -> None:
     for f in result.get("floors", []):
         for p in f.get("problems", []):
             console.print(f"[red]floor TP={f['tp']} n={f['n']} x{f['images']}:[/] {p}")
-    for s in result.get("summary", []):
-        if s["mode"] != "inline":
-            lo, hi = s["images"]
-            fg = s.get("floor_broadcast_growth")
-            bf = s.get("broadcast_over_floor") or [None, None]
-            console.print(
-                f"{s['mode']} TP={s['tp']} n={s['n']} {s['resolution']}: broadcast at {hi} vs "
-                f"{lo} image(s) {s['broadcast_growth']:.2f}x"
-                + (f" (metadata-only floor broadcast {fg:.2f}x)" if fg else "")
-                + (f"; broadcast + materialize over the floor's broadcast {bf[0]:.1f}x at {lo}, "
-                   f"{bf[1]:.1f}x at {hi}" if None not in bf else ""))
+    for line in summary_lines(result):
+        console.print(line, markup=False, highlight=False)
     left = result.get("leftover_segments", [])
     if left:
         console.print(f"[red]{len(left)} segment file(s) were left behind (removed):[/] "

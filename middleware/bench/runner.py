@@ -135,10 +135,10 @@ class _CacheFlusher:
     reads its source from and writes its destination to DRAM, whatever ran
     before: the floor's copies and every mode's run start alike."""
 
-    def __init__(self):
+    def __init__(self, max_bytes: int = EVICT_MAX_BYTES):
         import torch
 
-        n = min(2 * _llc_bytes(), EVICT_MAX_BYTES)
+        n = min(2 * _llc_bytes(), max_bytes)
         self.buf = torch.zeros(n, dtype=torch.uint8)
 
     def __call__(self) -> None:
@@ -179,6 +179,10 @@ class BenchConfig:
         device: ``"cpu"``, or ``"cuda"``: every TP rank then also times the
             copy of what it holds to its GPU, from pageable and from
             registered (pinned) memory (:mod:`mmshm.bench.h2d`).
+        evict_max_bytes: most bytes of the buffer the producer writes to flush
+            the CPU caches before every timed copy (twice the last-level
+            cache up to this; ``--quick`` uses 64 MiB, so on a CPU with a
+            large cache its copies start partly warm, alike for every mode).
     """
 
     tp: tuple[int, ...] = (2,)
@@ -195,6 +199,7 @@ class BenchConfig:
     shm_dir: str | None = None
     nodes: int = 1
     device: str = "cpu"
+    evict_max_bytes: int = EVICT_MAX_BYTES
 
     def __post_init__(self):
         for f in ("tp", "n", "images", "resolution", "modes"):
@@ -376,7 +381,7 @@ class _Session:
         self.push.setsockopt(zmq.SNDTIMEO, int(cfg.timeout_s * 1000))
         self.push.bind(self.endpoint)
         self.modes = {m: get_mode(m, min_bytes=cfg.min_bytes) for m in cfg.modes}
-        self.flush_caches = _CacheFlusher()
+        self.flush_caches = _CacheFlusher(cfg.evict_max_bytes)
 
     # -- ranks -----------------------------------------------------------------
     def spawn(self) -> None:

@@ -313,6 +313,24 @@ def w_segment_holder(directory: str, nbytes: int, reap_interval_s: str, conn) ->
             return
 
 
+def w_pool_owner(directory: str, conn) -> None:
+    """A producer with the warm pool on: one live segment (count 2: one
+    reference handed out) and one released into its pool; sends both names,
+    then on any command releases everything and exits."""
+    use_dir(directory, MMSHM_POOL="1", MMSHM_POOL_IDLE_S="600")
+    live = mmshm.ShmTensor.from_tensor(pattern(1 << 20, 1))
+    live.share(1)
+    pooled = mmshm.ShmTensor.from_tensor(pattern(1 << 19, 2))
+    pooled_name = pooled.name
+    pooled.release()
+    conn.send((live.name, pooled_name))
+    conn.recv()
+    segment.update_refcount(live.name, -1)
+    live.release()
+    segment.trim_pool()
+    conn.send("bye")
+
+
 def w_release_on_command(directory: str, conn) -> None:
     """Holds an unpickled (never attached) handle; on command releases it (by
     path: this process has no descriptor) and reports raised errors and the

