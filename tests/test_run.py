@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from mmshm import autopatch, integrations, report, segment
+from mmshm import autopatch, config, integrations, report, segment
 from mmshm.reaper import reclaim_left_by
 
 MMSHM = [sys.executable, "-m", "mmshm.cli"]
@@ -57,11 +57,11 @@ def test_vllm_instrumentor_declares_both_names_and_032_to_033():
 def test_selection_defaults_to_every_instrumentor_and_rejects_unknown_names():
     assert autopatch.selected("") == ["sglang", "vllm"]
     assert autopatch.selected("none") == []
-    with pytest.raises(autopatch.InstrumentSelectionError, match="'sglnag'.*allowed: sglang, "):
+    with pytest.raises(config.SettingError, match="MMSHM_INSTRUMENT='sglnag'.*sglang, vllm"):
         autopatch.selected("sglnag")
     r = subprocess.run([*MMSHM, "run", "--", "true"], env=dict(os.environ,
                        MMSHM_INSTRUMENT="sglnag"), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
+    assert r.returncode == config.EXIT_BAD_SETTING
     assert r.stderr.strip().count("\n") == 0 and "MMSHM_INSTRUMENT" in r.stderr, r.stderr
 
 
