@@ -288,6 +288,13 @@ def run(argv: list[str], env: dict | None = None) -> int:
     seg_dir = env.get("MMSHM_DIR") or "/dev/shm"
     try:
         made = _ensure_dir_quietly(seg_dir)
+        try:
+            from mmshm import segment
+
+            if segment._dir_checked.get(seg_dir):
+                env["MMSHM_DIR_PROBLEM_SAID"] = seg_dir  # the server's processes stay quiet
+        except Exception:  # noqa: BLE001
+            pass
         names = env[ENV_INSTRUMENT]
         _say(f"instrumenting {names.replace(',', ', ')} in every Python process of "
              f"{' '.join(argv)[:200]}; segments in {seg_dir}"

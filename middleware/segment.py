@@ -159,7 +159,11 @@ def ensure_dir(directory: str) -> bool:
         elif not os.access(directory, os.W_OK | os.X_OK):
             problem = "this process cannot write to it (permissions or a read-only mount)"
     _dir_checked[directory] = problem
-    if problem is not None:
+    if problem is not None and os.environ.get("MMSHM_DIR_PROBLEM_SAID") == directory:
+        # ``mmshm run`` said it once for every process of the server
+        log.info("mmshm: MMSHM_DIR=%s is unusable (%s); tensors travel inline, as "
+                 "mmshm run said", directory, problem)
+    elif problem is not None:
         log.warning("mmshm: the segment directory MMSHM_DIR=%s cannot hold segments: %s; "
                     "every tensor travels inline (correct, but without shared memory). Fix: "
                     "point MMSHM_DIR at a writable directory on a tmpfs, e.g. /dev/shm or "
