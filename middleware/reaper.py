@@ -124,15 +124,17 @@ def scan(directory: str | None = None) -> list[SegmentInfo]:
     return out
 
 
-def reap(directory: str | None = None, dry_run: bool = False) -> ReapReport:
-    """Reclaim every orphaned segment in ``directory`` (default ``MMSHM_DIR``).
-
-    Returns a :class:`ReapReport`; counts ``mmshm_reaped_segments_total`` and
-    ``mmshm_reaped_bytes_total`` (not in a dry run).
-    """
-    d = segment_dir(directory)
+def _pass(d: str, dry_run: bool, creators: set[int] | None = None) -> ReapReport:
+    """Probe (and unless ``dry_run`` unlink) the orphans of ``d``, only those
+    created by ``creators`` when given; count the reclaimed ones."""
     rep = ReapReport(directory=d, dry_run=dry_run)
     for name in sorted(iter_segment_files(d)):
+        if creators is not None:
+            try:
+                if int(name.split("-")[1]) not in creators:
+                    continue
+            except (IndexError, ValueError):
+                continue
         r = _probe(os.path.join(d, name), unlink=not dry_run)
         if r is None:
             continue
@@ -147,6 +149,18 @@ def reap(directory: str | None = None, dry_run: bool = False) -> ReapReport:
     if rep.reclaimed and not dry_run:
         REAPED_SEGMENTS.inc(rep.reclaimed)
         REAPED_BYTES.inc(rep.reclaimed_bytes)
+    return rep
+
+
+def reap(directory: str | None = None, dry_run: bool = False) -> ReapReport:
+    """Reclaim every orphaned segment in ``directory`` (default ``MMSHM_DIR``).
+
+    Returns a :class:`ReapReport`; counts ``mmshm_reaped_segments_total`` and
+    ``mmshm_reaped_bytes_total`` (not in a dry run).
+    """
+    d = segment_dir(directory)
+    rep = _pass(d, dry_run)
+    if rep.reclaimed and not dry_run:
         log.warning("mmshm: reclaimed %d orphaned segment(s), %d bytes, in %s "
                     "(left by crashed processes)", rep.reclaimed, rep.reclaimed_bytes, d)
     return rep
@@ -185,28 +199,4 @@ def reclaim_left_by(pids: set[int] | frozenset[int], directory: str | None = Non
     process still holds is kept (counted in ``live``). Counts
     ``mmshm_reaped_segments_total`` and ``mmshm_reaped_bytes_total``.
     """
-    d = segment_dir(directory)
-    rep = ReapReport(directory=d, dry_run=False)
-    wanted = {int(p) for p in pids}
-    for name in sorted(iter_segment_files(d)):
-        try:
-            pid = int(name.split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        if pid not in wanted:
-            continue
-        r = _probe(os.path.join(d, name), unlink=True)
-        if r is None:
-            continue
-        orphan, size = r
-        if orphan:
-            rep.reclaimed += 1
-            rep.reclaimed_bytes += size
-            rep.names.append(name)
-        else:
-            rep.live += 1
-            rep.live_bytes += size
-    if rep.reclaimed:
-        REAPED_SEGMENTS.inc(rep.reclaimed)
-        REAPED_BYTES.inc(rep.reclaimed_bytes)
-    return rep
+    return _pass(segment_dir(directory), False, {int(p) for p in pids})
