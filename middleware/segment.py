@@ -378,11 +378,12 @@ def _check_fd(fd: int, path: str) -> None:
 
 def size_class(total: int) -> int:
     """Round a segment size (bytes, header included) up to its pool class:
-    whole pages below 64 KiB, then eight classes per power of two (at most
-    12.5% slack)."""
+    whole pages up to 64 KiB, then eight classes per power of two: a size in
+    [2**k, 2**(k+1)) rounds up to a multiple of 2**(k-3), so the slack is
+    below 12.5% of the size (an 8 MiB tensor plus its header takes 9 MiB)."""
     if total <= 1 << 16:
         return -(-total // 4096) * 4096
-    step = (1 << (total - 1).bit_length()) // 8
+    step = (1 << (total.bit_length() - 1)) // 8
     return -(-total // step) * step
 
 
