@@ -55,13 +55,14 @@ import errno
 import fcntl
 import logging
 import mmap
-import multiprocessing.util
+import multiprocessing.util  # noqa: F401 - its Finalize runs at a child's exit
 import os
 import re
 import resource
 import secrets
 import stat
 import struct
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -613,6 +614,7 @@ def attach(name: str, directory: str | None = None, gen: int | None = None) -> S
             raise _os_error(exc, "attach", path) from None
         seg = Segment(name, path, fd, size, owned=False, gen=hdr[7])
         _REGISTRY[name] = seg
+        _ensure_exit_hook()
         return seg
 
 
@@ -798,17 +800,31 @@ def _after_fork_in_child() -> None:
 
 
 _exit_hook_pid = 0
+_exit_hook_utils: set[str] = set()
+#: modules whose ``Finalize`` runs at a child's exit: the standard library's,
+#: and that of the third-party ``multiprocess`` package (dill-based), whose
+#: children run only its own finalizers before ``os._exit``
+_MP_UTILS = ("multiprocessing.util", "multiprocess.util")
 
 
 def _ensure_exit_hook() -> None:
     """multiprocessing children (SGLang's scheduler, tokenizer, detokenizer)
     leave through ``os._exit``, which skips ``atexit``: their exit runs
     multiprocessing's finalizers instead. A child clears that registry when it
-    starts, so the hook is registered on the process's first segment."""
+    starts, so the hook is registered on the process's first segment (created
+    or attached), with ``multiprocessing.util`` and, when the ``multiprocess``
+    package is imported (it is never imported here), ``multiprocess.util``."""
     global _exit_hook_pid
-    if _exit_hook_pid != os.getpid():
-        _exit_hook_pid = os.getpid()
-        multiprocessing.util.Finalize(None, _close_all, exitpriority=0)
+    pid = os.getpid()
+    if _exit_hook_pid != pid:
+        _exit_hook_pid = pid
+        _exit_hook_utils.clear()
+    if len(_exit_hook_utils) < len(_MP_UTILS):
+        for name in _MP_UTILS:
+            util = sys.modules.get(name)
+            if util is not None and name not in _exit_hook_utils:
+                util.Finalize(None, _close_all, exitpriority=0)
+                _exit_hook_utils.add(name)
 
 
 atexit.register(_close_all)
