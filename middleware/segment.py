@@ -20,11 +20,20 @@ on the segment file, one byte each:
   whatever process or thread performs it.
 * byte 1, **liveness**: a shared lock held by every process that has the
   segment open (its creator until the count reaches zero, every process with
-  a materialized view). The lock belongs to the open file description, which
-  ``mmap`` duplicates, so it lives exactly as long as a mapping does and the
-  kernel drops it when the process dies. The reaper treats a segment as an
-  orphan only if it can take an exclusive lock on this byte: liveness comes
-  from locks, never from pids, so pid reuse cannot fool it.
+  a materialized view). The lock belongs to the open file description, and
+  a mapping holds a reference to the description in the kernel, so the lock
+  lives as long as the descriptor or any mapping does, and the kernel drops
+  it when the process dies. The reaper treats a segment as an orphan only if
+  it can take an exclusive lock on this byte: liveness comes from locks,
+  never from pids, so pid reuse cannot fool it.
+
+**One descriptor per segment.** Python's ``mmap`` duplicates the descriptor
+it maps (two per mapped segment, three with a second view); segments are
+mapped with libc's ``mmap`` through ctypes instead (:func:`_map`), which
+takes no descriptor. A process holds exactly one descriptor per segment it
+has open, however many views it has of it: a producer with 1000 segments
+holds 1000, and a reader under ``ulimit -n 256`` holds about twice as many
+views as before (``tests/scripts/fd_views.py`` measures both).
 * byte 2, **owner**: an exclusive lock held by the creating process. The last
   release looks at it: while the owner lives, a poolable segment goes back to
   the owner's warm pool (state ``POOLED``, pages kept); otherwise it is
@@ -51,6 +60,7 @@ SIGBUS in the middle of a copy.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import errno
 import fcntl
 import logging
@@ -65,6 +75,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 from . import config
@@ -170,7 +181,7 @@ class Segment:
         self.gen = gen
         self.pins = 0
         self.idle_since: float | None = None
-        self.shared_map: mmap.mmap | None = None
+        self.shared_map: ctypes.Array | None = None  # the creator's (see _map)
         # (generation, content hash) once computed in this process (lazy hashing)
         self.digest: tuple[int, bytes] | None = None
 
@@ -195,12 +206,8 @@ class Segment:
         return _read_header(self.fd, self.path)[4]
 
     def close(self) -> None:
-        if self.shared_map is not None:
-            try:
-                self.shared_map.close()
-            except BufferError:  # a view is still exported; the GC unmaps it
-                pass
-            self.shared_map = None
+        # unmapped once no view exported from it is left (see _map)
+        self.shared_map = None
         if self.fd >= 0:
             try:
                 os.close(self.fd)
@@ -237,7 +244,8 @@ class Segment:
     def payload_view(self) -> memoryview:
         """Writable view of the payload in the creator's shared mapping."""
         assert self.shared_map is not None, "only the creator writes the payload"
-        return memoryview(self.shared_map)[HEADER_SIZE : HEADER_SIZE + self.payload_size]
+        # ctypes exports format "<B"; consumers such as blake3 want "B"
+        return memoryview(self.shared_map).cast("B")[HEADER_SIZE : HEADER_SIZE + self.payload_size]
 
     def check_size(self) -> None:
         """Raise :class:`SegmentCorruptError` if the file is now shorter than
@@ -248,7 +256,7 @@ class Segment:
                 errno.EINVAL, f"segment is truncated: {size} bytes on disk, header says "
                 f"{HEADER_SIZE + self.payload_size}", self.path)
 
-    def map_private(self, nbytes: int | None = None) -> mmap.mmap:
+    def map_private(self, nbytes: int | None = None) -> ctypes.Array:
         """A fresh copy-on-write mapping of the payload. Reads share the
         segment's pages; a write by the consumer stays private, so it can
         never change the bytes another holder sees (and cannot SIGSEGV).
@@ -257,18 +265,44 @@ class Segment:
         file would SIGBUS on access). Raises :class:`SegmentCorruptError`."""
         try:
             self.check_size()
-            return mmap.mmap(
-                self.fd,
-                self.payload_size if nbytes is None else nbytes,
-                flags=mmap.MAP_PRIVATE,
-                prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                offset=HEADER_SIZE,
-            )
+            return _map(self.fd, self.payload_size if nbytes is None else nbytes,
+                        HEADER_SIZE, shared=False)
         except SegmentError:
             raise
         except (OSError, ValueError) as exc:
             raise SegmentCorruptError(errno.EINVAL, f"cannot map segment: {exc}",
                                       self.path) from exc
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long)
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, length: int, offset: int, shared: bool) -> ctypes.Array:
+    """Map ``length`` bytes of ``fd`` from ``offset`` (a page multiple),
+    read-write, ``MAP_SHARED`` or copy-on-write ``MAP_PRIVATE``, without
+    duplicating the descriptor (Python's ``mmap`` would). Returns a ctypes
+    byte array over the mapping (it exports the buffer protocol); the mapping
+    is removed when that array is collected, i.e. once nothing exported from
+    it (a memoryview, a numpy array, a tensor) is left, so a view can never
+    outlive its pages. The kernel's mapping keeps the open file description,
+    and with it the liveness lock, until then. Raises :class:`OSError`."""
+    if length <= 0:
+        raise ValueError(f"cannot map {length} bytes")
+    addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                      mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE, fd, offset)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap: {os.strerror(err)}")
+    buf = (ctypes.c_ubyte * length).from_address(addr)
+    # at exit the process unmaps everything anyway: never earlier than a view
+    weakref.finalize(buf, _libc.munmap, addr, length).atexit = False
+    return buf
 
 
 def _read_header(fd: int, path: str) -> tuple:
@@ -532,7 +566,7 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     try:
         os.ftruncate(fd, total)
         os.posix_fallocate(fd, 0, total)
-        mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = _map(fd, total, 0, shared=True)
         _HDR.pack_into(mm, 0, MAGIC, VERSION, STATE_LIVE, total - HEADER_SIZE, 1, os.getpid(),
                        time.time_ns(), 0, FLAG_POOLABLE if cfg.pool else 0)
     except OSError as exc:
