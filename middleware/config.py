@@ -31,6 +31,17 @@ Variables:
     MMSHM_REAP_INTERVAL_S: the reaper runs at most once per this many seconds
         per segment directory on process start-up, and this often in
         long-lived processes (default 60; 0 disables the automatic runs).
+    MMSHM_IN_FLIGHT_GRACE_S: seconds a segment whose references are in
+        flight (pickled handles not yet opened) is kept by the reaper after
+        every process that had it open closed it cleanly, e.g. its writer
+        exited with requests still queued (default 300: longer than a busy
+        server's queues hold a request). A segment a killed process held is
+        reclaimed at once whatever this says (see :mod:`mmshm.reaper`).
+    MMSHM_DEBUG_REFS: ``1`` records, in each process, where every reference
+        was taken and given back, reports references still held at exit with
+        their stacks, and names the call that gave back the last reference
+        when a handle is used after it (see :mod:`mmshm.refdebug`). Off by
+        default: no cost then.
     MMSHM_HASH: when a handle's BLAKE3-128 content hash is computed when
         none is given. ``lazy`` (default): on the first read of
         :attr:`mmshm.ShmTensor.hash`, in whichever process asks, from the
@@ -49,8 +60,11 @@ Variables:
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+
+log = logging.getLogger("mmshm")
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -74,6 +88,22 @@ def _env_int(name: str) -> int | None:
     if v is None or v.strip() == "":
         return None
     return int(float(v))
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A non-negative number of seconds from ``name``; a malformed or negative
+    value is logged and ``default`` used (a setting never stops a server)."""
+    v = (os.environ.get(name) or "").strip()
+    if not v:
+        return default
+    try:
+        out = float(v)
+    except ValueError:
+        out = -1.0
+    if not out >= 0 or out == float("inf"):  # also NaN
+        log.warning("mmshm: %s=%r is not a number of seconds >= 0; using %g", name, v, default)
+        return default
+    return out
 
 
 def default_min_free_bytes(fs_size: int) -> int:
@@ -109,6 +139,8 @@ class Settings:
     pool_max_bytes: int | None
     node_id: str | None = None
     hash: str = "lazy"
+    in_flight_grace_s: float = 300.0
+    debug_refs: bool = False
 
 
 _settings: Settings | None = None
@@ -131,6 +163,8 @@ def reload() -> Settings:
         pool_max_bytes=_env_int("MMSHM_POOL_MAX_BYTES"),
         node_id=(os.environ.get("MMSHM_NODE_ID") or "").strip() or None,
         hash=_env_choice("MMSHM_HASH", ("lazy", "eager")),
+        in_flight_grace_s=_env_seconds("MMSHM_IN_FLIGHT_GRACE_S", 300.0),
+        debug_refs=_env_bool("MMSHM_DEBUG_REFS", False),
     )
     return _settings
 

@@ -8,7 +8,9 @@ opened by path with ``os.open`` and mapped with ``mmap``; the
 File layout (little-endian)::
 
     [0, 4096)           header: magic, version, state, payload size (bytes),
-                        reference count, creator pid, creation time (ns)
+                        reference count, creator pid, creation time (ns),
+                        generation, flags; at 64 the holder count, at 72
+                        the last clean detach (CLOCK_BOOTTIME ns)
     [4096, 4096+size)   payload, page aligned
 
 Cross-process locking uses Linux open-file-description (OFD) byte-range locks
@@ -110,6 +112,12 @@ _OFF_STATE = 12
 _OFF_REFCOUNT = 24
 _OFF_GEN = 48
 _OFF_FLAGS = 56
+# Holders: processes with the segment open (the creator, each attached
+# reader), incremented on open and decremented by a clean close, which also
+# stamps the time. Zero-filled by posix_fallocate in segments of earlier
+# releases, which the reaper then treats as left by a killed process.
+_OFF_HOLDERS = 64
+_OFF_DETACHED = 72
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
 _U32 = struct.Struct("<I")
@@ -317,6 +325,52 @@ def _read_header(fd: int, path: str) -> tuple:
     return hdr
 
 
+def boottime_ns() -> int:
+    """CLOCK_BOOTTIME in ns: one clock for every process of the host, never
+    set back (segments do not outlive a boot)."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+def holders(fd: int) -> tuple[int, int]:
+    """``(holders, last clean detach in boottime ns)`` from a segment's header
+    (a racy read, without the mutex)."""
+    raw = os.pread(fd, 16, _OFF_HOLDERS)
+    if len(raw) < 16:
+        return 0, 0
+    return _I64.unpack_from(raw, 0)[0], _U64.unpack_from(raw, 8)[0]
+
+
+def _add_holder(fd: int, path: str) -> None:
+    """This process now has the segment open (after the liveness lock)."""
+    _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)
+    try:
+        n = _I64.unpack(os.pread(fd, 8, _OFF_HOLDERS))[0]
+        os.pwrite(fd, _I64.pack(max(n, 0) + 1), _OFF_HOLDERS)
+    finally:
+        _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
+
+
+def _detach(fd: int) -> None:
+    """This process closes the segment cleanly: one holder fewer, and the
+    time, from which references still in flight get their grace period
+    (``MMSHM_IN_FLIGHT_GRACE_S``, see :mod:`mmshm.reaper`). A file already
+    unlinked or truncated is left alone."""
+    if fd < 0:
+        return
+    try:
+        st = os.fstat(fd)
+        if st.st_nlink == 0 or st.st_size < HEADER_SIZE:
+            return
+        _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)
+        try:
+            n = _I64.unpack(os.pread(fd, 8, _OFF_HOLDERS))[0]
+            os.pwrite(fd, _I64.pack(max(n - 1, 0)) + _U64.pack(boottime_ns()), _OFF_HOLDERS)
+        finally:
+            _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
+    except OSError as exc:
+        log.debug("mmshm: detach failed: %s", exc)
+
+
 def _owner_alive(fd: int) -> bool:
     """Whether another open file description holds the owner lock."""
     return lock_holders_present(fd, _OWNER_BYTE)
@@ -364,6 +418,7 @@ def _forget(seg: Segment) -> None:
     global _owned_bytes
     if _REGISTRY.get(seg.name) is seg:
         del _REGISTRY[seg.name]
+        _detach(seg.fd)
         if seg.owned:
             _owned_bytes -= HEADER_SIZE + seg.payload_size
             SEGMENTS_IN_USE.dec()
@@ -569,6 +624,7 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
         mm = _map(fd, total, 0, shared=True)
         _HDR.pack_into(mm, 0, MAGIC, VERSION, STATE_LIVE, total - HEADER_SIZE, 1, os.getpid(),
                        time.time_ns(), 0, FLAG_POOLABLE if cfg.pool else 0)
+        _I64.pack_into(mm, _OFF_HOLDERS, 1)
     except OSError as exc:
         try:
             os.unlink(path)
@@ -641,6 +697,7 @@ def attach(name: str, directory: str | None = None, gen: int | None = None) -> S
                     f"{HEADER_SIZE + size}",
                     path,
                 )
+            _add_holder(fd, path)
         except OSError as exc:
             os.close(fd)
             if isinstance(exc, SegmentError):

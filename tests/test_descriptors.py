@@ -8,6 +8,8 @@ or a mapping of the segment does.
 
 from __future__ import annotations
 
+import fcntl
+import gc
 import json
 import os
 import subprocess
@@ -19,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 import mmshm
 import mmshm_faults as F
+from mmshm import reaper, segment
 
 
 def _fds() -> int:
@@ -61,3 +64,27 @@ def test_a_reader_under_ulimit_256_holds_twice_the_views(shm_dir):
     assert 180 <= res["reader_views"] <= 192 - 3
     assert res["reader_fds"] <= res["reader_views"] + 10
     assert F.segment_files(shm_dir) == []
+
+
+def test_the_liveness_lock_lasts_while_a_mapping_does_without_any_descriptor(shm_dir):
+    """What the design relies on: a mapping keeps the open file description,
+    and with it the shared liveness lock, after its descriptor is closed."""
+    t = F.pattern(1 << 16, 4)
+    h = mmshm.ShmTensor.from_tensor(t)
+    h.share(1)  # the reference the mapping below stands for
+    fd = os.open(os.path.join(shm_dir, h.name), os.O_RDWR)
+    segment._lock(fd, fcntl.F_RDLCK, segment._LIVE_BYTE)
+    buf = segment._map(fd, 1 << 16, segment.HEADER_SIZE, shared=False)
+    os.close(fd)
+    h.release()
+    with segment._LOCK:  # the creator lets go of its descriptor and mapping
+        segment._forget(segment._REGISTRY[h.name])
+    gc.collect()
+    (info,) = reaper.scan(shm_dir, grace_s=0)
+    assert (info.orphan, info.reason) == (False, "")  # held by the mapping alone
+    assert bytes(buf) == bytes(t.numpy())
+    del buf
+    gc.collect()
+    (info,) = reaper.scan(shm_dir, grace_s=0)
+    assert (info.orphan, info.reason) == (True, "in_flight_expired")
+    assert reaper.reap(shm_dir, grace_s=0).reclaimed == 1

@@ -102,7 +102,10 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
 
 
 def sample(name: str, labels: dict | None = None) -> float:
-    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+    """One sample's value; without ``labels``, the sum over every label set."""
+    if labels is None:
+        return sum(s.value for m in REGISTRY.collect() for s in m.samples if s.name == name)
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 # -- process plumbing -----------------------------------------------------------
