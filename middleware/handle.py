@@ -496,3 +496,9 @@ def _rebuild(data: bytes) -> ShmTensor:
 
 def _rebuild_broken(message: str) -> ShmTensor:
     return ShmTensor(None, error=HandleError(message))
+
+
+if config.get().debug_refs:  # MMSHM_DEBUG_REFS=1: wraps the methods above
+    from . import refdebug
+
+    refdebug.install()

@@ -864,9 +864,18 @@ def _disown_for_exit(seg: Segment) -> None:
         pass
 
 
+#: called first thing at exit (mmshm.refdebug's report)
+_exit_reporters: list = []
+
+
 def _close_all() -> None:
     # Segments pinned by live views are left to the views' finalizers, which
     # weakref runs at exit too and which give their references back.
+    for report in list(_exit_reporters):
+        try:
+            report()
+        except Exception as exc:  # noqa: BLE001 - never stop the exit path
+            log.debug("mmshm: exit report failed: %s", exc)
     with _LOCK:
         for seg in list(_REGISTRY.values()):
             if seg.owned:
