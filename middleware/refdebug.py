@@ -176,6 +176,18 @@ def _explain_gone(h, exc: SegmentNotFoundError) -> None:
     exc._mmshm_explained = True
 
 
+def _explaining(method):
+    """``method`` with :func:`_explain_gone` applied to what it raises."""
+    @functools.wraps(method)
+    def call(self, *args):
+        try:
+            return method(self, *args)
+        except SegmentNotFoundError as exc:
+            _explain_gone(self, exc)
+            raise
+    return call
+
+
 def _wrap(obj, attr: str, make) -> None:
     orig = vars(obj)[attr]  # the raw attribute (a classmethod stays one)
     _installed[f"{id(obj)}.{attr}"] = (obj, attr, orig)
@@ -238,13 +250,11 @@ def install() -> None:
     _wrap(cls, "_require_owned", wrap_require)
 
     def wrap_share(orig):
+        orig = _explaining(orig)
+
         @functools.wraps(orig)
         def share(self, k):
-            try:
-                orig(self, k)
-            except SegmentNotFoundError as exc:
-                _explain_gone(self, exc)
-                raise
+            orig(self, k)
             rec = rec_of(self)
             if rec is not None and k:
                 rec.shared.append((k, _stack()))
@@ -307,13 +317,11 @@ def install() -> None:
     _wrap(cls, "_disown", wrap_disown)
 
     def wrap_materialize(orig):
+        orig = _explaining(orig)
+
         @functools.wraps(orig)
         def materialize(self, copy=False):
-            try:
-                out = orig(self, copy)
-            except SegmentNotFoundError as exc:
-                _explain_gone(self, exc)
-                raise
+            out = orig(self, copy)
             m = self._meta
             if copy or m.nbytes == 0:
                 give_back(self, f"materialize(copy={copy})")

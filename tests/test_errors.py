@@ -105,9 +105,7 @@ def test_a_materialize_error_whose_request_cannot_be_pickled_keeps_the_rest():
 @pytest.mark.fault
 @pytest.mark.timeout(180)
 def test_process_pool_race_for_the_last_space_gives_typed_errors_and_strands_nothing():
-    why = F.unshare_reason()
-    if why:
-        pytest.skip(why)
+    F.skip_without_unshare()
     r = F.run_in_tmpfs([sys.executable, os.path.join(F.HERE, "pool_race.py")],
                        size="64m", timeout=170)
     assert r.returncode == 0, r.stderr[-4000:]

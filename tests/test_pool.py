@@ -71,9 +71,7 @@ def test_size_classes_keep_the_slack_below_an_eighth_as_documented():
 ])
 def test_a_small_tmpfs_holds_as_many_pooled_tensors_as_the_slack_allows(size, tensor, count,
                                                                          reserve):
-    why = F.unshare_reason()
-    if why:
-        pytest.skip(why)
+    F.skip_without_unshare()
     r = F.run_in_tmpfs([sys.executable, os.path.join(F.HERE, "pool_fit.py"), str(tensor),
                         str(count), reserve], size=size, timeout=110)
     assert r.returncode == 0, r.stderr[-4000:]

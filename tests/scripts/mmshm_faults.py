@@ -72,6 +72,16 @@ def unshare_reason() -> str | None:
     return None
 
 
+def skip_without_unshare() -> None:
+    """Skip the calling test when a private tmpfs cannot be had (see
+    :func:`unshare_reason`)."""
+    why = unshare_reason()
+    if why:
+        import pytest
+
+        pytest.skip(why)
+
+
 def run_in_tmpfs(argv: list[str], size: str = "64m", env: dict | None = None,
                  timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``argv`` with a private ``size`` tmpfs mounted on /dev/shm (Docker's
