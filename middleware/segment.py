@@ -669,6 +669,10 @@ def attach(name: str, directory: str | None = None, gen: int | None = None) -> S
             if gen is not None and gen != (seg.gen if seg.owned else _read_header(
                     seg.fd, seg.path)[7]):
                 raise SegmentNotFoundError(errno.ENOENT, "segment was reused", seg.path)
+            # its last reference is gone (a third party's unlink alone does not
+            # stop holders that have it open); pread: a truncated file cannot SIGBUS
+            if _read_header(seg.fd, seg.path)[2] != STATE_LIVE:
+                raise SegmentNotFoundError(errno.ENOENT, "segment was already freed", seg.path)
             return seg
         path = os.path.join(segment_dir(directory), name)
         try:

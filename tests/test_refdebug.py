@@ -108,8 +108,8 @@ _EXITER = textwrap.dedent("""
 """)
 
 
-def _run(code: str, shm_dir: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
-    env = dict(os.environ, MMSHM_DIR=shm_dir, MMSHM_DEBUG_REFS="1")
+def _run(code: str, shm_dir: str, stdin: bytes = b"", debug: str = "1"):
+    env = dict(os.environ, MMSHM_DIR=shm_dir, MMSHM_DEBUG_REFS=debug)
     return subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True,
                           timeout=60, env=env)
 
@@ -140,3 +140,20 @@ def test_references_still_held_at_exit_are_reported_with_their_stacks(shm_dir):
     assert "1 reference(s) never given back" in err
     assert '"<string>", line 3, in <module>' in err  # where KEPT was taken
     reaper.reap(shm_dir, grace_s=0)  # whatever the interpreter's shutdown left
+
+
+@pytest.mark.timeout(120)
+def test_the_creator_cannot_read_a_segment_freed_in_another_process(shm_dir):
+    """Without debugging too: the creator still has the segment open (until
+    its next sweep), but its last reference is gone: a late handle must fail,
+    not read a freed segment."""
+    h = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 6))
+    first, second = pickle.dumps(h), pickle.dumps(h)  # share(1) forgotten
+    h.hand_over()
+    r = _run(_RECEIVER, shm_dir, first, debug="0")
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    assert h.name in segment.open_segments()  # not swept yet
+    late = pickle.loads(second)
+    with pytest.raises(mmshm.SegmentNotFoundError, match="already freed"):
+        late.materialize()
+    late.release()
