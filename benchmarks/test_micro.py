@@ -118,6 +118,27 @@ def test_share_release(benchmark, handle):
     clone.release()  # the count is back where it was: the handle still releases cleanly
 
 
+@pytest.mark.parametrize("debug_refs", ["off", "on"])
+def test_send_receive_release(benchmark, handle, debug_refs):
+    """share(1), pickle, unpickle, release: every path MMSHM_DEBUG_REFS wraps.
+    ``off`` runs ShmTensor's own methods (nothing is installed): it is the
+    cost without the feature; ``on`` adds the recording (stacks)."""
+    from mmshm import refdebug
+
+    if debug_refs == "on":
+        refdebug.install()
+    assert refdebug.installed() == (debug_refs == "on")
+
+    def op():
+        handle.share(1)
+        pickle.loads(pickle.dumps(handle, pickle.HIGHEST_PROTOCOL)).release()
+
+    try:
+        benchmark(op)
+    finally:
+        refdebug.uninstall()
+
+
 def test_share_8(benchmark, handle):
     """The fan-out of n=8 hands out 7 references in one locked update."""
 

@@ -17,8 +17,12 @@ Families (as exposed):
 ``mmshm_shm_in_use_bytes``                     bytes of those segments (header included)
 ``mmshm_inline_fallbacks_total{reason}``       tensors sent inline: ``enospc``, ``budget``,
                                                ``emfile``, ``other``
-``mmshm_reaped_segments_total``                orphaned segments reclaimed by the reaper
-``mmshm_reaped_bytes_total``                   bytes of orphaned segments reclaimed
+``mmshm_reaped_segments_total{reason}``        segments nobody held, reclaimed by the reaper:
+                                               ``killed`` (a holder died without closing
+                                               them), ``in_flight_expired`` (references in
+                                               flight past the grace period after every
+                                               holder closed them cleanly)
+``mmshm_reaped_bytes_total{reason}``           bytes of those segments
 ``mmshm_materialize_failures_total{reason}``   handles that failed to open
 ``mmshm_materialize_seconds``                  histogram: one broadcast batch's handles
 ``mmshm_request_failures_total{reason}``       requests turned into per-request errors
@@ -86,6 +90,8 @@ FALLBACK_REASONS = ("enospc", "budget", "emfile", "other")
 #: (:data:`mmshm.broadcast.REASONS` without ``ok``).
 FAILURE_REASONS = ("malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
                    "enospc", "other")
+#: ``reason`` label values of the reaper's counters (:data:`mmshm.reaper.REASONS`).
+REAP_REASONS = ("killed", "in_flight_expired")
 #: ``role`` label values of the broadcast histograms.
 ROLES = ("src", "dst")
 #: ``result`` label values of ``mmshm_pool_requests_total``.
@@ -127,9 +133,11 @@ _SPECS = (
      "Bytes of the segment directory held by mmshm's live segments (header included).", (),
      {"multiprocess_mode": "livesum"}),
     ("REAPED_SEGMENTS", "counter", "mmshm_reaped_segments",
-     "Orphaned segments (no live holder) reclaimed by the reaper.", (), {}),
+     "Segments no live process held, reclaimed by the reaper, by reason (killed: a holder "
+     "died without closing them; in_flight_expired: references in flight past "
+     "MMSHM_IN_FLIGHT_GRACE_S after a clean exit).", ("reason",), {}),
     ("REAPED_BYTES", "counter", "mmshm_reaped_bytes",
-     "Bytes of orphaned segments reclaimed by the reaper.", (), {}),
+     "Bytes of segments reclaimed by the reaper, by reason.", ("reason",), {}),
     ("REFERENCES_HANDED", "counter", "mmshm_references_handed",
      "References added for receivers before a hand-over, by path (send or broadcast).",
      ("path",), {}),
@@ -160,6 +168,8 @@ _PREINIT = {
     "BROADCAST_BYTES": ("role", ROLES),
     "POOL_REQUESTS": ("result", POOL_RESULTS),
     "REFERENCES_HANDED": ("path", HANDED_PATHS),
+    "REAPED_SEGMENTS": ("reason", REAP_REASONS),
+    "REAPED_BYTES": ("reason", REAP_REASONS),
 }
 
 
@@ -393,6 +403,7 @@ __all__ = [
     "REAPED_BYTES",
     "REFERENCES_HANDED",
     "REAPED_SEGMENTS",
+    "REAP_REASONS",
     "REQUEST_FAILURES",
     "ROLES",
     "SEGMENTS_CREATED",

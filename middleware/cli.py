@@ -573,15 +573,20 @@ def config_cmd(as_json) -> None:
 @click.option("--dir", "directory", default=None, metavar="DIR", help=_DIR_HELP)
 @click.option("--dry-run", is_flag=True, help="List the orphans without removing them.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reaper's report as JSON.")
-def gc(directory, dry_run, as_json) -> None:
+@click.option("--grace", "grace_s", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Keep segments whose references are in flight this long after their last "
+                   "clean close [default: MMSHM_IN_FLIGHT_GRACE_S or 300].")
+def gc(directory, dry_run, as_json, grace_s) -> None:
     """Reclaim orphaned segments: those no live process holds.
 
     Liveness comes from the locks every holder keeps on its segments, never
     from pids, so segments of other live servers on the host are left alone.
-    Prints how many segments and bytes were (or, with --dry-run, would be)
-    freed, and their names. With the warm pool on, a released segment stays
-    in the directory (held by its creator) until MMSHM_POOL_IDLE_S passes: it
-    is not an orphan, and gc keeps it.
+    Segments whose references are still in flight after a clean exit are
+    kept for a grace period. Prints how many segments and bytes were (or,
+    with --dry-run, would be) freed, by reason, and their names. With the
+    warm pool on, a released segment stays in the directory (held by its
+    creator) until MMSHM_POOL_IDLE_S passes: it is not an orphan, and gc
+    keeps it.
 
     Exits 0, or 4 on a bad MMSHM_* value, 5 if the directory cannot be read.
     """
@@ -592,7 +597,7 @@ def gc(directory, dry_run, as_json) -> None:
 
     _check_settings("gc")
     _dir_error("gc", directory)
-    rep = reap(directory, dry_run=dry_run)
+    rep = reap(directory, dry_run=dry_run, grace_s=grace_s)
     if as_json:
         click.echo(msgspec.json.encode(rep).decode())
         return
@@ -601,10 +606,12 @@ def gc(directory, dry_run, as_json) -> None:
     con.print(Text.assemble(
         ("mmshm gc: ", "bold"),
         f"{verb} {rep.reclaimed} orphaned segment(s), {rep.reclaimed_bytes} bytes "
-        f"({_size(rep.reclaimed_bytes)}) in {rep.directory}"))
+        f"({_size(rep.reclaimed_bytes)}) in {rep.directory}"
+        + "".join(f", {n} {why}" for why, n in rep.reasons.items() if n)))
     for name in rep.names:
         con.print(Text(f"  {name}"))
-    con.print(Text(f"kept {rep.live} live segment(s), {rep.live_bytes} bytes"
+    con.print(Text(f"kept {rep.live} live segment(s), {rep.live_bytes} bytes, and "
+                   f"{rep.in_flight} with references in flight, {rep.in_flight_bytes} bytes"
                    + (" (dry run: nothing removed)" if dry_run else "")))
 
 

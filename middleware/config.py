@@ -31,6 +31,17 @@ Variables:
     MMSHM_REAP_INTERVAL_S: the reaper runs at most once per this many seconds
         per segment directory on process start-up, and this often in
         long-lived processes (default 60; 0 disables the automatic runs).
+    MMSHM_IN_FLIGHT_GRACE_S: seconds a segment whose references are in
+        flight (pickled handles not yet opened) is kept by the reaper after
+        every process that had it open closed it cleanly, e.g. its writer
+        exited with requests still queued (default 300: longer than a busy
+        server's queues hold a request). A segment a killed process held is
+        reclaimed at once whatever this says (see :mod:`mmshm.reaper`).
+    MMSHM_DEBUG_REFS: ``1`` records, in each process, where every reference
+        was taken and given back, reports references still held at exit with
+        their stacks, and names the call that gave back the last reference
+        when a handle is used after it (see :mod:`mmshm.refdebug`). Off by
+        default: no cost then.
     MMSHM_HASH: when a handle's BLAKE3-128 content hash is computed when
         none is given. ``lazy`` (default): on the first read of
         :attr:`mmshm.ShmTensor.hash`, in whichever process asks, from the
@@ -248,6 +259,11 @@ VARIABLES: tuple[Variable, ...] = (
              "descriptors kept free below RLIMIT_NOFILE"),
     Variable("MMSHM_REAP_INTERVAL_S", "reap_interval_s", _seconds(False), 60.0,
              "a number of seconds >= 0 (0: off)", "automatic reaper period"),
+    Variable("MMSHM_IN_FLIGHT_GRACE_S", "in_flight_grace_s", _seconds(False), 300.0,
+             "a number of seconds >= 0",
+             "in-flight segments are kept this long after a clean exit"),
+    Variable("MMSHM_DEBUG_REFS", "debug_refs", _bool, False, _BOOL,
+             "1: record where each reference was taken and given back"),
     Variable("MMSHM_POOL", "pool", _bool, True, _BOOL, "warm segment pool"),
     Variable("MMSHM_POOL_IDLE_S", "pool_idle_s", _seconds(False), 10.0,
              "a number of seconds >= 0", "idle pooled segments are unlinked after this"),
@@ -352,6 +368,8 @@ class Settings:
     pool_max_bytes: int | None
     node_id: str | None = None
     hash: str = "lazy"
+    in_flight_grace_s: float = 300.0
+    debug_refs: bool = False
 
 
 _settings: Settings | None = None

@@ -250,7 +250,8 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
     if orphans:
         problems.append(Problem(
             f"{len(orphans)} orphaned segment(s) hold {sum(i.bytes for i in orphans)} bytes "
-            f"(left by crashed processes)",
+            f"(left by killed processes, or references in flight past "
+            f"MMSHM_IN_FLIGHT_GRACE_S)",
             "run `mmshm gc` (servers under mmshm also reclaim them on start-up)"))
     elsewhere = [g for g in others if g.owner.startswith("mmshm")]
     for g in elsewhere:

@@ -4,15 +4,53 @@ Every error derives from :class:`MmshmError`. Errors about the operating system
 (space, descriptors, missing files) also derive from :class:`OSError` and carry
 the ``errno`` the kernel reported, so callers that already handle ``OSError``
 keep working.
+
+Every error survives pickling (a ``concurrent.futures.ProcessPoolExecutor``
+worker sends its exceptions to the parent that way) with its type, message and
+attributes (``errno``, ``strerror``, ``filename``, ``reason``...):
+:meth:`MmshmError.__reduce__` rebuilds the object without calling the
+subclass's ``__init__``, whose signature differs from ``OSError``'s.
 """
 
 from __future__ import annotations
 
 import errno as _errno
+import pickle
+
+
+def _rebuild(cls: type, args: tuple, os_args: tuple | None, state: dict) -> MmshmError:
+    """Unpickle an mmshm error: ``BaseException``'s (or ``OSError``'s)
+    constructor gets ``args`` (the subclass's ``__init__`` is bypassed), then
+    the instance attributes come back."""
+    if os_args is None:
+        exc = cls.__new__(cls, *args)
+        Exception.__init__(exc, *args)
+    else:
+        # OSError parses its arguments in __new__, or in __init__ when the
+        # subclass defines its own __init__: call both, one of them does it.
+        exc = cls.__new__(cls, *os_args)
+        OSError.__init__(exc, *os_args)
+    exc.__dict__.update(state)
+    return exc
 
 
 class MmshmError(Exception):
     """Base class of every mmshm error."""
+
+    def _pickle_state(self) -> dict:
+        """Instance attributes to carry across pickling (all of them)."""
+        return dict(self.__dict__)
+
+    def __reduce__(self):
+        if isinstance(self, OSError):
+            os_args: tuple | None = (self.errno, self.strerror)
+            if self.filename is not None or self.filename2 is not None:
+                os_args += (self.filename, None, self.filename2)
+            if self.errno is None and self.strerror is None:
+                os_args = self.args  # built with a bare message
+        else:
+            os_args = None
+        return (_rebuild, (type(self), self.args, os_args, self._pickle_state()))
 
 
 class HandleError(MmshmError, ValueError):
@@ -78,6 +116,17 @@ class MaterializeError(MmshmError):
         self.request = request
         self.reason = reason
         self.ranks = ranks
+
+    def _pickle_state(self) -> dict:
+        """``request`` travels only if it pickles: its handles were released,
+        and a released handle refuses to be pickled; it arrives as ``None``
+        then (the message, ``reason`` and ``ranks`` always arrive)."""
+        state = dict(self.__dict__)
+        try:
+            pickle.dumps(self.request)
+        except Exception:  # noqa: BLE001 - any unpicklable request
+            state["request"] = None
+        return state
 
 
 def failure_reason(exc: BaseException) -> str:

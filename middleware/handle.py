@@ -94,16 +94,15 @@ def _segment_digest(seg: segment.Segment, meta: HandleMeta) -> bytes:
         return cached[1]
     if seg.shared_map is not None:  # the creator's own mapping
         mm = None
-        buf = memoryview(seg.shared_map)[segment.HEADER_SIZE:segment.HEADER_SIZE + meta.nbytes]
+        buf = seg.payload_view()[:meta.nbytes]
     else:
         mm = seg.map_private(meta.nbytes)
-        buf = memoryview(mm)
+        buf = memoryview(mm).cast("B")  # ctypes exports "<B"; blake3 takes "B"
     try:
         digest = content_hash(buf)
     finally:
         buf.release()
-        if mm is not None:
-            mm.close()
+        del mm  # a private mapping: unmapped now (see segment._map)
     seg.digest = (meta.gen, digest)
     return digest
 
@@ -497,3 +496,9 @@ def _rebuild(data: bytes) -> ShmTensor:
 
 def _rebuild_broken(message: str) -> ShmTensor:
     return ShmTensor(None, error=HandleError(message))
+
+
+if config.get().debug_refs:  # MMSHM_DEBUG_REFS=1: wraps the methods above
+    from . import refdebug
+
+    refdebug.install()

@@ -13,6 +13,20 @@ never used to decide: pids are reused, locks are not.
 The reaper never touches a file outside the naming scheme, a file of another
 user, or a segment some process holds, so it is safe beside another live
 server on the same host.
+
+**Why a segment nobody holds is reclaimed** (the ``reason`` of the log line,
+of ``mmshm_reaped_segments_total{reason}`` and of :attr:`ReapReport.reasons`):
+
+* ``killed``: some process had the segment open and never closed it cleanly
+  (the segment's holder count, see :mod:`mmshm.segment`, is above zero with
+  no lock held): it was killed, or left without mmshm's exit hook. Reclaimed
+  at the first pass, whatever the references say: nobody can give them back.
+* ``in_flight_expired``: every process that had it open closed it cleanly, but
+  references are still counted: handles pickled for receivers that have not
+  opened them yet (a writer that exits with requests still queued). Those
+  are kept for ``MMSHM_IN_FLIGHT_GRACE_S`` (default 300 s) from the last
+  clean close, so that late readers find them (:attr:`ReapReport.in_flight`
+  counts them), and reclaimed with this reason after that.
 """
 
 from __future__ import annotations
@@ -27,8 +41,18 @@ import time
 import msgspec
 
 from . import config
-from .metrics import REAPED_BYTES, REAPED_SEGMENTS
-from .segment import _LIVE_BYTE, _lock, iter_segment_files, segment_dir
+from .metrics import REAP_REASONS, REAPED_BYTES, REAPED_SEGMENTS
+from .segment import (
+    _LIVE_BYTE,
+    _MUTEX_BYTE,
+    STATE_LIVE,
+    _lock,
+    _read_header,
+    boottime_ns,
+    holders,
+    iter_segment_files,
+    segment_dir,
+)
 
 log = logging.getLogger("mmshm")
 
@@ -41,8 +65,12 @@ class SegmentInfo(msgspec.Struct):
         creator_pid: pid from the name.
         creator_alive: whether *some* process has that pid (informational only:
             pids are reused).
-        orphan: no live process holds the segment.
+        orphan: the reaper would reclaim it now: no live process holds it,
+            and it is not within its in-flight grace period.
         age_s: seconds since the file was last modified.
+        reason: why it is (or would be) reclaimed, ``killed`` or
+            ``in_flight_expired``; ``in_flight`` for a segment kept for its
+            grace period; empty for a held segment.
     """
 
     name: str
@@ -51,11 +79,19 @@ class SegmentInfo(msgspec.Struct):
     creator_alive: bool
     orphan: bool
     age_s: float
+    reason: str = ""
+
+
+#: ``reason`` label values of the reaper's counters (see the module docstring).
+REASONS = REAP_REASONS
 
 
 class ReapReport(msgspec.Struct):
     """What a reaper pass did. ``reclaimed``/``reclaimed_bytes`` count what was
-    (or, with ``dry_run``, would be) unlinked; ``live`` counts held segments."""
+    (or, with ``dry_run``, would be) unlinked, ``reasons`` splits that count
+    by reason (every key of :data:`REASONS`); ``in_flight`` counts segments
+    nobody holds that were kept for their grace period; ``live`` counts held
+    segments."""
 
     directory: str
     dry_run: bool
@@ -64,6 +100,9 @@ class ReapReport(msgspec.Struct):
     live: int = 0
     live_bytes: int = 0
     names: list[str] = msgspec.field(default_factory=list)
+    reasons: dict[str, int] = msgspec.field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+    in_flight: int = 0
+    in_flight_bytes: int = 0
 
 
 def pid_alive(pid: int) -> bool:
@@ -77,10 +116,28 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _probe(path: str, unlink: bool) -> tuple[bool, int] | None:
-    """Return (orphan, size) for one file, unlinking it if orphaned and
-    ``unlink``; None if it is not ours to judge (gone, not a regular file,
-    another user's)."""
+def _why(fd: int, path: str, grace_s: float) -> str:
+    """Why a segment nobody holds (we hold its exclusive liveness lock) goes:
+    a reason of :data:`REASONS`, or ``in_flight`` if it is kept."""
+    _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)  # only brief updates by path can hold it
+    try:
+        try:
+            hdr = _read_header(fd, path)
+        except OSError:
+            return "killed"  # died before writing a header, or not readable
+        n, detached = holders(fd)
+    finally:
+        _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
+    if hdr[2] != STATE_LIVE or hdr[4] <= 0 or n > 0 or detached == 0:
+        return "killed"
+    return "in_flight" if boottime_ns() - detached < grace_s * 1e9 else "in_flight_expired"
+
+
+def _probe(path: str, unlink: bool, grace_s: float) -> tuple[str, int] | None:
+    """Return (reason, size) for one file: ``""`` if held, ``in_flight`` if
+    nobody holds it but it is within its grace period, else a reason of
+    :data:`REASONS`, unlinking it if ``unlink``; None if it is not ours to
+    judge (gone, not a regular file, another user's)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -93,26 +150,35 @@ def _probe(path: str, unlink: bool) -> tuple[bool, int] | None:
             _lock(fd, fcntl.F_WRLCK, _LIVE_BYTE, wait=False)
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.EACCES):
-                return False, st.st_size
+                return "", st.st_size
             raise
-        if unlink:
+        why = _why(fd, path, grace_s)
+        if unlink and why != "in_flight":
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 return None
-        return True, st.st_size
+        return why, st.st_size
     finally:
         os.close(fd)  # drops our exclusive lock; blocked attachers see nlink == 0
 
 
-def scan(directory: str | None = None) -> list[SegmentInfo]:
-    """List mmshm segment files with their liveness, changing nothing."""
+def _grace(grace_s: float | None) -> float:
+    return config.get().in_flight_grace_s if grace_s is None else grace_s
+
+
+def scan(directory: str | None = None, grace_s: float | None = None) -> list[SegmentInfo]:
+    """List mmshm segment files with their liveness and, for those nobody
+    holds, the reason they would be reclaimed, changing nothing. ``grace_s``:
+    the in-flight grace period in seconds (default
+    ``MMSHM_IN_FLIGHT_GRACE_S``)."""
     d = segment_dir(directory)
+    grace = _grace(grace_s)
     out = []
     now = time.time()
     for name in sorted(iter_segment_files(d)):
         path = os.path.join(d, name)
-        r = _probe(path, unlink=False)
+        r = _probe(path, unlink=False, grace_s=grace)
         if r is None:
             continue
         try:
@@ -120,14 +186,24 @@ def scan(directory: str | None = None) -> list[SegmentInfo]:
         except OSError:
             age = 0.0
         pid = int(name.split("-")[1])
-        out.append(SegmentInfo(name, r[1], pid, pid_alive(pid), r[0], age))
+        out.append(SegmentInfo(name, r[1], pid, pid_alive(pid), r[0] in REASONS, age, r[0]))
     return out
 
 
-def _pass(d: str, dry_run: bool, creators: set[int] | None = None) -> ReapReport:
-    """Probe (and unless ``dry_run`` unlink) the orphans of ``d``, only those
-    created by ``creators`` when given; count the reclaimed ones."""
+_EXPLAIN = {
+    "killed": "a process that had them open died without closing them (killed)",
+    "in_flight_expired": "references in flight past MMSHM_IN_FLIGHT_GRACE_S={grace:g}s after "
+                         "every holder closed them cleanly",
+}
+
+
+def _pass(d: str, dry_run: bool, grace: float, creators: set[int] | None = None,
+          say: bool = True) -> ReapReport:
+    """Probe (and unless ``dry_run`` unlink) the segments of ``d`` nobody
+    holds, only those created by ``creators`` when given; count what was
+    reclaimed by reason and, with ``say``, log one warning per reason."""
     rep = ReapReport(directory=d, dry_run=dry_run)
+    nbytes = dict.fromkeys(REASONS, 0)
     for name in sorted(iter_segment_files(d)):
         if creators is not None:
             try:
@@ -135,35 +211,47 @@ def _pass(d: str, dry_run: bool, creators: set[int] | None = None) -> ReapReport
                     continue
             except (IndexError, ValueError):
                 continue
-        r = _probe(os.path.join(d, name), unlink=not dry_run)
+        r = _probe(os.path.join(d, name), unlink=not dry_run, grace_s=grace)
         if r is None:
             continue
-        orphan, size = r
-        if orphan:
+        why, size = r
+        if why in REASONS:
             rep.reclaimed += 1
             rep.reclaimed_bytes += size
             rep.names.append(name)
+            rep.reasons[why] += 1
+            nbytes[why] += size
+        elif why == "in_flight":
+            rep.in_flight += 1
+            rep.in_flight_bytes += size
         else:
             rep.live += 1
             rep.live_bytes += size
-    if rep.reclaimed and not dry_run:
-        REAPED_SEGMENTS.inc(rep.reclaimed)
-        REAPED_BYTES.inc(rep.reclaimed_bytes)
+    if not dry_run:
+        for why in REASONS:
+            if rep.reasons[why]:
+                REAPED_SEGMENTS.labels(reason=why).inc(rep.reasons[why])
+                REAPED_BYTES.labels(reason=why).inc(nbytes[why])
+                if say:
+                    log.warning("mmshm: reclaimed %d segment(s), %d bytes, in %s, reason=%s: %s",
+                                rep.reasons[why], nbytes[why], d, why,
+                                _EXPLAIN[why].format(grace=grace))
     return rep
 
 
-def reap(directory: str | None = None, dry_run: bool = False) -> ReapReport:
-    """Reclaim every orphaned segment in ``directory`` (default ``MMSHM_DIR``).
+def reap(directory: str | None = None, dry_run: bool = False,
+         grace_s: float | None = None) -> ReapReport:
+    """Reclaim every segment in ``directory`` (default ``MMSHM_DIR``) that no
+    live process holds, except those whose references are in flight within
+    ``grace_s`` seconds (default ``MMSHM_IN_FLIGHT_GRACE_S``) of their last
+    clean close (see the module docstring for the reasons).
 
-    Returns a :class:`ReapReport`; counts ``mmshm_reaped_segments_total`` and
-    ``mmshm_reaped_bytes_total`` (not in a dry run).
+    Returns a :class:`ReapReport`. Outside a dry run, counts
+    ``mmshm_reaped_segments_total{reason}`` and
+    ``mmshm_reaped_bytes_total{reason}`` and logs one warning per reason.
+    Raises :class:`OSError` only if the directory cannot be listed.
     """
-    d = segment_dir(directory)
-    rep = _pass(d, dry_run)
-    if rep.reclaimed and not dry_run:
-        log.warning("mmshm: reclaimed %d orphaned segment(s), %d bytes, in %s "
-                    "(left by crashed processes)", rep.reclaimed, rep.reclaimed_bytes, d)
-    return rep
+    return _pass(segment_dir(directory), dry_run, _grace(grace_s))
 
 
 _last_run: dict[str, float] = {}
@@ -194,9 +282,11 @@ def reclaim_left_by(pids: set[int] | frozenset[int], directory: str | None = Non
     processes ``pids`` created and that no live process holds.
 
     For ``mmshm run`` once the server it ran has exited: all of the server's
-    processes are gone, so none of their segments can still be in flight.
+    processes are gone, so references still counted on their segments can
+    never be given back, and the in-flight grace period does not apply.
     Segments of other processes are not looked at; a segment some live
     process still holds is kept (counted in ``live``). Counts
-    ``mmshm_reaped_segments_total`` and ``mmshm_reaped_bytes_total``.
+    ``mmshm_reaped_segments_total{reason}`` and ``mmshm_reaped_bytes_total{reason}``;
+    the caller says what was reclaimed.
     """
-    return _pass(segment_dir(directory), False, {int(p) for p in pids})
+    return _pass(segment_dir(directory), False, 0.0, {int(p) for p in pids}, say=False)

@@ -8,7 +8,9 @@ opened by path with ``os.open`` and mapped with ``mmap``; the
 File layout (little-endian)::
 
     [0, 4096)           header: magic, version, state, payload size (bytes),
-                        reference count, creator pid, creation time (ns)
+                        reference count, creator pid, creation time (ns),
+                        generation, flags; at 64 the holder count, at 72
+                        the last clean detach (CLOCK_BOOTTIME ns)
     [4096, 4096+size)   payload, page aligned
 
 Cross-process locking uses Linux open-file-description (OFD) byte-range locks
@@ -20,11 +22,20 @@ on the segment file, one byte each:
   whatever process or thread performs it.
 * byte 1, **liveness**: a shared lock held by every process that has the
   segment open (its creator until the count reaches zero, every process with
-  a materialized view). The lock belongs to the open file description, which
-  ``mmap`` duplicates, so it lives exactly as long as a mapping does and the
-  kernel drops it when the process dies. The reaper treats a segment as an
-  orphan only if it can take an exclusive lock on this byte: liveness comes
-  from locks, never from pids, so pid reuse cannot fool it.
+  a materialized view). The lock belongs to the open file description, and
+  a mapping holds a reference to the description in the kernel, so the lock
+  lives as long as the descriptor or any mapping does, and the kernel drops
+  it when the process dies. The reaper treats a segment as an orphan only if
+  it can take an exclusive lock on this byte: liveness comes from locks,
+  never from pids, so pid reuse cannot fool it.
+
+**One descriptor per segment.** Python's ``mmap`` duplicates the descriptor
+it maps (two per mapped segment, three with a second view); segments are
+mapped with libc's ``mmap`` through ctypes instead (:func:`_map`), which
+takes no descriptor. A process holds exactly one descriptor per segment it
+has open, however many views it has of it: a producer with 1000 segments
+holds 1000, and a reader under ``ulimit -n 256`` holds about twice as many
+views as before (``tests/scripts/fd_views.py`` measures both).
 * byte 2, **owner**: an exclusive lock held by the creating process. The last
   release looks at it: while the owner lives, a poolable segment goes back to
   the owner's warm pool (state ``POOLED``, pages kept); otherwise it is
@@ -51,19 +62,22 @@ SIGBUS in the middle of a copy.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import errno
 import fcntl
 import logging
 import mmap
-import multiprocessing.util
+import multiprocessing.util  # noqa: F401 - its Finalize runs at a child's exit
 import os
 import re
 import resource
 import secrets
 import stat
 import struct
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 from . import config
@@ -98,6 +112,12 @@ _OFF_STATE = 12
 _OFF_REFCOUNT = 24
 _OFF_GEN = 48
 _OFF_FLAGS = 56
+# Holders: processes with the segment open (the creator, each attached
+# reader), incremented on open and decremented by a clean close, which also
+# stamps the time. Zero-filled by posix_fallocate in segments of earlier
+# releases, which the reaper then treats as left by a killed process.
+_OFF_HOLDERS = 64
+_OFF_DETACHED = 72
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
 _U32 = struct.Struct("<I")
@@ -214,7 +234,7 @@ class Segment:
         self.gen = gen
         self.pins = 0
         self.idle_since: float | None = None
-        self.shared_map: mmap.mmap | None = None
+        self.shared_map: ctypes.Array | None = None  # the creator's (see _map)
         # (generation, content hash) once computed in this process (lazy hashing)
         self.digest: tuple[int, bytes] | None = None
 
@@ -239,12 +259,8 @@ class Segment:
         return _read_header(self.fd, self.path)[4]
 
     def close(self) -> None:
-        if self.shared_map is not None:
-            try:
-                self.shared_map.close()
-            except BufferError:  # a view is still exported; the GC unmaps it
-                pass
-            self.shared_map = None
+        # unmapped once no view exported from it is left (see _map)
+        self.shared_map = None
         if self.fd >= 0:
             try:
                 os.close(self.fd)
@@ -281,7 +297,8 @@ class Segment:
     def payload_view(self) -> memoryview:
         """Writable view of the payload in the creator's shared mapping."""
         assert self.shared_map is not None, "only the creator writes the payload"
-        return memoryview(self.shared_map)[HEADER_SIZE : HEADER_SIZE + self.payload_size]
+        # ctypes exports format "<B"; consumers such as blake3 want "B"
+        return memoryview(self.shared_map).cast("B")[HEADER_SIZE : HEADER_SIZE + self.payload_size]
 
     def check_size(self) -> None:
         """Raise :class:`SegmentCorruptError` if the file is now shorter than
@@ -292,7 +309,7 @@ class Segment:
                 errno.EINVAL, f"segment is truncated: {size} bytes on disk, header says "
                 f"{HEADER_SIZE + self.payload_size}", self.path)
 
-    def map_private(self, nbytes: int | None = None) -> mmap.mmap:
+    def map_private(self, nbytes: int | None = None) -> ctypes.Array:
         """A fresh copy-on-write mapping of the payload. Reads share the
         segment's pages; a write by the consumer stays private, so it can
         never change the bytes another holder sees (and cannot SIGSEGV).
@@ -301,18 +318,44 @@ class Segment:
         file would SIGBUS on access). Raises :class:`SegmentCorruptError`."""
         try:
             self.check_size()
-            return mmap.mmap(
-                self.fd,
-                self.payload_size if nbytes is None else nbytes,
-                flags=mmap.MAP_PRIVATE,
-                prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                offset=HEADER_SIZE,
-            )
+            return _map(self.fd, self.payload_size if nbytes is None else nbytes,
+                        HEADER_SIZE, shared=False)
         except SegmentError:
             raise
         except (OSError, ValueError) as exc:
             raise SegmentCorruptError(errno.EINVAL, f"cannot map segment: {exc}",
                                       self.path) from exc
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long)
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, length: int, offset: int, shared: bool) -> ctypes.Array:
+    """Map ``length`` bytes of ``fd`` from ``offset`` (a page multiple),
+    read-write, ``MAP_SHARED`` or copy-on-write ``MAP_PRIVATE``, without
+    duplicating the descriptor (Python's ``mmap`` would). Returns a ctypes
+    byte array over the mapping (it exports the buffer protocol); the mapping
+    is removed when that array is collected, i.e. once nothing exported from
+    it (a memoryview, a numpy array, a tensor) is left, so a view can never
+    outlive its pages. The kernel's mapping keeps the open file description,
+    and with it the liveness lock, until then. Raises :class:`OSError`."""
+    if length <= 0:
+        raise ValueError(f"cannot map {length} bytes")
+    addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                      mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE, fd, offset)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap: {os.strerror(err)}")
+    buf = (ctypes.c_ubyte * length).from_address(addr)
+    # at exit the process unmaps everything anyway: never earlier than a view
+    weakref.finalize(buf, _libc.munmap, addr, length).atexit = False
+    return buf
 
 
 def _read_header(fd: int, path: str) -> tuple:
@@ -325,6 +368,52 @@ def _read_header(fd: int, path: str) -> tuple:
     if hdr[1] != VERSION:
         raise SegmentCorruptError(errno.EINVAL, f"unsupported segment version {hdr[1]}", path)
     return hdr
+
+
+def boottime_ns() -> int:
+    """CLOCK_BOOTTIME in ns: one clock for every process of the host, never
+    set back (segments do not outlive a boot)."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+def holders(fd: int) -> tuple[int, int]:
+    """``(holders, last clean detach in boottime ns)`` from a segment's header
+    (a racy read, without the mutex)."""
+    raw = os.pread(fd, 16, _OFF_HOLDERS)
+    if len(raw) < 16:
+        return 0, 0
+    return _I64.unpack_from(raw, 0)[0], _U64.unpack_from(raw, 8)[0]
+
+
+def _add_holder(fd: int, path: str) -> None:
+    """This process now has the segment open (after the liveness lock)."""
+    _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)
+    try:
+        n = _I64.unpack(os.pread(fd, 8, _OFF_HOLDERS))[0]
+        os.pwrite(fd, _I64.pack(max(n, 0) + 1), _OFF_HOLDERS)
+    finally:
+        _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
+
+
+def _detach(fd: int) -> None:
+    """This process closes the segment cleanly: one holder fewer, and the
+    time, from which references still in flight get their grace period
+    (``MMSHM_IN_FLIGHT_GRACE_S``, see :mod:`mmshm.reaper`). A file already
+    unlinked or truncated is left alone."""
+    if fd < 0:
+        return
+    try:
+        st = os.fstat(fd)
+        if st.st_nlink == 0 or st.st_size < HEADER_SIZE:
+            return
+        _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)
+        try:
+            n = _I64.unpack(os.pread(fd, 8, _OFF_HOLDERS))[0]
+            os.pwrite(fd, _I64.pack(max(n - 1, 0)) + _U64.pack(boottime_ns()), _OFF_HOLDERS)
+        finally:
+            _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
+    except OSError as exc:
+        log.debug("mmshm: detach failed: %s", exc)
 
 
 def _owner_alive(fd: int) -> bool:
@@ -374,6 +463,7 @@ def _forget(seg: Segment) -> None:
     global _owned_bytes
     if _REGISTRY.get(seg.name) is seg:
         del _REGISTRY[seg.name]
+        _detach(seg.fd)
         if seg.owned:
             _owned_bytes -= HEADER_SIZE + seg.payload_size
             SEGMENTS_IN_USE.dec()
@@ -423,11 +513,12 @@ def _check_fd(fd: int, path: str) -> None:
 
 def size_class(total: int) -> int:
     """Round a segment size (bytes, header included) up to its pool class:
-    whole pages below 64 KiB, then eight classes per power of two (at most
-    12.5% slack)."""
+    whole pages up to 64 KiB, then eight classes per power of two: a size in
+    [2**k, 2**(k+1)) rounds up to a multiple of 2**(k-3), so the slack is
+    below 12.5% of the size (an 8 MiB tensor plus its header takes 9 MiB)."""
     if total <= 1 << 16:
         return -(-total // 4096) * 4096
-    step = (1 << (total - 1).bit_length()) // 8
+    step = (1 << (total.bit_length() - 1)) // 8
     return -(-total // step) * step
 
 
@@ -576,9 +667,10 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     try:
         os.ftruncate(fd, total)
         os.posix_fallocate(fd, 0, total)
-        mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = _map(fd, total, 0, shared=True)
         _HDR.pack_into(mm, 0, MAGIC, VERSION, STATE_LIVE, total - HEADER_SIZE, 1, os.getpid(),
                        time.time_ns(), 0, FLAG_POOLABLE if cfg.pool else 0)
+        _I64.pack_into(mm, _OFF_HOLDERS, 1)
     except OSError as exc:
         try:
             os.unlink(path)
@@ -623,6 +715,10 @@ def attach(name: str, directory: str | None = None, gen: int | None = None) -> S
             if gen is not None and gen != (seg.gen if seg.owned else _read_header(
                     seg.fd, seg.path)[7]):
                 raise SegmentNotFoundError(errno.ENOENT, "segment was reused", seg.path)
+            # its last reference is gone (a third party's unlink alone does not
+            # stop holders that have it open); pread: a truncated file cannot SIGBUS
+            if _read_header(seg.fd, seg.path)[2] != STATE_LIVE:
+                raise SegmentNotFoundError(errno.ENOENT, "segment was already freed", seg.path)
             return seg
         path = os.path.join(segment_dir(directory), name)
         try:
@@ -651,6 +747,7 @@ def attach(name: str, directory: str | None = None, gen: int | None = None) -> S
                     f"{HEADER_SIZE + size}",
                     path,
                 )
+            _add_holder(fd, path)
         except OSError as exc:
             os.close(fd)
             if isinstance(exc, SegmentError):
@@ -658,6 +755,7 @@ def attach(name: str, directory: str | None = None, gen: int | None = None) -> S
             raise _os_error(exc, "attach", path) from None
         seg = Segment(name, path, fd, size, owned=False, gen=hdr[7])
         _REGISTRY[name] = seg
+        _ensure_exit_hook()
         return seg
 
 
@@ -816,9 +914,18 @@ def _disown_for_exit(seg: Segment) -> None:
         pass
 
 
+#: called first thing at exit (mmshm.refdebug's report)
+_exit_reporters: list = []
+
+
 def _close_all() -> None:
     # Segments pinned by live views are left to the views' finalizers, which
     # weakref runs at exit too and which give their references back.
+    for report in list(_exit_reporters):
+        try:
+            report()
+        except Exception as exc:  # noqa: BLE001 - never stop the exit path
+            log.debug("mmshm: exit report failed: %s", exc)
     with _LOCK:
         for seg in list(_REGISTRY.values()):
             if seg.owned:
@@ -843,17 +950,31 @@ def _after_fork_in_child() -> None:
 
 
 _exit_hook_pid = 0
+_exit_hook_utils: set[str] = set()
+#: modules whose ``Finalize`` runs at a child's exit: the standard library's,
+#: and that of the third-party ``multiprocess`` package (dill-based), whose
+#: children run only its own finalizers before ``os._exit``
+_MP_UTILS = ("multiprocessing.util", "multiprocess.util")
 
 
 def _ensure_exit_hook() -> None:
     """multiprocessing children (SGLang's scheduler, tokenizer, detokenizer)
     leave through ``os._exit``, which skips ``atexit``: their exit runs
     multiprocessing's finalizers instead. A child clears that registry when it
-    starts, so the hook is registered on the process's first segment."""
+    starts, so the hook is registered on the process's first segment (created
+    or attached), with ``multiprocessing.util`` and, when the ``multiprocess``
+    package is imported (it is never imported here), ``multiprocess.util``."""
     global _exit_hook_pid
-    if _exit_hook_pid != os.getpid():
-        _exit_hook_pid = os.getpid()
-        multiprocessing.util.Finalize(None, _close_all, exitpriority=0)
+    pid = os.getpid()
+    if _exit_hook_pid != pid:
+        _exit_hook_pid = pid
+        _exit_hook_utils.clear()
+    if len(_exit_hook_utils) < len(_MP_UTILS):
+        for name in _MP_UTILS:
+            util = sys.modules.get(name)
+            if util is not None and name not in _exit_hook_utils:
+                util.Finalize(None, _close_all, exitpriority=0)
+                _exit_hook_utils.add(name)
 
 
 atexit.register(_close_all)

@@ -292,16 +292,20 @@ def test_reaper_counts_orphans_and_bytes(private_dir):
     assert len(names) == 3
     size = sum(os.stat(private_dir / n).st_size for n in names)
     assert size == 3 * HEADER_SIZE + 1000 + 50000 + 123457
-    d = Delta(k("mmshm_reaped_segments_total"), k("mmshm_reaped_bytes_total"))
+    keys = [k(f"mmshm_reaped_{what}_total", reason=r)
+            for what in ("segments", "bytes") for r in ("killed", "in_flight_expired")]
+    d = Delta(*keys)
     from mmshm import reaper
 
     rep = reaper.reap(str(private_dir))
-    assert rep.reclaimed == 3
-    assert d("mmshm_reaped_segments_total") == 3
-    assert d("mmshm_reaped_bytes_total") == size
+    assert rep.reclaimed == 3 and rep.reasons == {"killed": 3, "in_flight_expired": 0}
+    # os._exit: no clean close, so "killed"
+    assert d("mmshm_reaped_segments_total", reason="killed") == 3
+    assert d("mmshm_reaped_bytes_total", reason="killed") == size
+    assert d("mmshm_reaped_segments_total", reason="in_flight_expired") == 0
     assert segment_files(private_dir) == []
     reaper.reap(str(private_dir))  # nothing left: nothing counted
-    assert d("mmshm_reaped_segments_total") == 3
+    assert d("mmshm_reaped_segments_total", reason="killed") == 3
 
 
 # -- free space in the segment directory ----------------------------------------------------

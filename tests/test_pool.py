@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import pickle
 import signal
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
 
 import _mp
+import mmshm_faults as F
 import mmshm
 from mmshm import config, reaper, segment
 from mmshm.errors import SegmentNotFoundError
@@ -43,6 +46,39 @@ def test_size_classes_bound_the_slack():
     for n in (1, 4096, 65536, 22503936, 4784 * 1176 * 4 + 4096, 3 << 30):
         c = segment.size_class(n)
         assert c >= n and (c - n) <= max(4095, n // 8)
+
+
+def test_size_classes_keep_the_slack_below_an_eighth_as_documented():
+    """Issue 14: an 8 MiB tensor took a 10 MiB segment (25% slack)."""
+    hdr = segment.HEADER_SIZE
+    assert segment.size_class(8 * MiB + hdr) == 9 * MiB
+    assert segment.size_class(90_000_000 + hdr) == 88 * MiB
+    worst = 0.0
+    for k in range(17, 33):  # every class boundary from 64 KiB to 4 GiB, and around it
+        for n in (1 << k, (1 << k) + 1, (1 << k) + hdr, (3 << k) // 2 + 1, (2 << k) - 1):
+            c = segment.size_class(n)
+            assert c >= n and c % 4096 == 0
+            worst = max(worst, (c - n) / n)
+    assert 0.12 < worst < 0.125
+    assert len({segment.size_class(n) for n in range((1 << 24) + 1, (1 << 25) + 1, 4096)}) == 8
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("size", "tensor", "count", "reserve"), [
+    ("64m", 8 * MiB, 7, "0"),              # Docker's default /dev/shm, no reserve
+    ("300m", 90_000_000, 3, "-"),         # the default reserve (15 MiB)
+])
+def test_a_small_tmpfs_holds_as_many_pooled_tensors_as_the_slack_allows(size, tensor, count,
+                                                                         reserve):
+    F.skip_without_unshare()
+    r = F.run_in_tmpfs([sys.executable, os.path.join(F.HERE, "pool_fit.py"), str(tensor),
+                        str(count), reserve], size=size, timeout=110)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (res["shm"], res["inline"]) == (count, 0), res
+    assert sum(res["fallbacks"].values()) == 0 and res["bytes_equal"]
+    assert res["left"] == []
 
 
 def test_a_materialized_view_never_changes_while_the_pool_is_reused_around_it(pool):

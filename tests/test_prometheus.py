@@ -228,7 +228,7 @@ def test_alert_rules_fire_on_synthetic_series(tmp_path):
     series = [
         _series("mmshm_inline_fallbacks_total", "0 0 3 6 9 12 15 18 21 24", reason="enospc"),
         _series("mmshm_inline_fallbacks_total", "0x10", reason="budget"),
-        _series("mmshm_reaped_segments_total", "0 0 2 2 2 2 2 2"),
+        _series("mmshm_reaped_segments_total", "0 0 2 2 2 2 2 2", reason="killed"),
         _series("mmshm_dir_free_bytes", "50000000x20"),  # 48 MiB of a 64 MiB /dev/shm
         _series("mmshm_dir_size_bytes", "67108864x20"),
         _series("mmshm_dir_free_bytes", "10737418240x20", instance="b"),  # 10 of 16 GiB

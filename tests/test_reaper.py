@@ -4,7 +4,10 @@
   (``mmshm.reaper.pid_alive``) and once for real;
 * foreign, malformed, linked and other users' files are never touched;
 * ``dry_run``, the reclaimed counters, the start-up pass and its throttle;
-* a reaper pass racing a creation.
+* a reaper pass racing a creation;
+* references in flight after a writer's clean exit are kept for the grace
+  period, a killed holder's segments are reclaimed at once, and the reason is
+  logged, counted and reported (issue 14), by ``mmshm gc`` too.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import os
 import pickle
 import signal
 import sys
+import time
 
+import msgspec
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
@@ -239,3 +244,162 @@ def test_reaper_racing_a_creation_never_leaves_a_live_segment_unlinked(segdir, m
         segment.update_refcount(h.name, -1, segdir)  # the consumer's reference
     finally:
         h.release()
+
+
+# -- references in flight after a clean exit (issue 14, item 2) -----------------------------
+def _writer_exits_cleanly(d: str, nbytes: int, seed: int) -> tuple[bytes, bytes, str]:
+    """A writer hands one reference to a pickled handle (in flight: nobody
+    opened it yet), releases its own and exits normally."""
+    a, b = F.ctx().Pipe()
+    p = F.start(F.w_holder, d, nbytes, seed, 1, b)
+    data, digest, name = F.recv(a, 30)
+    a.send("exit")
+    assert F.recv(a) == "bye"
+    assert F.join(p) == 0
+    return data, digest, name
+
+
+class _Records:
+    def __init__(self):
+        import logging
+
+        self.messages: list[str] = []
+        self.handler = logging.Handler(level=logging.WARNING)
+        self.handler.emit = lambda r: self.messages.append(r.getMessage())
+
+    def __enter__(self):
+        import logging
+
+        logging.getLogger("mmshm").addHandler(self.handler)
+        return self.messages
+
+    def __exit__(self, *exc):
+        import logging
+
+        logging.getLogger("mmshm").removeHandler(self.handler)
+
+
+def _by_reason() -> dict[str, float]:
+    return {r: F.sample("mmshm_reaped_segments_total", {"reason": r})
+            for r in reaper.REASONS}
+
+
+@pytest.mark.timeout(60)
+def test_references_in_flight_survive_the_writers_clean_exit(segdir):
+    data, digest, name = _writer_exits_cleanly(segdir, 3 << 20, 21)
+    before = _by_reason()
+    with _Records() as logged:
+        rep = reaper.reap(segdir)
+    assert (rep.reclaimed, rep.in_flight, rep.live, rep.names) == (0, 1, 0, [])
+    assert rep.in_flight_bytes == HDR + (3 << 20)
+    assert _by_reason() == before and logged == []
+    (info,) = reaper.scan(segdir)
+    assert (info.name, info.orphan, info.reason) == (name, False, "in_flight")
+    late = pickle.loads(data)  # the late reader finds every byte
+    assert mmshm.content_hash(late.materialize(copy=True)) == digest
+    assert F.segment_files(segdir) == []  # its release was the last
+
+
+@pytest.mark.timeout(60)
+def test_references_in_flight_are_reclaimed_once_the_grace_period_is_over(segdir, monkeypatch):
+    monkeypatch.setenv("MMSHM_IN_FLIGHT_GRACE_S", "0.5")
+    config.reload()
+    data, _, name = _writer_exits_cleanly(segdir, 1 << 20, 22)
+    assert reaper.reap(segdir).in_flight == 1
+    time.sleep(0.6)
+    before, bytes0 = _by_reason(), F.sample("mmshm_reaped_bytes_total",
+                                            {"reason": "in_flight_expired"})
+    with _Records() as logged:
+        rep = reaper.reap(segdir)
+    assert (rep.reclaimed, rep.names, rep.in_flight) == (1, [name], 0)
+    assert rep.reasons == {"killed": 0, "in_flight_expired": 1}
+    after = _by_reason()
+    assert {r: after[r] - before[r] for r in after} == {"killed": 0, "in_flight_expired": 1}
+    assert F.sample("mmshm_reaped_bytes_total",
+                    {"reason": "in_flight_expired"}) - bytes0 == HDR + (1 << 20)
+    assert len(logged) == 1 and "reason=in_flight_expired" in logged[0]
+    assert "MMSHM_IN_FLIGHT_GRACE_S=0.5s" in logged[0] and "crashed" not in logged[0]
+    late = pickle.loads(data)
+    with pytest.raises(mmshm.SegmentNotFoundError):
+        late.materialize()
+    late.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_writer_with_references_in_flight_is_reclaimed_at_once(segdir):
+    a, b = F.ctx().Pipe()
+    p = F.start(F.w_holder, segdir, 1 << 20, 23, 1, b)
+    data, _, name = F.recv(a, 30)
+    p.kill()
+    assert F.join(p) == KILLED
+    before = _by_reason()
+    with _Records() as logged:
+        rep = reaper.reap(segdir)  # the default grace period: it does not apply
+    assert (rep.reclaimed, rep.names, rep.in_flight) == (1, [name], 0)
+    assert rep.reasons == {"killed": 1, "in_flight_expired": 0}
+    after = _by_reason()
+    assert {r: after[r] - before[r] for r in after} == {"killed": 1, "in_flight_expired": 0}
+    assert len(logged) == 1 and "reason=killed" in logged[0]
+    pickle.loads(data).release()  # tolerated: the segment is gone
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_killed_after_the_writers_clean_exit_is_reclaimed_at_once(segdir):
+    data, digest, name = _writer_exits_cleanly(segdir, 1 << 20, 24)
+    ca, cb = F.ctx().Pipe()
+    consumer = F.start(F.w_consumer, segdir, cb)
+    ca.send((data, digest))
+    assert F.recv(ca, 30) == ("materialized", True)
+    assert reaper.reap(segdir).live == 1
+    consumer.kill()
+    assert F.join(consumer) == KILLED
+    rep = reaper.reap(segdir)
+    assert (rep.names, rep.reasons["killed"]) == ([name], 1)
+
+
+@pytest.mark.timeout(90)
+def test_mmshm_gc_keeps_references_in_flight_and_reclaims_the_killed(segdir):
+    from click.testing import CliRunner
+    from mmshm import cli
+
+    (killed,) = _orphans(segdir, [1 << 16])  # its creator left through os._exit
+    data, digest, in_flight = _writer_exits_cleanly(segdir, 1 << 18, 25)
+    run = CliRunner().invoke
+    r = run(cli.main, ["gc", "--dir", segdir, "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = msgspec.json.decode(r.output)
+    assert (rep["names"], rep["reasons"], rep["in_flight"]) == (
+        [killed], {"killed": 1, "in_flight_expired": 0}, 1)
+    r = run(cli.main, ["gc", "--dir", segdir])
+    assert r.exit_code == 0, r.output
+    assert "reclaimed 1 orphaned segment(s)" in r.output and "1 killed" in r.output
+    assert "1 with references in flight" in r.output
+    assert F.segment_files(segdir) == [in_flight]
+    # a new process's start-up pass keeps it too
+    c, d = F.ctx().Pipe()
+    starter = F.start(F.w_segment_holder, segdir, 1 << 16, "60", d)
+    new_name, _ = F.recv(c, 30)
+    assert sorted(F.segment_files(segdir)) == sorted([in_flight, new_name])
+    c.send("exit")
+    assert F.recv(c) == "bye"
+    assert F.join(starter) == 0
+    late = pickle.loads(data)
+    assert mmshm.content_hash(late.clone().materialize(copy=True)) == digest
+    # --grace 0: the operator's way to let them go now
+    r = run(cli.main, ["gc", "--dir", segdir, "--grace", "0", "--json"])
+    rep = msgspec.json.decode(r.output)
+    assert (rep["names"], rep["reasons"]) == ([in_flight], {"killed": 0, "in_flight_expired": 1})
+    with pytest.raises(mmshm.SegmentNotFoundError):
+        late.materialize()
+    late.release()
+    assert F.segment_files(segdir) == []
+
+
+@pytest.mark.parametrize("bad", ["abc", "-5", "nan", "inf"])
+def test_a_bad_grace_period_is_logged_and_the_default_used(segdir, monkeypatch, bad):
+    monkeypatch.setenv("MMSHM_IN_FLIGHT_GRACE_S", bad)
+    with _Records() as logged:
+        assert config.reload().in_flight_grace_s == 300.0
+    assert len(logged) == 1 and "MMSHM_IN_FLIGHT_GRACE_S" in logged[0]
+    monkeypatch.setenv("MMSHM_IN_FLIGHT_GRACE_S", "61.5")
+    assert config.reload().in_flight_grace_s == 61.5

@@ -72,6 +72,16 @@ def unshare_reason() -> str | None:
     return None
 
 
+def skip_without_unshare() -> None:
+    """Skip the calling test when a private tmpfs cannot be had (see
+    :func:`unshare_reason`)."""
+    why = unshare_reason()
+    if why:
+        import pytest
+
+        pytest.skip(why)
+
+
 def run_in_tmpfs(argv: list[str], size: str = "64m", env: dict | None = None,
                  timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``argv`` with a private ``size`` tmpfs mounted on /dev/shm (Docker's
@@ -102,7 +112,10 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
 
 
 def sample(name: str, labels: dict | None = None) -> float:
-    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+    """One sample's value; without ``labels``, the sum over every label set."""
+    if labels is None:
+        return sum(s.value for m in REGISTRY.collect() for s in m.samples if s.name == name)
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 # -- process plumbing -----------------------------------------------------------
