@@ -16,6 +16,14 @@ Tokenizer process
     ``TokenizerManager._send_one_request``: the handles' references travel
     with the message once it is sent (one more per hop through SGLang's
     data-parallel controller); if dispatch fails they are released.
+    ``TokenizerManager._handle_batch_request`` with parallel sampling
+    (``n > 1``): SGLang sends a warm-up copy, awaits its answer, then sends
+    the n samples. For that whole scope the tokenizer holds one reference
+    per tensor it put in shared memory, released when the scope ends, so
+    the scheduler's release of the warm-up never frees the segment and the
+    samples reuse it: the payload is written once per fan-out. Each copy
+    sent in the scope with handles counts in ``mmshm_fanout_copies_total``
+    (n + 1 per prompt: the warm-up and the samples).
     ``hash_feature`` in ``mm_utils``: handles, CPU tensors and lists mixing
     both hash to an int derived from BLAKE3-128 of the bytes, the hash the
     handle already carries, so the value never depends on how a tensor
@@ -166,6 +174,38 @@ _SENDING: contextvars.ContextVar[_Send | None] = contextvars.ContextVar(
     "mmshm_sglang_send", default=None)
 
 
+class _FanOut:
+    """One parallel-sampling ``_handle_batch_request``: the tokenizer's own
+    reference on every segment made in it, by tensor (the tensor is kept too,
+    so its id cannot be reused while the entry lives)."""
+
+    __slots__ = ("copies", "held")
+
+    def __init__(self):
+        self.held: dict[int, tuple] = {}  # id(tensor) -> (tensor, ShmTensor)
+        self.copies = 0
+
+    def hold(self, t, h) -> None:
+        """Keep one reference on ``h``'s segment for ``t`` (once per tensor)."""
+        from mmshm import MmshmError
+
+        if id(t) in self.held:
+            return
+        try:
+            self.held[id(t)] = (t, h.clone())
+        except (MmshmError, OSError):  # gone already: the samples write it again
+            pass
+
+    def close(self) -> None:
+        held, self.held = self.held, {}
+        for _t, h in held.values():
+            h.release()
+
+
+_FANOUT: contextvars.ContextVar[_FanOut | None] = contextvars.ContextVar(
+    "mmshm_sglang_fanout", default=None)
+
+
 def _mm_module():
     return sys.modules.get(MM_UTILS)
 
@@ -230,6 +270,9 @@ def _wrap_features(mm_inputs, send: _Send):
             # processor did not hash (MMSHM_HASH=lazy: computed only if needed)
             _SEGMENTS.put(x, h.meta)
         made.setdefault(id(x), h)
+        scope = _FANOUT.get()
+        if scope is not None:
+            scope.hold(x, h)
         if send.extra:
             h.share(send.extra)
         send.handles.append(h)
@@ -277,8 +320,15 @@ def _wrap_shm_features(wrapped, instance, args, kwargs):
     mm_inputs = getattr(obj, "mm_inputs", None)
     if not mm_inputs or not _items(mm_inputs):
         return obj
+    n_handles = len(send.handles)
     new_mm = _wrap_features(mm_inputs, send)
     _set_item_hashes(new_mm)
+    scope = _FANOUT.get()
+    if scope is not None and len(send.handles) > n_handles:
+        from mmshm.metrics import FANOUT_COPIES
+
+        scope.copies += 1
+        FANOUT_COPIES.inc()
     if new_mm is mm_inputs:
         return obj
     new_obj = copy.copy(obj)
@@ -321,6 +371,36 @@ async def _send_one_request_async(wrapped, instance, args, kwargs):
         _SENDING.reset(token)
     _sent(send)
     return result
+
+
+def _handle_batch_request(wrapped, instance, args, kwargs):
+    """Parallel sampling: one :class:`_FanOut` scope for the whole call (an
+    async generator). The scope is visible to the wrapped generator whenever
+    it runs (set and reset around each step, in the caller's context) and its
+    references are released when the generator ends, fails or is closed."""
+    obj = args[0] if args else kwargs.get("obj")
+    if getattr(obj, "parallel_sample_num", 1) in (None, 0, 1):
+        return wrapped(*args, **kwargs)
+    return _fan_out_scope(wrapped(*args, **kwargs))
+
+
+async def _fan_out_scope(agen):
+    scope = _FanOut()
+    try:
+        while True:
+            token = _FANOUT.set(scope)
+            try:
+                item = await agen.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                _FANOUT.reset(token)
+            yield item
+    finally:
+        try:
+            await agen.aclose()
+        finally:
+            scope.close()
 
 
 def _sent(send: _Send) -> None:
@@ -527,6 +607,8 @@ class SGLangInstrumentor:
             _Patch(MM_UTILS, "wrap_shm_features", _static(_wrap_shm_features)),
             _Patch(TOKENIZER, "wrap_shm_features", _static(_wrap_shm_features)),
             _Patch(TOKENIZER, "TokenizerManager._send_one_request", _static(_send_one_request)),
+            _Patch(TOKENIZER, "TokenizerManager._handle_batch_request",
+                   _static(_handle_batch_request)),
             _Patch(sched, "broadcast_pyobj", _make_broadcast),
             _Patch(sched, f"{sched_cls}.recv_requests", _static(_recv_requests)),
         ]
