@@ -1,0 +1,226 @@
+"""Real servers for the end-to-end tests: start, wait, query, stop, always kill.
+
+A :class:`Server` runs one server command line (optionally under
+``mmshm run``) in a process group of its own, bound to 127.0.0.1, with its
+output in a log file. Every way out kills the whole group by its pid
+(``os.killpg``): a normal :meth:`Server.stop` sends the stop signal and waits
+up to a bound, then SIGKILLs what is left; ``__exit__`` and the module's
+``atexit`` hook do the same if a test failed half way, so no server outlives
+the test session.
+
+Helpers for the requests: :func:`data_url` turns a ``PIL.Image`` into a
+base64 data URL the OpenAI client sends, :func:`metric` reads one series
+from a Prometheus exposition, :func:`segments` lists mmshm's segment files.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_LIVE: set[int] = set()
+
+
+def _kill_all() -> None:
+    for pgid in list(_LIVE):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _LIVE.discard(pgid)
+
+
+atexit.register(_kill_all)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerDied(RuntimeError):
+    """The server exited or did not become ready in time; the message holds
+    the tail of its log."""
+
+
+class Server:
+    """One real server process group.
+
+    Args:
+        argv: the server's command line (its ``--port`` must be ``port``).
+        port: the HTTP port on 127.0.0.1.
+        env: the environment (default: a copy of ``os.environ``).
+        log_path: where stdout and stderr go.
+        mmshm_run: run ``argv`` under ``mmshm run`` (this interpreter's mmshm).
+        prefix: words put before everything (e.g. ``unshare -m sh -c ...``).
+        ready_timeout_s: seconds to wait for ``GET /health`` to answer 200.
+    """
+
+    def __init__(self, argv: list[str], port: int, log_path: Path, env: dict | None = None,
+                 mmshm_run: bool = False, prefix: list[str] | None = None,
+                 ready_timeout_s: float = 300.0):
+        self.port = port
+        self.log_path = Path(log_path)
+        self.env = dict(os.environ if env is None else env)
+        cmd = list(argv)
+        if mmshm_run:
+            cmd = [sys.executable, "-m", "mmshm.cli", "run", "--", *cmd]
+        self.argv = (prefix or []) + cmd
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+        self.returncode: int | None = None
+
+    # -- life cycle -------------------------------------------------------------
+    def start(self) -> Server:
+        t0 = time.monotonic()
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, cwd=ROOT)
+        _LIVE.add(self.proc.pid)
+        deadline = t0 + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.kill()
+                raise ServerDied(f"server exited with {self.proc.returncode} while starting:\n"
+                                 f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.base}/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.startup_s = time.monotonic() - t0
+                        return self
+            except OSError:
+                pass
+            time.sleep(1.0)
+        self.kill()
+        raise ServerDied(f"server not ready after {self.ready_timeout_s:.0f} s:\n"
+                         f"{self.log_tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90.0) -> int:
+        """Send ``sig`` to the group leader (``mmshm run`` forwards it), wait up
+        to ``timeout_s`` for the whole group to go, then SIGKILL the group.
+        Returns the leader's exit status."""
+        assert self.proc is not None
+        try:
+            self.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.returncode = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.returncode = self.proc.wait(timeout=30)
+        self._wait_group_gone(timeout_s=30)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group now."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        self._wait_group_gone(timeout_s=30)
+
+    def _wait_group_gone(self, timeout_s: float) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _LIVE.discard(self.proc.pid)
+        if not self._log.closed:
+            self._log.close()
+
+    def __enter__(self) -> Server:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.returncode is None:
+            self.kill()
+
+    # -- queries ------------------------------------------------------------------
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, timeout_s: float = 300.0):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="none", timeout=timeout_s,
+                             max_retries=0)
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"{self.base}/metrics", timeout=30) as r:
+            return r.read().decode()
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return self.log_text()[-chars:]
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The sum of the samples called ``name`` in a Prometheus exposition whose
+    labels include ``labels`` (0.0 when there is none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def series(text: str, name: str) -> list[tuple[dict, float]]:
+    """Every sample called ``name``: ``(labels, value)``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(dict(s.labels), s.value) for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == name]
+
+
+def data_url(img, fmt: str = "PNG") -> str:
+    """A ``PIL.Image`` as a base64 data URL."""
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    mime = "png" if fmt.upper() == "PNG" else "jpeg"
+    return f"data:image/{mime};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+def segments(directory: str | os.PathLike) -> list[str]:
+    """mmshm's segment files in ``directory`` (``mmshm-<pid>-<hex>``)."""
+    try:
+        return sorted(n for n in os.listdir(directory) if n.startswith("mmshm-"))
+    except FileNotFoundError:
+        return []
