@@ -26,8 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import server  # noqa: E402
-import tiny_model  # noqa: E402
+import server
+import tiny_model
 
 ROOT = HERE.parents[1]
 MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"
@@ -63,7 +63,7 @@ def _ttft(srv, urls: list[str], n: int) -> float:
 
 def _p90(xs: list[float]) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(0.9 * (len(xs) - 1)))]
 
 
 def main() -> int:

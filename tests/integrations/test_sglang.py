@@ -199,6 +199,17 @@ def _batch_stand_in(ns, sched):
     return mgr
 
 
+def _batch_extra_args(mgr, states) -> list:
+    """What the release's ``_handle_batch_request`` takes after (obj, request):
+    0.5.9 ``created_time``, 0.5.12-0.5.15 nothing, 0.5.2x ``request_states``."""
+    params = list(inspect.signature(inspect.unwrap(mgr._handle_batch_request)).parameters)
+    if "request_states" in params:
+        return [states]
+    if "created_time" in params:
+        return [None]
+    return []
+
+
 def _run_batch(ns, n):
     """One request with one image and ``n`` samples through the real
     ``_handle_batch_request`` (the warm-up awaited before the samples)."""
@@ -209,14 +220,11 @@ def _run_batch(ns, n):
     obj = ns.io.GenerateReqInput(text="<image> describe",
                                  sampling_params={"n": n, "max_new_tokens": 4})
     obj.normalize_batch_and_arguments()
-    params = list(inspect.signature(inspect.unwrap(mgr._handle_batch_request)).parameters)
-    extra = [None]  # 0.5.9: created_time
-    if "request_states" in params:  # 0.5.2x
-        states = {}
-        for rid in obj.rid if isinstance(obj.rid, list) else [obj.rid]:
-            mgr._init_req_state(types.SimpleNamespace(rid=rid))
-            states[rid] = mgr.rid_to_state[rid]
-        extra = [states]
+    states = {}
+    for rid in obj.rid if isinstance(obj.rid, list) else [obj.rid]:
+        mgr._init_req_state(types.SimpleNamespace(rid=rid))
+        states[rid] = mgr.rid_to_state[rid]
+    extra = _batch_extra_args(mgr, states)
 
     async def drive():
         return [out async for out in mgr._handle_batch_request(obj, None, *extra)]
@@ -307,15 +315,12 @@ def test_fanout_scope_releases_when_the_request_fails(ns):
 
     async def fail(self, obj, *rest):
         raise RuntimeError("client went away")
-        yield  # noqa: unreachable (an async generator)
+        yield  # an async generator
 
     type(mgr)._wait_one_response = fail
     obj = ns.io.GenerateReqInput(text="x", sampling_params={"n": 2, "max_new_tokens": 4})
     obj.normalize_batch_and_arguments()
-    params = list(inspect.signature(inspect.unwrap(mgr._handle_batch_request)).parameters)
-    extra = [None]
-    if "request_states" in params:
-        extra = [{}]
+    extra = _batch_extra_args(mgr, {})
 
     async def drive():
         async for _ in mgr._handle_batch_request(obj, None, *extra):
@@ -329,8 +334,8 @@ def test_fanout_scope_releases_when_the_request_fails(ns):
     from mmshm import segment
 
     assert segment.update_refcount(name, 0) == 1
-    for b in sched.sock.sent:
-        pickle.loads(b).mm_inputs  # received and dropped: released
+    received = [pickle.loads(b) for b in sched.sock.sent]
+    del received  # received and dropped: released
     gc.collect()
     assert _segments() == []
 
