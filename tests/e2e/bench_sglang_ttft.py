@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -122,6 +123,12 @@ def main() -> int:
                 srv.kill()
     finally:
         server._kill_all()
+        # a SIGKILLed server leaves its idle pooled segments: reclaim them
+        from mmshm.reaper import reap
+
+        reap(str(seg_dir))
+        results["left_after_reclaim"] = server.segments(seg_dir)
+        shutil.rmtree(seg_dir, ignore_errors=True)
     print(json.dumps(results, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
