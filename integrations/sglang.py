@@ -16,6 +16,14 @@ Tokenizer process
     ``TokenizerManager._send_one_request``: the handles' references travel
     with the message once it is sent (one more per hop through SGLang's
     data-parallel controller); if dispatch fails they are released.
+    ``TokenizerManager._handle_batch_request`` with parallel sampling
+    (``n > 1``): SGLang sends a warm-up copy, awaits its answer, then sends
+    the n samples. For that whole scope the tokenizer holds one reference
+    per tensor it put in shared memory, released when the scope ends, so
+    the scheduler's release of the warm-up never frees the segment and the
+    samples reuse it: the payload is written once per fan-out. Each copy
+    sent in the scope with handles counts in ``mmshm_fanout_copies_total``
+    (n + 1 per prompt: the warm-up and the samples).
     ``hash_feature`` in ``mm_utils``: handles, CPU tensors and lists mixing
     both hash to an int derived from BLAKE3-128 of the bytes, the hash the
     handle already carries, so the value never depends on how a tensor
@@ -65,6 +73,14 @@ IO_STRUCT = "sglang.srt.managers.io_struct"
 TOKENIZER = "sglang.srt.managers.tokenizer_manager"
 SCHEDULER = "sglang.srt.managers.scheduler"
 RECEIVER = "sglang.srt.managers.scheduler_components.request_receiver"
+
+
+#: Transport paths as :mod:`mmshm.report` names them (``mmshm_path_enabled``).
+PATH_REQUESTS = "multimodal tensors to the scheduler through shared memory"
+PATH_FANOUT = "parallel sampling (n>1) writes each tensor once"
+PATH_SCHED_IN = "requests materialized zero-copy on every TP rank"
+PATH_BROADCAST = "TP broadcast carries metadata only"
+_VERSION = "?"  # the instrumented release, for what this process says
 
 
 def _path(module: str) -> str:
@@ -166,6 +182,38 @@ _SENDING: contextvars.ContextVar[_Send | None] = contextvars.ContextVar(
     "mmshm_sglang_send", default=None)
 
 
+class _FanOut:
+    """One parallel-sampling ``_handle_batch_request``: the tokenizer's own
+    reference on every segment made in it, by tensor (the tensor is kept too,
+    so its id cannot be reused while the entry lives)."""
+
+    __slots__ = ("copies", "held")
+
+    def __init__(self):
+        self.held: dict[int, tuple] = {}  # id(tensor) -> (tensor, ShmTensor)
+        self.copies = 0
+
+    def hold(self, t, h) -> None:
+        """Keep one reference on ``h``'s segment for ``t`` (once per tensor)."""
+        from mmshm import MmshmError
+
+        if id(t) in self.held:
+            return
+        try:
+            self.held[id(t)] = (t, h.clone())
+        except (MmshmError, OSError):  # gone already: the samples write it again
+            pass
+
+    def close(self) -> None:
+        held, self.held = self.held, {}
+        for _t, h in held.values():
+            h.release()
+
+
+_FANOUT: contextvars.ContextVar[_FanOut | None] = contextvars.ContextVar(
+    "mmshm_sglang_fanout", default=None)
+
+
 def _mm_module():
     return sys.modules.get(MM_UTILS)
 
@@ -230,6 +278,9 @@ def _wrap_features(mm_inputs, send: _Send):
             # processor did not hash (MMSHM_HASH=lazy: computed only if needed)
             _SEGMENTS.put(x, h.meta)
         made.setdefault(id(x), h)
+        scope = _FANOUT.get()
+        if scope is not None:
+            scope.hold(x, h)
         if send.extra:
             h.share(send.extra)
         send.handles.append(h)
@@ -277,8 +328,15 @@ def _wrap_shm_features(wrapped, instance, args, kwargs):
     mm_inputs = getattr(obj, "mm_inputs", None)
     if not mm_inputs or not _items(mm_inputs):
         return obj
+    n_handles = len(send.handles)
     new_mm = _wrap_features(mm_inputs, send)
     _set_item_hashes(new_mm)
+    scope = _FANOUT.get()
+    if scope is not None and len(send.handles) > n_handles:
+        from mmshm.metrics import FANOUT_COPIES
+
+        scope.copies += 1
+        FANOUT_COPIES.inc()
     if new_mm is mm_inputs:
         return obj
     new_obj = copy.copy(obj)
@@ -321,6 +379,36 @@ async def _send_one_request_async(wrapped, instance, args, kwargs):
         _SENDING.reset(token)
     _sent(send)
     return result
+
+
+def _handle_batch_request(wrapped, instance, args, kwargs):
+    """Parallel sampling: one :class:`_FanOut` scope for the whole call (an
+    async generator). The scope is visible to the wrapped generator whenever
+    it runs (set and reset around each step, in the caller's context) and its
+    references are released when the generator ends, fails or is closed."""
+    obj = args[0] if args else kwargs.get("obj")
+    if getattr(obj, "parallel_sample_num", 1) in (None, 0, 1):
+        return wrapped(*args, **kwargs)
+    return _fan_out_scope(wrapped(*args, **kwargs))
+
+
+async def _fan_out_scope(agen):
+    scope = _FanOut()
+    try:
+        while True:
+            token = _FANOUT.set(scope)
+            try:
+                item = await agen.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                _FANOUT.reset(token)
+            yield item
+    finally:
+        try:
+            await agen.aclose()
+        finally:
+            scope.close()
 
 
 def _sent(send: _Send) -> None:
@@ -444,6 +532,68 @@ def _make_attn_broadcast(original):
     return wrapper
 
 
+# -- what this process says (mmshm.report) ---------------------------------------------
+def _transport_off_reason() -> tuple[str, str] | None:
+    """``(reason, fix)`` when SGLang itself would not use shared memory here,
+    so neither does mmshm; None when it would."""
+    mm = _mm_module()
+    if mm is None:
+        return ("sglang's mm_utils is not imported in this process",
+                "report this as an mmshm bug with the SGLang version")
+    try:
+        if mm._get_is_default_transport():
+            return ("SGLang's tensor transport is 'default' here (a multi-node deployment, or "
+                    "--dist-init-addr on 0.5.9-0.5.12): tensors are pickled into the message",
+                    "nothing to do across nodes; on one node, drop --dist-init-addr")
+    except Exception as exc:  # noqa: BLE001 - reporting never breaks a server
+        return (f"SGLang's transport mode could not be read ({exc})",
+                "report this as an mmshm bug with the SGLang version")
+    for accessor in ("get_global_server_args", "get_serving"):
+        fn = getattr(mm, accessor, None)
+        if fn is not None:
+            try:
+                if getattr(fn(), "skip_tokenizer_init", False):
+                    return ("--skip-tokenizer-init: the tokenizer process sends no tensors",
+                            "none needed")
+            except Exception:  # noqa: BLE001 - server args not set yet: judged later
+                pass
+            break
+    io = sys.modules.get(IO_STRUCT)
+    if not bool(getattr(io, "_USE_PICKLE_IPC", True)):
+        return ("SGLANG_USE_PICKLE_IPC is off: requests are not pickled, so handles "
+                "cannot ride in them", "unset SGLANG_USE_PICKLE_IPC (pickle IPC is the default)")
+    return None
+
+
+def _say(role: str, on: list[str], offs: list[str]) -> None:
+    from mmshm import report
+
+    off = _transport_off_reason()
+    if off is None:
+        report.paths("sglang", _VERSION, role, on)
+    else:
+        report.paths("sglang", _VERSION, role, [], [(p, *off) for p in offs])
+
+
+def _tokenizer_ready(wrapped, instance, args, kwargs):
+    """``TokenizerManager.__init__``: say what this tokenizer process does."""
+    result = wrapped(*args, **kwargs)
+    dp = _dp_hops(instance)
+    paths = [PATH_REQUESTS + (" (via the data-parallel controller)" if dp else ""),
+             PATH_FANOUT]
+    _say("tokenizer", paths, [PATH_REQUESTS, PATH_FANOUT])
+    return result
+
+
+def _scheduler_ready(wrapped, instance, args, kwargs):
+    """``Scheduler.__init__``: say what this scheduler (TP rank) does."""
+    result = wrapped(*args, **kwargs)
+    rank, size = getattr(instance, "tp_rank", 0), getattr(instance, "tp_size", 1)
+    on = [PATH_SCHED_IN] + ([f"{PATH_BROADCAST} ({size} ranks)"] if size > 1 else [])
+    _say(f"scheduler (TP rank {rank})", on, [PATH_SCHED_IN])
+    return result
+
+
 # -- the instrumentor --------------------------------------------------------------
 class _Patch:
     __slots__ = ("attr", "factory", "module", "optional")
@@ -500,7 +650,9 @@ class SGLangInstrumentor:
         with self._lock:
             if self._active:
                 return
+            global _VERSION
             self.version = check_version(self.package, self.supported)
+            _VERSION = str(self.version)
             self._plan = self._make_plan()
             self.refused = None
             self._active = True
@@ -538,6 +690,11 @@ class SGLangInstrumentor:
             _Patch(MM_UTILS, "wrap_shm_features", _static(_wrap_shm_features)),
             _Patch(TOKENIZER, "wrap_shm_features", _static(_wrap_shm_features)),
             _Patch(TOKENIZER, "TokenizerManager._send_one_request", _static(_send_one_request)),
+            _Patch(TOKENIZER, "TokenizerManager._handle_batch_request",
+                   _static(_handle_batch_request)),
+            _Patch(TOKENIZER, "TokenizerManager.__init__", _static(_tokenizer_ready),
+                   optional=True),
+            _Patch(SCHEDULER, "Scheduler.__init__", _static(_scheduler_ready), optional=True),
             _Patch(sched, "broadcast_pyobj", _make_broadcast),
             _Patch(sched, f"{sched_cls}.recv_requests", _static(_recv_requests)),
         ]

@@ -5,7 +5,12 @@ release, one virtual environment per release.
 Usage::
 
     python tests/integrations/run_sglang.py [--release 0.5.23 ...] [--setup-only]
-        [-- PYTEST ARGS]
+        [--no-e2e | --e2e-only] [-- PYTEST ARGS]
+
+After the module-level tests, the real-server e2e tests
+(tests/e2e/test_sglang_e2e.py) run for 0.5.9 and 0.5.23 in
+``.venvs/sglang-<version>-server`` (the lean environment plus what a server
+needs, and the stubs installed as packages); ``--no-e2e`` skips them.
 
 Lean environments. Each release gets ``.venvs/sglang-<version>`` (git-ignored)
 holding only SGLang (``--no-deps``) and the few packages its modules need to
@@ -58,6 +63,21 @@ RELEASES: dict[str, list[str]] = {
 }
 
 
+#: What a real server needs on top of a release's lean environment (the e2e
+#: tests, tests/e2e/test_sglang_e2e.py), found by starting the server on CPU
+#: until nothing was missing. Layered over ``sglang-<version>``.
+SERVER: dict[str, list[str]] = {
+    "0.5.9": ["jsonschema==4.26.0", "python-multipart==0.0.34",
+              "decord2==3.4.0"],  # the Qwen-VL processor imports decord
+    "0.5.23": ["jsonschema==4.26.0", "python-multipart==0.0.34", "soundfile==0.13.1"],
+}
+#: Installed ``--no-deps`` (xgrammar would pull in triton, 1 GB, never used:
+#: ``--grammar-backend none``; 0.5.23 imports it for function calling).
+SERVER_NO_DEPS: dict[str, list[str]] = {"0.5.9": [], "0.5.23": ["xgrammar==0.2.7"]}
+STUBS = ROOT / "tests" / "integrations" / "stubs"
+E2E_TESTS = ROOT / "tests" / "e2e" / "test_sglang_e2e.py"
+
+
 def _site_packages(prefix: Path) -> Path:
     v = f"python{sys.version_info.major}.{sys.version_info.minor}"
     return prefix / "lib" / v / "site-packages"
@@ -107,26 +127,69 @@ def setup(release: str, log) -> Path:
     return venv
 
 
+def _install_stubs(venv: Path) -> None:
+    """Copy the stub packages (triton, torchvision, sgl_kernel) into a server
+    environment, where no PYTHONPATH is needed (``mmshm run`` sets its own),
+    with distribution metadata for torchvision: transformers' Qwen2-VL
+    processor insists on finding it (PyPI's build is CUDA-only:
+    ``operator torchvision::nms does not exist``)."""
+    import shutil
+
+    site = _site_packages(venv)
+    for name in ("_anything.py", "triton", "torchvision", "sgl_kernel"):
+        src, dst = STUBS / name, site / name
+        if dst.is_dir():
+            shutil.rmtree(dst)
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dst)
+    info = site / "torchvision-0.28.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+    (info / "INSTALLER").write_text("mmshm-stub\n")
+
+
+def setup_server(release: str, log) -> Path:
+    """``.venvs/sglang-<version>-server``: what ``python -m sglang.launch_server``
+    needs on CPU, layered over the release's lean environment."""
+    lean = setup(release, log)
+    base = Path(sysconfig.get_paths()["purelib"])
+    venv = VENVS / f"sglang-{release}-server"
+    _make_venv(venv, [_site_packages(lean), _site_packages(VENVS / "sglang-common"), base],
+               SERVER[release], SERVER_NO_DEPS[release], log)
+    _install_stubs(venv)
+    return venv
+
+
 _SUMMARY = re.compile(r"^(?:=+ )?(\d+ (?:passed|failed|skipped|errors?|deselected)[^\n]*?)"
                       r" in ([0-9.]+)s", re.MULTILINE)
 
 
-def run(release: str, pytest_args: list[str], setup_only: bool) -> tuple[int, str, float, float]:
+def run(release: str, pytest_args: list[str], setup_only: bool,
+        e2e: bool = False) -> tuple[int, str, float, float]:
+    """Module-level tests (``e2e=False``) or the real-server e2e tests of one
+    release in its environment."""
     VENVS.mkdir(exist_ok=True)
-    log_path = VENVS / f"setup-{release}.log"
+    kind = "server" if e2e else "lean"
+    log_path = VENVS / f"setup-{release}{'-server' if e2e else ''}.log"
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        venv = setup(release, log)
+        venv = setup_server(release, log) if e2e else setup(release, log)
     t_setup = time.monotonic() - t0
     if setup_only:
-        return 0, "set up", t_setup, 0.0
+        return 0, f"set up ({kind})", t_setup, 0.0
     env = dict(os.environ)
     env["MMSHM_SGLANG_RELEASE"] = release
     env.pop("PYTHONPATH", None)
+    if e2e:
+        env["MMSHM_E2E"] = "sglang"
+    tests = E2E_TESTS if e2e else TESTS
     cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider",
-           "-p", "no:benchmark", str(TESTS), "-q", *pytest_args]
+           "-p", "no:benchmark", str(tests), "-q", "-rs", *pytest_args]
     t1 = time.monotonic()
-    print(f"--- SGLang {release}: {' '.join(cmd[1:])}", flush=True)
+    print(f"--- SGLang {release} ({'e2e' if e2e else 'module'}): {' '.join(cmd[1:])}",
+          flush=True)
     proc = subprocess.run(cmd, check=False, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     sys.stdout.write(proc.stdout)
@@ -135,6 +198,11 @@ def run(release: str, pytest_args: list[str], setup_only: bool) -> tuple[int, st
         pass
     summary = m.group(1) if m else f"exit {proc.returncode}"
     return proc.returncode, summary, t_setup, time.monotonic() - t1
+
+
+#: Releases whose real server the e2e tests start (about 10 minutes each on
+#: two cores: start-ups dominate).
+E2E_RELEASES = ("0.5.9", "0.5.23")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,21 +215,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--release", action="append", choices=sorted(RELEASES),
                     help="release(s) to test (default: all)")
     ap.add_argument("--setup-only", action="store_true", help="build the venvs, run nothing")
+    ap.add_argument("--no-e2e", action="store_true",
+                    help="module-level tests only, no real server")
+    ap.add_argument("--e2e-only", action="store_true",
+                    help=f"the real-server e2e tests only (releases {', '.join(E2E_RELEASES)})")
     args = ap.parse_args(argv)
     releases = args.release or list(RELEASES)
+    jobs = [] if args.e2e_only else [(rel, False) for rel in releases]
+    if not args.no_e2e:
+        jobs += [(rel, True) for rel in releases if rel in E2E_RELEASES]
     results = []
-    for rel in releases:
+    for rel, e2e in jobs:
+        label = f"{rel} e2e" if e2e else rel
         try:
-            results.append((rel, *run(rel, pytest_args, args.setup_only)))
+            results.append((label, *run(rel, pytest_args, args.setup_only, e2e)))
         except SystemExit as exc:
-            results.append((rel, 1, f"setup failed: {exc}", 0.0, 0.0))
+            results.append((label, 1, f"setup failed: {exc}", 0.0, 0.0))
     print("\nSGLang releases:")
     failed = 0
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     for rel, rc, summary, t_setup, t_test in results:
         failed += rc != 0
         status = "ok" if rc == 0 else "FAILED"
-        print(f"  {rel:7s} {status:6s} {summary}  (venv {t_setup:.0f}s, tests {t_test:.0f}s)")
+        print(f"  {rel:11s} {status:6s} {summary}  (venv {t_setup:.0f}s, tests {t_test:.0f}s)")
         for n, key in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary):
             counts["failed" if key.startswith("error") else key] += int(n)
         if rc != 0 and not re.search(r"\d+ (failed|errors?)", summary):

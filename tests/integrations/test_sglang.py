@@ -10,6 +10,7 @@ every rank and nothing left in the segment directory.
 from __future__ import annotations
 
 import gc
+import inspect
 import multiprocessing as mp
 import os
 import pickle
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -132,6 +134,208 @@ def test_fanout_with_mmshm(ns):
     want = E.feature_digest(E.expected_feature(0))
     assert [E.feature_digest(E.items(r)[0].feature) for r in out] == [want] * n
     del out, received, metas
+    gc.collect()
+    assert _segments() == []
+
+
+# -- parallel sampling through the real _handle_batch_request ------------------------
+class _Scheduler:
+    """The scheduler side of the stand-in: unpickles a copy when the tokenizer
+    waits for its answer, materializes it as the release's receive path does
+    (mmshm's unwrap), checks the bytes, and drops everything before answering
+    (a warm-up's references are all released before the samples are sent)."""
+
+    def __init__(self, ns, sock):
+        self.ns, self.sock, self.next = ns, sock, 0
+        self.pending: dict[str, object] = {}  # received, not yet run
+        self.answered: list[tuple[str, int, bool, int]] = []  # rid, max_new_tokens, ok, refs
+        self.want = E.feature_digest(E.expected_feature(0))
+
+    def answer(self, rid):
+        from mmshm import segment
+
+        for b in self.sock.sent[self.next:]:
+            r = pickle.loads(b)  # its handles own the references sent with it
+            self.pending[r.rid] = r
+        self.next = len(self.sock.sent)
+        req = self.pending.pop(rid)
+        h = E.items(req)[0].feature
+        refs = segment.update_refcount(h.name, 0) if isinstance(h, mmshm.ShmTensor) else -1
+        req = glue._local_unwrap([req])[0]
+        f = E.items(req)[0].feature
+        ok = isinstance(f, torch.Tensor) and E.feature_digest(f) == self.want
+        self.answered.append((rid, req.sampling_params.max_new_tokens, ok, refs))
+        del req, f, h
+        gc.collect()
+        return {"text": "", "meta_info": {"id": rid}}
+
+
+def _batch_stand_in(ns, sched):
+    """A minimal TokenizerManager running the release's own
+    ``_handle_batch_request`` and ``_send_one_request`` (as instrumented now)."""
+    tm = ns.tm.TokenizerManager
+    feature = E.expected_feature(0)
+
+    async def tokenize(self, obj):
+        return E.make_request(ns, [feature], rid=obj.rid)  # one tensor per prompt
+
+    async def wait(self, obj, *rest):
+        yield sched.answer(obj.rid)
+
+    def init_state(self, obj):
+        self.rid_to_state[obj.rid] = types.SimpleNamespace(
+            time_stats=E.Stats(), lora_released=False, prompt_token_ids=None)
+
+    methods = {name: tm.__dict__[name] for name in
+               ("_handle_batch_request", "_send_one_request", "_collect_batch_responses")
+               if name in tm.__dict__}
+    cls = type("StandIn", (E._Manager,), dict(
+        methods, _tokenize_one_request=tokenize, _wait_one_response=wait,
+        _init_req_state=init_state))
+    mgr = cls(send_to_scheduler=sched.sock, rid_to_state={}, tokenizer_ipc_name=None,
+              server_args=types.SimpleNamespace(dp_size=1),
+              req_state_class=lambda *a, **kw: types.SimpleNamespace())
+    mgr._dispatch_to_scheduler = lambda obj: sched.sock.send_pyobj(obj)
+    return mgr
+
+
+def _batch_extra_args(mgr, states) -> list:
+    """What the release's ``_handle_batch_request`` takes after (obj, request):
+    0.5.9 ``created_time``, 0.5.12-0.5.15 nothing, 0.5.2x ``request_states``."""
+    params = list(inspect.signature(inspect.unwrap(mgr._handle_batch_request)).parameters)
+    if "request_states" in params:
+        return [states]
+    if "created_time" in params:
+        return [None]
+    return []
+
+
+def _run_batch(ns, n):
+    """One request with one image and ``n`` samples through the real
+    ``_handle_batch_request`` (the warm-up awaited before the samples)."""
+    import asyncio
+
+    sched = _Scheduler(ns, E.Socket())
+    mgr = _batch_stand_in(ns, sched)
+    obj = ns.io.GenerateReqInput(text="<image> describe",
+                                 sampling_params={"n": n, "max_new_tokens": 4})
+    obj.normalize_batch_and_arguments()
+    states = {}
+    for rid in obj.rid if isinstance(obj.rid, list) else [obj.rid]:
+        mgr._init_req_state(types.SimpleNamespace(rid=rid))
+        states[rid] = mgr.rid_to_state[rid]
+    extra = _batch_extra_args(mgr, states)
+
+    async def drive():
+        return [out async for out in mgr._handle_batch_request(obj, None, *extra)]
+
+    outs = asyncio.run(drive())
+    return sched, outs
+
+
+def _counters():
+    from mmshm import metrics
+
+    return (metrics.SHM_WRITTEN_BYTES._value.get(), metrics.SEGMENTS_CREATED._value.get(),
+            metrics.FANOUT_COPIES._value.get())
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["fresh", "pool"])
+def test_fanout_writes_once_through_handle_batch_request(ns, request, pooled):
+    """Parallel sampling through the release's own ``_handle_batch_request``:
+    the warm-up copy is sent, answered and released by the scheduler before
+    the n samples are sent. The tokenizer's reference for the fan-out scope
+    keeps the segment, so the pixels are written once for the n + 1 copies."""
+    if pooled:
+        request.getfixturevalue("pool")
+    mmshm.instrument("sglang")
+    n = 3
+    payload = E.expected_feature(0).numel() * 4
+    before = _counters()
+    made = []
+    from mmshm import walker
+
+    orig = walker.to_shm
+
+    def spy(x, *a, **kw):
+        h = orig(x, *a, **kw)
+        if h is not None:
+            made.append(h.name)
+        return h
+
+    walker.to_shm = spy
+    try:
+        sched, outs = _run_batch(ns, n)
+    finally:
+        walker.to_shm = orig
+    written, created, copies = (a - b for a, b in zip(_counters(), before))
+    assert len(sched.answered) == n + 1, sched.answered
+    assert sched.answered[0][1] == 0, "the warm-up (max_new_tokens 0) comes first"
+    assert all(ok for _, _, ok, _ in sched.answered), "bytes differ"
+    assert len(outs) == 1 and len(outs[0]) == n
+    assert written == payload, f"{written / payload:.0f} payloads written for one fan-out"
+    assert len(made) == 1 and created == 1
+    assert copies == n + 1
+    # references on the one segment when each copy is run: the warm-up's and
+    # the scope's; then the n samples' and the scope's, one fewer each time
+    assert [refs for *_, refs in sched.answered] == [2] + list(range(n + 1, 1, -1))
+    gc.collect()
+    # the scope's reference was given back at its end: the segment is free
+    from mmshm import MmshmError, segment
+
+    with pytest.raises((MmshmError, OSError)):
+        segment.update_refcount(made[0], 0)
+    if not pooled:
+        assert _segments() == []
+
+
+def test_fanout_without_the_scope_writes_again(ns, monkeypatch):
+    """The cause, shown: without the fan-out scope the scheduler's release of
+    the warm-up frees the segment and the samples write the pixels again."""
+    monkeypatch.setattr(glue, "_handle_batch_request",
+                        lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs))
+    mmshm.instrument("sglang")
+    payload = E.expected_feature(0).numel() * 4
+    before = _counters()
+    sched, _ = _run_batch(ns, 2)
+    written, _, copies = (a - b for a, b in zip(_counters(), before))
+    assert all(ok for _, _, ok, _ in sched.answered)
+    assert written == 2 * payload and copies == 0
+    assert [refs for *_, refs in sched.answered] == [1, 2, 1]
+
+
+def test_fanout_scope_releases_when_the_request_fails(ns):
+    """A warm-up whose answer never comes (the client went away: the
+    generator is closed): the scope's references are given back."""
+    import asyncio
+
+    mmshm.instrument("sglang")
+    sched = _Scheduler(ns, E.Socket())
+    mgr = _batch_stand_in(ns, sched)
+
+    async def fail(self, obj, *rest):
+        raise RuntimeError("client went away")
+        yield  # an async generator
+
+    type(mgr)._wait_one_response = fail
+    obj = ns.io.GenerateReqInput(text="x", sampling_params={"n": 2, "max_new_tokens": 4})
+    obj.normalize_batch_and_arguments()
+    extra = _batch_extra_args(mgr, {})
+
+    async def drive():
+        async for _ in mgr._handle_batch_request(obj, None, *extra):
+            pass
+
+    with pytest.raises(RuntimeError, match="client went away"):
+        asyncio.run(drive())
+    # the scope gave its reference back; the warm-up's message, which no
+    # scheduler will receive now, holds the only one left
+    (name,) = _segments()
+    from mmshm import segment
+
+    assert segment.update_refcount(name, 0) == 1
+    received = [pickle.loads(b) for b in sched.sock.sent]
+    del received  # received and dropped: released
     gc.collect()
     assert _segments() == []
 

@@ -15,3 +15,9 @@ _anything.install(
 import triton.runtime
 
 triton.runtime.driver = _anything.NoDevice()  # GPU probes fail: code falls back to CPU
+
+import triton.language
+
+# a class, as in triton: torch's compiler calls isinstance(x, triton.language.dtype)
+# (a non-class makes it fail now and then in a TP rank)
+triton.language.dtype = type("dtype", (), {"__module__": "triton.language"})

@@ -1,0 +1,354 @@
+"""mmshm against real SGLang servers (0.5.9, 0.5.23) on CPU, TP=2, with the
+real OpenAI client sending real photos (720p, 22.5 MB of pixel_values each).
+
+Run by ``tests/integrations/run_sglang.py`` (after the module-level tests) in
+``.venvs/sglang-<version>-server`` with ``MMSHM_E2E=sglang`` and
+``MMSHM_SGLANG_RELEASE``; skipped anywhere else.
+
+Each server start costs about a minute on two cores, so the tests are phases
+that share state and run in file order, each starting one server and running
+many cases against it:
+
+1. plain: the greedy baseline (n=1); then n=2 with an image, which 0.5.9
+   dies of (``FileNotFoundError: '/psm_...'`` in the scheduler) and 0.5.23
+   answers.
+2. plain, 64 MiB /dev/shm (0.5.9): a burst of photos kills it with SIGBUS.
+3. under ``mmshm run``: every request answered, greedy texts equal to
+   plain's, the TP broadcast carries metadata only, n=2 writes each image
+   once; a burst in a 64 MiB /dev/shm is answered in full (inline
+   fallbacks); then the server's process group is SIGKILLed mid-request.
+4. under ``mmshm run`` again, on the same segment directory: the killed
+   server's segments are reclaimed before its first request; a graceful
+   stop leaves nothing.
+
+As root (with ``unshare``), every server runs in a private mount namespace
+whose /dev/shm is one 64 MiB tmpfs that the test mounted and watches (Docker's
+default size); otherwise /dev/shm is the host's, mmshm's segment directory a
+private one in it, and the small-/dev/shm cases skip with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import needs_e2e
+
+pytestmark = needs_e2e("sglang")
+
+RELEASE = os.environ.get("MMSHM_SGLANG_RELEASE", "0.0.0")
+V = tuple(int(x) for x in RELEASE.split("."))
+HAS_FANOUT_BUG = V <= (0, 5, 12)
+HAS_SIGBUS = V <= (0, 5, 15)
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"
+SMALL_SHM = os.geteuid() == 0 and shutil.which("unshare") is not None
+NO_SMALL_SHM = "needs root and unshare for a private 64 MiB /dev/shm"
+TP = 2
+MAX_TOKENS = 8
+BURST = 4  # 4 x 22.5 MB photos in flight: more than a 64 MiB /dev/shm holds
+
+S: dict = {}  # state shared by the phases (file order)
+
+
+# -- the servers -------------------------------------------------------------------
+def _import_server():
+    sys.path.insert(0, str(Path(__file__).parent))
+    import server  # tests/e2e/server.py: process group, bounded, killed on every path
+
+    return server
+
+
+@pytest.fixture(scope="module")
+def env():
+    """The model, the log folder and the segment directory of this module."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import tiny_model
+
+    tiny_model.build(MODEL_DIR)
+    logs = Path(tempfile.mkdtemp(prefix=f"sglang-e2e-{RELEASE}-"))
+    shm = None
+    if SMALL_SHM:
+        shm = Path(tempfile.mkdtemp(prefix="mmshm-e2e-shm-"))
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=1777", "tmpfs", str(shm)],
+                       check=True)
+        seg_dir = shm  # /dev/shm itself, inside the servers' namespace
+    else:
+        seg_dir = Path(tempfile.mkdtemp(prefix="mmshm-e2e-", dir="/dev/shm"))
+    info = {"logs": logs, "shm": shm, "seg_dir": seg_dir}
+    print(f"\nSGLang {RELEASE} e2e: logs in {logs}", flush=True)
+    yield info
+    print(f"\nSGLang {RELEASE} e2e figures:")
+    for k, v in S.items():
+        print(f"  {k}: {v}")
+    server = _import_server()
+    server._kill_all()
+    if shm is not None:
+        subprocess.run(["umount", "-l", str(shm)], check=False)
+        shutil.rmtree(shm, ignore_errors=True)
+    else:
+        shutil.rmtree(seg_dir, ignore_errors=True)
+
+
+def _argv(port: int) -> list[str]:
+    img = (["--disable-fast-image-processor"] if V <= (0, 5, 9)
+           else ["--image-processor-backend", "pil"])
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(MODEL_DIR),
+            "--host", "127.0.0.1", "--port", str(port), "--tp", str(TP), "--device", "cpu",
+            "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+            "--disable-cuda-graph", "--disable-overlap-schedule", "--grammar-backend", "none",
+            "--max-total-tokens", "16384", "--mem-fraction-static", "0.3", "--enable-metrics",
+            "--random-seed", "1", *img]
+
+
+def _server(env, name: str, mmshm: bool, small_shm: bool = SMALL_SHM):
+    server = _import_server()
+    port = server.free_port()
+    e = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_CPU_OMP_THREADS_BIND="0|1",
+             MMSHM_POOL_IDLE_S="2", MMSHM_REAP_INTERVAL_S="60")
+    e.pop("PYTHONPATH", None)
+    e.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    prefix = None
+    if small_shm:
+        # a private mount namespace whose /dev/shm is the test's 64 MiB tmpfs
+        e["MMSHM_DIR"] = "/dev/shm"
+        prefix = ["unshare", "-m", "sh", "-c",
+                  (f"mount --make-rprivate / && mount --bind {env['shm']} /dev/shm && "
+                   'exec "$0" "$@"')]
+    else:
+        e["MMSHM_DIR"] = str(env["seg_dir"])
+    srv = server.Server(_argv(port), port, env["logs"] / f"{name}.log", env=e, mmshm_run=mmshm,
+                        prefix=prefix, ready_timeout_s=400)
+    srv.start()
+    print(f"  {name}: ready in {srv.startup_s:.0f} s", flush=True)
+    S.setdefault("startup_s", {})[name] = srv.startup_s
+    return srv
+
+
+def _clear(env) -> None:
+    """Empty the test's tmpfs between servers (what a plain server left)."""
+    if env["shm"] is not None:
+        for p in env["shm"].iterdir():
+            if p.is_file():
+                p.unlink(missing_ok=True)
+
+
+# -- requests ------------------------------------------------------------------------
+_PHOTOS: dict[int, str] = {}
+
+
+def _photo_url(i: int) -> str:
+    """Photo ``i`` of scikit-image's bundled set, at 720p, as a PNG data URL."""
+    if i not in _PHOTOS:
+        from mmshm.bench.photos import _load_rgb, available_photos
+
+        server = _import_server()
+        names = available_photos()
+        _PHOTOS[i] = server.data_url(_load_rgb(names[i % len(names)], (1280, 720)))
+    return _PHOTOS[i]
+
+
+def _ask(srv, photo: int, n: int = 1, text: str = "Describe the picture."):
+    """One chat request with one photo: greedy for n=1, seeded sampling for n>1."""
+    r = srv.client(timeout_s=600).chat.completions.create(
+        model="default", max_tokens=MAX_TOKENS, n=n, seed=7,
+        temperature=0.0 if n == 1 else 0.8,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _photo_url(photo)}},
+            {"type": "text", "text": text}]}])
+    assert len(r.choices) == n
+    return [c.message.content for c in r.choices]
+
+
+def _metrics(srv) -> str:
+    return srv.metrics_text()
+
+
+def _m(text: str, name: str, **labels) -> float:
+    return _import_server().metric(text, name, **labels)
+
+
+def _segs(env) -> list[str]:
+    return _import_server().segments(env["seg_dir"])
+
+
+GREEDY = [(0, "Describe the picture."), (1, "Describe the picture."), (0, "What is in it?")]
+
+
+# -- 1. plain ------------------------------------------------------------------------
+@pytest.mark.timeout(900)
+def test_plain_server(env):
+    t0 = time.monotonic()
+    srv = _server(env, "plain", mmshm=False)
+    try:
+        S["plain"] = [_ask(srv, p, 1, t)[0] for p, t in GREEDY]
+        if HAS_FANOUT_BUG:
+            # the fan-out copies share mm_items: the first receiver unlinks the
+            # segment the next copy names; the scheduler dies of it
+            import openai
+
+            with pytest.raises(openai.OpenAIError):
+                _ask(srv, 0, n=2)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and "FileNotFoundError" not in srv.log_text():
+                time.sleep(1)
+            log = srv.log_text()
+            assert re.search(r"FileNotFoundError: .*'/psm_\w+'", log), srv.log_tail()
+            assert "recv_requests" in log
+        else:
+            S["plain_n2"] = _ask(srv, 0, n=2)
+    finally:
+        srv.kill()
+        _clear(env)
+    S.setdefault("phase_s", {})["plain"] = time.monotonic() - t0
+
+
+# -- 2. plain, 64 MiB /dev/shm -----------------------------------------------------
+@pytest.mark.timeout(900)
+def test_plain_server_small_shm_burst(env):
+    if not SMALL_SHM:
+        pytest.skip(NO_SMALL_SHM)
+    if not HAS_SIGBUS:
+        pytest.skip(f"SGLang {RELEASE} reserves with posix_fallocate (no SIGBUS to show); "
+                    "the burst runs under mmshm below")
+    t0 = time.monotonic()
+    srv = _server(env, "plain-small-shm", mmshm=False)
+    try:
+        with ThreadPoolExecutor(BURST) as ex:
+            futs = [ex.submit(_ask, srv, i) for i in range(BURST)]
+            errors = [f.exception(timeout=600) for f in futs]
+        assert any(errors), "every request of the burst was answered"
+        srv.proc.wait(timeout=120)
+        # tmpfs allocates pages lazily: the copy into the segment faults
+        assert srv.proc.returncode == -signal.SIGBUS, (srv.proc.returncode, srv.log_tail())
+    finally:
+        srv.kill()
+        _clear(env)
+    S["phase_s"]["plain-small-shm"] = time.monotonic() - t0
+
+
+# -- 3. under mmshm run --------------------------------------------------------------
+@pytest.mark.timeout(1200)
+def test_mmshm_server(env):
+    assert "plain" in S, "the plain phase did not run"
+    t0 = time.monotonic()
+    srv = _server(env, "mmshm", mmshm=True)
+    try:
+        log = srv.log_text()
+        # every process says what it turned on: the tokenizer, each TP rank
+        roles = ["tokenizer"] + [f"scheduler (TP rank {r})" for r in range(TP)]
+        for role in roles:
+            assert re.search(rf"mmshm\[\d+\] sglang {re.escape(RELEASE)}, "
+                             rf"{re.escape(role)} \(pid \d+\): on: ", log), (role, log[-4000:])
+        assert " is OFF: " not in log
+        on = {(lab["role"], lab["path"]) for lab, v in
+              _import_server().series(_metrics(srv), "mmshm_path_enabled") if v == 1}
+        assert {r for r, _ in on} == set(roles), on
+        # greedy texts equal to plain's, every request answered
+        m0 = _metrics(srv)
+        texts = [_ask(srv, p, 1, t)[0] for p, t in GREEDY]
+        assert texts == S["plain"]
+        m1 = _metrics(srv)
+        written = _m(m1, "mmshm_shm_written_bytes_total") - \
+            _m(m0, "mmshm_shm_written_bytes_total")
+        payload = written / len(GREEDY)
+        assert payload > 20e6, f"each photo is 22.5 MB of pixels, wrote {written}"
+        S["payload"] = payload
+
+        # n=2: answered, each image written once for the warm-up and samples
+        out = _ask(srv, 2, n=2)
+        assert len(out) == 2
+        m2 = _metrics(srv)
+        w2 = _m(m2, "mmshm_shm_written_bytes_total") - _m(m1, "mmshm_shm_written_bytes_total")
+        copies = _m(m2, "mmshm_fanout_copies_total") - _m(m1, "mmshm_fanout_copies_total")
+        S["n2_written"], S["n2_copies"] = w2, copies
+        assert w2 == pytest.approx(payload, rel=0.02), f"n=2 wrote {w2 / payload:.2f} payloads"
+        assert copies == 3  # the warm-up and the two samples
+
+        # the TP broadcast carried metadata only: every broadcast under 100 kB
+        # (token ids and 0.5.9's inline mrope positions), against 22.5 MB of
+        # pixels per photo
+        count = _m(m2, "mmshm_broadcast_bytes_count", role="src")
+        small = _m(m2, "mmshm_broadcast_bytes_bucket", role="src", le="100000.0")
+        total = _m(m2, "mmshm_broadcast_bytes_sum", role="src")
+        S["bcast"] = {"broadcasts": count, "bytes": total, "under_100kB": small}
+        assert count >= len(GREEDY) and small == count, S["bcast"]
+        assert total < payload / 10, S["bcast"]
+        assert _m(m2, "mmshm_inline_fallbacks_total") == 0
+
+        if SMALL_SHM:
+            # a burst in a 64 MiB /dev/shm: ENOSPC (or the budget), then inline
+            with ThreadPoolExecutor(BURST) as ex:
+                answers = list(ex.map(lambda i: _ask(srv, i), range(BURST)))
+            assert len(answers) == BURST and all(len(a) == 1 for a in answers)
+            m3 = _metrics(srv)
+            S["fallbacks"] = _m(m3, "mmshm_inline_fallbacks_total")
+            assert S["fallbacks"] >= 1
+            assert "Bus error" not in srv.log_text()[len(log):]
+
+        # SIGKILL the process group while a request is in flight
+        before = set(_segs(env))
+        t = threading.Thread(target=lambda: _swallow(_ask, srv, 3), daemon=True)
+        t.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (set(_segs(env)) - before):
+            time.sleep(0.05)
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.kill()
+        t.join(30)
+        S["left_after_kill"] = _segs(env)
+        assert S["left_after_kill"], "no segment was in flight when the server was killed"
+    finally:
+        srv.kill()
+    S["phase_s"]["mmshm"] = time.monotonic() - t0
+
+
+def _swallow(fn, *a):
+    import contextlib
+
+    import openai
+
+    with contextlib.suppress(openai.OpenAIError):  # the server is killed under it
+        fn(*a)
+
+
+# -- 4. restart: reclaim, then a clean stop ------------------------------------------
+@pytest.mark.timeout(900)
+def test_mmshm_restart_reclaims_and_stops_clean(env):
+    left = S.get("left_after_kill")
+    if not left:
+        pytest.skip("the mmshm phase left nothing to reclaim")
+    t0 = time.monotonic()
+    srv = _server(env, "mmshm-restart", mmshm=True)
+    try:
+        # reclaimed as the server's processes started, before its first request
+        assert not set(_segs(env)) & set(left), "the killed server's segments are still there"
+        m0 = _metrics(srv)
+        S["reaped_at_start"] = _m(m0, "mmshm_reaped_segments_total")
+        assert S["reaped_at_start"] >= len(left), S["reaped_at_start"]
+        assert _ask(srv, 0, 1)[0] == S["plain"][0]
+        m1 = _metrics(srv)
+        S["reaped"] = _m(m1, "mmshm_reaped_segments_total")
+        assert not set(_segs(env)) & set(left), "the killed server's segments are still there"
+        assert S["reaped"] >= len(left)
+        # nothing held once the answers are in (idle pooled segments go after 2 s)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _segs(env):
+            time.sleep(0.5)
+        srv.stop(signal.SIGTERM, timeout_s=90)
+        S["left_after_stop"] = _segs(env)
+        assert S["left_after_stop"] == []
+    finally:
+        srv.kill()
+        S["phase_s"]["mmshm-restart"] = time.monotonic() - t0
