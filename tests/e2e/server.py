@@ -301,3 +301,32 @@ def vllm_env(tp: int, **extra) -> dict:
                VLLM_ENGINE_READY_TIMEOUT_S="600", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
+
+
+# -- SGLang on CPU (tests/integrations/run_sglang.py's server environments) ---------------
+def sglang_argv(model: str, port: int, tp: int, version: tuple[int, ...],
+                max_total_tokens: int = 16384, radix_cache: bool = True) -> list[str]:
+    """The server command line on CPU: torch-native attention and sampling,
+    no CUDA graphs, no grammar backend (xgrammar would pull triton), the PIL
+    image processor (torchvision is a stub; 0.5.9 names the flag
+    differently)."""
+    img = (["--disable-fast-image-processor"] if version <= (0, 5, 9)
+           else ["--image-processor-backend", "pil"])
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+            "--host", "127.0.0.1", "--port", str(port), "--tp", str(tp), "--device", "cpu",
+            "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+            "--disable-cuda-graph", "--disable-overlap-schedule", "--grammar-backend", "none",
+            "--max-total-tokens", str(max_total_tokens), "--mem-fraction-static", "0.3",
+            "--enable-metrics", "--random-seed", "1", *img,
+            *([] if radix_cache else ["--disable-radix-cache"])]
+
+
+def sglang_env(**extra) -> dict:
+    """The environment of a SGLang CPU server at TP=2 (one core per rank),
+    without the caller's ``PYTHONPATH``/``PROMETHEUS_MULTIPROC_DIR``, plus
+    ``extra``."""
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_CPU_OMP_THREADS_BIND="0|1")
+    env.pop("PYTHONPATH", None)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.update(extra)
+    return env

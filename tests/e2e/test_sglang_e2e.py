@@ -102,23 +102,13 @@ def env():
 
 
 def _argv(port: int) -> list[str]:
-    img = (["--disable-fast-image-processor"] if V <= (0, 5, 9)
-           else ["--image-processor-backend", "pil"])
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(MODEL_DIR),
-            "--host", "127.0.0.1", "--port", str(port), "--tp", str(TP), "--device", "cpu",
-            "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-            "--disable-cuda-graph", "--disable-overlap-schedule", "--grammar-backend", "none",
-            "--max-total-tokens", "16384", "--mem-fraction-static", "0.3", "--enable-metrics",
-            "--random-seed", "1", *img]
+    return _import_server().sglang_argv(MODEL_DIR, port, TP, V)
 
 
 def _server(env, name: str, mmshm: bool, small_shm: bool = SMALL_SHM):
     server = _import_server()
     port = server.free_port()
-    e = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_CPU_OMP_THREADS_BIND="0|1",
-             MMSHM_POOL_IDLE_S="2", MMSHM_REAP_INTERVAL_S="60")
-    e.pop("PYTHONPATH", None)
-    e.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    e = server.sglang_env(MMSHM_POOL_IDLE_S="2", MMSHM_REAP_INTERVAL_S="60")
     prefix = None
     if small_shm:
         # a private mount namespace whose /dev/shm is the test's 64 MiB tmpfs
