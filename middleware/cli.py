@@ -486,7 +486,10 @@ def status(directory, as_json) -> None:
     live = [s for s in rep.segments if s.held]
     con.print(Text(f"segments: {len(rep.segments)} ({_size(rep.segment_bytes)}): "
                    f"{len(live)} held, {rep.orphans} orphaned ({_size(rep.orphan_bytes)}; "
-                   f"`mmshm gc` reclaims them), {_size(rep.pooled_bytes)} idle in pools"))
+                   f"`mmshm gc` reclaims them), {_size(rep.pooled_bytes)} idle in pools"
+                   + (f", {rep.in_flight} with references in flight "
+                      f"({_size(rep.in_flight_bytes)}; kept for MMSHM_IN_FLIGHT_GRACE_S)"
+                      if rep.in_flight else "")))
     if rep.unattributed:
         con.print(Text(f"  {rep.unattributed} held segment(s) ({_size(rep.unattributed_bytes)}) "
                        f"belong to processes this user cannot see"))

@@ -43,6 +43,8 @@ from .segment import (
     NAME_RE,
     STATE_LIVE,
     STATE_POOLED,
+    boottime_ns,
+    holders,
     lock_holders_present,
     segment_dir,
 )
@@ -76,6 +78,10 @@ class SegmentState(msgspec.Struct):
         age_s: seconds since its creation (header), else since its last change.
         held: some process holds it (liveness lock).
         owner_alive: its creating process still runs (owner lock).
+        in_flight: nobody holds it, every holder closed it cleanly and
+            references are still counted (handles not opened yet) within
+            ``MMSHM_IN_FLIGHT_GRACE_S`` of the last close: the reaper keeps
+            it (see :mod:`mmshm.reaper`), so it is not an orphan yet.
     """
 
     name: str
@@ -85,10 +91,11 @@ class SegmentState(msgspec.Struct):
     age_s: float
     held: bool
     owner_alive: bool
+    in_flight: bool = False
 
     @property
     def orphan(self) -> bool:
-        return not self.held and self.state != "unreadable"
+        return not self.held and not self.in_flight and self.state != "unreadable"
 
 
 class ProcessEntry(msgspec.Struct):
@@ -151,6 +158,8 @@ class StatusReport(msgspec.Struct):
     orphans: int
     orphan_bytes: int
     pooled_bytes: int
+    in_flight: int
+    in_flight_bytes: int
     processes: list[ProcessEntry]
     unattributed: int
     unattributed_bytes: int
@@ -219,9 +228,14 @@ def read_segment(path: str, now: float | None = None) -> SegmentState | None:
         state = {STATE_LIVE: "live", STATE_POOLED: "pooled"}.get(hdr[2], "freed")
         if hdr[6]:
             age = max(0.0, now - hdr[6] / 1e9)
-        return SegmentState(name, size, state, hdr[4], age,
-                            lock_holders_present(fd, _LIVE_BYTE),
-                            lock_holders_present(fd, _OWNER_BYTE))
+        held = lock_holders_present(fd, _LIVE_BYTE)
+        in_flight = False
+        if not held and hdr[2] == STATE_LIVE and hdr[4] > 0:
+            n, detached = holders(fd)  # as the reaper judges it (mmshm.reaper._why)
+            in_flight = n <= 0 and detached != 0 and \
+                boottime_ns() - detached < config.get().in_flight_grace_s * 1e9
+        return SegmentState(name, size, state, hdr[4], age, held,
+                            lock_holders_present(fd, _OWNER_BYTE), in_flight)
     except OSError:
         return None
     finally:
@@ -443,7 +457,9 @@ def status(directory: str | None = None) -> StatusReport:
         directory=d, root=root, fs_type=fs, fs_size_bytes=size, fs_used_bytes=used,
         fs_free_bytes=free, reserve_bytes=config.min_free_bytes(size), segments=segs,
         segment_bytes=seg_bytes, orphans=len(orphans), orphan_bytes=sum(s.bytes for s in orphans),
-        pooled_bytes=sum(s.bytes for s in segs if s.state == "pooled"), processes=entries,
+        pooled_bytes=sum(s.bytes for s in segs if s.state == "pooled"),
+        in_flight=sum(1 for s in segs if s.in_flight),
+        in_flight_bytes=sum(s.bytes for s in segs if s.in_flight), processes=entries,
         unattributed=len(hidden), unattributed_bytes=sum(s.bytes for s in hidden),
         others=others, other_bytes=other_bytes,
         unaccounted_bytes=max(0, used - seg_bytes - other_bytes) if root != d else 0,

@@ -403,3 +403,17 @@ def test_a_bad_grace_period_is_logged_and_the_default_used(segdir, monkeypatch, 
     assert len(logged) == 1 and "MMSHM_IN_FLIGHT_GRACE_S" in logged[0]
     monkeypatch.setenv("MMSHM_IN_FLIGHT_GRACE_S", "61.5")
     assert config.reload().in_flight_grace_s == 61.5
+
+
+@pytest.mark.timeout(60)
+def test_status_counts_references_in_flight_apart_from_orphans(segdir):
+    from mmshm.status import status
+
+    data, digest, name = _writer_exits_cleanly(segdir, 1 << 20, 23)
+    rep = status(segdir)
+    (seg,) = [s for s in rep.segments if s.name == name]
+    assert (seg.held, seg.in_flight, seg.orphan) == (False, True, False)
+    assert (rep.orphans, rep.in_flight, rep.in_flight_bytes) == (0, 1, HDR + (1 << 20))
+    late = pickle.loads(data)  # the late reader takes the last reference
+    assert mmshm.content_hash(late.materialize(copy=True)) == digest
+    assert F.segment_files(segdir) == []
