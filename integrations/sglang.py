@@ -585,10 +585,32 @@ def _tokenizer_ready(wrapped, instance, args, kwargs):
     return result
 
 
+def _tp_rank_size(scheduler) -> tuple[int | str, int]:
+    """This scheduler's (TP rank, TP size).
+
+    SGLang up to about 0.5.2x keeps them on the ``Scheduler`` (``tp_rank``,
+    ``tp_size``); 0.5.23 keeps only ``tp_size`` there and the rank in
+    ``sglang.srt.runtime_context.get_parallel()``. The rank is ``"?"`` where
+    neither answers (the report then says so rather than claiming rank 0).
+    """
+    rank = getattr(scheduler, "tp_rank", None)
+    size = getattr(scheduler, "tp_size", None)
+    if rank is None or size is None:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            parallel = get_parallel()
+            rank = parallel.tp_rank if rank is None else rank
+            size = parallel.tp_size if size is None else size
+        except Exception:  # noqa: BLE001 - moved or not published: say "?" below
+            pass
+    return ("?" if rank is None else rank), (1 if size is None else size)
+
+
 def _scheduler_ready(wrapped, instance, args, kwargs):
     """``Scheduler.__init__``: say what this scheduler (TP rank) does."""
     result = wrapped(*args, **kwargs)
-    rank, size = getattr(instance, "tp_rank", 0), getattr(instance, "tp_size", 1)
+    rank, size = _tp_rank_size(instance)
     on = [PATH_SCHED_IN] + ([f"{PATH_BROADCAST} ({size} ranks)"] if size > 1 else [])
     _say(f"scheduler (TP rank {rank})", on, [PATH_SCHED_IN])
     return result
