@@ -29,6 +29,7 @@ private one in it, and the small-/dev/shm cases skip with that reason.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -71,7 +72,7 @@ def _import_server():
 
 
 @pytest.fixture(scope="module")
-def env():
+def env(request):
     """The model, the log folder and the segment directory of this module."""
     sys.path.insert(0, str(Path(__file__).parent))
     import tiny_model
@@ -89,9 +90,14 @@ def env():
     info = {"logs": logs, "shm": shm, "seg_dir": seg_dir}
     print(f"\nSGLang {RELEASE} e2e: logs in {logs}", flush=True)
     yield info
-    print(f"\nSGLang {RELEASE} e2e figures:")
-    for k, v in S.items():
-        print(f"  {k}: {v}")
+    # the figures, for the record: in the run's output (past pytest's capture)
+    # and in the log folder
+    (logs / "figures.json").write_text(json.dumps(S, indent=1, default=str))
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\nSGLang {RELEASE} e2e figures (also in {logs}/figures.json):")
+        for k, v in S.items():
+            print(f"  {k}: {v}")
     server = _import_server()
     server._kill_all()
     if shm is not None:
