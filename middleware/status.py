@@ -35,7 +35,7 @@ import time
 import msgspec
 
 from . import config
-from .segment import (
+from .segfile import (
     _HDR,
     _LIVE_BYTE,
     _OWNER_BYTE,

@@ -53,3 +53,39 @@ def test_the_check_sees_each_kind_of_import(tmp_path):
     probe.write_text(src)
     hits = _server_imports(probe)
     assert [h.split()[1] for h in hits] == ["vllm.v1", "sglang.srt", "vllm.multimodal", "sglang"]
+
+
+def _mmshm_imports(path: Path) -> set[str]:
+    """The core modules (``segment``, ``pool``...) that ``path`` imports,
+    at the top level or in a function."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                if node.module:
+                    out.add(node.module.split(".")[0])
+                else:
+                    out.update(a.name for a in node.names)
+            elif node.level == 0 and (node.module or "").startswith("mmshm."):
+                out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("mmshm."))
+    return out
+
+
+# module -> the core modules above it, which it must never import (nothing below calls back up)
+ABOVE = {
+    "segfile": {"registry", "pool", "reaper", "sweeper", "segment"},
+    "registry": {"pool", "reaper", "sweeper", "segment"},
+    "pool": {"reaper", "sweeper", "segment"},
+    "reaper": {"registry", "pool", "sweeper", "segment"},
+    "sweeper": {"segment"},
+    "agreement": {"multinode", "broadcast"},
+    "multinode": {"broadcast"},
+}
+
+
+def test_the_segment_layer_and_the_broadcast_import_one_way():
+    wrong = {mod: sorted(_mmshm_imports(CORE / f"{mod}.py") & above)
+             for mod, above in ABOVE.items()}
+    assert {mod: up for mod, up in wrong.items() if up} == {}
