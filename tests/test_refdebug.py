@@ -143,17 +143,20 @@ def test_references_still_held_at_exit_are_reported_with_their_stacks(shm_dir):
 
 
 @pytest.mark.timeout(120)
-def test_the_creator_cannot_read_a_segment_freed_in_another_process(shm_dir):
+def test_the_creator_cannot_read_a_segment_freed_in_another_process(shm_dir, monkeypatch):
     """Without debugging too: the creator still has the segment open (until
     its next sweep), but its last reference is gone: a late handle must fail,
-    not read a freed segment."""
-    h = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 6))
-    first, second = pickle.dumps(h), pickle.dumps(h)  # share(1) forgotten
-    h.hand_over()
-    r = _run(_RECEIVER, shm_dir, first, debug="0")
-    assert r.returncode == 0, r.stderr.decode()[-3000:]
-    assert h.name in segment.open_segments()  # not swept yet
-    late = pickle.loads(second)
-    with pytest.raises(mmshm.SegmentNotFoundError, match="already freed"):
-        late.materialize()
+    not read a freed segment. The background sweeper is held off meanwhile
+    (on a loaded host it could run while the receiver does)."""
+    with monkeypatch.context() as mp:
+        mp.setattr(segment, "sweep", lambda: 0)
+        h = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 6))
+        first, second = pickle.dumps(h), pickle.dumps(h)  # share(1) forgotten
+        h.hand_over()
+        r = _run(_RECEIVER, shm_dir, first, debug="0")
+        assert r.returncode == 0, r.stderr.decode()[-3000:]
+        assert h.name in segment.open_segments()  # not swept yet
+        late = pickle.loads(second)
+        with pytest.raises(mmshm.SegmentNotFoundError, match="already freed"):
+            late.materialize()
     late.release()

@@ -287,18 +287,34 @@ def test_mmshm_server(env):
             assert S["fallbacks"] >= 1
             assert "Bus error" not in srv.log_text()[len(log):]
 
-        # SIGKILL the process group while a request is in flight
-        before = set(_segs(env))
-        t = threading.Thread(target=lambda: _swallow(_ask, srv, 3), daemon=True)
-        t.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (set(_segs(env)) - before):
-            time.sleep(0.05)
-        os.killpg(srv.proc.pid, signal.SIGKILL)
+        # the idle pooled segments go after MMSHM_POOL_IDLE_S (2 s): wait for
+        # them, so that the next request's segment is a fresh one
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _segs(env):
+            time.sleep(0.2)
+        S["held_when_idle"] = _segs(env)
+
+        # SIGKILL the process group while a request is in flight: at the moment
+        # a second process (a TP rank) opens the segment the tokenizer created
+        # (inotify, so no poll can miss a short-lived segment)
+        from inotify_simple import INotify, flags
+
+        with INotify() as ino:
+            ino.add_watch(str(env["seg_dir"]), flags.OPEN)
+            opens: dict[str, int] = {}
+            t = threading.Thread(target=lambda: _swallow(_ask, srv, 3), daemon=True)
+            t.start()
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and max(opens.values(), default=0) < 2:
+                for ev in ino.read(timeout=1000):
+                    if ev.name.startswith("mmshm-"):
+                        opens[ev.name] = opens.get(ev.name, 0) + 1
+            os.killpg(srv.proc.pid, signal.SIGKILL)
         srv.kill()
         t.join(30)
+        S["opens_at_kill"] = opens
         S["left_after_kill"] = _segs(env)
-        assert S["left_after_kill"], "no segment was in flight when the server was killed"
+        assert S["left_after_kill"], ("no segment was in flight when the server was killed", opens)
     finally:
         srv.kill()
     S["phase_s"]["mmshm"] = time.monotonic() - t0
