@@ -1,29 +1,31 @@
-"""Scheduler boundary: deferred unwrap around a ``broadcast_pyobj``-like function.
+"""Scheduler boundary, one node: deferred unwrap around a ``broadcast_pyobj``-like function.
 
 The source TP rank hands out ``world - 1`` references per handle *before* the
 broadcast, so only metadata crosses the TP group and no rank can drop a count to
 zero while another rank has not opened the segment yet, whatever the timing or
 process group. Every rank materializes after the broadcast; per-request
-failures are combined (element-wise MAX: point to point to the source rank
-and back) so that all ranks turn the same requests into errors. No
-barrier is used.
+failures are combined by the failure agreement (:mod:`mmshm.agreement`:
+element-wise MAX, point to point to the source rank and back) so that all
+ranks turn the same requests into errors. No barrier is used.
+
+Invariants:
+
+- references are handed out before the broadcast and never after: a rank
+  drops a count only for a reference the source rank added for it, and what
+  was added is taken back if ``broadcast_fn`` raises;
+- the batch's handles are indexed in walk order, identical on every rank
+  (pickle keeps object identity within the batch), so per-handle flags line
+  up across ranks;
+- the wrapper raises only what ``broadcast_fn`` raises; a per-request failure
+  becomes ``on_failure(request, error)`` on every rank;
+- a reference a rank cannot give back (its segment is invisible from there)
+  is given back by the rank that handed it out.
 
 **Several nodes.** When the TP group spans nodes (:func:`mmshm.node.layout`,
-learnt once per group), the source rank hands out references only for the
-ranks of its own node. After its own walk it sends each tensor's payload once
-to a *leader* rank on every other node (its lowest rank), point to point
-through ``torch.distributed`` as a ``uint8`` tensor, never pickled. The leader
-receives it straight into a new segment of its own directory, hands out one
-reference per rank of its node and sends them the handles' metadata; those
-ranks drop the foreign handles that came with the broadcast (no reference was
-handed out for them) and materialize the local ones. Failures (the source
-could not read a payload, the leader could not make a segment) travel along
-with the metadata, and the MAX agreement is the same as on one node, so every
-rank of every node agrees on the per-request failures; references stranded on
-a rank are given back by the rank that handed them out (the source rank on
-its node, the leader on the others).
+learnt once per group) the payloads cross each node boundary once, through
+each other node's leader: :mod:`mmshm.multinode`. A group on one node runs
+exactly the path of this module, with no message beyond the agreement's.
 """
-
 from __future__ import annotations
 
 import functools
@@ -33,19 +35,28 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import node, segment
+from . import node
+from .agreement import (  # noqa: F401 - re-exported: the wire codes and tags
+    _OTHER,
+    _REASON_CODE,
+    AGREE_TAG,
+    REASONS,
+    SegKey,
+    _agree_max,
+    _key,
+    _reason_of,
+    _update,
+)
 from .codec import HandleMeta
 from .errors import (
     HandleStateError,
     MaterializeError,
     MmshmError,
     WrongNodeError,
-    failure_reason,
 )
 from .handle import ShmTensor
 from .metrics import (
@@ -55,6 +66,7 @@ from .metrics import (
     MATERIALIZE_SECONDS,
     REQUEST_FAILURES,
 )
+from .multinode import P2P_TAG, _NodePlan  # noqa: F401 - P2P_TAG re-exported
 from .walker import handles, transform
 
 log = logging.getLogger("mmshm")
@@ -63,14 +75,6 @@ log = logging.getLogger("mmshm")
 # handle's pickled size and a request's own pickled overhead (bytes).
 _HANDLE_WIRE_BYTES = 110
 _REQUEST_WIRE_BYTES = 256
-
-REASONS = ("ok", "malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
-           "enospc", "other")
-_REASON_CODE = {r: i for i, r in enumerate(REASONS)}
-_OTHER = _REASON_CODE["other"]
-# tags of the point-to-point messages: the multi-node path, the agreement
-P2P_TAG = 0x6D6D
-AGREE_TAG = 0x6D6E
 
 
 def _world(group) -> tuple[int, int]:
@@ -127,15 +131,6 @@ def _poison(req, exc: BaseException):
     return transform(req, leaf)
 
 
-SegKey = tuple  # (name, directory, generation)
-
-
-def _key(h: ShmTensor) -> SegKey:
-    return (h.name, h._dir, h.meta.gen)
-
-
-def _update(key: SegKey, delta: int) -> int:
-    return segment.update_refcount(key[0], delta, key[1], key[2])
 
 
 def _take_back(added: dict[SegKey, int]) -> None:
@@ -453,44 +448,6 @@ def _give_back(unw: _Unwrapper, idxs: list[int], stranded: np.ndarray, col: int)
             stranded[idx, col] = 1
 
 
-def _agree_max(flat: torch.Tensor, group, world: int, group_rank: int,
-               src_group_rank: int | None, src: int | None) -> torch.Tensor:
-    """Element-wise MAX of the int32 vector ``flat`` over ``group``, known to
-    every rank afterwards.
-
-    A star around the broadcast's source rank, point to point: every other
-    rank sends its vector to the source and waits for the maximum, which the
-    source sends back once it has them all. Two hops whatever the group's
-    size, where gloo's ``all_reduce`` takes ``2 (world - 1)`` dependent steps,
-    and no hand-off to gloo's collective worker thread: on a 2-core host with
-    TP=4, medians of 0.5 ms against 0.9 ms for a gather and a broadcast and
-    3.7 ms for ``all_reduce`` (``dist.all_reduce`` is used only when the
-    source is not in the group). Waits are bounded by the group's timeout."""
-    if src is None or src_group_rank is None:
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-        return flat
-
-    def glob(r: int) -> int:
-        return r if group is None else dist.get_global_rank(group, r)
-
-    if group_rank == src_group_rank:
-        others = [glob(r) for r in range(world) if r != group_rank]
-        parts = [torch.empty_like(flat) for _ in others]
-        works = [dist.irecv(p, src=r, group=group, tag=AGREE_TAG)
-                 for p, r in zip(parts, others)]
-        for w in works:
-            w.wait()
-        flat = torch.stack([flat, *parts]).amax(dim=0)
-        works = [dist.isend(flat, dst=r, group=group, tag=AGREE_TAG) for r in others]
-        for w in works:
-            w.wait()
-        return flat
-    out = torch.empty_like(flat)
-    sent = dist.isend(flat, dst=src, group=group, tag=AGREE_TAG)
-    got = dist.irecv(out, src=src, group=group, tag=AGREE_TAG)
-    sent.wait()
-    got.wait()
-    return out
 
 
 def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_failure,
@@ -564,217 +521,5 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
     return results
 
 
-# -- several nodes --------------------------------------------------------------------
-class _RemoteFailure(MmshmError):
-    """A handle that failed before it reached this node (on the source rank,
-    or on this node's leader); ``reason`` is the original failure's."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
 
 
-def _reason_of(exc: BaseException) -> str:
-    return exc.reason if isinstance(exc, _RemoteFailure) else failure_reason(exc)
-
-
-def _remote(code: int, where: str) -> _RemoteFailure:
-    reason = REASONS[code] if 0 < code < len(REASONS) else "other"
-    return _RemoteFailure(reason, f"the tensor could not be materialized on {where} ({reason})")
-
-
-class _NodePlan:
-    """One broadcast's transfers when the TP group spans nodes.
-
-    Every rank indexes the batch's handles in walk order (identical on every
-    rank). Then, on the source rank's node, nothing changes. On another node:
-
-    1. the leader receives from the source rank a code per handle (0: the
-       payload follows; else the reason code of the source's failure) and each
-       payload's size, then each payload in index order, received straight
-       into a new segment (:meth:`ShmTensor.from_writer`); a payload it has no
-       room for is taken off the wire and its handle fails here;
-    2. it hands out one reference per other rank of its node and sends them
-       (point to point, within the node) the codes and the new handles' wire
-       metadata;
-    3. every rank of the node replaces the foreign handles by the local ones
-       before walking; failed handles raise their forwarded reason.
-    """
-
-    def __init__(self, lay: node.Layout, group, group_rank: int, src: int):
-        self.lay = lay
-        self.group = group
-        self.me = group_rank
-        self.src = src
-        self.src_node = lay.node_of[src]
-        self.my_node = lay.node_of[group_rank]
-        self.on_src_node = self.my_node == self.src_node
-        self.leader = lay.leader(self.my_node, src)
-        self.leaders = [lay.leader(k, src) for k in range(lay.num_nodes) if k != self.src_node]
-
-    def _global(self, group_rank: int) -> int:
-        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
-
-    def issuer(self, group_rank: int) -> int:
-        """The rank that handed out ``group_rank``'s references."""
-        return self.lay.leader(self.lay.node_of[group_rank], self.src)
-
-    # -- before the walk -------------------------------------------------------------
-    def prepare(self, unw: _Unwrapper, out: list) -> None:
-        for req in out:
-            for h in handles(req):
-                unw._idx(h)
-        if self.on_src_node or not unw.order:
-            return
-        for h in unw.order:
-            h._disown()  # the source rank handed out no reference for this node
-        if self.me == self.leader:
-            self._lead(unw)
-        else:
-            self._follow(unw)
-
-    def _lead(self, unw: _Unwrapper) -> None:
-        nh = len(unw.order)
-        src = self._global(self.src)
-        head = torch.zeros(2 * nh, dtype=torch.int64)  # codes, then payload sizes
-        dist.recv(head, src=src, group=self.group, tag=P2P_TAG)
-        codes = head[:nh].numpy().astype(np.int32)
-        sizes = head[nh:].tolist()
-        made: list[ShmTensor] = []
-        shared: list[ShmTensor] = []
-        posted = False
-        members = [r for r in self.lay.nodes[self.my_node] if r != self.me]
-        try:
-            for idx in range(nh):
-                if codes[idx]:
-                    unw.state[idx] = _remote(int(codes[idx]), "the source rank")
-                    continue
-                started = False
-
-                def receive(dst, _src=src):
-                    nonlocal started
-                    started = True
-                    dist.recv(dst, src=_src, group=self.group, tag=P2P_TAG)
-
-                try:
-                    meta = unw.order[idx].meta
-                    if meta.nbytes != sizes[idx]:
-                        raise MmshmError(f"handle {meta.name}: {meta.nbytes} bytes here, "
-                                         f"{sizes[idx]} sent")
-                    local = ShmTensor.from_writer(meta.nbytes, meta.dtype, meta.shape, receive,
-                                                  hash=meta.hash)
-                except (MmshmError, OSError) as exc:
-                    if started:
-                        raise  # the transport failed mid-payload: not a per-request failure
-                    if sizes[idx]:  # the payload is on its way: take it off the wire
-                        dist.recv(torch.empty(sizes[idx], dtype=torch.uint8), src=src,
-                                  group=self.group, tag=P2P_TAG)
-                        node.count_received(sizes[idx])
-                    unw.state[idx] = exc
-                    codes[idx] = _REASON_CODE.get(failure_reason(exc), _OTHER)
-                    continue
-                if sizes[idx]:
-                    node.count_received(sizes[idx])
-                made.append(local)
-                unw.order[idx] = local
-            wires: list[bytes | None] = [None] * nh
-            for idx in range(nh):
-                if codes[idx]:
-                    continue
-                local = unw.order[idx]
-                try:
-                    local.share(len(members))  # hand out before handing over
-                except (MmshmError, OSError) as exc:
-                    unw.state[idx] = exc
-                    codes[idx] = _REASON_CODE.get(failure_reason(exc), _OTHER)
-                    continue
-                shared.append(local)
-                wires[idx] = local.encode()
-            if members:
-                posted = True
-                blob = np.frombuffer(msgspec.msgpack.encode([codes.tolist(), wires]),
-                                     dtype=np.uint8)
-                size = torch.tensor([blob.size], dtype=torch.int64)
-                payload = torch.from_numpy(blob.copy())
-                works = []
-                for r in members:
-                    dst = self._global(r)
-                    works.append(dist.isend(size, dst=dst, group=self.group, tag=P2P_TAG))
-                    works.append(dist.isend(payload, dst=dst, group=self.group, tag=P2P_TAG))
-                for w in works:
-                    w.wait()
-        except BaseException:
-            # a transport failure: take back what did not reach anyone
-            if not posted:
-                for h in shared:
-                    try:
-                        _update(_key(h), -len(members))
-                    except (MmshmError, OSError):
-                        pass
-            for h in made:
-                h.release()
-            raise
-
-    def _follow(self, unw: _Unwrapper) -> None:
-        leader = self._global(self.leader)
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src=leader, group=self.group, tag=P2P_TAG)
-        buf = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(buf, src=leader, group=self.group, tag=P2P_TAG)
-        codes, wires = msgspec.msgpack.decode(buf.numpy().tobytes())
-        for idx, (code, wire) in enumerate(zip(codes, wires)):
-            if code:
-                unw.state[idx] = _remote(int(code), "the source rank or this node's leader")
-                continue
-            try:
-                unw.order[idx] = ShmTensor.decode(wire)
-            except MmshmError as exc:
-                unw.state[idx] = exc
-
-    # -- after the walk ------------------------------------------------------------
-    def send_payloads(self, unw: _Unwrapper) -> None:
-        """On the source rank: each payload once to every other node's leader."""
-        if self.me != self.src or not self.leaders or not unw.order:
-            return
-        nh = len(unw.order)
-        head = np.zeros(2 * nh, dtype=np.int64)  # codes, then payload sizes
-        codes = head[:nh]
-        tensors: list[torch.Tensor] = []
-        for idx, st in enumerate(unw.state):
-            if isinstance(st, torch.Tensor):
-                if st.numel():
-                    flat = st.reshape(-1).view(torch.uint8)
-                    head[nh + idx] = flat.numel()
-                    tensors.append(flat)
-            elif isinstance(st, BaseException):
-                codes[idx] = _REASON_CODE.get(_reason_of(st), _OTHER)
-            else:
-                # never reached: every request holding it failed earlier in the walk,
-                # on every rank (the walk order and the failures sent are the same)
-                codes[idx] = _OTHER
-        head_t = torch.from_numpy(head)
-        works = []
-        for leader in self.leaders:
-            dst = self._global(leader)
-            works.append(dist.isend(head_t, dst=dst, group=self.group, tag=P2P_TAG))
-            for t in tensors:
-                works.append(dist.isend(t, dst=dst, group=self.group, tag=P2P_TAG))
-                node.count_sent(t.numel())
-        for w in works:
-            w.wait()
-
-    def give_back_stranded(self, unw: _Unwrapper, stranded: np.ndarray) -> None:
-        """References handed out to ranks of this rank's node that could not
-        give them back come back here (the source rank, or a leader)."""
-        mine = [r for r in range(stranded.shape[1]) if self.issuer(r) == self.me]
-        if not mine:
-            return
-        counts = stranded[:, mine].sum(axis=1)
-        for idx in np.nonzero(counts)[0].tolist():
-            h = unw.order[idx]
-            if h._error is not None or not h.is_local():
-                continue
-            try:
-                _update(_key(h), -int(counts[idx]))
-            except (MmshmError, OSError):
-                pass

@@ -26,7 +26,7 @@ import torch
 
 from . import node as _node
 from .errors import HandleError
-from .segment import NAME_RE, PREFIX
+from .segfile import NAME_RE, PREFIX
 
 # Append-only: the position is the wire code. Names missing from this torch
 # build are kept as placeholders so codes never shift.

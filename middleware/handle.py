@@ -102,7 +102,7 @@ def _segment_digest(seg: segment.Segment, meta: HandleMeta) -> bytes:
         digest = content_hash(buf)
     finally:
         buf.release()
-        del mm  # a private mapping: unmapped now (see segment._map)
+        del mm  # a private mapping: unmapped now (see segfile._map)
     seg.digest = (meta.gen, digest)
     return digest
 

@@ -1,7 +1,7 @@
 """The reaper: reclaim segments that no live process holds.
 
 A segment is an orphan exactly when no process holds the shared liveness lock
-on its byte 1 (see :mod:`mmshm.segment`). Every holder (the creator until the
+on its byte 1 (see :mod:`mmshm.segfile`). Every holder (the creator until the
 last reference is gone, every process with a materialized view) holds that
 lock through its open file description, and the kernel drops it when the
 process dies, however it dies. The reaper takes the *exclusive* lock without
@@ -18,7 +18,7 @@ server on the same host.
 of ``mmshm_reaped_segments_total{reason}`` and of :attr:`ReapReport.reasons`):
 
 * ``killed``: some process had the segment open and never closed it cleanly
-  (the segment's holder count, see :mod:`mmshm.segment`, is above zero with
+  (the segment's holder count, see :mod:`mmshm.segfile`, is above zero with
   no lock held): it was killed, or left without mmshm's exit hook. Reclaimed
   at the first pass, whatever the references say: nobody can give them back.
 * ``in_flight_expired``: every process that had it open closed it cleanly, but
@@ -27,12 +27,16 @@ of ``mmshm_reaped_segments_total{reason}`` and of :attr:`ReapReport.reasons`):
   are kept for ``MMSHM_IN_FLIGHT_GRACE_S`` (default 300 s) from the last
   clean close, so that late readers find them (:attr:`ReapReport.in_flight`
   counts them), and reclaimed with this reason after that.
+
+The reaper reads segment files only through the public interface of the
+file layer (:func:`~mmshm.segfile.try_lock_unheld`,
+:func:`~mmshm.segfile.read_state`, :func:`~mmshm.segfile.iter_segment_files`);
+the segment layer calls it (on a directory's first segment, then from the
+sweeper thread, :mod:`mmshm.sweeper`) and it never calls back.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import stat
@@ -42,16 +46,13 @@ import msgspec
 
 from . import config
 from .metrics import REAP_REASONS, REAPED_BYTES, REAPED_SEGMENTS
-from .segment import (
-    _LIVE_BYTE,
-    _MUTEX_BYTE,
+from .segfile import (
     STATE_LIVE,
-    _lock,
-    _read_header,
     boottime_ns,
-    holders,
     iter_segment_files,
+    read_state,
     segment_dir,
+    try_lock_unheld,
 )
 
 log = logging.getLogger("mmshm")
@@ -119,16 +120,11 @@ def pid_alive(pid: int) -> bool:
 def _why(fd: int, path: str, grace_s: float) -> str:
     """Why a segment nobody holds (we hold its exclusive liveness lock) goes:
     a reason of :data:`REASONS`, or ``in_flight`` if it is kept."""
-    _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)  # only brief updates by path can hold it
-    try:
-        try:
-            hdr = _read_header(fd, path)
-        except OSError:
-            return "killed"  # died before writing a header, or not readable
-        n, detached = holders(fd)
-    finally:
-        _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
-    if hdr[2] != STATE_LIVE or hdr[4] <= 0 or n > 0 or detached == 0:
+    state = read_state(fd, path)
+    if state is None:
+        return "killed"  # died before writing a header, or not readable
+    st, refs, n, detached = state
+    if st != STATE_LIVE or refs <= 0 or n > 0 or detached == 0:
         return "killed"
     return "in_flight" if boottime_ns() - detached < grace_s * 1e9 else "in_flight_expired"
 
@@ -146,12 +142,8 @@ def _probe(path: str, unlink: bool, grace_s: float) -> tuple[str, int] | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             return None
-        try:
-            _lock(fd, fcntl.F_WRLCK, _LIVE_BYTE, wait=False)
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                return "", st.st_size
-            raise
+        if not try_lock_unheld(fd):
+            return "", st.st_size
         why = _why(fd, path, grace_s)
         if unlink and why != "in_flight":
             try:

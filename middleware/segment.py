@@ -2,61 +2,39 @@
 
 A segment is one file in the segment directory (``MMSHM_DIR``, default
 ``/dev/shm``), named ``mmshm-<creator pid>-<64 random bits as 16 hex>``. It is
-opened by path with ``os.open`` and mapped with ``mmap``; the
-``multiprocessing`` resource tracker never sees it.
+opened by path with ``os.open`` and mapped with libc's ``mmap``; the
+``multiprocessing`` resource tracker never sees it. This module is the
+segment layer's interface (:func:`create`, :func:`attach`,
+:func:`update_refcount`, :func:`pin`/:func:`unpin`, :class:`Segment`) and its
+reference counting; what it builds on is in modules of their own, imported in
+one direction (each uses only those below it):
 
-File layout (little-endian)::
+- :mod:`mmshm.segfile`: the file format, the OFD locks (mutex, liveness,
+  owner), header fields, the descriptor-free mapping;
+- :mod:`mmshm.registry`: this process's open segments and the bytes it owns;
+- :mod:`mmshm.pool`: the warm pool (size classes, reuse with a new
+  generation);
+- :mod:`mmshm.reaper`: reclaiming segments no live process holds (it uses
+  :mod:`mmshm.segfile` only);
+- :mod:`mmshm.sweeper`: letting go of segments freed elsewhere, trimming the
+  pool, the periodic reaper.
 
-    [0, 4096)           header: magic, version, state, payload size (bytes),
-                        reference count, creator pid, creation time (ns),
-                        generation, flags; at 64 the holder count, at 72
-                        the last clean detach (CLOCK_BOOTTIME ns)
-    [4096, 4096+size)   payload, page aligned
+Their names used elsewhere stay importable from here.
 
-Cross-process locking uses Linux open-file-description (OFD) byte-range locks
-on the segment file, one byte each:
+Invariants:
 
-* byte 0, the **mutex**: an exclusive lock held only while the reference count
-  is read, changed and written back (and, at zero, while the file is
-  unlinked). Every ``share``/``release`` is therefore serialised per segment
-  whatever process or thread performs it.
-* byte 1, **liveness**: a shared lock held by every process that has the
-  segment open (its creator until the count reaches zero, every process with
-  a materialized view). The lock belongs to the open file description, and
-  a mapping holds a reference to the description in the kernel, so the lock
-  lives as long as the descriptor or any mapping does, and the kernel drops
-  it when the process dies. The reaper treats a segment as an orphan only if
-  it can take an exclusive lock on this byte: liveness comes from locks,
-  never from pids, so pid reuse cannot fool it.
-
-**One descriptor per segment.** Python's ``mmap`` duplicates the descriptor
-it maps (two per mapped segment, three with a second view); segments are
-mapped with libc's ``mmap`` through ctypes instead (:func:`_map`), which
-takes no descriptor. A process holds exactly one descriptor per segment it
-has open, however many views it has of it: a producer with 1000 segments
-holds 1000, and a reader under ``ulimit -n 256`` holds about twice as many
-views as before (``tests/scripts/fd_views.py`` measures both).
-* byte 2, **owner**: an exclusive lock held by the creating process. The last
-  release looks at it: while the owner lives, a poolable segment goes back to
-  the owner's warm pool (state ``POOLED``, pages kept); otherwise it is
-  unlinked.
-
-**The warm pool.** Copying into a fresh tmpfs segment runs at page-fault speed
-(about 1.3 GB/s here: allocation and zeroing); into warm pages at memcpy speed.
-So a producing process keeps the segments it created, in size classes (eight
-per power of two, at most 12.5% slack), and reuses one whose count came back to
-zero instead of creating a file. Every reuse bumps the segment's *generation*;
-a handle carries the generation it was made for, and attach and every
-reference update check it, so a stale handle can never read a reused segment's
-new bytes. A pooled segment is never reused while any holder in any process
-has a view: views hold references, and only a count of zero is pooled. Idle
-pooled segments are unlinked after ``MMSHM_POOL_IDLE_S``, beyond
-``MMSHM_POOL_MAX_BYTES``, when the budget guard needs the room, and when the
-owner exits; after a SIGKILL the reaper reclaims them (nobody holds them).
-
-Space is reserved with ``posix_fallocate`` before any byte is written, so a
-full tmpfs gives :class:`~mmshm.errors.ShmSpaceError` (ENOSPC) instead of a
-SIGBUS in the middle of a copy.
+- every reference count change is one read-modify-write under the segment
+  mutex, serialised across threads by the registry lock as well (OFD locks do
+  not exclude threads sharing a descriptor); at zero the segment goes back to
+  its owner's pool or is marked freed and unlinked before the mutex is let go,
+  so no later ``share`` can resurrect it;
+- a handle carries the generation it was made for; attach and every update
+  check it;
+- the creator holds one reference from :func:`create`; a process holds one
+  descriptor per segment, however many views it has;
+- space is reserved with ``posix_fallocate`` before any byte is written, so a
+  full tmpfs gives :class:`~mmshm.errors.ShmSpaceError` (ENOSPC) instead of a
+  SIGBUS in the middle of a copy.
 """
 
 from __future__ import annotations
@@ -66,19 +44,12 @@ import ctypes
 import errno
 import fcntl
 import logging
-import mmap
 import multiprocessing.util  # noqa: F401 - its Finalize runs at a child's exit
 import os
-import re
 import resource
-import secrets
 import stat
-import struct
 import sys
-import threading
 import time
-import weakref
-from collections.abc import Iterator
 
 from . import config
 from .errors import (
@@ -95,121 +66,54 @@ from .metrics import (
     SEGMENTS_CREATED,
     SEGMENTS_IN_USE,
 )
+from .pool import _pool_take, _revive, _unlink_pooled, size_class, trim_pool  # noqa: F401
+from .reaper import maybe_reap
+from .registry import _LOCK, _REGISTRY, _forget, add_owned, open_segments, owned_bytes  # noqa: F401
+from .segfile import (  # noqa: F401 - the file format, importable from here as before
+    _FLOCK,
+    _HDR,
+    _I64,
+    _LIVE_BYTE,
+    _MUTEX_BYTE,
+    _OFF_DETACHED,
+    _OFF_FLAGS,
+    _OFF_GEN,
+    _OFF_HOLDERS,
+    _OFF_REFCOUNT,
+    _OFF_STATE,
+    _OPEN_FLAGS,
+    _OWNER_BYTE,
+    _U32,
+    _U64,
+    FLAG_POOLABLE,
+    HEADER_SIZE,
+    MAGIC,
+    NAME_RE,
+    PREFIX,
+    STATE_FREED,
+    STATE_LIVE,
+    STATE_POOLED,
+    VERSION,
+    _add_holder,
+    _detach,
+    _dir_checked,
+    _disown_for_exit,
+    _lock,
+    _map,
+    _os_error,
+    _owner_alive,
+    _read_header,
+    boottime_ns,
+    ensure_dir,
+    holders,
+    iter_segment_files,
+    lock_holders_present,
+    new_name,
+    segment_dir,
+)
+from .sweeper import _ensure_sweeper, _fs_size, _reaped_dirs, sweep  # noqa: F401
 
 log = logging.getLogger("mmshm")
-
-HEADER_SIZE = 4096
-MAGIC = b"MMSHMSG\x01"
-VERSION = 2
-STATE_LIVE = 1     # count > 0
-STATE_FREED = 2    # count reached 0 and the file was unlinked
-STATE_POOLED = 3   # count reached 0; the owner reuses it (warm pages)
-FLAG_POOLABLE = 1  # the owner's pool takes the segment back at count 0
-# magic, version, state, capacity (payload bytes), refcount, creator pid,
-# created ns, generation (bumped on every reuse), flags
-_HDR = struct.Struct("<8sIIQqQQQI")
-_OFF_STATE = 12
-_OFF_REFCOUNT = 24
-_OFF_GEN = 48
-_OFF_FLAGS = 56
-# Holders: processes with the segment open (the creator, each attached
-# reader), incremented on open and decremented by a clean close, which also
-# stamps the time. Zero-filled by posix_fallocate in segments of earlier
-# releases, which the reaper then treats as left by a killed process.
-_OFF_HOLDERS = 64
-_OFF_DETACHED = 72
-_U64 = struct.Struct("<Q")
-_I64 = struct.Struct("<q")
-_U32 = struct.Struct("<I")
-
-PREFIX = "mmshm-"
-NAME_RE = re.compile(r"mmshm-([0-9]{1,10})-([0-9a-f]{16})\Z")
-
-_MUTEX_BYTE, _LIVE_BYTE, _OWNER_BYTE = 0, 1, 2
-# struct flock on Linux (x86_64, aarch64): short, short, off_t, off_t, pid_t
-_FLOCK = struct.Struct("hhqqi4x")
-_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _lock(fd: int, kind: int, byte: int, wait: bool = True) -> None:
-    cmd = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
-    fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0))
-
-
-def lock_holders_present(fd: int, byte: int = _LIVE_BYTE) -> bool:
-    """True if another open file description holds a lock on ``byte``."""
-    out = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
-    return _FLOCK.unpack(out)[0] != fcntl.F_UNLCK
-
-
-def segment_dir(directory: str | None = None) -> str:
-    return directory if directory is not None else config.get().dir
-
-
-_dir_checked: dict[str, str | None] = {}
-
-
-def ensure_dir(directory: str) -> bool:
-    """Make the segment directory usable, once per process and directory.
-
-    A missing directory whose parent exists is created with mode 0700 (the
-    example launch scripts point ``MMSHM_DIR`` at one that does not exist
-    yet). A directory that cannot hold segments (parent missing, not a
-    directory, not writable, read-only) gets one WARNING naming it, the
-    reason and the fix; tensors then travel inline, each fallback counted.
-    Returns whether the directory was created now. Never raises.
-    """
-    if directory in _dir_checked:
-        return False
-    made = False
-    problem = None
-    try:
-        os.mkdir(directory, 0o700)
-        made = True
-        log.info("mmshm: created the segment directory %s (mode 0700)", directory)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        problem = f"its parent {os.path.dirname(directory.rstrip('/')) or '/'} does not exist"
-    except OSError as exc:
-        problem = f"it cannot be created ({exc.strerror})"
-    if problem is None:
-        if not os.path.isdir(directory):
-            problem = "it is not a directory"
-        elif not os.access(directory, os.W_OK | os.X_OK):
-            problem = "this process cannot write to it (permissions or a read-only mount)"
-    _dir_checked[directory] = problem
-    if problem is not None and os.environ.get("MMSHM_DIR_PROBLEM_SAID") == directory:
-        # ``mmshm run`` said it once for every process of the server
-        log.info("mmshm: MMSHM_DIR=%s is unusable (%s); tensors travel inline, as "
-                 "mmshm run said", directory, problem)
-    elif problem is not None:
-        log.warning("mmshm: the segment directory MMSHM_DIR=%s cannot hold segments: %s; "
-                    "every tensor travels inline (correct, but without shared memory). Fix: "
-                    "point MMSHM_DIR at a writable directory on a tmpfs, e.g. /dev/shm or "
-                    "a directory under it", directory, problem)
-    return made
-
-
-def new_name() -> str:
-    """A fresh segment name: creator pid plus 64 random bits."""
-    return f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-
-
-def _os_error(exc: OSError, what: str, path: str) -> SegmentError:
-    if exc.errno in (errno.EMFILE, errno.ENFILE):
-        e: SegmentError = DescriptorLimitError(exc.errno, f"{what}: out of file descriptors", path)
-    elif exc.errno == errno.ENOENT:
-        e = SegmentNotFoundError(errno.ENOENT, f"{what}: segment is gone", path)
-    elif exc.errno == errno.ENOSPC:
-        e = ShmSpaceError(f"{what}: no space left in {os.path.dirname(path)}")
-        e.filename = path
-    elif exc.errno == errno.ELOOP:
-        e = SegmentCorruptError(errno.ELOOP, f"{what}: refusing a symbolic link", path)
-    else:
-        e = SegmentError(exc.errno, f"{what}: {exc.strerror}", path)
-    e.__cause__ = exc
-    return e
 
 
 class Segment:
@@ -327,100 +231,6 @@ class Segment:
                                       self.path) from exc
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long)
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _map(fd: int, length: int, offset: int, shared: bool) -> ctypes.Array:
-    """Map ``length`` bytes of ``fd`` from ``offset`` (a page multiple),
-    read-write, ``MAP_SHARED`` or copy-on-write ``MAP_PRIVATE``, without
-    duplicating the descriptor (Python's ``mmap`` would). Returns a ctypes
-    byte array over the mapping (it exports the buffer protocol); the mapping
-    is removed when that array is collected, i.e. once nothing exported from
-    it (a memoryview, a numpy array, a tensor) is left, so a view can never
-    outlive its pages. The kernel's mapping keeps the open file description,
-    and with it the liveness lock, until then. Raises :class:`OSError`."""
-    if length <= 0:
-        raise ValueError(f"cannot map {length} bytes")
-    addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
-                      mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE, fd, offset)
-    if addr is None or addr == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap: {os.strerror(err)}")
-    buf = (ctypes.c_ubyte * length).from_address(addr)
-    # at exit the process unmaps everything anyway: never earlier than a view
-    weakref.finalize(buf, _libc.munmap, addr, length).atexit = False
-    return buf
-
-
-def _read_header(fd: int, path: str) -> tuple:
-    raw = os.pread(fd, _HDR.size, 0)
-    if len(raw) < _HDR.size:
-        raise SegmentCorruptError(errno.EINVAL, "segment header is truncated", path)
-    hdr = _HDR.unpack(raw)
-    if hdr[0] != MAGIC:
-        raise SegmentCorruptError(errno.EINVAL, "not an mmshm segment (bad magic)", path)
-    if hdr[1] != VERSION:
-        raise SegmentCorruptError(errno.EINVAL, f"unsupported segment version {hdr[1]}", path)
-    return hdr
-
-
-def boottime_ns() -> int:
-    """CLOCK_BOOTTIME in ns: one clock for every process of the host, never
-    set back (segments do not outlive a boot)."""
-    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
-
-
-def holders(fd: int) -> tuple[int, int]:
-    """``(holders, last clean detach in boottime ns)`` from a segment's header
-    (a racy read, without the mutex)."""
-    raw = os.pread(fd, 16, _OFF_HOLDERS)
-    if len(raw) < 16:
-        return 0, 0
-    return _I64.unpack_from(raw, 0)[0], _U64.unpack_from(raw, 8)[0]
-
-
-def _add_holder(fd: int, path: str) -> None:
-    """This process now has the segment open (after the liveness lock)."""
-    _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)
-    try:
-        n = _I64.unpack(os.pread(fd, 8, _OFF_HOLDERS))[0]
-        os.pwrite(fd, _I64.pack(max(n, 0) + 1), _OFF_HOLDERS)
-    finally:
-        _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
-
-
-def _detach(fd: int) -> None:
-    """This process closes the segment cleanly: one holder fewer, and the
-    time, from which references still in flight get their grace period
-    (``MMSHM_IN_FLIGHT_GRACE_S``, see :mod:`mmshm.reaper`). A file already
-    unlinked or truncated is left alone."""
-    if fd < 0:
-        return
-    try:
-        st = os.fstat(fd)
-        if st.st_nlink == 0 or st.st_size < HEADER_SIZE:
-            return
-        _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)
-        try:
-            n = _I64.unpack(os.pread(fd, 8, _OFF_HOLDERS))[0]
-            os.pwrite(fd, _I64.pack(max(n - 1, 0)) + _U64.pack(boottime_ns()), _OFF_HOLDERS)
-        finally:
-            _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
-    except OSError as exc:
-        log.debug("mmshm: detach failed: %s", exc)
-
-
-def _owner_alive(fd: int) -> bool:
-    """Whether another open file description holds the owner lock."""
-    return lock_holders_present(fd, _OWNER_BYTE)
-
-
 def _update_refcount(fd: int, path: str, delta: int, gen: int | None = None,
                      owner_here: bool = False) -> int:
     _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)
@@ -451,31 +261,6 @@ def _update_refcount(fd: int, path: str, delta: int, gen: int | None = None,
         _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
 
 
-# -- process-local registry ------------------------------------------------
-_LOCK = threading.RLock()
-_REGISTRY: dict[str, Segment] = {}
-_sweeper: threading.Thread | None = None
-_owned_bytes = 0
-_reaped_dirs: set[str] = set()
-
-
-def _forget(seg: Segment) -> None:
-    global _owned_bytes
-    if _REGISTRY.get(seg.name) is seg:
-        del _REGISTRY[seg.name]
-        _detach(seg.fd)
-        if seg.owned:
-            _owned_bytes -= HEADER_SIZE + seg.payload_size
-            SEGMENTS_IN_USE.dec()
-            BYTES_IN_USE.dec(HEADER_SIZE + seg.payload_size)
-    seg.close()
-
-
-def owned_bytes() -> int:
-    """Bytes (header included) of this process's created, not yet closed segments."""
-    return _owned_bytes
-
-
 def check_budget(directory: str, total: int) -> None:
     """The budget guard: raise :class:`ShmSpaceError` (reason ``budget``) if a
     new segment of ``total`` bytes would leave less than the reserve
@@ -494,9 +279,10 @@ def check_budget(directory: str, total: int) -> None:
             f"{directory}, below the reserve of {reserve} bytes (MMSHM_MIN_FREE_BYTES)",
             reason="budget")
     cap = config.get().max_bytes
-    if cap and _owned_bytes + total > cap:
+    owned = owned_bytes()
+    if cap and owned + total > cap:
         raise ShmSpaceError(
-            f"budget: this process would hold {_owned_bytes + total} bytes of shared memory, "
+            f"budget: this process would hold {owned + total} bytes of shared memory, "
             f"above MMSHM_MAX_BYTES={cap}", reason="budget")
 
 
@@ -509,86 +295,6 @@ def _check_fd(fd: int, path: str) -> None:
         raise DescriptorLimitError(
             errno.EMFILE, f"descriptor {fd} is within MMSHM_FD_RESERVE of RLIMIT_NOFILE={soft}",
             path)
-
-
-def size_class(total: int) -> int:
-    """Round a segment size (bytes, header included) up to its pool class:
-    whole pages up to 64 KiB, then eight classes per power of two: a size in
-    [2**k, 2**(k+1)) rounds up to a multiple of 2**(k-3), so the slack is
-    below 12.5% of the size (an 8 MiB tensor plus its header takes 9 MiB)."""
-    if total <= 1 << 16:
-        return -(-total // 4096) * 4096
-    step = (1 << (total.bit_length() - 1)) // 8
-    return -(-total // step) * step
-
-
-def _revive(seg: Segment) -> bool:
-    """Take a pooled segment back into use: count 1, next generation."""
-    _lock(seg.fd, fcntl.F_WRLCK, _MUTEX_BYTE)
-    try:
-        hdr = _read_header(seg.fd, seg.path)
-        if hdr[2] != STATE_POOLED or hdr[4] != 0 or os.fstat(seg.fd).st_nlink == 0:
-            return False
-        gen = hdr[7] + 1
-        os.pwrite(seg.fd, _U64.pack(gen), _OFF_GEN)
-        os.pwrite(seg.fd, _I64.pack(1), _OFF_REFCOUNT)
-        os.pwrite(seg.fd, _U32.pack(STATE_LIVE), _OFF_STATE)
-    except OSError:
-        return False
-    finally:
-        _lock(seg.fd, fcntl.F_UNLCK, _MUTEX_BYTE)
-    seg.gen = gen
-    seg.idle_since = None
-    return True
-
-
-def _pool_take(directory: str, total: int) -> Segment | None:
-    """An idle pooled segment of this size class, revived (count 1). A
-    segment taken moves to the end of the registry, so the scan meets the
-    longest-idle segments first and under steady traffic stops at the first
-    candidate (one ``fstat``), not after every busy one."""
-    for seg in list(_REGISTRY.values()):
-        if (seg.owned and seg.pins == 0 and seg.directory == directory
-                and HEADER_SIZE + seg.payload_size == total
-                and seg.status() == STATE_POOLED and _revive(seg)):
-            del _REGISTRY[seg.name]
-            _REGISTRY[seg.name] = seg
-            return seg
-    return None
-
-
-def _unlink_pooled(seg: Segment) -> None:
-    """Unlink an idle pooled segment (the owner's decision) and let go of it."""
-    try:
-        _lock(seg.fd, fcntl.F_WRLCK, _MUTEX_BYTE)
-        try:
-            hdr = _read_header(seg.fd, seg.path)
-            if hdr[2] == STATE_POOLED and hdr[4] == 0:
-                os.pwrite(seg.fd, _U32.pack(STATE_FREED), _OFF_STATE)
-                try:
-                    os.unlink(seg.path)
-                except FileNotFoundError:
-                    pass
-            elif hdr[2] == STATE_LIVE:
-                return  # cannot happen: only the owner revives
-        finally:
-            _lock(seg.fd, fcntl.F_UNLCK, _MUTEX_BYTE)
-    except OSError:
-        pass
-    _forget(seg)
-
-
-def trim_pool(directory: str | None = None) -> int:
-    """Unlink every idle pooled segment of this process (in ``directory``, or
-    all). Returns the bytes given back."""
-    freed = 0
-    with _LOCK:
-        for seg in list(_REGISTRY.values()):
-            if (seg.owned and seg.pins == 0 and (directory is None or seg.directory == directory)
-                    and seg.status() == STATE_POOLED):
-                freed += HEADER_SIZE + seg.payload_size
-                _unlink_pooled(seg)
-    return freed
 
 
 def create(nbytes: int, directory: str | None = None) -> Segment:
@@ -607,7 +313,6 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
         DescriptorLimitError: EMFILE/ENFILE.
         SegmentError: any other OS failure (the errno is kept).
     """
-    global _owned_bytes
     if nbytes < 0:
         raise ValueError("nbytes must be >= 0")
     d = segment_dir(directory)
@@ -616,7 +321,6 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     if d not in _reaped_dirs:
         _reaped_dirs.add(d)
         ensure_dir(d)
-        from .reaper import maybe_reap
         maybe_reap(d)
     _ensure_exit_hook()
     with _LOCK:
@@ -693,7 +397,7 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     with _LOCK:
         sweep()
         _REGISTRY[name] = seg
-        _owned_bytes += total
+        add_owned(total)
         _ensure_sweeper()
     return seg
 
@@ -808,112 +512,6 @@ def update_refcount(name: str, delta: int, directory: str | None = None,
         os.close(fd)
 
 
-def sweep() -> int:
-    """Let go of this process's created segments whose last reference is gone
-    (closing them, or keeping them pooled), and trim the pool: idle segments
-    older than ``MMSHM_POOL_IDLE_S``, or beyond ``MMSHM_POOL_MAX_BYTES``, are
-    unlinked. Returns how many segments were closed. Cheap: an ``fstat`` and a
-    memory read per segment."""
-    n = 0
-    cfg = config.get()
-    now = time.monotonic()
-    idle: list[Segment] = []
-    with _LOCK:
-        for seg in list(_REGISTRY.values()):
-            if not seg.owned or seg.pins:
-                continue
-            st = seg.status()
-            if st == STATE_FREED:
-                _forget(seg)
-                n += 1
-            elif st == STATE_POOLED:
-                if seg.idle_since is None:
-                    seg.idle_since = now
-                if not cfg.pool or now - seg.idle_since >= cfg.pool_idle_s:
-                    _unlink_pooled(seg)
-                    n += 1
-                else:
-                    idle.append(seg)
-        if idle:
-            cap = config.pool_max_bytes(_fs_size(idle[0].directory))
-            total = sum(HEADER_SIZE + s.payload_size for s in idle)
-            for seg in sorted(idle, key=lambda s: s.idle_since or 0.0):
-                if total <= cap:
-                    break
-                total -= HEADER_SIZE + seg.payload_size
-                _unlink_pooled(seg)
-                n += 1
-    return n
-
-
-_FS_SIZE: dict[str, int] = {}
-
-
-def _fs_size(directory: str) -> int:
-    size = _FS_SIZE.get(directory)
-    if size is None:
-        try:
-            st = os.statvfs(directory)
-            size = _FS_SIZE[directory] = st.f_blocks * st.f_frsize
-        except OSError:
-            return 0
-    return size
-
-
-def _sweep_loop() -> None:
-    global _sweeper
-    from .reaper import maybe_reap
-    while True:
-        time.sleep(config.get().sweep_interval_s)
-        for d in list(_reaped_dirs):
-            try:
-                maybe_reap(d)
-            except Exception as exc:  # noqa: BLE001 - never kill the sweeper
-                log.warning("mmshm: periodic reap of %s failed: %s", d, exc)
-        with _LOCK:
-            sweep()
-            if not any(s.owned for s in _REGISTRY.values()):
-                _sweeper = None
-                return
-
-
-def _ensure_sweeper() -> None:
-    global _sweeper
-    if _sweeper is None:
-        _sweeper = threading.Thread(target=_sweep_loop, name="mmshm-sweep", daemon=True)
-        _sweeper.start()
-
-
-def open_segments() -> list[str]:
-    """Names of the segments this process currently has open."""
-    with _LOCK:
-        return list(_REGISTRY)
-
-
-def iter_segment_files(directory: str | None = None) -> Iterator[str]:
-    """Names of mmshm segment files in the directory (any creator)."""
-    d = segment_dir(directory)
-    try:
-        names = os.listdir(d)
-    except FileNotFoundError:
-        return iter(())
-    return (n for n in names if NAME_RE.match(n))
-
-
-def _disown_for_exit(seg: Segment) -> None:
-    """The owner is leaving: a segment still in use elsewhere must be unlinked
-    by its last release instead of going back to a pool nobody will empty."""
-    try:
-        _lock(seg.fd, fcntl.F_WRLCK, _MUTEX_BYTE)
-        try:
-            hdr = _read_header(seg.fd, seg.path)
-            os.pwrite(seg.fd, _U32.pack(hdr[8] & ~FLAG_POOLABLE), _OFF_FLAGS)
-        finally:
-            _lock(seg.fd, fcntl.F_UNLCK, _MUTEX_BYTE)
-    except OSError:
-        pass
-
-
 #: called first thing at exit (mmshm.refdebug's report)
 _exit_reporters: list = []
 
@@ -937,16 +535,6 @@ def _close_all() -> None:
                     _disown_for_exit(seg)
             if seg.pins == 0:
                 _forget(seg)
-
-
-def _after_fork_in_child() -> None:
-    global _LOCK, _sweeper, _owned_bytes
-    _LOCK = threading.RLock()
-    _sweeper = None
-    _owned_bytes = 0
-    for seg in list(_REGISTRY.values()):
-        seg.close()
-    _REGISTRY.clear()
 
 
 _exit_hook_pid = 0
@@ -978,4 +566,4 @@ def _ensure_exit_hook() -> None:
 
 
 atexit.register(_close_all)
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# a forked child's registry and sweeper are reset by mmshm.registry and mmshm.sweeper

@@ -5,7 +5,7 @@ Read-only and safe beside running servers:
 * **Segments** are read without taking any lock: the header (state, reference
   count, creation time) with one ``pread``, liveness with ``F_OFD_GETLK`` on
   the liveness byte (some process holds the segment) and the owner byte (its
-  creating process is alive), as in :mod:`mmshm.segment`. A segment nobody
+  creating process is alive), as in :mod:`mmshm.segfile`. A segment nobody
   holds is an orphan, whatever pid its name carries (pids are reused).
 * **Processes** are found from ``/proc/<pid>/fd``: a process that has a
   segment open holds it now (holders keep their descriptor while they hold a
@@ -35,7 +35,7 @@ import time
 import msgspec
 
 from . import config
-from .segment import (
+from .segfile import (
     _HDR,
     _LIVE_BYTE,
     _OWNER_BYTE,

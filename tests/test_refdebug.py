@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 import mmshm
 import mmshm_faults as F
-from mmshm import handle, reaper, refdebug, segment
+from mmshm import handle, reaper, refdebug, segment, sweeper
 
 
 @pytest.fixture
@@ -149,7 +149,7 @@ def test_the_creator_cannot_read_a_segment_freed_in_another_process(shm_dir, mon
     not read a freed segment. The background sweeper is held off meanwhile
     (on a loaded host it could run while the receiver does)."""
     with monkeypatch.context() as mp:
-        mp.setattr(segment, "sweep", lambda: 0)
+        mp.setattr(sweeper, "sweep", lambda: 0)  # the background thread's
         h = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 6))
         first, second = pickle.dumps(h), pickle.dumps(h)  # share(1) forgotten
         h.hand_over()

@@ -611,8 +611,8 @@ SGLANG_COMMON = "sglang.srt.utils.common"
 # older releases let SharedMemory pick psm_<rand>.
 SGLANG_SHM_DIR = "/dev/shm"
 # CPU stand-ins for triton / torchvision used by the integration tests.
-_SGLANG_STUBS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "tests", "integrations", "stubs")
+_SGLANG_STUBS = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "tests", "integrations", "stubs")
 
 
 def _sglang_add_stubs() -> None:

@@ -1,0 +1,110 @@
+"""Failure agreement: after a broadcast, every rank of the TP group turns the
+same requests into errors.
+
+Holds the reason codes (an index into :data:`REASONS`; 0 is ``ok``), the key of
+a segment as the broadcast paths count its references (name, directory,
+generation), :class:`_RemoteFailure` (a failure that happened on another rank
+and reached this one as a code) and :func:`_agree_max`, the element-wise MAX
+over the group.
+
+Invariants:
+
+- every rank of the group calls :func:`_agree_max` exactly once per broadcast
+  that carried handles, with an ``int32`` vector of the same length (the
+  handles are indexed in walk order, identical on every rank); a rank that
+  skipped it would leave the others waiting until the group's timeout;
+- the result is the same on every rank: a code or flag set by any rank is set
+  on all of them, so the per-request outcome is agreed whatever rank failed;
+- the agreement's messages are point to point with tag :data:`AGREE_TAG`, two
+  hops around the broadcast's source rank (``all_reduce`` only when the source
+  is not in the group); no barrier, no other collective;
+- this module imports nothing of mmshm above the segment layer and the
+  errors: the one-node protocol (:mod:`mmshm.broadcast`) and the multi-node
+  path (:mod:`mmshm.multinode`) use it, never the other way round.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import segment
+from .errors import MmshmError, failure_reason
+from .handle import ShmTensor
+
+# wire codes of the failure reasons: REASONS[code]; 0 is "ok"
+REASONS = ("ok", "malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
+           "enospc", "other")
+_REASON_CODE = {r: i for i, r in enumerate(REASONS)}
+_OTHER = _REASON_CODE["other"]
+# tag of the agreement's point-to-point messages
+AGREE_TAG = 0x6D6E
+
+
+SegKey = tuple  # (name, directory, generation)
+
+
+def _key(h: ShmTensor) -> SegKey:
+    return (h.name, h._dir, h.meta.gen)
+
+
+def _update(key: SegKey, delta: int) -> int:
+    return segment.update_refcount(key[0], delta, key[1], key[2])
+
+
+class _RemoteFailure(MmshmError):
+    """A handle that failed before it reached this node (on the source rank,
+    or on this node's leader); ``reason`` is the original failure's."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _reason_of(exc: BaseException) -> str:
+    return exc.reason if isinstance(exc, _RemoteFailure) else failure_reason(exc)
+
+
+def _remote(code: int, where: str) -> _RemoteFailure:
+    reason = REASONS[code] if 0 < code < len(REASONS) else "other"
+    return _RemoteFailure(reason, f"the tensor could not be materialized on {where} ({reason})")
+
+
+def _agree_max(flat: torch.Tensor, group, world: int, group_rank: int,
+               src_group_rank: int | None, src: int | None) -> torch.Tensor:
+    """Element-wise MAX of the int32 vector ``flat`` over ``group``, known to
+    every rank afterwards.
+
+    A star around the broadcast's source rank, point to point: every other
+    rank sends its vector to the source and waits for the maximum, which the
+    source sends back once it has them all. Two hops whatever the group's
+    size, where gloo's ``all_reduce`` takes ``2 (world - 1)`` dependent steps,
+    and no hand-off to gloo's collective worker thread: on a 2-core host with
+    TP=4, medians of 0.5 ms against 0.9 ms for a gather and a broadcast and
+    3.7 ms for ``all_reduce`` (``dist.all_reduce`` is used only when the
+    source is not in the group). Waits are bounded by the group's timeout."""
+    if src is None or src_group_rank is None:
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        return flat
+
+    def glob(r: int) -> int:
+        return r if group is None else dist.get_global_rank(group, r)
+
+    if group_rank == src_group_rank:
+        others = [glob(r) for r in range(world) if r != group_rank]
+        parts = [torch.empty_like(flat) for _ in others]
+        works = [dist.irecv(p, src=r, group=group, tag=AGREE_TAG)
+                 for p, r in zip(parts, others)]
+        for w in works:
+            w.wait()
+        flat = torch.stack([flat, *parts]).amax(dim=0)
+        works = [dist.isend(flat, dst=r, group=group, tag=AGREE_TAG) for r in others]
+        for w in works:
+            w.wait()
+        return flat
+    out = torch.empty_like(flat)
+    sent = dist.isend(flat, dst=src, group=group, tag=AGREE_TAG)
+    got = dist.irecv(out, src=src, group=group, tag=AGREE_TAG)
+    sent.wait()
+    got.wait()
+    return out
