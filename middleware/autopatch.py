@@ -65,6 +65,8 @@ ENV_SITE = "MMSHM_AUTOPATCH_DIR"
 ENV_PIDS = "MMSHM_RUN_PIDS"
 #: Set once a process of the run has warned that mmshm is not importable.
 ENV_WARNED = "MMSHM_RUN_WARNED"
+#: What ``pip install`` needs to install this mmshm (see :func:`install_hint`).
+ENV_INSTALL_HINT = "MMSHM_AUTOPATCH_INSTALL_HINT"
 
 #: Import root of each instrumentor's server (no import needed to know it).
 ROOTS = {"sglang": "sglang", "vllm": "vllm"}
@@ -99,7 +101,8 @@ def _mmshm_autopatch():
             except Exception as exc:  # noqa: BLE001 - never break the server
                 warn(f"{name} is not instrumented in this process: mmshm cannot be imported "
                      f"by {sys.executable} ({exc}). Fix: install mmshm into the server's "
-                     f"environment ({sys.executable} -m pip install mmshm)")
+                     f"environment ({sys.executable} -m pip install "
+                     f"{os.environ.get('MMSHM_AUTOPATCH_INSTALL_HINT') or 'mmshm'})")
                 return
             instrument_on_import(name)
         return hook
@@ -119,7 +122,7 @@ def _mmshm_autopatch():
                     warn(f"{', '.join(present)} will not be instrumented: {sys.executable} "
                          f"cannot import mmshm's dependencies ({exc}). Fix: install mmshm "
                          f"into the server's environment ({sys.executable} -m pip install "
-                         f"mmshm)")
+                         f"{os.environ.get('MMSHM_AUTOPATCH_INSTALL_HINT') or 'mmshm'})")
             else:
                 for name, root in roots:
                     wrapt.register_post_import_hook(activate(name), root)
@@ -230,6 +233,22 @@ def selected(value: str | None = None) -> list[str]:
     return list(ROOTS) if names is None else names
 
 
+def install_hint() -> str:
+    """The ``pip install`` argument that installs the mmshm running here into
+    another interpreter: ``-e <checkout>`` for a source checkout (mmshm is
+    installed from its repository, not from a package index), else
+    ``mmshm==<version>``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "pyproject.toml")):
+        return f"-e {root}"
+    try:
+        from importlib import metadata
+
+        return f"mmshm=={metadata.version('mmshm')}"
+    except Exception:  # noqa: BLE001
+        return "mmshm"
+
+
 def prepare(env: dict | None = None, workdir: str | None = None) -> tuple[dict, str]:
     """The environment for a command run under mmshm, and the private
     directory made for it (the caller removes it). ``env`` defaults to
@@ -247,6 +266,7 @@ def prepare(env: dict | None = None, workdir: str | None = None) -> tuple[dict, 
     env[ENV_SITE] = site_dir
     env[ENV_PIDS] = os.path.join(work, "pids")
     env["MMSHM_RUN"] = "1"
+    env[ENV_INSTALL_HINT] = install_hint()
     env.pop(ENV_WARNED, None)
     old = env.get("PYTHONPATH")
     env["PYTHONPATH"] = site_dir + (os.pathsep + old if old else "")
@@ -296,9 +316,15 @@ def run(argv: list[str], env: dict | None = None) -> int:
         except Exception:  # noqa: BLE001
             pass
         names = env[ENV_INSTRUMENT]
+        from mmshm import config
+
+        for bad in config.problems(env):
+            _say(f"warning: {bad}; the server's processes use the default")
+        prom = env.get("PROMETHEUS_MULTIPROC_DIR")
         _say(f"instrumenting {names.replace(',', ', ')} in every Python process of "
              f"{' '.join(argv)[:200]}; segments in {seg_dir}"
              + (" (created, mode 0700)" if made else "")
+             + (f"; metrics in PROMETHEUS_MULTIPROC_DIR={prom}" if prom else "")
              + "; each instrumented process says what it turned on")
         try:
             proc = subprocess.Popen(argv, env=env)
@@ -469,7 +495,7 @@ def info(argv: list[str], env: dict | None = None) -> int:
             return 1
         if "error" in data:
             print(f"result:       nothing would be instrumented: {interp} cannot import mmshm "
-                  f"({data['error']}). Fix: {interp} -m pip install mmshm")
+                  f"({data['error']}). Fix: {interp} -m pip install {install_hint()}")
             return 1
         ok = False
         for row in data["rows"]:

@@ -545,7 +545,7 @@ def config_cmd(as_json) -> None:
         elif var.name == "MMSHM_POOL_MAX_BYTES" and value is None and fs_size is not None:
             shown = f"{int(min(fs_size // 4, 2 << 30))} (1/4 of {d}, at most 2 GiB)"
         elif var.name == "MMSHM_INSTRUMENT" and value is None:
-            shown = "the installed instrumentors"
+            shown = "sglang,vllm (each active only where its server is imported)"
         elif value is None:
             shown = "unset"
         elif isinstance(value, bool):

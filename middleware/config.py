@@ -275,7 +275,7 @@ VARIABLES: tuple[Variable, ...] = (
              "overrides this process's node identity"),
     Variable("MMSHM_INSTRUMENT", None, _instrument, None,
              "a comma-separated list of instrumentors (sglang, vllm), or none",
-             "instrumentors `mmshm run` loads (unset: the installed ones)"),
+             "instrumentors `mmshm run` loads (unset: sglang,vllm, each active only in a process that imports its server)"),
     Variable("MMSHM_METRICS_PORT", None, _port, None, "a port number, 0 to 65535",
              "start a standalone Prometheus exporter on this port"),
     Variable("MMSHM_METRICS_ADDR", None, _text, "127.0.0.1", "an address to listen on",

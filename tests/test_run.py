@@ -16,6 +16,7 @@ from mmshm import autopatch, config, integrations, report, segment
 from mmshm.reaper import reclaim_left_by
 
 MMSHM = [sys.executable, "-m", "mmshm.cli"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fake_dist(root, dist: str, version: str, package: str) -> None:
@@ -181,7 +182,7 @@ def test_info_says_what_would_be_instrumented_without_starting(tmp_path):
     if bare and subprocess.run([bare, "-c", "import mmshm"], capture_output=True).returncode:
         r = subprocess.run([*MMSHM, "run", "--info", "--", bare, "-m", "x"],
                            capture_output=True, text=True, timeout=120)
-        assert r.returncode == 1 and f"Fix: {bare} -m pip install mmshm" in r.stdout
+        assert r.returncode == 1 and f"Fix: {bare} -m pip install -e {ROOT}" in r.stdout
 
 
 def test_report_says_once_per_role_and_warns_for_paths_off(caplog):
@@ -223,5 +224,23 @@ def test_hook_in_an_interpreter_without_mmshm_warns_with_the_fix(tmp_path):
     warning = [x for x in r.stderr.splitlines() if "WARNING" in x]
     assert len(warning) == 1, r.stderr
     assert "vllm is not instrumented" in warning[0] or "will not be instrumented" in warning[0]
-    assert f"Fix: install mmshm into the server's environment ({real} -m pip install mmshm)" \
+    # mmshm is installed from its checkout (it is on no package index)
+    assert f"Fix: install mmshm into the server's environment ({real} -m pip install -e {ROOT})" \
         in warning[0], r.stderr
+
+
+def test_mmshm_run_names_each_bad_setting_and_still_starts_the_server():
+    """A server never stops on a bad ``MMSHM_*`` value: ``mmshm run`` says it
+    in one line per variable and runs the command (its processes use the
+    default); the run line names the metrics directory it made."""
+    env = dict(os.environ, MMSHM_MIN_BYTES="abc", MMSHM_POOL_IDLE_S="-3")
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    r = subprocess.run([*MMSHM, "run", "--", sys.executable, "-c", "print('served')"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "served" in r.stdout, r.stderr
+    bad = [x for x in r.stderr.splitlines() if x.startswith("mmshm run: warning: ")]
+    assert len(bad) == 2, r.stderr
+    assert "MMSHM_MIN_BYTES='abc' is not valid" in bad[0] + bad[1]
+    assert "MMSHM_POOL_IDLE_S='-3' is not valid" in bad[0] + bad[1]
+    assert all(x.endswith("the server's processes use the default") for x in bad)
+    assert "metrics in PROMETHEUS_MULTIPROC_DIR=" in r.stderr

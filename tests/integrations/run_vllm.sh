@@ -5,9 +5,9 @@
 #   tests/integrations/run_vllm.sh [PYTEST ARGS...]
 #
 # Creates (once) a virtualenv in .venvs/vllm-0.33.0 (git-ignored; override
-# with MMSHM_VLLM_VENV) holding torch 2.13.0 CPU (pinned by constraints.txt,
-# never the CUDA build), vLLM 0.33.0 installed --no-deps, the pure-Python
-# packages listed in vllm_requirements.txt, and mmshm (editable, with its
+# with MMSHM_VLLM_VENV) holding torch 2.13.0 (pinned by constraints.txt: the
+# CPU build where the machine offers it, as these do), vLLM 0.33.0 installed
+# --no-deps, the pure-Python packages listed in vllm_requirements.txt, and mmshm (editable, with its
 # bench extra: the bench modes vllm and vllm-arena are tested here). A stamp
 # records what was installed, so later runs reuse the environment. The exit
 # status is pytest's (tests that fail fail this script).
