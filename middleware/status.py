@@ -106,7 +106,9 @@ class ProcessEntry(msgspec.Struct):
         role: what it is in a server, when its command line tells
             (``SGLang scheduler TP0``, ``vLLM worker TP1``, ...), else None.
         under_mmshm_run: started under ``mmshm run`` (its environment has the
-            start-up hook); None when its environment cannot be read.
+            start-up hook, or an ancestor is the wrapper); None (unknown) when
+            its environment cannot be read or was overwritten by setproctitle
+            and no ancestor tells.
         owned: segments it created and still owns (owner lock).
         held: segments it has open without owning them.
         bytes: bytes of those segments.
@@ -287,13 +289,70 @@ def _command(pid: int) -> str:
     return cmd
 
 
-def _under_run(pid: int) -> bool | None:
+#: The command line of the ``mmshm run`` wrapper itself: the console script,
+#: ``python -m mmshm[.cli] run``, or ``python -c "from mmshm.cli import main; main()" run``.
+_WRAPPER_RE = re.compile(
+    r"(?:^|[\s/])mmshm\s+run(?:\s|$)"
+    r"|-m\s+mmshm(?:\.cli)?\s+run(?:\s|$)"
+    r"|mmshm\.cli import main;[^;]*main\(\)\)?\s+run(?:\s|$)")
+WRAPPER_ROLE = "mmshm run wrapper"
+
+
+def is_wrapper(command: str) -> bool:
+    """Whether a command line is the ``mmshm run`` wrapper's."""
+    return _WRAPPER_RE.search(command) is not None
+
+
+def _environ_says(pid: int) -> bool | None:
+    """True: the environment of ``pid`` has the start-up hook; False: it is a
+    real environment without it; None: it cannot be read, or it was
+    overwritten (setproctitle, as SGLang's scheduler and detokenizer and
+    vLLM's EngineCore and workers call, writes the title over the memory
+    /proc/PID/environ shows: NULs or the title's tail, no ``KEY=value``)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
+            env = [e for e in f.read().split(b"\0") if e]
     except OSError:
         return None
-    return any(e.startswith(b"MMSHM_AUTOPATCH_ROOTS=") for e in env)
+    if any(e.startswith(b"MMSHM_AUTOPATCH_ROOTS=") for e in env):
+        return True
+    if not env or any(b"=" not in e for e in env):
+        return None  # clobbered: says nothing
+    return False
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _run_ancestor(pid: int) -> bool:
+    """Whether an ancestor of ``pid`` is the ``mmshm run`` wrapper, or has the
+    start-up hook in its environment (children inherit it)."""
+    seen = {pid}
+    p = _ppid(pid)
+    while p is not None and p > 1 and p not in seen and len(seen) < 64:
+        seen.add(p)
+        if is_wrapper(_command(p)) or _environ_says(p) is True:
+            return True
+        p = _ppid(p)
+    return False
+
+
+def _under_run(pid: int) -> bool | None:
+    """Whether ``pid`` runs under ``mmshm run``: its environment has the
+    start-up hook, or an ancestor is the wrapper (or has the hook); False
+    only when its environment is readable and real and nothing says so;
+    None (unknown) when its environment is unreadable or overwritten."""
+    own = _environ_says(pid)
+    if own:
+        return True
+    if _run_ancestor(pid):
+        return True
+    return own
 
 
 def _owns(pid: int, fd: str) -> bool:

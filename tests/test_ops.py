@@ -205,6 +205,88 @@ def test_role_of_server_processes():
     assert status.owner_of("sglang_loads_3")[0] == "SGLang load reporting"
 
 
+
+# A process that overwrites its command line and environment the way setproctitle
+# does (SGLang's scheduler, vLLM's EngineCore): the title over argv, NULs over the
+# rest, so /proc/PID/environ shows no KEY=value any more.
+_CLOBBERED = r"""
+import os, sys, time
+with open("/proc/self/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+arg_start, _arg_end, _env_start, env_end = (int(x) for x in fields[45:49])
+title = sys.argv[1].encode()
+with open("/proc/self/mem", "r+b", buffering=0) as m:
+    m.seek(arg_start)
+    m.write(title + b"\0" * (env_end - arg_start - len(title)))
+print("ready", flush=True)
+time.sleep(120)
+"""
+# A stand-in for the `mmshm run` wrapper: its command line ends in `mmshm run -- ...`;
+# it starts the clobbering child (without the start-up hook in its environment) and
+# prints the child's pid.
+_FAKE_WRAPPER = r"""
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]],
+                         stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "ready"
+print(child.pid, flush=True)
+sys.stdin.read()
+child.kill()
+child.wait()
+"""
+
+
+def _start_clobbered(title: str, wrapped: bool):
+    """(process to stop, pid of the clobbered one)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMSHM_AUTOPATCH")}
+    if wrapped:
+        proc = subprocess.Popen([sys.executable, "-c", _FAKE_WRAPPER, _CLOBBERED, title,
+                                 "mmshm", "run", "--", "python", "-m", "sglang.launch_server"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        return proc, int(proc.stdout.readline())
+    proc = subprocess.Popen([sys.executable, "-c", _CLOBBERED, title], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc, proc.pid
+
+
+def _stop(proc, wrapped: bool = False) -> None:
+    if wrapped:  # the fake wrapper kills its child when its stdin closes
+        proc.stdin.close()
+        try:
+            proc.wait(30)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()
+    proc.wait(30)
+
+
+@pytest.mark.timeout(120)
+def test_a_clobbered_environment_under_the_wrapper_is_not_said_not_under_run(shm_dir):
+    """setproctitle overwrites /proc/PID/environ: the start-up hook's variable is
+    gone, but the process was started under `mmshm run` (its ancestor is the
+    wrapper): never "not under mmshm run"; without a wrapper it is unknown."""
+    wrapper, pid = _start_clobbered("sglang::scheduler_TP0", wrapped=True)
+    alone, pid2 = _start_clobbered("sglang::detokenizer", wrapped=False)
+    try:
+        assert status.role_of(status._command(pid)) == "SGLang scheduler TP0"
+        assert status._under_run(pid) is True
+        assert status._under_run(pid2) is None  # says nothing either way
+        procs, _ = status.scan_processes(shm_dir)
+        assert procs[pid]["under_mmshm_run"] is True
+        assert procs[pid2]["under_mmshm_run"] is None
+        rep = doctor.diagnose(shm_dir)
+        assert not [n for n in rep.notes if f"(pid {pid})" in n or f"(pid {pid2})" in n], \
+            rep.notes
+        r = _invoke("status", "--dir", shm_dir)
+        row = next(ln for ln in r.output.splitlines() if ln.lstrip().startswith(f"{pid} "))
+        assert " yes " in row, row
+    finally:
+        _stop(wrapper, wrapped=True)
+        _stop(alone)
+
+
 # -- doctor --------------------------------------------------------------------------------
 def test_doctor_counts_other_files_and_states_its_assumption(shm_dir):
     with open(os.path.join(shm_dir, "nccl-doctor-test"), "wb") as f:
