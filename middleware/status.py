@@ -252,7 +252,22 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+#: The command line of the ``mmshm run`` wrapper itself: the console script,
+#: ``python -m mmshm[.cli] run``, or ``python -c "from mmshm.cli import main; main()" run``.
+_WRAPPER_RE = re.compile(
+    r"(?:^|[\s/])mmshm\s+run(?:\s|$)"
+    r"|-m\s+mmshm(?:\.cli)?\s+run(?:\s|$)"
+    r"|mmshm\.cli import main;[^;]*main\(\)\)?\s+run(?:\s|$)")
+WRAPPER_ROLE = "mmshm run wrapper"
+
+
+def is_wrapper(command: str) -> bool:
+    """Whether a command line is the ``mmshm run`` wrapper's."""
+    return _WRAPPER_RE.search(command) is not None
+
+
 _ROLES = (
+    (_WRAPPER_RE, lambda m: WRAPPER_ROLE),  # first: its command line names the server's
     (re.compile(r"sglang::scheduler(?:_DP(\d+))?_TP(\d+)"),
      lambda m: "SGLang scheduler TP" + m.group(2) + (f" DP{m.group(1)}" if m.group(1) else "")),
     (re.compile(r"sglang::detokenizer"), lambda m: "SGLang detokenizer"),
@@ -287,20 +302,6 @@ def _command(pid: int) -> str:
         except OSError:
             cmd = "?"
     return cmd
-
-
-#: The command line of the ``mmshm run`` wrapper itself: the console script,
-#: ``python -m mmshm[.cli] run``, or ``python -c "from mmshm.cli import main; main()" run``.
-_WRAPPER_RE = re.compile(
-    r"(?:^|[\s/])mmshm\s+run(?:\s|$)"
-    r"|-m\s+mmshm(?:\.cli)?\s+run(?:\s|$)"
-    r"|mmshm\.cli import main;[^;]*main\(\)\)?\s+run(?:\s|$)")
-WRAPPER_ROLE = "mmshm run wrapper"
-
-
-def is_wrapper(command: str) -> bool:
-    """Whether a command line is the ``mmshm run`` wrapper's."""
-    return _WRAPPER_RE.search(command) is not None
 
 
 def _environ_says(pid: int) -> bool | None:
@@ -409,7 +410,7 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
         role = role_of(command)
         if not owned and not held and role is None:
             continue
-        under = _under_run(pid)
+        under = True if role == WRAPPER_ROLE else _under_run(pid)
         if _start_time(pid) != t0:
             continue  # the pid was reused while we looked: drop it
         out[pid] = {"owned": owned, "held": held - owned, "role": role,

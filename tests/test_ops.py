@@ -287,6 +287,34 @@ def test_a_clobbered_environment_under_the_wrapper_is_not_said_not_under_run(shm
         _stop(alone)
 
 
+
+def test_the_run_wrapper_is_not_a_server_process():
+    for cmd in ("/srv/.venv/bin/python /srv/.venv/bin/mmshm run -- python -m "
+                "sglang.launch_server --tp 2",
+                "mmshm run -- vllm serve Qwen/Qwen2-VL-2B-Instruct",
+                "python -m mmshm.cli run -- python -m vllm.entrypoints.openai.api_server",
+                "python -m mmshm run -- vllm serve M",
+                "python -c import sys; from mmshm.cli import main; sys.exit(main()) run -- "
+                "python -m sglang.launch_server",
+                "python -c from mmshm.cli import main; main() run -- vllm serve M"):
+        assert status.role_of(cmd) == "mmshm run wrapper", cmd
+    assert status.role_of("python -m sglang.launch_server --served-model-name mmshm-run") == \
+        "SGLang tokenizer / API server"
+
+
+@pytest.mark.timeout(120)
+def test_the_run_wrapper_process_is_listed_as_such_and_never_noted(shm_dir):
+    wrapper, pid = _start_clobbered("sglang::scheduler_TP0", wrapped=True)
+    try:
+        procs, _ = status.scan_processes(shm_dir)
+        assert procs[wrapper.pid]["role"] == "mmshm run wrapper"
+        assert procs[wrapper.pid]["under_mmshm_run"] is True
+        rep = doctor.diagnose(shm_dir)
+        assert not [n for n in rep.notes if f"(pid {wrapper.pid})" in n], rep.notes
+    finally:
+        _stop(wrapper, wrapped=True)
+
+
 # -- doctor --------------------------------------------------------------------------------
 def test_doctor_counts_other_files_and_states_its_assumption(shm_dir):
     with open(os.path.join(shm_dir, "nccl-doctor-test"), "wb") as f:
