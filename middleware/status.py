@@ -356,6 +356,18 @@ def _under_run(pid: int) -> bool | None:
     return own
 
 
+#: Marks a process in another mount namespace that has this directory's segments open.
+OTHER_NS = "(other mount namespace)"
+
+
+def _mount_ns(pid: int | str) -> str | None:
+    """The mount namespace of ``pid`` (``mnt:[...]``), None if unreadable."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
+
+
 def _owns(pid: int, fd: str) -> bool:
     """Whether that descriptor carries the owner lock (byte 2, exclusive)."""
     try:
@@ -378,6 +390,7 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
     out: dict[int, dict] = {}
     hidden = 0
     me = os.getpid()
+    my_ns = _mount_ns("self")
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
@@ -410,6 +423,11 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
         role = role_of(command)
         if not owned and not held and role is None:
             continue
+        ns = _mount_ns(pid)
+        if my_ns is not None and ns is not None and ns != my_ns:
+            if not owned and not held:
+                continue  # another mount namespace: another /dev/shm, not ours
+            role = (role + " " if role else "") + OTHER_NS
         under = True if role == WRAPPER_ROLE else _under_run(pid)
         if _start_time(pid) != t0:
             continue  # the pid was reused while we looked: drop it

@@ -315,6 +315,38 @@ def test_the_run_wrapper_process_is_listed_as_such_and_never_noted(shm_dir):
         _stop(wrapper, wrapped=True)
 
 
+
+@pytest.mark.timeout(120)
+def test_processes_in_another_mount_namespace_are_not_in_the_census(shm_dir):
+    """Another mount namespace has another /dev/shm: its server processes are
+    not this directory's, and get no doctor note."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    code = "import time; print('ready', flush=True); time.sleep(120)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMSHM_AUTOPATCH")}
+    here = subprocess.Popen([sys.executable, "-c", code, "sglang::scheduler_TP0"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    there = subprocess.Popen(["unshare", "-m", sys.executable, "-c", code,
+                              "sglang::scheduler_TP0"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert here.stdout.readline().strip() == "ready"
+        if there.stdout.readline().strip() != "ready":
+            pytest.skip("unshare -m is not permitted here")
+        assert os.readlink(f"/proc/{there.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+        procs, _ = status.scan_processes(shm_dir)
+        assert procs[here.pid]["role"] == "SGLang scheduler TP0"  # the control
+        assert there.pid not in procs
+        notes = doctor.diagnose(shm_dir).notes
+        assert any(f"(pid {here.pid})" in n for n in notes), notes
+        assert not any(f"(pid {there.pid})" in n for n in notes), notes
+    finally:
+        for p in (here, there):
+            p.kill()
+            p.wait(30)
+
+
 # -- doctor --------------------------------------------------------------------------------
 def test_doctor_counts_other_files_and_states_its_assumption(shm_dir):
     with open(os.path.join(shm_dir, "nccl-doctor-test"), "wb") as f:
