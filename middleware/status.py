@@ -273,7 +273,9 @@ _ROLES = (
     (re.compile(r"sglang::detokenizer"), lambda m: "SGLang detokenizer"),
     (re.compile(r"sglang::(\w+)"), lambda m: f"SGLang {m.group(1)}"),
     (re.compile(r"sglang\.launch_server"), lambda m: "SGLang tokenizer / API server"),
-    (re.compile(r"VLLM::Worker_TP(\d+)"), lambda m: f"vLLM worker TP{m.group(1)}"),
+    # VLLM::Worker (TP=1), VLLM::Worker_TP1, VLLM::Worker_PP1_TP0, VLLM::Worker_DP0_TP1
+    (re.compile(r"VLLM::Worker((?:_[A-Z]{2}\d+)*)"),
+     lambda m: " ".join(["vLLM worker", *m.group(1).split("_")[1:]])),
     (re.compile(r"VLLM::EngineCore"), lambda m: "vLLM EngineCore"),
     (re.compile(r"vllm serve|vllm\.entrypoints"), lambda m: "vLLM API server"),
     (re.compile(r"mmshm\.bench|mmshm bench"), lambda m: "mmshm bench"),

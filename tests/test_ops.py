@@ -347,6 +347,14 @@ def test_processes_in_another_mount_namespace_are_not_in_the_census(shm_dir):
             p.wait(30)
 
 
+
+def test_role_of_vllm_workers_of_any_parallel_layout():
+    assert status.role_of("VLLM::Worker") == "vLLM worker"  # TP=1: no _TP<n>
+    assert status.role_of("VLLM::Worker_TP1") == "vLLM worker TP1"
+    assert status.role_of("VLLM::Worker_PP1_TP0") == "vLLM worker PP1 TP0"
+    assert status.role_of("VLLM::Worker_DP0_TP1") == "vLLM worker DP0 TP1"
+
+
 # -- doctor --------------------------------------------------------------------------------
 def test_doctor_counts_other_files_and_states_its_assumption(shm_dir):
     with open(os.path.join(shm_dir, "nccl-doctor-test"), "wb") as f:
