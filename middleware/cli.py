@@ -392,10 +392,12 @@ def doctor(directory, expected_bytes, as_json) -> None:
     servers = ", ".join(f"{s.distribution} {s.version} "
                         f"({'supported' if s.supported else 'NOT supported'}: "
                         f"{s.supported_range})" for s in rep.servers) or "none installed here"
+    missing = rep.fs_type == "missing"  # the directory cannot be read: sizes unknown
     rows = (
-        ("size", _size(rep.fs_size_bytes)),
-        ("free", _size(rep.fs_free_bytes)),
-        ("reserve", f"{_size(rep.reserve_bytes)} kept free for NCCL (MMSHM_MIN_FREE_BYTES)"),
+        ("size", "unknown" if missing else _size(rep.fs_size_bytes)),
+        ("free", "unknown" if missing else _size(rep.fs_free_bytes)),
+        ("reserve", "unknown" if missing else
+         f"{_size(rep.reserve_bytes)} kept free for NCCL (MMSHM_MIN_FREE_BYTES)"),
         ("expected load", f"{_size(rep.expected_bytes)} of multimodal tensors in flight "
                           f"({rep.expected_assumption})"),
         ("advised size", f"--shm-size={rep.shm_size_gib}g for that load plus the other files "
@@ -409,7 +411,10 @@ def doctor(directory, expected_bytes, as_json) -> None:
     for key, value in rows:
         con.print(Text.assemble(f"  {key:<14}", value))
     con.print(Text("other files on this file system:", style="bold"))
-    _print_others(con, rep.others, rep.other_bytes)
+    if missing:
+        con.print(Text("  unknown: the directory cannot be read"))
+    else:
+        _print_others(con, rep.others, rep.other_bytes)
     for note in rep.notes:
         con.print(Text.assemble(("note: ", "bold yellow"), note))
     if rep.ok:

@@ -128,6 +128,28 @@ def test_doctor_missing_directory(tmp_path):
     assert js["problems"] and "MMSHM_DIR" in js["problems"][0]["fix"]
 
 
+
+@pytest.mark.timeout(60)
+def test_doctor_missing_directory_still_reports_the_host(tmp_path, monkeypatch):
+    """The descriptor limits do not depend on the directory; its size is
+    unknown, not 0 B; the fix names --dir when --dir was given."""
+    import re
+    import resource
+
+    missing = str(tmp_path / "nope")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (20000, 20000))
+    rep = doctor.diagnose(missing)
+    assert (rep.fd_soft_limit, rep.fd_hard_limit) == (20000, 20000) and rep.fd_needed > 0
+    assert "--dir" in rep.problems[0].fix
+    r = _invoke("doctor", "--dir", missing)
+    assert r.exit_code == 1
+    text = _flat(r.output)
+    assert f"ulimit -n 20000 (hard 20000); a full batch needs about {rep.fd_needed} " in text
+    assert re.search(r"\bsize\s+unknown\b", text), text
+    assert "size 0 B" not in text
+    assert "--dir" in text
+
+
 # -- gc ------------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_gc_dry_run_lists_orphans_then_gc_removes_them(segdir):
