@@ -488,9 +488,12 @@ def status(directory, as_json) -> None:
         con.print(Text("no process holds a segment in this directory, and no SGLang or vLLM "
                        "process is running" if not rep.segments else
                        "no visible process holds these segments"))
+    # "live": some process holds it (its liveness lock), pooled ones included; not the
+    # `held` column above (opened from another process's handle)
     live = [s for s in rep.segments if s.held]
+    pooled = sum(1 for s in live if s.state == "pooled")
     con.print(Text(f"segments: {len(rep.segments)} ({_size(rep.segment_bytes)}): "
-                   f"{len(live)} held, {rep.orphans} orphaned ({_size(rep.orphan_bytes)}; "
+                   f"{len(live)} live ({pooled} pooled), {rep.orphans} orphaned ({_size(rep.orphan_bytes)}; "
                    f"`mmshm gc` reclaims them), {_size(rep.pooled_bytes)} idle in pools"
                    + (f", {rep.in_flight} with references in flight "
                       f"({_size(rep.in_flight_bytes)}; kept for MMSHM_IN_FLIGHT_GRACE_S)"

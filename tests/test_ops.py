@@ -355,6 +355,27 @@ def test_role_of_vllm_workers_of_any_parallel_layout():
     assert status.role_of("VLLM::Worker_DP0_TP1") == "vLLM worker DP0 TP1"
 
 
+
+@pytest.mark.timeout(120)
+def test_status_summary_does_not_say_held_for_live_segments(shm_dir):
+    """The `held` column counts segments opened from another process's handle;
+    the summary counts the segments some process keeps (owners and pools):
+    another word, so that "2 held" never stands above a column of 0s."""
+    parent, child = F.ctx().Pipe()
+    owner = F.start(F.w_pool_owner, shm_dir, child)
+    try:
+        F.recv(parent, 60)
+        r = _invoke("status", "--dir", shm_dir)
+        assert r.exit_code == 0, r.output
+        summary = next(ln for ln in r.output.splitlines() if ln.startswith("segments:"))
+        assert "2 live (1 pooled)" in summary, summary
+        assert " held" not in summary, summary
+    finally:
+        parent.send("exit")
+        assert F.recv(parent, 30) == "bye"
+        assert F.join(owner, 30) == 0
+
+
 # -- doctor --------------------------------------------------------------------------------
 def test_doctor_counts_other_files_and_states_its_assumption(shm_dir):
     with open(os.path.join(shm_dir, "nccl-doctor-test"), "wb") as f:
