@@ -505,7 +505,10 @@ def status(directory, as_json) -> None:
     _print_others(con, rep.others, rep.other_bytes)
     con.print(Text(
         f"totals: {_size(rep.fs_used_bytes)} used of {_size(rep.fs_size_bytes)} "
-        f"(mmshm {_size(rep.segment_bytes)}, other files {_size(rep.other_bytes)}"
+        f"(mmshm {_size(rep.segment_bytes + rep.mmshm_elsewhere_bytes)}"
+        + (f" ({_size(rep.mmshm_elsewhere_bytes)} of it in other directories)"
+           if rep.mmshm_elsewhere_bytes else "")
+        + f", other files {_size(rep.other_bytes - rep.mmshm_elsewhere_bytes)}"
         + (f", not in any visible file {_size(rep.unaccounted_bytes)}"
            if rep.unaccounted_bytes else "")
         + f"); {_size(rep.fs_free_bytes)} free, of which mmshm keeps "

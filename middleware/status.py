@@ -169,6 +169,9 @@ class StatusReport(msgspec.Struct):
     other_bytes: int
     unaccounted_bytes: int
     notes: list[str]
+    #: bytes of mmshm segments (``mmshm-<pid>-<hex>``) in other directories of
+    #: the same file system, part of ``other_bytes``
+    mmshm_elsewhere_bytes: int = 0
 
 
 def mount_of(path: str) -> tuple[str, str]:
@@ -543,4 +546,5 @@ def status(directory: str | None = None) -> StatusReport:
         unattributed=len(hidden), unattributed_bytes=sum(s.bytes for s in hidden),
         others=others, other_bytes=other_bytes,
         unaccounted_bytes=max(0, used - seg_bytes - other_bytes) if root != d else 0,
-        notes=notes)
+        notes=notes,
+        mmshm_elsewhere_bytes=sum(g.bytes for g in others if g.owner == MMSHM_ELSEWHERE))

@@ -376,6 +376,30 @@ def test_status_summary_does_not_say_held_for_live_segments(shm_dir):
         assert F.join(owner, 30) == 0
 
 
+
+def test_status_totals_count_mmshm_segments_of_other_directories_as_mmshm(shm_dir, monkeypatch):
+    other_dir = os.path.join(shm_dir, "another-mmshm-dir")
+    os.mkdir(other_dir)
+    seg = os.path.join(other_dir, "mmshm-123-0123456789abcdef")
+    with open(seg, "wb") as f:
+        f.write(b"\1" * (2 * MiB))
+    try:
+        rep = status.status(shm_dir)
+        assert rep.mmshm_elsewhere_bytes >= 2 * MiB
+        assert any(g.owner == status.MMSHM_ELSEWHERE and g.pattern == os.path.join(
+            other_dir, "mmshm-*") for g in rep.others)
+    finally:
+        os.unlink(seg)
+        os.rmdir(other_dir)
+    # the totals line, with a census of known content
+    groups = [status.OtherGroup(status.MMSHM_ELSEWHERE, "/dev/shm/b/mmshm-*", 1, 4 * MiB, []),
+              status.OtherGroup("NCCL intra-node buffers", "nccl-*", 1, MiB, [])]
+    monkeypatch.setattr(status, "survey", lambda root, d: (groups, []))
+    r = _invoke("status", "--dir", shm_dir)
+    total = next(ln for ln in r.output.splitlines() if ln.startswith("totals:"))
+    assert "(mmshm 4 MiB (4 MiB of it in other directories), other files 1 MiB" in total, total
+
+
 # -- doctor --------------------------------------------------------------------------------
 def test_doctor_counts_other_files_and_states_its_assumption(shm_dir):
     with open(os.path.join(shm_dir, "nccl-doctor-test"), "wb") as f:
