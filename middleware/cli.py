@@ -611,7 +611,7 @@ def gc(directory, dry_run, as_json, grace_s) -> None:
 
     _check_settings("gc")
     _dir_error("gc", directory)
-    rep = reap(directory, dry_run=dry_run, grace_s=grace_s)
+    rep = reap(directory, dry_run=dry_run, grace_s=grace_s, quiet=True)  # one summary: gc's
     if as_json:
         click.echo(msgspec.json.encode(rep).decode())
         return
