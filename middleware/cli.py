@@ -341,8 +341,10 @@ def _print_others(con, others, total: int) -> None:
         return
     for g in others:
         ex = ", ".join(g.examples) + (", ..." if g.files > len(g.examples) else "")
+        sparse = (f" [apparent size; {_size(g.allocated_bytes)} allocated now]"
+                  if g.allocated_bytes < g.bytes else "")
         con.print(Text(f"  {_size(g.bytes):>10}  {g.files:>4} file(s)  {g.owner} "
-                       f"({g.pattern}): {ex}"))
+                       f"({g.pattern}){sparse}: {ex}"))
     con.print(Text(f"  {_size(total):>10}  in all"))
 
 

@@ -10,13 +10,16 @@ run under ``mmshm run``.
 **Sizing /dev/shm** (:func:`shm_size_advice`; the README states the same
 formula): the smallest whole number of GiB ``S`` such that::
 
-    S - reserve(S) >= expected load x 9/8 + what other programs hold there now
+    S - reserve(S) >= expected load x 9/8 + what other programs keep there now
 
 ``reserve(S)`` is ``MMSHM_MIN_FREE_BYTES``, by default 5% of ``S`` clamped to
 16 MiB..1 GiB (NCCL's headroom); 9/8 covers the warm pool's size classes
 (at most 12.5% slack per segment). The default expected load is 32 Qwen2-VL
 720p images in flight (:data:`DEFAULT_IMAGES` x :data:`QWEN2VL_720P_BYTES`,
-about 687 MiB), which gives ``--shm-size=1g``.
+about 687 MiB), which gives ``--shm-size=1g``. Other programs' files count at
+their apparent size where that is larger than what they occupy now (a sparse
+``psm_*`` file of vLLM's message queues wants all of it; see
+:class:`mmshm.status.OtherGroup`).
 """
 
 from __future__ import annotations
@@ -301,7 +304,8 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
         problems.append(Problem(
             f"only {free // MiB} MiB free in {d} (of {size // MiB} MiB): below the reserve "
             f"({reserve // MiB} MiB) plus the expected load ({expected // MiB} MiB)"
-            + (f"; other programs hold {other_bytes // MiB} MiB ({top})" if others else ""),
+            + (f"; other programs' files take {other_bytes // MiB} MiB ({top})"
+               if others else ""),
             "see what fills it with `mmshm status`, run `mmshm gc`, or " + _size_fix(gib)))
     soft_l, hard_l, need = _descriptors(expected, size, problems)
     limit, usage, shmem = memory_cgroup()

