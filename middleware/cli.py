@@ -495,7 +495,8 @@ def status(directory, as_json) -> None:
     live = [s for s in rep.segments if s.held]
     pooled = sum(1 for s in live if s.state == "pooled")
     con.print(Text(f"segments: {len(rep.segments)} ({_size(rep.segment_bytes)}): "
-                   f"{len(live)} live ({pooled} pooled), {rep.orphans} orphaned ({_size(rep.orphan_bytes)}; "
+                   f"{len(live)} live ({pooled} pooled), {rep.orphans} orphaned "
+                   f"({_size(rep.orphan_bytes)}; "
                    f"`mmshm gc` reclaims them), {_size(rep.pooled_bytes)} idle in pools"
                    + (f", {rep.in_flight} with references in flight "
                       f"({_size(rep.in_flight_bytes)}; kept for MMSHM_IN_FLIGHT_GRACE_S)"

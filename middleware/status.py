@@ -20,8 +20,9 @@ Read-only and safe beside running servers:
   ``sglang_loads_*``, DeepSpeed's ``deepspeed_allreduce_buffer_*``, POSIX
   semaphores ``sem.*``, mmshm segments in other directories) is grouped by
   name pattern with its bytes: other programs' files by their apparent size
-  where that is larger than what they occupy now (sparse files fill up). When the segment directory is not
-  on a tmpfs only that directory is surveyed (never a whole disk).
+  where that is larger than what they occupy now (sparse files fill up).
+  When the segment directory is not on a tmpfs only that directory is
+  surveyed (never a whole disk).
 """
 
 from __future__ import annotations
