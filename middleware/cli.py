@@ -460,6 +460,7 @@ def status(directory, as_json) -> None:
     import msgspec
     from rich.text import Text
 
+    from .status import MMSHM_ELSEWHERE
     from .status import status as survey_status
 
     _check_settings("status")
@@ -506,12 +507,16 @@ def status(directory, as_json) -> None:
                        f"belong to processes this user cannot see"))
     con.print(Text(f"other files on this file system ({rep.root}):", style="bold"))
     _print_others(con, rep.others, rep.other_bytes)
+    other = rep.other_bytes - rep.mmshm_elsewhere_bytes  # sparse files at their apparent size
+    other_allocated = sum(g.allocated_bytes for g in rep.others
+                          if g.owner != MMSHM_ELSEWHERE)
     con.print(Text(
         f"totals: {_size(rep.fs_used_bytes)} used of {_size(rep.fs_size_bytes)} "
         f"(mmshm {_size(rep.segment_bytes + rep.mmshm_elsewhere_bytes)}"
         + (f" ({_size(rep.mmshm_elsewhere_bytes)} of it in other directories)"
            if rep.mmshm_elsewhere_bytes else "")
-        + f", other files {_size(rep.other_bytes - rep.mmshm_elsewhere_bytes)}"
+        + f", other files {_size(other)}"
+        + (f" ({_size(other_allocated)} of it allocated now)" if other_allocated < other else "")
         + (f", not in any visible file {_size(rep.unaccounted_bytes)}"
            if rep.unaccounted_bytes else "")
         + f"); {_size(rep.fs_free_bytes)} free, of which mmshm keeps "

@@ -392,8 +392,9 @@ def test_status_totals_count_mmshm_segments_of_other_directories_as_mmshm(shm_di
         os.unlink(seg)
         os.rmdir(other_dir)
     # the totals line, with a census of known content
-    groups = [status.OtherGroup(status.MMSHM_ELSEWHERE, "/dev/shm/b/mmshm-*", 1, 4 * MiB, []),
-              status.OtherGroup("NCCL intra-node buffers", "nccl-*", 1, MiB, [])]
+    groups = [status.OtherGroup(status.MMSHM_ELSEWHERE, "/dev/shm/b/mmshm-*", 1, 4 * MiB, [],
+                                4 * MiB),
+              status.OtherGroup("NCCL intra-node buffers", "nccl-*", 1, MiB, [], MiB)]
     monkeypatch.setattr(status, "survey", lambda root, d: (groups, []))
     r = _invoke("status", "--dir", shm_dir)
     total = next(ln for ln in r.output.splitlines() if ln.startswith("totals:"))
@@ -482,6 +483,8 @@ def test_sparse_files_of_other_programs_count_at_their_apparent_size(shm_dir):
         r = _invoke("status", "--dir", shm_dir)
         row = next(ln for ln in r.output.splitlines() if "(psm_*)" in ln)
         assert "apparent size" in row, row
+        total = next(ln for ln in r.output.splitlines() if ln.startswith("totals:"))
+        assert "of it allocated now" in total, total
     finally:
         os.unlink(path)
 
