@@ -341,8 +341,10 @@ def _print_others(con, others, total: int) -> None:
         return
     for g in others:
         ex = ", ".join(g.examples) + (", ..." if g.files > len(g.examples) else "")
+        sparse = (f" [apparent size; {_size(g.allocated_bytes)} allocated now]"
+                  if g.allocated_bytes < g.bytes else "")
         con.print(Text(f"  {_size(g.bytes):>10}  {g.files:>4} file(s)  {g.owner} "
-                       f"({g.pattern}): {ex}"))
+                       f"({g.pattern}){sparse}: {ex}"))
     con.print(Text(f"  {_size(total):>10}  in all"))
 
 
@@ -392,10 +394,12 @@ def doctor(directory, expected_bytes, as_json) -> None:
     servers = ", ".join(f"{s.distribution} {s.version} "
                         f"({'supported' if s.supported else 'NOT supported'}: "
                         f"{s.supported_range})" for s in rep.servers) or "none installed here"
+    missing = rep.fs_type == "missing"  # the directory cannot be read: sizes unknown
     rows = (
-        ("size", _size(rep.fs_size_bytes)),
-        ("free", _size(rep.fs_free_bytes)),
-        ("reserve", f"{_size(rep.reserve_bytes)} kept free for NCCL (MMSHM_MIN_FREE_BYTES)"),
+        ("size", "unknown" if missing else _size(rep.fs_size_bytes)),
+        ("free", "unknown" if missing else _size(rep.fs_free_bytes)),
+        ("reserve", "unknown" if missing else
+         f"{_size(rep.reserve_bytes)} kept free for NCCL (MMSHM_MIN_FREE_BYTES)"),
         ("expected load", f"{_size(rep.expected_bytes)} of multimodal tensors in flight "
                           f"({rep.expected_assumption})"),
         ("advised size", f"--shm-size={rep.shm_size_gib}g for that load plus the other files "
@@ -409,7 +413,10 @@ def doctor(directory, expected_bytes, as_json) -> None:
     for key, value in rows:
         con.print(Text.assemble(f"  {key:<14}", value))
     con.print(Text("other files on this file system:", style="bold"))
-    _print_others(con, rep.others, rep.other_bytes)
+    if missing:
+        con.print(Text("  unknown: the directory cannot be read"))
+    else:
+        _print_others(con, rep.others, rep.other_bytes)
     for note in rep.notes:
         con.print(Text.assemble(("note: ", "bold yellow"), note))
     if rep.ok:
@@ -453,6 +460,7 @@ def status(directory, as_json) -> None:
     import msgspec
     from rich.text import Text
 
+    from .status import MMSHM_ELSEWHERE
     from .status import status as survey_status
 
     _check_settings("status")
@@ -483,9 +491,13 @@ def status(directory, as_json) -> None:
         con.print(Text("no process holds a segment in this directory, and no SGLang or vLLM "
                        "process is running" if not rep.segments else
                        "no visible process holds these segments"))
+    # "live": some process holds it (its liveness lock), pooled ones included; not the
+    # `held` column above (opened from another process's handle)
     live = [s for s in rep.segments if s.held]
+    pooled = sum(1 for s in live if s.state == "pooled")
     con.print(Text(f"segments: {len(rep.segments)} ({_size(rep.segment_bytes)}): "
-                   f"{len(live)} held, {rep.orphans} orphaned ({_size(rep.orphan_bytes)}; "
+                   f"{len(live)} live ({pooled} pooled), {rep.orphans} orphaned "
+                   f"({_size(rep.orphan_bytes)}; "
                    f"`mmshm gc` reclaims them), {_size(rep.pooled_bytes)} idle in pools"
                    + (f", {rep.in_flight} with references in flight "
                       f"({_size(rep.in_flight_bytes)}; kept for MMSHM_IN_FLIGHT_GRACE_S)"
@@ -495,9 +507,16 @@ def status(directory, as_json) -> None:
                        f"belong to processes this user cannot see"))
     con.print(Text(f"other files on this file system ({rep.root}):", style="bold"))
     _print_others(con, rep.others, rep.other_bytes)
+    other = rep.other_bytes - rep.mmshm_elsewhere_bytes  # sparse files at their apparent size
+    other_allocated = sum(g.allocated_bytes for g in rep.others
+                          if g.owner != MMSHM_ELSEWHERE)
     con.print(Text(
         f"totals: {_size(rep.fs_used_bytes)} used of {_size(rep.fs_size_bytes)} "
-        f"(mmshm {_size(rep.segment_bytes)}, other files {_size(rep.other_bytes)}"
+        f"(mmshm {_size(rep.segment_bytes + rep.mmshm_elsewhere_bytes)}"
+        + (f" ({_size(rep.mmshm_elsewhere_bytes)} of it in other directories)"
+           if rep.mmshm_elsewhere_bytes else "")
+        + f", other files {_size(other)}"
+        + (f" ({_size(other_allocated)} of it allocated now)" if other_allocated < other else "")
         + (f", not in any visible file {_size(rep.unaccounted_bytes)}"
            if rep.unaccounted_bytes else "")
         + f"); {_size(rep.fs_free_bytes)} free, of which mmshm keeps "
@@ -600,7 +619,7 @@ def gc(directory, dry_run, as_json, grace_s) -> None:
 
     _check_settings("gc")
     _dir_error("gc", directory)
-    rep = reap(directory, dry_run=dry_run, grace_s=grace_s)
+    rep = reap(directory, dry_run=dry_run, grace_s=grace_s, quiet=True)  # one summary: gc's
     if as_json:
         click.echo(msgspec.json.encode(rep).decode())
         return

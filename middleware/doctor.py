@@ -10,13 +10,16 @@ run under ``mmshm run``.
 **Sizing /dev/shm** (:func:`shm_size_advice`; the README states the same
 formula): the smallest whole number of GiB ``S`` such that::
 
-    S - reserve(S) >= expected load x 9/8 + what other programs hold there now
+    S - reserve(S) >= expected load x 9/8 + what other programs keep there now
 
 ``reserve(S)`` is ``MMSHM_MIN_FREE_BYTES``, by default 5% of ``S`` clamped to
 16 MiB..1 GiB (NCCL's headroom); 9/8 covers the warm pool's size classes
 (at most 12.5% slack per segment). The default expected load is 32 Qwen2-VL
 720p images in flight (:data:`DEFAULT_IMAGES` x :data:`QWEN2VL_720P_BYTES`,
-about 687 MiB), which gives ``--shm-size=1g``.
+about 687 MiB), which gives ``--shm-size=1g``. Other programs' files count at
+their apparent size where that is larger than what they occupy now (a sparse
+``psm_*`` file of vLLM's message queues wants all of it; see
+:class:`mmshm.status.OtherGroup`).
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class DoctorReport(msgspec.Struct):
     ``fd_needed`` the descriptors one process needs for the expected load
     (:func:`descriptors_needed`), against ``fd_soft_limit``/``fd_hard_limit``;
     ``cgroup_*`` the memory cgroup (None: no limit, or not readable);
+    ``fs_type`` is ``missing`` (sizes 0, unknown) when the directory cannot
+    be read;
     ``others`` the census of other files on the same file system; ``notes``
     things worth knowing that need no fix.
     """
@@ -207,6 +212,27 @@ def server_versions() -> list[ServerVersion]:
     return out
 
 
+def _descriptors(expected: int, fs_size: int, problems: list[Problem]
+                 ) -> tuple[int | None, int | None, int]:
+    """``(soft, hard, needed)``: this process's descriptor limits (None:
+    unlimited) and the descriptors the expected load needs, appending the
+    problem when the soft limit is below it. Independent of the directory
+    (``fs_size`` 0: its size is unknown, so no pool is counted)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft_l = None if soft == resource.RLIM_INFINITY else soft
+    hard_l = None if hard == resource.RLIM_INFINITY else hard
+    need = descriptors_needed(expected, fs_size)
+    if soft_l is not None and soft_l < need:
+        problems.append(Problem(
+            f"ulimit -n is {soft_l}: a full batch needs about {need} descriptors per process "
+            f"(one per segment in flight or pooled, plus MMSHM_FD_RESERVE); beyond it "
+            f"tensors travel inline (reason emfile)",
+            f"raise it: ulimit -n {max(need, 1024)} before starting the server (docker run "
+            f"--ulimit nofile={max(need, 1024)}:{max(need, 1024)})"
+            + (f"; the hard limit is {hard_l}" if hard_l is not None and hard_l < need else "")))
+    return soft_l, hard_l, need
+
+
 def diagnose(directory: str | None = None, expected_bytes: int | None = None) -> DoctorReport:
     """Inspect the segment directory and the host around it (read-only).
 
@@ -229,10 +255,19 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
         if not os.path.isdir(d):
             raise NotADirectoryError(20, "Not a directory")
     except OSError as exc:
-        return DoctorReport(d, "missing", 0, 0, 0, expected, 0, 0, 0, 0, [Problem(
-            f"the segment directory {d} cannot be read: {exc.strerror}",
-            "create it or set MMSHM_DIR to a tmpfs directory (default /dev/shm)")],
-            expected_assumption=assumption, shm_size_gib=shm_size_advice(expected))
+        fix = ("create it, or give --dir a tmpfs directory (servers use MMSHM_DIR, default "
+               "/dev/shm)" if directory is not None else
+               "create it or set MMSHM_DIR to a tmpfs directory (default /dev/shm)")
+        problems.append(Problem(f"the segment directory {d} cannot be read: {exc.strerror}",
+                                fix))
+        soft_l, hard_l, need = _descriptors(expected, 0, problems)
+        limit, usage, shmem = memory_cgroup()
+        return DoctorReport(d, "missing", 0, 0, 0, expected, 0, 0, 0, 0, problems,
+                            expected_assumption=assumption,
+                            shm_size_gib=shm_size_advice(expected), fd_soft_limit=soft_l,
+                            fd_hard_limit=hard_l, fd_needed=need, cgroup_limit_bytes=limit,
+                            cgroup_usage_bytes=usage, cgroup_shmem_bytes=shmem,
+                            servers=server_versions())
     size = st.f_blocks * st.f_frsize
     free = st.f_bavail * st.f_frsize
     reserve = config.min_free_bytes(size)
@@ -269,20 +304,10 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
         problems.append(Problem(
             f"only {free // MiB} MiB free in {d} (of {size // MiB} MiB): below the reserve "
             f"({reserve // MiB} MiB) plus the expected load ({expected // MiB} MiB)"
-            + (f"; other programs hold {other_bytes // MiB} MiB ({top})" if others else ""),
+            + (f"; other programs' files take {other_bytes // MiB} MiB ({top})"
+               if others else ""),
             "see what fills it with `mmshm status`, run `mmshm gc`, or " + _size_fix(gib)))
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    soft_l = None if soft == resource.RLIM_INFINITY else soft
-    hard_l = None if hard == resource.RLIM_INFINITY else hard
-    need = descriptors_needed(expected, size)
-    if soft_l is not None and soft_l < need:
-        problems.append(Problem(
-            f"ulimit -n is {soft_l}: a full batch needs about {need} descriptors per process "
-            f"(one per segment in flight or pooled, plus MMSHM_FD_RESERVE); beyond it "
-            f"tensors travel inline (reason emfile)",
-            f"raise it: ulimit -n {max(need, 1024)} before starting the server (docker run "
-            f"--ulimit nofile={max(need, 1024)}:{max(need, 1024)})"
-            + (f"; the hard limit is {hard_l}" if hard_l is not None and hard_l < need else "")))
+    soft_l, hard_l, need = _descriptors(expected, size, problems)
     limit, usage, shmem = memory_cgroup()
     if limit is not None and usage is not None and limit - usage < expected:
         problems.append(Problem(

@@ -190,10 +190,11 @@ _EXPLAIN = {
 
 
 def _pass(d: str, dry_run: bool, grace: float, creators: set[int] | None = None,
-          say: bool = True) -> ReapReport:
+          say: bool = True, level: int = logging.WARNING) -> ReapReport:
     """Probe (and unless ``dry_run`` unlink) the segments of ``d`` nobody
     holds, only those created by ``creators`` when given; count what was
-    reclaimed by reason and, with ``say``, log one warning per reason."""
+    reclaimed by reason and, with ``say``, log one line per reason at
+    ``level``."""
     rep = ReapReport(directory=d, dry_run=dry_run)
     nbytes = dict.fromkeys(REASONS, 0)
     for name in sorted(iter_segment_files(d)):
@@ -225,14 +226,14 @@ def _pass(d: str, dry_run: bool, grace: float, creators: set[int] | None = None,
                 REAPED_SEGMENTS.labels(reason=why).inc(rep.reasons[why])
                 REAPED_BYTES.labels(reason=why).inc(nbytes[why])
                 if say:
-                    log.warning("mmshm: reclaimed %d segment(s), %d bytes, in %s, reason=%s: %s",
+                    log.log(level, "mmshm: reclaimed %d segment(s), %d bytes, in %s, reason=%s: %s",
                                 rep.reasons[why], nbytes[why], d, why,
                                 _EXPLAIN[why].format(grace=grace))
     return rep
 
 
 def reap(directory: str | None = None, dry_run: bool = False,
-         grace_s: float | None = None) -> ReapReport:
+         grace_s: float | None = None, quiet: bool = False) -> ReapReport:
     """Reclaim every segment in ``directory`` (default ``MMSHM_DIR``) that no
     live process holds, except those whose references are in flight within
     ``grace_s`` seconds (default ``MMSHM_IN_FLIGHT_GRACE_S``) of their last
@@ -240,10 +241,12 @@ def reap(directory: str | None = None, dry_run: bool = False,
 
     Returns a :class:`ReapReport`. Outside a dry run, counts
     ``mmshm_reaped_segments_total{reason}`` and
-    ``mmshm_reaped_bytes_total{reason}`` and logs one warning per reason.
+    ``mmshm_reaped_bytes_total{reason}`` and logs one warning per reason
+    (at DEBUG with ``quiet``: ``mmshm gc`` prints its own summary).
     Raises :class:`OSError` only if the directory cannot be listed.
     """
-    return _pass(segment_dir(directory), dry_run, _grace(grace_s))
+    return _pass(segment_dir(directory), dry_run, _grace(grace_s),
+                 level=logging.DEBUG if quiet else logging.WARNING)
 
 
 _last_run: dict[str, float] = {}

