@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -110,6 +111,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main() -> int:
+    # SIGTERM unwinds like an exception, so every server started is killed
+    # by its process group on the way out (server.py) and its directory removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", choices=sorted(CONFIGS), default="vllm")
     ap.add_argument("--tp", type=int, default=2)
@@ -140,33 +144,38 @@ def main() -> int:
         port = int(argv[argv.index("--port") + 1])
         if under_mmshm:
             env["MMSHM_DIR"] = tempfile.mkdtemp(prefix="mmshm-ttft-", dir="/dev/shm")
-        srv = Server(argv, port, logs / f"{name}.log", env=env, mmshm_run=under_mmshm,
-                     ready_timeout_s=600, leaks=("vllm_dist_",))
-        with srv:
-            print(f"{name}: started in {srv.startup_s:.0f} s", file=sys.stderr)
-            for u in reqs[:2]:  # warm-up (not measured)
-                ttft(srv, u, MODEL_NAME[args.server], args.n)
-            nxt = 2
-            for c in conc:
-                batch = reqs[nxt:nxt + args.requests]
-                nxt += args.requests
-                lock = threading.Lock()
-                times: list[float] = []
+        try:
+            srv = Server(argv, port, logs / f"{name}.log", env=env, mmshm_run=under_mmshm,
+                         ready_timeout_s=600, leaks=("vllm_dist_",))
+            with srv:
+                print(f"{name}: started in {srv.startup_s:.0f} s", file=sys.stderr)
+                for u in reqs[:2]:  # warm-up (not measured)
+                    ttft(srv, u, MODEL_NAME[args.server], args.n)
+                nxt = 2
+                for c in conc:
+                    batch = reqs[nxt:nxt + args.requests]
+                    nxt += args.requests
+                    lock = threading.Lock()
+                    times: list[float] = []
 
-                def one(urls, times=times, lock=lock):
-                    t = ttft(srv, urls, MODEL_NAME[args.server], args.n)
-                    with lock:
-                        times.append(t)
+                    def one(urls, times=times, lock=lock):
+                        t = ttft(srv, urls, MODEL_NAME[args.server], args.n)
+                        with lock:
+                            times.append(t)
 
-                with ThreadPoolExecutor(c) as pool:
-                    list(pool.map(one, batch))
-                results.append({"config": name, "concurrency": c, "ttft_s": times,
-                                "median_s": statistics.median(times), "p90_s": pct(times, 0.9)})
-                print(f"{name} c={c}: median {results[-1]['median_s'] * 1e3:.0f} ms, "
-                      f"p90 {results[-1]['p90_s'] * 1e3:.0f} ms", file=sys.stderr)
-            srv.stop()
-        if under_mmshm:
-            os.rmdir(env["MMSHM_DIR"])
+                    with ThreadPoolExecutor(c) as pool:
+                        list(pool.map(one, batch))
+                    results.append({"config": name, "concurrency": c, "ttft_s": times,
+                                    "median_s": statistics.median(times), "p90_s": pct(times, 0.9)})
+                    print(f"{name} c={c}: median {results[-1]['median_s'] * 1e3:.0f} ms, "
+                          f"p90 {results[-1]['p90_s'] * 1e3:.0f} ms", file=sys.stderr)
+                srv.stop()
+        finally:
+            if under_mmshm:  # what a killed server left, then the directory
+                from mmshm import reaper
+
+                reaper.reap(env["MMSHM_DIR"], grace_s=0, quiet=True)
+                os.rmdir(env["MMSHM_DIR"])
     base = {r["concurrency"]: r for r in results if r["config"] == configs[0]}
     print(f"\nTTFT, {args.server} TP={args.tp}, {args.images} photos of 720p per request, "
           f"n={args.n}, "
