@@ -433,9 +433,11 @@ def test_instrument_is_idempotent_and_reversible(ns):
 
 def test_moved_symbol_refuses_and_patches_nothing(ns, monkeypatch):
     inst = integrations.get("sglang")
-    real = glue._defines
-    monkeypatch.setattr(glue, "_defines",
-                        lambda src, attr: False if attr == "hash_feature" else real(src, attr))
+    from mmshm import instrumentor
+
+    real = instrumentor.defines
+    monkeypatch.setattr(instrumentor, "defines", lambda tree, path, params=(): (
+        [path] if path == "hash_feature" else real(tree, path, params)))
     with pytest.raises(integrations.UnsupportedVersionError, match="hash_feature"):
         inst.instrument()
     assert not inst.instrumented

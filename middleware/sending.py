@@ -1,0 +1,439 @@
+"""The sending side of a hop, for every instrumentor: one message's
+references, parallel sampling's shared segments, and what mmshm remembers of
+a tensor.
+
+A server's send path (SGLang's tokenizer, vLLM's frontend and its
+scheduler-output broadcast) opens a :func:`sending` scope around the call
+that serializes and sends one message; its glue, wherever the server meets a
+tensor inside that call (a ``wrap_shm_features``, an out-of-band tensor hook,
+a pickle reducer), asks the scope's :class:`Outbox` for a handle with
+:meth:`Outbox.put`. Parallel sampling opens a :func:`fanning_out` scope (or
+:func:`fanned_out` around an async generator) around the calls that send the
+``n`` copies of one request, so that a tensor is written once per fan-out.
+
+The ownership protocol, as applied here:
+
+- **hand out before handing over**: each handle :meth:`Outbox.put` returns
+  carries ``1 + hops`` references for the message (one per receiver: the
+  next process, any process that forwards it, each reader of a broadcast);
+  they are counted in ``mmshm_references_handed_total{path}``;
+- the references **travel with the message** once it is sent
+  (:meth:`Outbox.sent`: the local handle objects give up ownership), and are
+  **given back** if sending fails (:meth:`Outbox.abandon`);
+- a fan-out holds **one reference of its own** per tensor for its whole scope,
+  so a receiver that releases an early copy (SGLang's warm-up) never frees the
+  segment the later copies share; it is released when the scope ends;
+- a tensor already known to live in a segment (written by this process, or a
+  zero-copy view materialized from one) **shares that segment** instead of
+  being copied again: :data:`SEGMENTS`, keyed by tensor identity and torch's
+  version counter, checked against the segment's generation so a segment the
+  pool has reused is never shared.
+
+Content hashes: :func:`digest_of` gives the BLAKE3-128 digest of a feature
+(the one a handle carries, or computed once per CPU tensor and remembered in
+:data:`DIGESTS`), so a server's own hashing never re-reads pixels mmshm
+already hashed; a new segment carries the digest already known for its tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Iterator
+
+import torch
+
+from . import codec, config, segment
+from .codec import HandleMeta
+from .errors import MmshmError
+from .handle import ShmTensor, content_hash
+from .metrics import FANOUT_COPIES, REFERENCES_HANDED
+from .walker import record_fallback, to_shm
+
+log = logging.getLogger("mmshm")
+
+
+# -- what is remembered of a tensor ----------------------------------------------
+class TensorMemo:
+    """Values per tensor, keyed by identity; an entry is dropped when its
+    tensor dies and ignored once the tensor is modified in place (torch's
+    version counter). Never compares tensors, never keeps one alive.
+    Thread-safe."""
+
+    def __init__(self):
+        self._d: dict[int, tuple] = {}
+        self._lock = threading.Lock()
+
+    def get(self, t, default=None):
+        """The value for ``t`` (this very tensor, unmodified), or ``default``."""
+        e = self._d.get(id(t))
+        if e is None or e[0]() is not t or e[1] != t._version:
+            return default
+        return e[2]
+
+    def __getitem__(self, t):
+        missing = object()
+        value = self.get(t, missing)
+        if value is missing:
+            raise KeyError("tensor not in the memo")
+        return value
+
+    def __contains__(self, t) -> bool:
+        return self.get(t, self) is not self
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def put(self, t, value) -> None:
+        key = id(t)
+
+        def gone(_ref, key=key, d=self._d):
+            e = d.get(key)
+            if e is not None and e[0] is _ref:
+                d.pop(key, None)
+
+        with self._lock:
+            self._d[key] = (weakref.ref(t, gone), t._version, value)
+
+    def drop(self, t) -> None:
+        with self._lock:
+            e = self._d.get(id(t))
+            if e is not None and e[0]() is t:
+                del self._d[id(t)]
+
+
+#: tensor -> BLAKE3-128 digest of its bytes.
+DIGESTS = TensorMemo()
+#: tensor -> ``(wire bytes, HandleMeta)`` of a live segment holding exactly its bytes.
+SEGMENTS = TensorMemo()
+
+
+def remember_segment(t: torch.Tensor, meta: HandleMeta, wire: bytes | None = None) -> None:
+    """Remember that the segment of the handle ``meta`` (wire bytes ``wire``,
+    encoded here if not given) holds ``t``'s bytes: ``t`` was copied into it,
+    or is a zero-copy view of it."""
+    SEGMENTS.put(t, (codec.encode(meta) if wire is None else wire, meta))
+
+
+def share_segment(t: torch.Tensor) -> ShmTensor | None:
+    """A new handle, owning one more reference, on the live segment known to
+    hold ``t``'s bytes; None if there is none, or it was freed or reused by
+    the pool meanwhile (the entry is then forgotten)."""
+    entry = SEGMENTS.get(t)
+    if entry is None:
+        return None
+    meta = entry[1]
+    try:
+        # the generation check refuses a segment the pool has since reused
+        segment.update_refcount(meta.name, 1, None, meta.gen)
+    except (MmshmError, OSError):
+        SEGMENTS.drop(t)
+        return None
+    return ShmTensor(meta, owns=True)
+
+
+def give_back(name: str, k: int, gen: int) -> None:
+    """Give back ``k`` references of segment ``name`` (generation ``gen``)
+    that were handed out for a message that never left. Never raises."""
+    if not k:
+        return
+    try:
+        segment.update_refcount(name, -k, None, gen)
+    except (MmshmError, OSError) as exc:
+        log.debug("mmshm: giving back %d reference(s) of %s failed: %s", k, name, exc)
+
+
+def _flatten(xs):
+    for x in xs:
+        if isinstance(x, (list, tuple)):
+            yield from _flatten(x)
+        else:
+            yield x
+
+
+def digest_of(f) -> bytes | None:
+    """BLAKE3-128 digest (16 bytes) of a feature: a handle (the hash it
+    carries, computed from its segment if it carries none yet), a CPU tensor
+    (computed once per tensor, see :data:`DIGESTS`), or a non-empty list or
+    tuple of those, possibly nested and mixed (the digest of the elements'
+    digests). None for anything else (a GPU tensor, a string...).
+
+    Raises what :attr:`ShmTensor.hash` raises when a handle's segment
+    cannot be read (``MMSHM_HASH=lazy``)."""
+    import blake3
+
+    if isinstance(f, ShmTensor):
+        return f.hash
+    if isinstance(f, torch.Tensor):
+        if f.device.type != "cpu":
+            return None
+        d = DIGESTS.get(f)
+        if d is None:
+            d = content_hash(f)
+            DIGESTS.put(f, d)
+        return d
+    if isinstance(f, (list, tuple)) and f:
+        flat = list(_flatten(f))
+        if not flat or not all(isinstance(x, (ShmTensor, torch.Tensor)) for x in flat):
+            return None
+        parts = [digest_of(x) for x in flat]
+        if any(p is None for p in parts):
+            return None
+        return blake3.blake3(b"".join(parts)).digest(16)
+    return None
+
+
+def eligible(t, min_bytes: int | None = None) -> bool:
+    """Whether ``t`` goes through shared memory: a strided CPU tensor of at
+    least ``min_bytes`` bytes (default ``MMSHM_MIN_BYTES``), not quantized and
+    not requiring grad (a handle carries neither)."""
+    if min_bytes is None:
+        min_bytes = config.get().min_bytes
+    return (isinstance(t, torch.Tensor) and t.device.type == "cpu"
+            and t.layout == torch.strided and not t.is_quantized and not t.requires_grad
+            and t.numel() * t.element_size() >= min_bytes)
+
+
+# -- parallel sampling -----------------------------------------------------------
+class FanOut:
+    """The ``n`` copies of one request (parallel sampling): one reference of
+    the scope's own per tensor it put in shared memory (the tensor is kept
+    too, so its id cannot be reused while the entry lives), lent to every
+    copy; released by :meth:`close`.
+
+    ``mmshm_fanout_copies_total`` counts the messages of the scope that
+    carried handles, once there are two (a single message fanned out to
+    nothing)."""
+
+    __slots__ = ("closed", "held", "messages")
+
+    def __init__(self):
+        self.held: dict[int, tuple[torch.Tensor, ShmTensor]] = {}
+        self.messages = 0
+        self.closed = False
+
+    def hold(self, t: torch.Tensor, h: ShmTensor) -> None:
+        """Keep one reference on ``h``'s segment for ``t`` (once per tensor)."""
+        if id(t) in self.held:
+            return
+        try:
+            self.held[id(t)] = (t, h.clone())
+        except (MmshmError, OSError):  # gone already: later copies write it again
+            pass
+
+    def lend(self, t: torch.Tensor) -> ShmTensor | None:
+        """A new handle (one more reference) on the segment held for ``t``."""
+        entry = self.held.get(id(t))
+        if entry is None or entry[0] is not t:
+            return None
+        try:
+            return entry[1].clone()
+        except (MmshmError, OSError):
+            return None
+
+    def count_message(self) -> None:
+        self.messages += 1
+        if self.messages == 2:
+            FANOUT_COPIES.inc(2)
+        elif self.messages > 2:
+            FANOUT_COPIES.inc()
+
+    def close(self) -> None:
+        """Release the scope's references. Idempotent."""
+        self.closed = True
+        held, self.held = self.held, {}
+        for _t, h in held.values():
+            h.release()
+
+
+_FANOUT: contextvars.ContextVar[FanOut | None] = contextvars.ContextVar(
+    "mmshm_fanout", default=None)
+
+
+def current_fan_out() -> FanOut | None:
+    """The open :class:`FanOut` of this context, or None."""
+    fan = _FANOUT.get()
+    return fan if fan is not None and not fan.closed else None
+
+
+@contextlib.contextmanager
+def fanning_out() -> Iterator[FanOut]:
+    """A :class:`FanOut` for the sends inside the block (the open one, if
+    the block is inside one already), closed when the block ends."""
+    fan = current_fan_out()
+    if fan is not None:
+        yield fan
+        return
+    fan = FanOut()
+    token = _FANOUT.set(fan)
+    try:
+        yield fan
+    finally:
+        _FANOUT.reset(token)
+        fan.close()
+
+
+async def fanned_out(agen) -> AsyncIterator:
+    """``agen`` (an async generator) with one :class:`FanOut` for its whole
+    life: visible to it whenever it runs (set and reset around each step, in
+    the caller's context), closed when it ends, fails or is closed."""
+    fan = FanOut()
+    try:
+        while True:
+            token = _FANOUT.set(fan)
+            try:
+                item = await agen.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                _FANOUT.reset(token)
+            yield item
+    finally:
+        try:
+            await agen.aclose()
+        finally:
+            fan.close()
+
+
+# -- one message -----------------------------------------------------------------
+class Outbox:
+    """The handles made for one message.
+
+    Args:
+        hops: references to add per handle beyond the first: one per further
+            receiver (a forwarding process, the other readers of a
+            broadcast).
+        path: the ``path`` label of ``mmshm_references_handed_total``
+            (``"send"`` or ``"broadcast"``).
+    """
+
+    __slots__ = ("_made", "fan", "handles", "hops", "path", "t0")
+
+    def __init__(self, hops: int = 0, path: str = "send"):
+        if hops < 0:
+            raise ValueError("hops must be >= 0")
+        self.hops = hops
+        self.path = path
+        self.handles: list[ShmTensor] = []
+        self._made: dict[int, tuple[torch.Tensor, ShmTensor]] = {}
+        self.fan = current_fan_out()
+        #: When the message began to be sent (``time.monotonic()``, seconds).
+        self.t0 = time.monotonic()
+
+    def put(self, t: torch.Tensor) -> ShmTensor | None:
+        """A handle that rides in this message for ``t``'s bytes, owning
+        ``1 + hops`` references; None when ``t`` must travel inline (the
+        fallback is counted in ``mmshm_inline_fallbacks_total``).
+
+        No bytes are copied when the segment exists already: the same tensor
+        earlier in this message, in this fan-out, or known to
+        :data:`SEGMENTS`. Eligibility (:func:`eligible`) is the caller's to
+        judge. Never raises for a segment that cannot be made or shared."""
+        entry = self._made.get(id(t))
+        h = None
+        if entry is not None and entry[0] is t:
+            with contextlib.suppress(MmshmError, OSError):
+                h = entry[1].clone()
+        if h is None and self.fan is not None:
+            h = self.fan.lend(t)
+        if h is None:
+            h = share_segment(t)
+        if h is None:
+            h = to_shm(t, hash=DIGESTS.get(t))
+            if h is None:
+                return None
+            remember_segment(t, h.meta)
+        self._made.setdefault(id(t), (t, h))
+        if self.fan is not None:
+            self.fan.hold(t, h)
+        if self.hops:
+            try:
+                h.share(self.hops)
+            except (MmshmError, OSError) as exc:
+                h.release()
+                record_fallback(exc)
+                return None
+        self.handles.append(h)
+        REFERENCES_HANDED.labels(path=self.path).inc(1 + self.hops)
+        return h
+
+    def sent(self) -> None:
+        """The message left: its references travel with it (the handle
+        objects, kept alive until now so no finalizer released them, give up
+        ownership). Counts one copy of the open fan-out if it carried any."""
+        handles, self.handles = self.handles, []
+        self._made.clear()
+        for h in handles:
+            h._disown()
+        if handles and self.fan is not None and not self.fan.closed:
+            self.fan.count_message()
+
+    def abandon(self) -> None:
+        """The message never left: give back every reference made for it."""
+        handles, self.handles = self.handles, []
+        self._made.clear()
+        for h in handles:
+            if h.owns_reference:
+                give_back(h.name, self.hops, h.meta.gen)
+            h.release()
+
+
+_OUTBOX: contextvars.ContextVar[Outbox | None] = contextvars.ContextVar(
+    "mmshm_outbox", default=None)
+
+
+def current_outbox() -> Outbox | None:
+    """The :class:`Outbox` of the :func:`sending` scope this code runs in, or None."""
+    return _OUTBOX.get()
+
+
+@contextlib.contextmanager
+def sending(hops: int = 0, path: str = "send") -> Iterator[Outbox]:
+    """An :class:`Outbox` for the one message sent inside the block, current
+    for the code the block runs (this thread or task only): sent when the
+    block returns, abandoned when it raises (anything, cancellation too)."""
+    box = Outbox(hops, path)
+    token = _OUTBOX.set(box)
+    try:
+        yield box
+    except BaseException:
+        box.abandon()
+        raise
+    finally:
+        _OUTBOX.reset(token)
+    box.sent()
+
+
+@contextlib.contextmanager
+def not_sending() -> Iterator[None]:
+    """No :class:`Outbox` inside the block (a nested send that must not put
+    its tensors into the enclosing message)."""
+    token = _OUTBOX.set(None)
+    try:
+        yield
+    finally:
+        _OUTBOX.reset(token)
+
+
+__all__ = [
+    "DIGESTS",
+    "SEGMENTS",
+    "FanOut",
+    "Outbox",
+    "TensorMemo",
+    "current_fan_out",
+    "current_outbox",
+    "digest_of",
+    "eligible",
+    "fanned_out",
+    "fanning_out",
+    "give_back",
+    "not_sending",
+    "remember_segment",
+    "share_segment",
+    "sending",
+]
