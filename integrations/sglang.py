@@ -1,8 +1,11 @@
 """SGLang instrumentor: glue between SGLang's multimodal transport and mmshm.
 
-Supported releases: 0.5.9 through 0.5.23. Everything is patched with wrapt
-post-import hooks, when SGLang's modules are imported (or at once if they
-already are), by the names under which the consumers call them:
+Supported releases: 0.5.9 through 0.5.23. This module holds SGLang's targets
+and the glue between their call sites and the core: :mod:`mmshm.instrumentor`
+checks and patches the targets (wrapt post-import hooks, when SGLang's modules
+are imported, by the names under which the consumers call them),
+:mod:`mmshm.sending` keeps each message's references and the fan-out's,
+:mod:`mmshm.receiving` and :func:`mmshm.deferred_unwrap` materialize.
 
 Tokenizer process
     ``wrap_shm_features`` as imported into ``tokenizer_manager`` (and in

@@ -6,7 +6,11 @@ line per role (see :mod:`mmshm.report`): the API server (``frontend``), the
 ``EngineCore`` and each TP ``worker``; a path left off is a WARNING with the
 reason and the fix.
 
-Three paths are patched (wrapt post-import hooks, nothing is imported early):
+Three paths are patched (by :mod:`mmshm.instrumentor`: wrapt post-import
+hooks, nothing is imported early); this module holds vLLM's targets and the
+glue between their call sites and :mod:`mmshm.sending` (each message's
+references, the fan-out's) and :mod:`mmshm.receiving` (materializing, failures
+as a request's error):
 
 **Frontend -> EngineCore.** vLLM's own out-of-band hooks carry the handles:
 the ``MsgpackEncoder`` that ``MPClient.__init__`` builds gets an

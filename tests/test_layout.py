@@ -82,6 +82,11 @@ ABOVE = {
     "sweeper": {"segment"},
     "agreement": {"multinode", "broadcast"},
     "multinode": {"broadcast"},
+    # the integrations' shared machinery: the instrumentor knows no transport,
+    # the sending side nothing of the receiving side
+    "instrumentor": {"sending", "receiving", "segment", "handle", "walker", "broadcast"},
+    "sending": {"receiving", "instrumentor", "broadcast"},
+    "receiving": {"instrumentor", "broadcast"},
 }
 
 
