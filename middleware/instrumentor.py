@@ -366,8 +366,10 @@ class Instrumentor:
             if t.optional:
                 return
             raise UnsupportedVersionError(
-                f"{self.name} {st.version}: {t.module}:{t.path} is missing at import; "
-                f"nothing was patched") from None
+                f"{self.name} {st.version}: {t.module}:{t.path} is missing at import (its "
+                f"source defines it, the module does not); nothing is patched in this "
+                f"process. Fix: run a {self.name} release in {self.supported}, or set "
+                f"MMSHM_INSTRUMENT to leave {self.name} out") from None
         current = getattr(parent, attr)
         if getattr(current, "_self_mmshm", False):
             return  # already ours (imported from a module patched before)

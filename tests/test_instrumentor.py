@@ -43,6 +43,13 @@ class Client:
     def add_request(self, req, n=1):
         for i in range(n):
             self.send(dict(req, sample=i))
+
+
+def late():  # in the source, gone from the module once it is imported
+    pass
+
+
+del late
 '''
 ENGINE = '''
 import pickle
@@ -211,24 +218,32 @@ def test_a_handle_that_cannot_be_opened_becomes_that_requests_error(toy, shm_dir
     gc.collect()
 
 
-@pytest.mark.parametrize("how", ["moved", "parameter", "version"])
+@pytest.mark.parametrize("how", ["moved", "parameter", "version", "at_import"])
 def test_refuses_all_or_nothing(toy, monkeypatch, how):
     from toyserver import frontend
 
-    original = frontend.Client.send
+    send, encode = frontend.Client.send, frontend.encode
+    want = {"moved": "Client.gone", "parameter": "receive(timeout)", "version": "outside",
+            "at_import": "late is missing at import"}[how]
     if how == "version":
         monkeypatch.setattr(toy, "supported", ">=2")
     else:
-        extra = (Target("toyserver.frontend", "Client.gone", _send) if how == "moved" else
-                 Target("toyserver.engine", "receive", _receive, params=("timeout",)))
+        extra = {"moved": Target("toyserver.frontend", "Client.gone", _send),
+                 "parameter": Target("toyserver.engine", "receive", _receive,
+                                     params=("timeout",)),
+                 "at_import": Target("toyserver.frontend", "late", _send)}[how]
         targets = toy.targets() + [extra]
         monkeypatch.setattr(toy, "targets", lambda: targets)
-    assert toy.preflight() != []
+    problems = toy.preflight()
+    if how == "at_import":
+        assert problems == []  # the source defines it: only the import shows it gone
+    else:
+        assert len(problems) == 1 and want in problems[0]
     with pytest.raises(UnsupportedVersionError) as info:
         toy.instrument()
-    want = {"moved": "Client.gone", "parameter": "receive(timeout)", "version": "outside"}[how]
     assert want in str(info.value)
-    assert not toy.instrumented and toy.patched == {} and frontend.Client.send is original
+    assert not toy.instrumented and toy.patched == {}
+    assert frontend.Client.send is send and frontend.encode is encode  # encode was patched first
 
 
 def test_the_source_check_reads_definitions_imports_and_signatures():
