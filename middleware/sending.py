@@ -82,12 +82,6 @@ class TensorMemo:
             raise KeyError("tensor not in the memo")
         return value
 
-    def __contains__(self, t) -> bool:
-        return self.get(t, self) is not self
-
-    def __len__(self) -> int:
-        return len(self._d)
-
     def put(self, t, value) -> None:
         key = id(t)
 
@@ -201,9 +195,10 @@ def eligible(t, min_bytes: int | None = None) -> bool:
 # -- parallel sampling -----------------------------------------------------------
 class FanOut:
     """The ``n`` copies of one request (parallel sampling): one reference of
-    the scope's own per tensor it put in shared memory (the tensor is kept
-    too, so its id cannot be reused while the entry lives), lent to every
-    copy; released by :meth:`close`.
+    the scope's own per tensor it put in shared memory, released by
+    :meth:`close`. The segment therefore outlives any copy's receiver, and
+    every later copy shares it through :data:`SEGMENTS` (the tensor is kept
+    here too, so its memo entry lives as long as the scope).
 
     ``mmshm_fanout_copies_total`` counts the messages of the scope that
     carried handles, once there are two (a single message fanned out to
@@ -224,16 +219,6 @@ class FanOut:
             self.held[id(t)] = (t, h.clone())
         except (MmshmError, OSError):  # gone already: later copies write it again
             pass
-
-    def lend(self, t: torch.Tensor) -> ShmTensor | None:
-        """A new handle (one more reference) on the segment held for ``t``."""
-        entry = self.held.get(id(t))
-        if entry is None or entry[0] is not t:
-            return None
-        try:
-            return entry[1].clone()
-        except (MmshmError, OSError):
-            return None
 
     def count_message(self) -> None:
         self.messages += 1
@@ -311,7 +296,7 @@ class Outbox:
             (``"send"`` or ``"broadcast"``).
     """
 
-    __slots__ = ("_made", "fan", "handles", "hops", "path", "t0")
+    __slots__ = ("fan", "handles", "hops", "path", "t0")
 
     def __init__(self, hops: int = 0, path: str = "send"):
         if hops < 0:
@@ -319,7 +304,6 @@ class Outbox:
         self.hops = hops
         self.path = path
         self.handles: list[ShmTensor] = []
-        self._made: dict[int, tuple[torch.Tensor, ShmTensor]] = {}
         self.fan = current_fan_out()
         #: When the message began to be sent (``time.monotonic()``, seconds).
         self.t0 = time.monotonic()
@@ -329,25 +313,16 @@ class Outbox:
         ``1 + hops`` references; None when ``t`` must travel inline (the
         fallback is counted in ``mmshm_inline_fallbacks_total``).
 
-        No bytes are copied when the segment exists already: the same tensor
-        earlier in this message, in this fan-out, or known to
-        :data:`SEGMENTS`. Eligibility (:func:`eligible`) is the caller's to
+        No bytes are copied when a live segment already holds them (the
+        same tensor, unmodified, earlier in this message, in this fan-out or
+        in an earlier message: :data:`SEGMENTS`). Eligibility (:func:`eligible`) is the caller's to
         judge. Never raises for a segment that cannot be made or shared."""
-        entry = self._made.get(id(t))
-        h = None
-        if entry is not None and entry[0] is t:
-            with contextlib.suppress(MmshmError, OSError):
-                h = entry[1].clone()
-        if h is None and self.fan is not None:
-            h = self.fan.lend(t)
-        if h is None:
-            h = share_segment(t)
+        h = share_segment(t)  # earlier in this message, in this fan-out, or before
         if h is None:
             h = walker.to_shm(t, hash=DIGESTS.get(t))  # looked up per call: tests spy it
             if h is None:
                 return None
             remember_segment(t, h.meta)
-        self._made.setdefault(id(t), (t, h))
         if self.fan is not None:
             self.fan.hold(t, h)
         if self.hops:
@@ -366,7 +341,6 @@ class Outbox:
         objects, kept alive until now so no finalizer released them, give up
         ownership). Counts one copy of the open fan-out if it carried any."""
         handles, self.handles = self.handles, []
-        self._made.clear()
         for h in handles:
             h._disown()
         if handles and self.fan is not None and not self.fan.closed:
@@ -375,7 +349,6 @@ class Outbox:
     def abandon(self) -> None:
         """The message never left: give back every reference made for it."""
         handles, self.handles = self.handles, []
-        self._made.clear()
         for h in handles:
             if h.owns_reference:
                 give_back(h.name, self.hops, h.meta.gen)
