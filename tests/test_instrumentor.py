@@ -303,3 +303,24 @@ def test_rebuild_collects_failures_inside_a_scope_and_raises_outside(shm_dir):
         receiving.rebuild(b"\x00not a handle")
     del x
     gc.collect()
+
+
+def test_a_fan_out_copies_a_tensor_again_once_it_is_modified_in_place(toy, shm_dir):
+    toy.instrument()
+    from toyserver import engine, frontend
+
+    t = _pixels()
+    client = frontend.Client()
+    with sending.fanning_out():
+        client.send({"pixel_values": t})
+        client.send({"pixel_values": t})  # shares the first copy's segment
+        assert len(_mp.seg_files(shm_dir)) == 1
+        t.mul_(2)
+        client.send({"pixel_values": t})  # new bytes, new segment
+        assert len(_mp.seg_files(shm_dir)) == 2
+    got = engine.receive(client.wire)
+    assert torch.equal(got[2]["pixel_values"], t)
+    assert torch.equal(got[0]["pixel_values"], got[1]["pixel_values"])
+    assert torch.equal(got[0]["pixel_values"] * 2, t)
+    del got
+    gc.collect()
