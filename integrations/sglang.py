@@ -43,6 +43,22 @@ Scheduler process
     (patched on the class: ``SchedulerRequestReceiver`` is a frozen, slotted
     dataclass) unwraps what no broadcast unwrapped (TP size 1).
 
+Observe mode (``MMSHM_MODE=observe``, ``mmshm run --observe``)
+    The same boundaries are patched, but only timed (:mod:`mmshm.observe`):
+    SGLang's own functions run with the same arguments and its own transport
+    (``ShmPointerMMData`` and its ``psm_*`` segments, or the pickled pixels
+    across nodes) carries the tensors. Hops, in ``mmshm_ipc_seconds`` and
+    ``mmshm_ipc_bytes{server="sglang",hop,transport}`` (``transport`` is
+    ``mmshm`` in shm mode, where the same hops are timed around mmshm):
+    ``tokenizer_wrap`` (``wrap_shm_features``: bytes put into shared
+    memory), ``tokenizer_send`` (the tokenizer's ``send_pyobj``: pickled
+    bytes), ``scheduler_recv`` (TP rank 0's ``recv_pyobj`` in
+    ``recv_requests``: received bytes, the unpickle included),
+    ``broadcast_src`` / ``broadcast_dst`` (a non-empty ``broadcast_pyobj``:
+    the bytes ``torch.distributed.broadcast`` carries; mmshm's materialize
+    is inside it) and ``materialize`` (``unwrap_shm_features``: bytes of
+    SGLang's shared-memory pointers turned back into tensors).
+
 SGLang's own ``ShmPointerMMData`` is then never created, so its early
 unlink, barriers and n+1 segments play no part. mmshm is used only where
 SGLang itself would use shared memory (transport mode not ``default``, so not
@@ -58,7 +74,7 @@ import inspect
 import logging
 import sys
 
-from mmshm import sending
+from mmshm import observe, sending
 from mmshm.instrumentor import Instrumentor, Target, source_file
 from mmshm.receiving import unwrap_each
 from mmshm.sending import digest_of
@@ -78,6 +94,8 @@ PATH_REQUESTS = "multimodal tensors to the scheduler through shared memory"
 PATH_FANOUT = "parallel sampling (n>1) writes each tensor once"
 PATH_SCHED_IN = "requests materialized zero-copy on every TP rank"
 PATH_BROADCAST = "TP broadcast carries metadata only"
+PATH_OBSERVE = ("observe mode: SGLang's own transport carries the tensors; timing each hop "
+                "(mmshm_ipc_seconds, transport=\"server\")")
 
 
 def hash_int(digest: bytes) -> int:
@@ -268,6 +286,11 @@ def _make_broadcast(original):
     return wrapper
 
 
+def _make_timed_broadcast(original):
+    """mmshm's deferred unwrap of ``broadcast_pyobj``, timed per hop."""
+    return _timed_broadcast(_make_broadcast(original))
+
+
 def _make_attn_broadcast(original):
     """``attn_cp_tp_broadcast_pyobj`` (0.5.23, DP attention): deferred unwrap
     on the attention-TP group; with context parallel (two hops, mmshm's
@@ -299,8 +322,142 @@ def _make_attn_broadcast(original):
     return wrapper
 
 
+# -- per-hop timing (mmshm.observe) -----------------------------------------------------
+SERVER = "sglang"
+#: The hops timed, in the order a request takes them.
+HOPS = ("tokenizer_wrap", "tokenizer_send", "scheduler_recv", "broadcast_src",
+        "broadcast_dst", "materialize")
+
+
+def _pointer_bytes(mm_inputs) -> int:
+    """Bytes of the tensors that SGLang's shared-memory pointers
+    (``ShmPointerMMData``: not tensors, with a ``shape`` and a ``dtype``)
+    stand for in ``mm_inputs``'s items; reads no data."""
+    import torch
+
+    total = 0
+    for item in _items(mm_inputs):
+        for name in ("feature", "precomputed_embeddings"):
+            v = getattr(item, name, None)
+            for x in (v if isinstance(v, (list, tuple)) else (v,)):
+                if x is None or isinstance(x, torch.Tensor):
+                    continue
+                shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+                if shape is not None and isinstance(dtype, torch.dtype):
+                    n = 1
+                    for d in shape:
+                        n *= int(d)
+                    total += n * dtype.itemsize
+    return total
+
+
+def _timed_wrap(inner):
+    """``wrap_shm_features`` timed as ``tokenizer_wrap``: the bytes put into
+    shared memory (SGLang's pointers, or the bytes mmshm copied into
+    segments for this message)."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        with observe.hop(SERVER, "tokenizer_wrap") as t:
+            box = sending.current_outbox()
+            before = box.written if box is not None else 0
+            out = inner(wrapped, instance, args, kwargs)
+            try:
+                if observe.observing():
+                    t.add(_pointer_bytes(getattr(out, "mm_inputs", None)))
+                elif box is not None:
+                    t.add(box.written - before)
+                mm = getattr(out, "mm_inputs", None)
+                t.skip = not mm or not _items(mm)
+            except Exception as exc:  # noqa: BLE001 - timing never breaks a request
+                t.skip = True
+                observe.error(SERVER, "tokenizer_wrap", exc)
+            return out
+
+    return wrapper
+
+
+def _passthrough(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
+
+
+def _timed_send(inner):
+    """``_send_one_request``: its ``send_pyobj`` is one ``tokenizer_send``."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if inspect.iscoroutinefunction(wrapped):
+            return _timed_send_async(inner, wrapped, instance, args, kwargs)
+        with observe.zmq_hop(SERVER, "tokenizer_send"):
+            return inner(wrapped, instance, args, kwargs)
+
+    return wrapper
+
+
+async def _timed_send_async(inner, wrapped, instance, args, kwargs):
+    with observe.zmq_hop(SERVER, "tokenizer_send"):  # this task's context only
+        out = inner(wrapped, instance, args, kwargs)
+        return await out if inspect.isawaitable(out) else out
+
+
+def _timed_recv(inner):
+    """``recv_requests``: each ``recv_pyobj`` in it is one ``scheduler_recv``."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        with observe.zmq_hop(SERVER, "scheduler_recv"):
+            return inner(wrapped, instance, args, kwargs)
+
+    return wrapper
+
+
+def _timed_broadcast(inner):
+    """``broadcast_pyobj`` (or mmshm's deferred unwrap of it): one
+    ``broadcast_src`` or ``broadcast_dst`` per non-empty broadcast."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        rank = args[1] if len(args) > 1 else kwargs.get("rank")
+        src = args[3] if len(args) > 3 else kwargs.get("src", 0)
+        with observe.hop(SERVER, "broadcast_src" if rank == src else "broadcast_dst") as t:
+            t.count_broadcasts = True
+            out = inner(wrapped, instance, args, kwargs)
+            t.skip = not out
+            return out
+
+    return wrapper
+
+
+def _timed_unwrap(wrapped, instance, args, kwargs):
+    """``unwrap_shm_features`` as ``materialize``: the bytes of SGLang's
+    pointers it turns back into tensors (none under mmshm: skipped)."""
+    obj = args[0] if args else kwargs.get("obj")
+    with observe.hop(SERVER, "materialize") as t:
+        try:
+            reqs = getattr(obj, "batch", None) or [obj]
+            t.add(sum(_pointer_bytes(getattr(r, "mm_inputs", None)) for r in reqs))
+        except Exception as exc:  # noqa: BLE001
+            observe.error(SERVER, "materialize", exc)
+        t.skip = t.nbytes == 0
+        return wrapped(*args, **kwargs)
+
+
+def _install_taps(role: str) -> None:
+    """The pyzmq and torch.distributed byte taps; a tap that cannot be
+    installed leaves its hops untimed, with a WARNING naming them."""
+    for failed in observe.install_taps():
+        hops = "tokenizer_send, scheduler_recv" if failed.startswith("zmq") else \
+            "broadcast_src, broadcast_dst (their bytes)"
+        SGLangInstrumentor().path_off(
+            role, f"timing of {hops}", f"mmshm cannot tap {failed}",
+            "report this as an mmshm bug with the pyzmq and torch versions")
+
+
 # -- what this process says (mmshm.report) ---------------------------------------------
-def _say(role: str, on: list[str], offs: list[str]) -> None:
+def _say(role: str, on: list[str], offs: list[str], hops: tuple[str, ...] = ()) -> None:
+    try:
+        _install_taps(role)
+    except Exception as exc:  # noqa: BLE001 - never break a server's start-up
+        log.warning("mmshm: per-hop timing taps failed: %s", exc)
+    if observe.observing():
+        SGLangInstrumentor().say(role, [f"{PATH_OBSERVE} ({', '.join(hops)})"])
+        return
     off = _transport_off_reason()
     if off is None:
         SGLangInstrumentor().say(role, on)
@@ -314,7 +471,8 @@ def _tokenizer_ready(wrapped, instance, args, kwargs):
     dp = _dp_hops(instance)
     paths = [PATH_REQUESTS + (" (via the data-parallel controller)" if dp else ""),
              PATH_FANOUT]
-    _say("tokenizer", paths, [PATH_REQUESTS, PATH_FANOUT])
+    _say("tokenizer", paths, [PATH_REQUESTS, PATH_FANOUT],
+         ("tokenizer_wrap", "tokenizer_send"))
     return result
 
 
@@ -345,13 +503,22 @@ def _scheduler_ready(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     rank, size = _tp_rank_size(instance)
     on = [PATH_SCHED_IN] + ([f"{PATH_BROADCAST} ({size} ranks)"] if size > 1 else [])
-    _say(f"scheduler (TP rank {rank})", on, [PATH_SCHED_IN])
+    if size == 1:
+        hops = ("scheduler_recv", "materialize")
+    elif rank == 0:
+        hops = ("scheduler_recv", "broadcast_src", "materialize")
+    else:
+        hops = ("broadcast_dst", "materialize")
+    _say(f"scheduler (TP rank {rank})", on, [PATH_SCHED_IN], hops)
     return result
 
 
 # -- the instrumentor --------------------------------------------------------------
 class SGLangInstrumentor(Instrumentor):
     """mmshm's instrumentor for SGLang (see the module docstring)."""
+
+    def on_uninstrument(self) -> None:
+        observe.remove_taps()
 
     name = "sglang"
     package = "sglang"
@@ -362,17 +529,35 @@ class SGLangInstrumentor(Instrumentor):
         receiver = source_file(RECEIVER) is not None
         sched = RECEIVER if receiver else SCHEDULER
         sched_cls = "SchedulerRequestReceiver" if receiver else "Scheduler"
+        from mmshm import config
+
+        if config.get().observe:
+            # the same boundaries, timed only: SGLang's own transport runs
+            return [
+                Target(MM_UTILS, "_get_is_default_transport"),
+                Target(MM_UTILS, "wrap_shm_features", _timed_wrap(_passthrough)),
+                Target(TOKENIZER, "wrap_shm_features", _timed_wrap(_passthrough)),
+                Target(TOKENIZER, "TokenizerManager._send_one_request",
+                       _timed_send(_passthrough)),
+                Target(TOKENIZER, "TokenizerManager.__init__", _tokenizer_ready, optional=True),
+                Target(SCHEDULER, "Scheduler.__init__", _scheduler_ready, optional=True),
+                Target(sched, "broadcast_pyobj", _timed_broadcast(_passthrough)),
+                Target(sched, f"{sched_cls}.recv_requests", _timed_recv(_passthrough)),
+                Target(sched, "unwrap_shm_features", _timed_unwrap, optional=True),
+            ]
         out = [
             Target(MM_UTILS, "hash_feature", _hash_feature),
             Target(MM_UTILS, "_get_is_default_transport"),
-            Target(MM_UTILS, "wrap_shm_features", _wrap_shm_features),
-            Target(TOKENIZER, "wrap_shm_features", _wrap_shm_features),
-            Target(TOKENIZER, "TokenizerManager._send_one_request", _send_one_request),
+            Target(MM_UTILS, "wrap_shm_features", _timed_wrap(_wrap_shm_features)),
+            Target(TOKENIZER, "wrap_shm_features", _timed_wrap(_wrap_shm_features)),
+            Target(TOKENIZER, "TokenizerManager._send_one_request",
+                   _timed_send(_send_one_request)),
             Target(TOKENIZER, "TokenizerManager._handle_batch_request", _handle_batch_request),
             Target(TOKENIZER, "TokenizerManager.__init__", _tokenizer_ready, optional=True),
             Target(SCHEDULER, "Scheduler.__init__", _scheduler_ready, optional=True),
-            Target(sched, "broadcast_pyobj", _make_broadcast, factory=True),
-            Target(sched, f"{sched_cls}.recv_requests", _recv_requests),
+            Target(sched, "broadcast_pyobj", _make_timed_broadcast, factory=True),
+            Target(sched, f"{sched_cls}.recv_requests", _timed_recv(_recv_requests)),
+            Target(sched, "unwrap_shm_features", _timed_unwrap, optional=True),
         ]
         if receiver:
             out.append(Target(RECEIVER, "attn_cp_tp_broadcast_pyobj", _make_attn_broadcast,

@@ -49,6 +49,20 @@ leaves that tensor on vLLM's own path (inline), counted in
 ``mmshm_inline_fallbacks_total``. :meth:`VLLMInstrumentor.uninstrument`
 restores every original.
 
+**Observe mode** (``MMSHM_MODE=observe``, ``mmshm run --observe``): no
+consumer, provider or queue is given to mmshm; the same boundaries are only
+timed (:mod:`mmshm.observe`), and vLLM's own transport carries the tensors.
+Hops, in ``mmshm_ipc_seconds`` and ``mmshm_ipc_bytes{server="vllm",hop,
+transport}`` (``transport`` is ``mmshm`` in shm mode, where the same hops are
+timed around mmshm): ``frontend_encode`` (``MsgpackEncoder.encode`` of an
+``ADD`` request: the bytes of every frame, its out-of-band tensor buffers
+included), ``engine_decode`` (the EngineCore's ``MsgpackDecoder.decode`` of
+an ``EngineCoreRequest``: the frames' bytes; mmshm's materialize is inside),
+``mq_enqueue`` (the scheduler-output ``MessageQueue.enqueue`` of a message
+that carries tensors: their bytes as pickled, vLLM's raw buffers or mmshm's
+handles) and ``mq_dequeue`` (a TP worker's ``dequeue`` of such a message,
+timed from the moment the message is there, not while waiting for it).
+
 Note: EngineCore views stay in the segment directory while vLLM's
 multimodal receiver cache holds them (``--mm-processor-cache-gb``); the
 budget guard keeps the reserve free and makes further tensors travel inline.
@@ -57,12 +71,13 @@ budget guard keeps the reserve free and makes further tensors travel inline.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import time
 import weakref
 
 import torch
-from mmshm import config, receiving, sending
+from mmshm import config, observe, receiving, sending
 from mmshm.instrumentor import Instrumentor, Target
 from mmshm.metrics import BROADCAST_SECONDS
 
@@ -317,6 +332,8 @@ def _w_init_executor(wrapped, instance, args, kwargs):
     global _EXEC_STATE
     out = wrapped(*args, **kwargs)
     mq = getattr(instance, "rpc_broadcast_mq", None)
+    if mq is not None:
+        _TIMED_QUEUES.add(mq)
     if mq is None:
         _EXEC_STATE = ("off", "this node's EngineCore does not broadcast scheduler outputs "
                        "(multi-node data parallelism)", "nothing to do")
@@ -337,9 +354,219 @@ def _w_init_worker_queues(wrapped, instance, args, kwargs):
     try:
         rank = getattr(getattr(instance, "worker", None), "rank", "?")
         if getattr(instance, "rpc_broadcast_mq", None) is not None:
+            _time_queue(instance.rpc_broadcast_mq, "worker")
             _INSTRUMENTOR.say(f"worker (rank {rank})", [PATH_WORKER_IN])
     except Exception as exc:  # noqa: BLE001 - never break a worker's start-up
         log.debug("mmshm: worker report failed: %s", exc)
+    return out
+
+
+# -- per-hop timing (mmshm.observe) ------------------------------------------------
+SERVER = "vllm"
+#: The hops timed, in the order a request takes them.
+HOPS = ("frontend_encode", "engine_decode", "mq_enqueue", "mq_dequeue")
+#: Inside an ``ADD`` request's ``_send_input``: its encode is a hop.
+_ADDING: contextvars.ContextVar[bool] = contextvars.ContextVar("mmshm_vllm_add", default=False)
+#: Scheduler-output queues whose messages are timed (the executor's writer,
+#: each worker's reader).
+_TIMED_QUEUES: weakref.WeakSet = weakref.WeakSet()
+PATH_OBSERVE = ("observe mode: vLLM's own transport carries the tensors; timing each hop "
+                "(mmshm_ipc_seconds, transport=\"server\")")
+
+
+def _frames_bytes(frames) -> int:
+    if isinstance(frames, (bytes, bytearray, memoryview)):
+        return memoryview(frames).nbytes
+    total = 0
+    for f in frames:
+        try:
+            total += memoryview(f).nbytes
+        except TypeError:  # a zmq.Frame without the buffer protocol
+            total += len(f)
+    return total
+
+
+def _o_send_input(inner):
+    def wrapper(wrapped, instance, args, kwargs):
+        request_type = args[0] if args else kwargs.get("request_type")
+        if not _is_add(request_type):
+            return inner(wrapped, instance, args, kwargs)
+        token = _ADDING.set(True)
+        try:
+            return inner(wrapped, instance, args, kwargs)
+        finally:
+            _ADDING.reset(token)
+
+    return wrapper
+
+
+def _o_encode(wrapped, instance, args, kwargs):
+    """``MsgpackEncoder.encode`` of an ``ADD`` request: ``frontend_encode``."""
+    if not _ADDING.get():
+        return wrapped(*args, **kwargs)
+    _ADDING.set(False)  # one encode per request; nested encodes are not hops
+    with observe.hop(SERVER, "frontend_encode") as t:
+        frames = wrapped(*args, **kwargs)
+        try:
+            t.add(_frames_bytes(frames))
+        except Exception as exc:  # noqa: BLE001 - timing never breaks a request
+            t.skip = True
+            observe.error(SERVER, "frontend_encode", exc)
+        return frames
+
+
+def _o_decode(wrapped, instance, args, kwargs):
+    """``MsgpackDecoder.decode`` of an ``EngineCoreRequest``: ``engine_decode``."""
+    with observe.hop(SERVER, "engine_decode") as t:
+        obj = wrapped(*args, **kwargs)
+        try:
+            t.skip = type(obj).__name__ != "EngineCoreRequest"
+            if not t.skip:
+                t.add(_frames_bytes(args[0] if args else kwargs.get("bufs")))
+        except Exception as exc:  # noqa: BLE001
+            t.skip = True
+            observe.error(SERVER, "engine_decode", exc)
+        return obj
+
+
+def _o_enqueue(inner):
+    def wrapper(wrapped, instance, args, kwargs):
+        if instance not in _TIMED_QUEUES:
+            return inner(wrapped, instance, args, kwargs)
+        with observe.hop(SERVER, "mq_enqueue") as t:
+            out = inner(wrapped, instance, args, kwargs)
+            t.skip = t.nbytes == 0  # a message without tensors
+            return out
+
+    return wrapper
+
+
+def _o_dequeue(inner):
+    def wrapper(wrapped, instance, args, kwargs):
+        if instance not in _TIMED_QUEUES:
+            return inner(wrapped, instance, args, kwargs)
+        with observe.hop(SERVER, "mq_dequeue") as t:
+            t.count_frames = True  # a message too big for the ring comes over zmq
+            out = inner(wrapped, instance, args, kwargs)
+            t.skip = t.nbytes == 0  # no tensor buffer, no handle: not multimodal
+            return out
+
+    return wrapper
+
+
+def _ring_oob_bytes(buf) -> int:
+    """Bytes of the out-of-band buffers (tensors of 1 MiB or more) of a
+    message in a ``MessageQueue`` ring chunk, read from the chunk's header as
+    vLLM writes it: byte 0 the overflow flag, bytes 1-2 the buffer count,
+    then each buffer after its 4-byte big-endian length; 0 for an overflow
+    (the frames are counted as they arrive) or for the pickle alone."""
+    if buf[0] != 0:
+        return 0
+    count = int.from_bytes(bytes(buf[1:3]), "big")
+    offset, total = 3, 0
+    for i in range(count):
+        n = int.from_bytes(bytes(buf[offset:offset + 4]), "big")
+        if i:
+            total += n
+        offset += 4 + n
+    return total
+
+
+class _ClockAtMessage:
+    """``acquire_read``'s context manager: once the message is there, the
+    open ``mq_dequeue`` clock restarts (the wait is not IPC) and the
+    message's tensor buffers are counted."""
+
+    __slots__ = ("cm",)
+
+    def __init__(self, cm):
+        self.cm = cm
+
+    def __enter__(self):
+        buf = self.cm.__enter__()
+        t = observe.current()
+        if t is not None and t.hop == "mq_dequeue":
+            t.restart()
+            if observe.observing():  # mmshm's handles count themselves (receiving.rebuild)
+                try:
+                    t.add(_ring_oob_bytes(buf))
+                except Exception as exc:  # noqa: BLE001 - timing never breaks a worker
+                    observe.error(SERVER, "mq_dequeue", exc)
+        return buf
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc)
+
+
+def _o_acquire_read(wrapped, instance, args, kwargs):
+    cm = wrapped(*args, **kwargs)
+    return _ClockAtMessage(cm) if observe.current() is not None else cm
+
+
+def _o_reduce_tensor(inner):
+    """Count the tensor bytes vLLM's own reducer pickles (mmshm's adds its
+    handle's bytes)."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        t = observe.current()
+        if t is None:
+            return inner(wrapped, instance, args, kwargs)
+        out = inner(wrapped, instance, args, kwargs)
+        if out[0] is receiving.rebuild:
+            t.add(len(out[1][0]))
+        elif args:
+            t.add(observe.tensor_bytes(args[0]))
+        return out
+
+    return wrapper
+
+
+def _passthrough(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
+
+
+def _time_queue(mq, role: str) -> None:
+    """Time ``mq``'s messages; a reader needs the pyzmq tap for messages too
+    big for the ring (a WARNING names the hop it leaves untimed)."""
+    _TIMED_QUEUES.add(mq)
+    if getattr(mq, "_is_writer", False):
+        return
+    for failed in observe.install_taps(("zmq",)):
+        _INSTRUMENTOR.path_off(role, "timing of mq_dequeue (messages over the ring's size)",
+                               f"mmshm cannot tap {failed}",
+                               "report this as an mmshm bug with the pyzmq version")
+
+
+def _o_client_init(wrapped, instance, args, kwargs):
+    out = wrapped(*args, **kwargs)
+    _INSTRUMENTOR.say("frontend", [f"{PATH_OBSERVE} (frontend_encode)"])
+    return out
+
+
+def _o_process_input_sockets(wrapped, instance, args, kwargs):
+    _INSTRUMENTOR.say("EngineCore", [f"{PATH_OBSERVE} (engine_decode, mq_enqueue)"])
+    return wrapped(*args, **kwargs)
+
+
+def _o_init_executor(wrapped, instance, args, kwargs):
+    out = wrapped(*args, **kwargs)
+    mq = getattr(instance, "rpc_broadcast_mq", None)
+    if mq is not None:
+        _TIMED_QUEUES.add(mq)
+    return out
+
+
+def _o_init_worker_queues(wrapped, instance, args, kwargs):
+    out = wrapped(*args, **kwargs)
+    try:
+        mq = getattr(instance, "rpc_broadcast_mq", None)
+        if mq is not None:
+            _time_queue(mq, "worker")
+            if observe.observing():
+                rank = getattr(getattr(instance, "worker", None), "rank", "?")
+                _INSTRUMENTOR.say(f"worker (rank {rank})", [f"{PATH_OBSERVE} (mq_dequeue)"])
+    except Exception as exc:  # noqa: BLE001 - never break a worker's start-up
+        log.debug("mmshm: worker queue timing failed: %s", exc)
     return out
 
 
@@ -364,20 +591,41 @@ TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 
 PATCHES: dict[tuple[str, str], object] = {
     (_CLIENT, "MPClient.__init__"): _w_client_init,
-    (_CLIENT, "SyncMPClient._send_input"): _w_send_input,
-    (_CLIENT, "AsyncMPClient._send_input"): _w_send_input,
+    (_CLIENT, "SyncMPClient._send_input"): _o_send_input(_w_send_input),
+    (_CLIENT, "AsyncMPClient._send_input"): _o_send_input(_w_send_input),
     (_CORE, "EngineCoreProc.process_input_sockets"): _w_process_input_sockets,
     (_CORE, "EngineCore.preprocess_add_request"): _w_preprocess_add_request,
     (_LLM, "LLMEngine.add_request"): _w_add_request,
     (_ASYNC, "AsyncLLM.add_request"): _w_add_request_async,
-    (_MQ, "MessageQueue.enqueue"): _w_enqueue,
-    (_MQ, "MessageQueue.dequeue"): _w_dequeue,
-    (_MQ, "_reduce_tensor"): _w_reduce_tensor,
+    (_MQ, "MessageQueue.enqueue"): _o_enqueue(_w_enqueue),
+    (_MQ, "MessageQueue.dequeue"): _o_dequeue(_w_dequeue),
+    (_MQ, "_reduce_tensor"): _o_reduce_tensor(_w_reduce_tensor),
     (_EXEC, "MultiprocExecutor._init_executor"): _w_init_executor,
 }
-#: Patched when present (they only feed the report lines).
+#: Patched when present: the report lines, and the per-hop timing
+#: (:mod:`mmshm.observe`), which never refuses the transport.
 OPTIONAL_PATCHES: dict[tuple[str, str], object] = {
     (_EXEC, "WorkerProc._init_message_queues"): _w_init_worker_queues,
+    (_SERIAL, "MsgpackEncoder.encode"): _o_encode,
+    (_SERIAL, "MsgpackDecoder.decode"): _o_decode,
+    (_MQ, "MessageQueue.acquire_read"): _o_acquire_read,
+}
+#: Observe mode: the same boundaries, timed only (vLLM's own transport runs).
+OBSERVE_PATCHES: dict[tuple[str, str], object] = {
+    (_CLIENT, "MPClient.__init__"): _o_client_init,
+    (_CLIENT, "SyncMPClient._send_input"): _o_send_input(_passthrough),
+    (_CLIENT, "AsyncMPClient._send_input"): _o_send_input(_passthrough),
+    (_SERIAL, "MsgpackEncoder.encode"): _o_encode,
+    (_SERIAL, "MsgpackDecoder.decode"): _o_decode,
+    (_CORE, "EngineCoreProc.process_input_sockets"): _o_process_input_sockets,
+    (_MQ, "MessageQueue.enqueue"): _o_enqueue(_passthrough),
+    (_MQ, "MessageQueue.dequeue"): _o_dequeue(_passthrough),
+    (_MQ, "MessageQueue.acquire_read"): _o_acquire_read,
+    (_MQ, "_reduce_tensor"): _o_reduce_tensor(_passthrough),
+    (_EXEC, "MultiprocExecutor._init_executor"): _o_init_executor,
+}
+OBSERVE_OPTIONAL: dict[tuple[str, str], object] = {
+    (_EXEC, "WorkerProc._init_message_queues"): _o_init_worker_queues,
 }
 MODULES = tuple(dict.fromkeys(m for m, _ in PATCHES))
 
@@ -398,10 +646,12 @@ class VLLMInstrumentor(Instrumentor):
     supported = ">=0.32,<0.34"
 
     def targets(self) -> list[Target]:
-        checked = [Target(m, p, PATCHES.get((m, p)), params) for m, p, params in TARGETS]
+        patches, optional = ((OBSERVE_PATCHES, OBSERVE_OPTIONAL) if config.get().observe
+                             else (PATCHES, OPTIONAL_PATCHES))
+        checked = [Target(m, p, patches.get((m, p)), params) for m, p, params in TARGETS]
         named = {(m, p) for m, p, _ in TARGETS}
-        return (checked + [Target(m, p, w) for (m, p), w in PATCHES.items() if (m, p) not in named]
-                + [Target(m, p, w, optional=True) for (m, p), w in OPTIONAL_PATCHES.items()])
+        return (checked + [Target(m, p, w) for (m, p), w in patches.items() if (m, p) not in named]
+                + [Target(m, p, w, optional=True) for (m, p), w in optional.items()])
 
     def on_uninstrument(self) -> None:
         """Give back the consumers and providers vLLM had on the objects
@@ -415,6 +665,8 @@ class VLLMInstrumentor(Instrumentor):
                 engine.tensor_ipc_receiver = engine.tensor_ipc_receiver.inner
         _PROVIDED.clear()
         _QUEUES.clear()
+        _TIMED_QUEUES.clear()
+        observe.remove_taps()
 
 
 _INSTRUMENTOR = VLLMInstrumentor()

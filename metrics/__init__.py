@@ -37,6 +37,14 @@ Families (as exposed):
                                                message), ``broadcast`` (one per reader)
 ``mmshm_path_enabled{server,role,path}``       1 while an instrumented transport path is on
                                                in a live process, 0 when left off
+``mmshm_ipc_seconds{server,hop,transport}``   histogram: seconds one message spends in one hop
+                                               of the multimodal path (see :mod:`mmshm.observe`),
+                                               ``transport`` = ``server`` (the server's own,
+                                               observe mode) / ``mmshm``
+``mmshm_ipc_bytes{server,hop,transport}``     histogram: bytes that hop serializes for one
+                                               message
+``mmshm_observe_errors_total{server,hop}``     timings that failed (the message went through
+                                               untouched)
 ``mmshm_dir_free_bytes``                       free bytes in ``MMSHM_DIR`` (statvfs)
 ``mmshm_dir_size_bytes``                       size of ``MMSHM_DIR``'s file system
 =============================================  ==========================================
@@ -153,6 +161,15 @@ _SPECS = (
      {"multiprocess_mode": "mostrecent"}),
     ("POOL_REQUESTS", "counter", "mmshm_pool_requests",
      "Segment pool lookups, by result (hit or miss).", ("result",), {}),
+    ("IPC_SECONDS", "histogram", "mmshm_ipc_seconds",
+     "Seconds one message spends in one hop of the multimodal path, by server, hop and "
+     "transport (server: the server's own, timed by observe mode; mmshm).",
+     ("server", "hop", "transport"), {"buckets": LATENCY_BUCKETS}),
+    ("IPC_BYTES", "histogram", "mmshm_ipc_bytes",
+     "Bytes one hop of the multimodal path serializes for one message, by server, hop and "
+     "transport.", ("server", "hop", "transport"), {"buckets": BYTES_BUCKETS}),
+    ("OBSERVE_ERRORS", "counter", "mmshm_observe_errors",
+     "Hop timings that failed; the message went through untouched.", ("server", "hop"), {}),
     ("INTERNODE_BYTES", "counter", "mmshm_internode_bytes",
      "Tensor payload bytes sent by the source TP rank to the other nodes' leader ranks.",
      (), {}),
@@ -215,6 +232,9 @@ FREE_BYTES = _deferred["FREE_BYTES"]
 DIR_SIZE_BYTES = _deferred["DIR_SIZE_BYTES"]
 POOL_REQUESTS = _deferred["POOL_REQUESTS"]
 INTERNODE_BYTES = _deferred["INTERNODE_BYTES"]
+IPC_SECONDS = _deferred["IPC_SECONDS"]
+IPC_BYTES = _deferred["IPC_BYTES"]
+OBSERVE_ERRORS = _deferred["OBSERVE_ERRORS"]
 REFERENCES_HANDED = _deferred["REFERENCES_HANDED"]
 PATH_ENABLED = _deferred["PATH_ENABLED"]
 _init_lock = threading.RLock()
@@ -394,9 +414,12 @@ __all__ = [
     "FREE_BYTES",
     "HANDED_PATHS",
     "INTERNODE_BYTES",
+    "IPC_BYTES",
+    "IPC_SECONDS",
     "LATENCY_BUCKETS",
     "MATERIALIZE_FAILURES",
     "MATERIALIZE_SECONDS",
+    "OBSERVE_ERRORS",
     "PATH_ENABLED",
     "POOL_REQUESTS",
     "POOL_RESULTS",

@@ -321,7 +321,10 @@ def run(argv: list[str], env: dict | None = None) -> int:
         for bad in config.problems(env):
             _say(f"warning: {bad}; the server's processes use the default")
         prom = env.get("PROMETHEUS_MULTIPROC_DIR")
-        _say(f"instrumenting {names.replace(',', ', ')} in every Python process of "
+        observing = env.get("MMSHM_MODE", "").strip() == "observe"
+        _say(("observe mode (the server's own transport carries the tensors; each hop is "
+              "timed): " if observing else "")
+             + f"instrumenting {names.replace(',', ', ')} in every Python process of "
              f"{' '.join(argv)[:200]}; segments in {seg_dir}"
              + (" (created, mode 0700)" if made else "")
              + (f"; metrics in PROMETHEUS_MULTIPROC_DIR={prom}" if prom else "")

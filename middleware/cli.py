@@ -643,8 +643,13 @@ def gc(directory, dry_run, as_json, grace_s) -> None:
               help="Say what would be instrumented for the interpreter COMMAND runs "
                    "(server, distribution, version, supported or why not), without "
                    "starting it. Exits 0 if something would be, 1 if not.")
+@click.option("--observe", is_flag=True,
+              help="Observe mode (MMSHM_MODE=observe): leave the server's own transport "
+                   "exactly as it is and only time each hop of the multimodal path "
+                   "(mmshm_ipc_seconds and mmshm_ipc_bytes with transport=\"server\"), "
+                   "to measure what IPC costs before switching mmshm on.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(info, command) -> None:
+def run(info, observe, command) -> None:
     """Run COMMAND with mmshm instrumenting every Python process it starts.
 
     Example: mmshm run -- python -m vllm.entrypoints.openai.api_server --model M
@@ -663,8 +668,9 @@ def run(info, command) -> None:
     from .autopatch import run as run_command
     from .config import EXIT_BAD_SETTING, SettingError
 
+    env = dict(os.environ, MMSHM_MODE="observe") if observe else None
     try:
-        sys.exit(run_info(list(command)) if info else run_command(list(command)))
+        sys.exit(run_info(list(command), env) if info else run_command(list(command), env))
     except SettingError as exc:
         click.echo(f"mmshm run: error: {exc}", err=True)
         sys.exit(EXIT_BAD_SETTING)

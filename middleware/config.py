@@ -8,6 +8,11 @@ Variables:
     MMSHM_MIN_BYTES: tensors smaller than this many bytes stay inline
         (default 65536: below that, pickling is cheaper than a segment).
     MMSHM_DISABLE: ``1`` turns the transport off; everything travels inline.
+    MMSHM_MODE: ``shm`` (default): mmshm carries the multimodal tensors.
+        ``observe``: the server's own transport carries them, untouched, and
+        mmshm only times each hop (``mmshm_ipc_seconds``, ``mmshm_ipc_bytes``
+        with ``transport="server"``; see :mod:`mmshm.observe`). ``mmshm run
+        --observe`` sets it.
     MMSHM_SWEEP_INTERVAL_S: seconds between sweeps of a producer's finished
         segments (default 1.0).
     MMSHM_MIN_FREE_BYTES: budget guard reserve: a segment is not created if it
@@ -249,6 +254,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MMSHM_MIN_BYTES", "min_bytes", _size, 65536, SIZE_SYNTAX,
              "smaller tensors stay inline"),
     Variable("MMSHM_DISABLE", "disable", _bool, False, _BOOL, "1: everything travels inline"),
+    Variable("MMSHM_MODE", "mode", _choice("shm", "observe"), "shm", "shm or observe",
+             "shm: mmshm carries the tensors; observe: the server's own transport carries "
+             "them and mmshm only times each hop (mmshm run --observe)"),
     Variable("MMSHM_SWEEP_INTERVAL_S", "sweep_interval_s", _seconds(True), 1.0,
              "a number of seconds above 0", "seconds between sweeps of finished segments"),
     Variable("MMSHM_MIN_FREE_BYTES", "min_free_bytes", _size, None, SIZE_SYNTAX,
@@ -370,6 +378,13 @@ class Settings:
     hash: str = "lazy"
     in_flight_grace_s: float = 300.0
     debug_refs: bool = False
+    mode: str = "shm"
+
+    @property
+    def observe(self) -> bool:
+        """Observe mode (``MMSHM_MODE=observe``): time the server's own
+        transport, carry nothing (see :mod:`mmshm.observe`)."""
+        return self.mode == "observe"
 
 
 _settings: Settings | None = None

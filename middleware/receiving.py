@@ -38,6 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import HandleError, MaterializeError, MmshmError, failure_reason
 from .handle import ShmTensor
+from . import observe
 from .metrics import MATERIALIZE_FAILURES, REQUEST_FAILURES
 from .sending import remember_segment
 from .walker import handles, transform, unwrap
@@ -165,6 +166,7 @@ def rebuild(wire: bytes, t_sent: float | None = None) -> torch.Tensor:
     A handle that cannot be opened gives back its reference; inside
     :func:`collecting` the failure is collected and an empty tensor returned,
     elsewhere :class:`~mmshm.errors.MaterializeError` is raised."""
+    observe.add_bytes(len(wire))  # the bytes this hop carried for the tensor
     c = getattr(_TLS, "collector", None)
     h = None
     try:

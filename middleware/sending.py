@@ -296,7 +296,7 @@ class Outbox:
             (``"send"`` or ``"broadcast"``).
     """
 
-    __slots__ = ("fan", "handles", "hops", "path", "t0")
+    __slots__ = ("fan", "handles", "hops", "path", "t0", "written")
 
     def __init__(self, hops: int = 0, path: str = "send"):
         if hops < 0:
@@ -307,6 +307,8 @@ class Outbox:
         self.fan = current_fan_out()
         #: When the message began to be sent (``time.monotonic()``, seconds).
         self.t0 = time.monotonic()
+        #: Bytes copied into segments for this message (shared ones: none).
+        self.written = 0
 
     def put(self, t: torch.Tensor) -> ShmTensor | None:
         """A handle that rides in this message for ``t``'s bytes, owning
@@ -322,6 +324,7 @@ class Outbox:
             h = walker.to_shm(t, hash=DIGESTS.get(t))  # looked up per call: tests spy it
             if h is None:
                 return None
+            self.written += h.nbytes
             remember_segment(t, h.meta)
         if self.fan is not None:
             self.fan.hold(t, h)

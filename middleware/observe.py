@@ -1,0 +1,301 @@
+"""What multimodal IPC costs, hop by hop, in a live server: the bytes each
+hop serializes and the seconds it spends, for the server's own transport and
+for mmshm's.
+
+Two modes use it (``MMSHM_MODE``, :mod:`mmshm.config`):
+
+- **observe** (``mmshm run --observe``): the instrumentors patch the same
+  boundaries as in shm mode, but each wrapper only times the server's own
+  function and calls it with the same arguments; no segment is made and no
+  byte of any message changes. Series carry ``transport="server"``.
+- **shm** (the default): the same hops are timed around mmshm's transport,
+  ``transport="mmshm"``, so one dashboard compares the two.
+
+A hop is one message crossing one boundary: ``with hop("sglang",
+"tokenizer_send") as t: ...`` times the block (``time.perf_counter``,
+seconds) and ``t.add(n)`` (or :func:`add_bytes` from code deeper in the
+call, through a context variable) counts the bytes serialized for it. On
+exit one observation goes to ``mmshm_ipc_seconds{server,hop,transport}`` and
+``mmshm_ipc_bytes{server,hop,transport}``, unless the block raised (the
+server's exception goes on unchanged) or it was marked :attr:`Tally.skip`
+(a message without multimodal tensors, an empty broadcast).
+
+Byte taps for what a server calls but does not own, installed per process by
+:func:`install_taps` (wrapt, restored by :func:`remove_taps`):
+
+- ``zmq.Socket.send_pyobj`` / ``recv_pyobj`` (pyzmq's own two lines, the
+  same ``pickle.dumps(obj, protocol)`` and ``send``, so the bytes are
+  identical) time and count a message only while :func:`zmq_hop` names the
+  hop: SGLang's tokenizer-to-scheduler send and the scheduler's receive;
+- ``zmq.Socket.recv_multipart`` adds the bytes of the frames after the
+  first to the open hop that asked for them (:attr:`Tally.count_frames`);
+- ``torch.distributed.broadcast`` adds each tensor's bytes to the open hop
+  that asked for it (:attr:`Tally.count_broadcasts`): what SGLang's
+  ``broadcast_pyobj`` sends, its size tensor included.
+
+Invariant: nothing here raises into the server. A failure while timing or
+recording is counted in ``mmshm_observe_errors_total{server,hop}`` and the
+message goes through untouched. The cost is two ``perf_counter`` calls, a
+context-variable set and two histogram observations per message (about
+10 us: see ``benchmarks/test_micro.py``), against hops of milliseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Iterator
+
+from . import config
+from .metrics import IPC_BYTES, IPC_SECONDS, OBSERVE_ERRORS
+
+log = logging.getLogger("mmshm")
+
+#: ``transport`` label values.
+SERVER = "server"
+MMSHM = "mmshm"
+TRANSPORTS = (SERVER, MMSHM)
+
+
+def observing() -> bool:
+    """Observe mode is on in this process (``MMSHM_MODE=observe``)."""
+    return config.get().observe
+
+
+def transport() -> str:
+    """The ``transport`` label for this process: ``"server"`` in observe
+    mode, else ``"mmshm"``."""
+    return SERVER if observing() else MMSHM
+
+
+class Tally:
+    """One message's figures in one hop.
+
+    Attributes:
+        server, hop: the labels.
+        nbytes: bytes serialized so far (int, bytes).
+        t0: start (``time.perf_counter()``, seconds); :meth:`restart` moves
+            it (a dequeue that waited for the message starts its clock when
+            the message is there).
+        skip: record nothing for this message.
+        count_broadcasts: ``torch.distributed.broadcast`` calls inside the
+            block add their tensors' bytes.
+        count_frames: ``recv_multipart`` calls inside the block add the bytes
+            of every frame after the first (vLLM's out-of-band tensor
+            buffers of a ``MessageQueue`` message too big for its ring).
+    """
+
+    __slots__ = ("count_broadcasts", "count_frames", "hop", "nbytes", "server", "skip", "t0")
+
+    def __init__(self, server: str, hop: str):
+        self.server, self.hop = server, hop
+        self.nbytes = 0
+        self.skip = False
+        self.count_broadcasts = False
+        self.count_frames = False
+        self.t0 = time.perf_counter()
+
+    def add(self, nbytes: int) -> None:
+        self.nbytes += nbytes
+
+    def restart(self) -> None:
+        self.t0 = time.perf_counter()
+
+
+_CURRENT: contextvars.ContextVar[Tally | None] = contextvars.ContextVar("mmshm_hop",
+                                                                        default=None)
+_ZMQ_HOP: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
+    "mmshm_zmq_hop", default=None)
+
+
+def current() -> Tally | None:
+    """The hop open in this context, or None."""
+    return _CURRENT.get()
+
+
+def add_bytes(nbytes: int) -> None:
+    """Count ``nbytes`` for the hop open in this context (none: nothing)."""
+    t = _CURRENT.get()
+    if t is not None:
+        t.add(nbytes)
+
+
+def record(server: str, hop_name: str, seconds: float, nbytes: int) -> None:
+    """One message's observation. Never raises: a failure is counted in
+    ``mmshm_observe_errors_total``."""
+    try:
+        tr = transport()
+        IPC_SECONDS.labels(server=server, hop=hop_name, transport=tr).observe(seconds)
+        IPC_BYTES.labels(server=server, hop=hop_name, transport=tr).observe(nbytes)
+    except Exception as exc:  # noqa: BLE001 - timing never breaks a server
+        error(server, hop_name, exc)
+
+
+def error(server: str, hop_name: str, exc: BaseException | None = None) -> None:
+    """Count a failed timing (``mmshm_observe_errors_total``). Never raises."""
+    try:
+        OBSERVE_ERRORS.labels(server=server, hop=hop_name).inc()
+        log.debug("mmshm: timing of %s %s failed: %r", server, hop_name, exc)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+@contextlib.contextmanager
+def hop(server: str, hop_name: str) -> Iterator[Tally]:
+    """Time the block as one message of ``hop_name``; yields its
+    :class:`Tally`. An exception from the block goes on unchanged and
+    records nothing."""
+    tally = Tally(server, hop_name)
+    token = _CURRENT.set(tally)
+    ok = False
+    try:
+        yield tally
+        ok = True
+    finally:
+        seconds = time.perf_counter() - tally.t0
+        try:
+            _CURRENT.reset(token)
+        except ValueError:  # reset in another context (a generator moved): harmless
+            pass
+        if ok and not tally.skip:
+            record(server, hop_name, seconds, tally.nbytes)
+
+
+@contextlib.contextmanager
+def zmq_hop(server: str, hop_name: str) -> Iterator[None]:
+    """Inside the block, each ``send_pyobj``/``recv_pyobj`` of a pyzmq socket
+    is one message of ``hop_name`` (see :func:`install_taps`)."""
+    token = _ZMQ_HOP.set((server, hop_name))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            _ZMQ_HOP.reset(token)
+
+
+def tensor_bytes(t) -> int:
+    """Bytes of a tensor's elements (``numel * element_size``); 0 for
+    anything else."""
+    try:
+        return int(t.numel()) * int(t.element_size())
+    except Exception:  # noqa: BLE001 - not a tensor
+        return 0
+
+
+# -- taps: pyzmq and torch.distributed ------------------------------------------------
+def _send_pyobj(wrapped, instance, args, kwargs):
+    label = _ZMQ_HOP.get()
+    if label is None:
+        return wrapped(*args, **kwargs)
+    obj, flags, protocol, rest = _send_args(*args, **kwargs)
+    with hop(*label) as t:
+        # pyzmq's send_pyobj, the same two calls: the same bytes on the wire
+        msg = pickle.dumps(obj, protocol)
+        t.add(len(msg))
+        return instance.send(msg, flags=flags, **rest)
+
+
+def _send_args(obj, flags=0, protocol=pickle.DEFAULT_PROTOCOL, **rest):
+    return obj, flags, protocol, rest
+
+
+def _recv_pyobj(wrapped, instance, args, kwargs):
+    label = _ZMQ_HOP.get()
+    if label is None:
+        return wrapped(*args, **kwargs)
+    flags = args[0] if args else kwargs.get("flags", 0)
+    t0 = time.perf_counter()
+    msg = instance.recv(flags)  # zmq.Again (nothing queued) goes on: not a message
+    if not isinstance(msg, (bytes, bytearray, memoryview)):  # an asyncio socket's future
+        return instance._deserialize(msg, pickle.loads)
+    obj = instance._deserialize(msg, pickle.loads)
+    record(label[0], label[1], time.perf_counter() - t0, len(msg))
+    return obj
+
+
+def _recv_multipart(wrapped, instance, args, kwargs):
+    frames = wrapped(*args, **kwargs)
+    t = _CURRENT.get()
+    if t is not None and t.count_frames and isinstance(frames, list):
+        try:
+            t.add(sum(memoryview(f).nbytes for f in frames[1:]))
+        except Exception as exc:  # noqa: BLE001
+            error(t.server, t.hop, exc)
+    return frames
+
+
+def _dist_broadcast(wrapped, instance, args, kwargs):
+    t = _CURRENT.get()
+    if t is not None and t.count_broadcasts:
+        t.add(tensor_bytes(args[0] if args else kwargs.get("tensor")))
+    return wrapped(*args, **kwargs)
+
+
+_TAPS = (("zmq.sugar.socket", "Socket.send_pyobj", _send_pyobj),
+         ("zmq.sugar.socket", "Socket.recv_pyobj", _recv_pyobj),
+         ("zmq.sugar.socket", "Socket.recv_multipart", _recv_multipart),
+         ("torch.distributed", "broadcast", _dist_broadcast))
+_tapped: dict[tuple[str, str], tuple] = {}
+_tap_lock = threading.Lock()
+
+
+def install_taps(which: tuple[str, ...] = ("zmq", "torch")) -> list[str]:
+    """Install the byte taps (idempotent). Returns the ones that could not
+    be installed, as ``"module:path (reason)"`` (the caller says so at
+    WARNING: those hops go untimed); never raises."""
+    import importlib
+
+    import wrapt
+
+    failed = []
+    with _tap_lock:
+        for module, path, tap in _TAPS:
+            if module.split(".")[0] not in which or (module, path) in _tapped:
+                continue
+            try:
+                mod = importlib.import_module(module)
+                parent, attr, original = wrapt.resolve_path(mod, path)
+                wrapper = wrapt.FunctionWrapper(original, tap)
+                had = attr in vars(parent)
+                setattr(parent, attr, wrapper)
+                _tapped[(module, path)] = (parent, attr, original, had, wrapper)
+            except Exception as exc:  # noqa: BLE001 - a moved symbol: said by the caller
+                failed.append(f"{module}:{path} ({exc})")
+    return failed
+
+
+def remove_taps() -> None:
+    """Put back what :func:`install_taps` replaced (a name re-patched since
+    is left as it is)."""
+    with _tap_lock:
+        for (parent, attr, original, had, wrapper) in reversed(list(_tapped.values())):
+            if vars(parent).get(attr) is not wrapper:
+                continue
+            if had:
+                setattr(parent, attr, original)
+            else:
+                delattr(parent, attr)
+        _tapped.clear()
+
+
+__all__ = [
+    "MMSHM",
+    "SERVER",
+    "TRANSPORTS",
+    "Tally",
+    "add_bytes",
+    "current",
+    "error",
+    "hop",
+    "install_taps",
+    "observing",
+    "record",
+    "remove_taps",
+    "tensor_bytes",
+    "transport",
+    "zmq_hop",
+]

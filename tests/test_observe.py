@@ -1,0 +1,166 @@
+"""Observe mode's core (:mod:`mmshm.observe`): one observation per message
+with the bytes it serialized, the same bytes on the wire as pyzmq's own
+``send_pyobj``, nothing recorded for what raised, and a failed timing counted
+without touching the message. The hops in the real servers are tested by the
+e2e tests (tests/e2e)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import pytest
+import torch
+import zmq
+from prometheus_client import REGISTRY
+
+from mmshm import config, observe
+
+
+def _sample(name: str, **labels) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def mode(monkeypatch):
+    def set_mode(value: str):
+        monkeypatch.setenv("MMSHM_MODE", value)
+        config.reload()
+
+    yield set_mode
+    monkeypatch.delenv("MMSHM_MODE", raising=False)
+    config.reload()
+
+
+@pytest.fixture
+def taps():
+    assert observe.install_taps() == []
+    yield
+    observe.remove_taps()
+
+
+def _labels(hop, transport="server", server="test"):
+    return {"server": server, "hop": hop, "transport": transport}
+
+
+def test_a_hop_records_seconds_and_bytes_under_its_transport(mode):
+    mode("observe")
+    before = _sample("mmshm_ipc_bytes_sum", **_labels("h1"))
+    with observe.hop("test", "h1") as t:
+        t.add(1000)
+        observe.add_bytes(234)
+    assert _sample("mmshm_ipc_bytes_sum", **_labels("h1")) - before == 1234
+    assert _sample("mmshm_ipc_seconds_count", **_labels("h1")) >= 1
+    mode("shm")
+    with observe.hop("test", "h1"):
+        observe.add_bytes(5)
+    assert _sample("mmshm_ipc_bytes_sum", **_labels("h1", "mmshm")) == 5
+
+
+def test_what_raised_or_was_skipped_records_nothing(mode):
+    mode("observe")
+    n0 = _sample("mmshm_ipc_seconds_count", **_labels("h2"))
+    with pytest.raises(KeyError):  # the server's exception goes on unchanged
+        with observe.hop("test", "h2") as t:
+            t.add(10)
+            raise KeyError("the server's")
+    with observe.hop("test", "h2") as t:
+        t.skip = True
+    assert _sample("mmshm_ipc_seconds_count", **_labels("h2")) == n0
+    assert observe.current() is None
+    observe.add_bytes(7)  # no hop open: nothing, no error
+
+
+def test_send_pyobj_puts_the_same_bytes_on_the_wire_and_counts_them(mode, taps):
+    mode("observe")
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://mmshm-observe-test")
+        b.connect("inproc://mmshm-observe-test")
+        obj = {"pixel_values": torch.arange(100_000, dtype=torch.float32), "rid": "r1"}
+        want = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+        s0 = _sample("mmshm_ipc_bytes_sum", **_labels("send"))
+        r0 = _sample("mmshm_ipc_bytes_sum", **_labels("recv"))
+        with observe.zmq_hop("test", "send"):
+            a.send_pyobj(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        raw = b.recv()
+        assert raw == want  # byte for byte what pyzmq's own send_pyobj sends
+        assert _sample("mmshm_ipc_bytes_sum", **_labels("send")) - s0 == len(want)
+        # outside a zmq hop: pyzmq's own function, nothing recorded
+        a.send_pyobj(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        with observe.zmq_hop("test", "recv"):
+            got = b.recv_pyobj()
+            with pytest.raises(zmq.Again):  # nothing queued: no message, nothing recorded
+                b.recv_pyobj(zmq.NOBLOCK)
+        assert torch.equal(got["pixel_values"], obj["pixel_values"]) and got["rid"] == "r1"
+        assert _sample("mmshm_ipc_bytes_sum", **_labels("send")) - s0 == len(want)
+        assert _sample("mmshm_ipc_bytes_sum", **_labels("recv")) - r0 == len(want)
+        assert _sample("mmshm_ipc_bytes_count", **_labels("recv")) >= 1
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+
+
+def test_a_failed_timing_is_counted_and_the_message_goes_through(mode, taps, monkeypatch):
+    mode("observe")
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+
+    class Broken:
+        def labels(self, **kw):
+            raise RuntimeError("metrics store unwritable")
+
+    try:
+        a.bind("inproc://mmshm-observe-broken")
+        b.connect("inproc://mmshm-observe-broken")
+        e0 = _sample("mmshm_observe_errors_total", server="test", hop="broken")
+        monkeypatch.setattr(observe, "IPC_SECONDS", Broken())
+        with observe.zmq_hop("test", "broken"):
+            a.send_pyobj([1, 2, 3])
+        assert b.recv_pyobj() == [1, 2, 3]
+        assert _sample("mmshm_observe_errors_total", server="test", hop="broken") - e0 == 1
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+
+
+def test_the_broadcast_tap_counts_what_torch_distributed_sends(mode, taps, tmp_path):
+    import torch.distributed as dist
+
+    mode("observe")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        data = torch.zeros(12345, dtype=torch.uint8)
+        b0 = _sample("mmshm_ipc_bytes_sum", **_labels("bcast"))
+        with observe.hop("test", "bcast") as t:
+            t.count_broadcasts = True
+            dist.broadcast(torch.tensor([12345], dtype=torch.long), src=0)
+            dist.broadcast(data, src=0)
+        dist.broadcast(data, src=0)  # no hop asked: not counted
+        assert _sample("mmshm_ipc_bytes_sum", **_labels("bcast")) - b0 == 12345 + 8
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_taps_come_off(taps):
+    assert isinstance(zmq.Socket.send_pyobj, object)
+    observe.remove_taps()
+    import torch.distributed as dist
+    from zmq.sugar.socket import Socket
+
+    assert "FunctionWrapper" not in type(vars(Socket)["send_pyobj"]).__name__
+    assert "FunctionWrapper" not in type(dist.broadcast).__name__
+    assert observe.install_taps() == []  # and go back on (the fixture removes them)
+
+
+def test_a_bad_mode_warns_and_keeps_shm(monkeypatch, caplog):
+    monkeypatch.setenv("MMSHM_MODE", "watch")
+    with caplog.at_level(logging.WARNING, logger="mmshm"):
+        s = config.reload()
+    assert s.mode == "shm" and not s.observe
+    assert any("MMSHM_MODE" in r.getMessage() and "shm or observe" in r.getMessage()
+               for r in caplog.records)
+    monkeypatch.delenv("MMSHM_MODE")
+    config.reload()
