@@ -438,6 +438,23 @@ def _timed_unwrap(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
 
+def _untimed_hops(hops: tuple[str, ...]) -> list[tuple[tuple[str, ...], str, str]]:
+    """``(hops, reason, fix)`` for what observe mode cannot time in this
+    process (said at WARNING, hop by hop)."""
+    out = []
+    zmq_hops = tuple(h for h in hops if h in ("tokenizer_send", "scheduler_recv"))
+    if zmq_hops and not bool(getattr(sys.modules.get(IO_STRUCT), "_USE_PICKLE_IPC", True)):
+        out.append((zmq_hops, "SGLANG_USE_PICKLE_IPC is off: messages are msgpack-encoded, "
+                    "not sent with send_pyobj, which is what mmshm times",
+                    "unset SGLANG_USE_PICKLE_IPC (pickle IPC is the default)"))
+    if "materialize" in hops:
+        mod = sys.modules.get(RECEIVER) or sys.modules.get(SCHEDULER)
+        if mod is not None and not hasattr(mod, "unwrap_shm_features"):
+            out.append((("materialize",), "this SGLang release has no unwrap_shm_features in "
+                        f"{mod.__name__}", "report this as an mmshm bug with the SGLang version"))
+    return out
+
+
 def _install_taps(role: str) -> None:
     """The pyzmq and torch.distributed byte taps; a tap that cannot be
     installed leaves its hops untimed, with a WARNING naming them."""
@@ -456,7 +473,11 @@ def _say(role: str, on: list[str], offs: list[str], hops: tuple[str, ...] = ()) 
     except Exception as exc:  # noqa: BLE001 - never break a server's start-up
         log.warning("mmshm: per-hop timing taps failed: %s", exc)
     if observe.observing():
-        SGLangInstrumentor().say(role, [f"{PATH_OBSERVE} ({', '.join(hops)})"])
+        untimed = _untimed_hops(hops)
+        timed = [h for h in hops if h not in {x for xs, _, _ in untimed for x in xs}]
+        SGLangInstrumentor().say(
+            role, [f"{PATH_OBSERVE} ({', '.join(timed)})"] if timed else [],
+            [(f"timing of {', '.join(xs)}", reason, fix) for xs, reason, fix in untimed])
         return
     off = _transport_off_reason()
     if off is None:

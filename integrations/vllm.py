@@ -553,6 +553,12 @@ def _o_init_executor(wrapped, instance, args, kwargs):
     mq = getattr(instance, "rpc_broadcast_mq", None)
     if mq is not None:
         _TIMED_QUEUES.add(mq)
+        if getattr(mq, "tensor_arena", None) is not None:
+            _INSTRUMENTOR.path_off(
+                "EngineCore", "timing of mq_enqueue, mq_dequeue",
+                "vLLM's shm tensor arena (--enable-shm-tensor-arena) carries the tensors "
+                "outside the messages, so their bytes and copies are not in these hops",
+                "leave --enable-shm-tensor-arena off to time the queue's own transport")
     return out
 
 

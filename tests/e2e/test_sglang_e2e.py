@@ -9,10 +9,13 @@ Each server start costs about a minute on two cores, so the tests are phases
 that share state and run in file order, each starting one server and running
 many cases against it:
 
-1. plain: the greedy baseline (n=1); then n=2 with an image, which 0.5.9
-   dies of (``FileNotFoundError: '/psm_...'`` in the scheduler) and 0.5.23
-   answers.
-2. plain, 64 MiB /dev/shm (0.5.9): a burst of photos kills it with SIGBUS.
+1. SGLang's own transport under ``mmshm run --observe`` (observe mode: it
+   is only timed, hop by hop): the greedy baseline (n=1), no segment made,
+   per-hop bytes that match the pixels; then n=2 with an image, which 0.5.9
+   dies of (``FileNotFoundError: '/psm_...'`` in the scheduler: observe mode
+   leaves SGLang's bug as it is) and 0.5.23 answers.
+2. plain, 64 MiB /dev/shm (0.5.9): one greedy request answered exactly as
+   under observe mode; then a burst of photos kills it with SIGBUS.
 3. under ``mmshm run``: every request answered, greedy texts equal to
    plain's, the TP broadcast carries metadata only, n=2 writes each image
    once; a burst in a 64 MiB /dev/shm is answered in full (inline
@@ -111,10 +114,13 @@ def _argv(port: int) -> list[str]:
     return _import_server().sglang_argv(MODEL_DIR, port, TP, V)
 
 
-def _server(env, name: str, mmshm: bool, small_shm: bool = SMALL_SHM):
+def _server(env, name: str, mmshm: bool, small_shm: bool = SMALL_SHM, observe: bool = False):
     server = _import_server()
     port = server.free_port()
     e = server.sglang_env(MMSHM_POOL_IDLE_S="2", MMSHM_REAP_INTERVAL_S="60")
+    if observe:
+        e["MMSHM_MODE"] = "observe"
+        mmshm = True
     prefix = None
     if small_shm:
         # a private mount namespace whose /dev/shm is the test's 64 MiB tmpfs
@@ -180,15 +186,53 @@ def _segs(env) -> list[str]:
 
 
 GREEDY = [(0, "Describe the picture."), (1, "Describe the picture."), (0, "What is in it?")]
+#: pixel_values of one 720p photo through Qwen2-VL's processor: [4784, 1176] float32.
+IMAGE_BYTES = 4784 * 1176 * 4
+#: SGLang's hops (mmshm.integrations.sglang.HOPS).
+HOPS = ("tokenizer_wrap", "tokenizer_send", "scheduler_recv", "broadcast_src",
+        "broadcast_dst", "materialize")
 
 
-# -- 1. plain ------------------------------------------------------------------------
+def _hops(m0: str, m1: str, transport: str) -> dict:
+    """Per hop: (messages, bytes, seconds) between two expositions."""
+    out = {}
+    for h in HOPS:
+        lab = {"server": "sglang", "hop": h, "transport": transport}
+        out[h] = tuple(round(_m(m1, f"mmshm_ipc_{k}", **lab) - _m(m0, f"mmshm_ipc_{k}", **lab), 6)
+                       for k in ("bytes_count", "bytes_sum", "seconds_sum"))
+    return out
+
+
+# -- 1. SGLang's own transport, observed --------------------------------------------
 @pytest.mark.timeout(900)
 def test_plain_server(env):
     t0 = time.monotonic()
-    srv = _server(env, "plain", mmshm=False)
+    srv = _server(env, "observe", mmshm=False, observe=True)
     try:
+        log = srv.log_text()
+        roles = ["tokenizer"] + [f"scheduler (TP rank {r})" for r in range(TP)]
+        for role in roles:
+            assert re.search(rf"mmshm\[\d+\] sglang {re.escape(RELEASE)}, "
+                             rf"{re.escape(role)} \(pid \d+\): on: observe mode: ", log), role
+        assert "mmshm run: observe mode" in log
+        m0 = _metrics(srv)
         S["plain"] = [_ask(srv, p, 1, t)[0] for p, t in GREEDY]
+        m1 = _metrics(srv)
+        hops = _hops(m0, m1, "server")
+        S["observe_hops"] = hops
+        # observe mode made no segment and carried nothing
+        assert _segs(env) == []
+        assert _m(m1, "mmshm_segments_created_total") == 0
+        assert _m(m1, "mmshm_ipc_seconds_count", transport="mmshm") == 0
+        assert _m(m1, "mmshm_observe_errors_total") == 0
+        # every hop timed; SGLang's own shared memory took each photo's pixels
+        # once, the rest carried pointers (or, on 0.5.9, the broadcast the pixels)
+        n = len(GREEDY)
+        count, nbytes, secs = hops["tokenizer_wrap"]
+        assert count == n and nbytes == pytest.approx(n * IMAGE_BYTES, rel=0.001), hops
+        for h in ("tokenizer_send", "scheduler_recv", "broadcast_src", "broadcast_dst",
+                  "materialize"):
+            assert hops[h][0] >= n and hops[h][1] > 0 and hops[h][2] > 0, (h, hops)
         if HAS_FANOUT_BUG:
             # the fan-out copies share mm_items: the first receiver unlinks the
             # segment the next copy names; the scheduler dies of it
@@ -221,6 +265,9 @@ def test_plain_server_small_shm_burst(env):
     t0 = time.monotonic()
     srv = _server(env, "plain-small-shm", mmshm=False)
     try:
+        # the one truly plain server of this release: observe mode answered the same
+        S["plain_unobserved"] = _ask(srv, GREEDY[0][0], 1, GREEDY[0][1])[0]
+        assert S["plain_unobserved"] == S["plain"][0]
         with ThreadPoolExecutor(BURST) as ex:
             futs = [ex.submit(_ask, srv, i) for i in range(BURST)]
             errors = [f.exception(timeout=600) for f in futs]
@@ -282,6 +329,14 @@ def test_mmshm_server(env):
         assert count >= len(GREEDY) and small == count, S["bcast"]
         assert total < payload / 10, S["bcast"]
         assert _m(m2, "mmshm_inline_fallbacks_total") == 0
+        # the same hops timed under mmshm: metadata only past the tokenizer
+        hops = _hops(m0, m1, "mmshm")
+        S["mmshm_hops"] = hops
+        assert hops["tokenizer_wrap"][0] == len(GREEDY), hops
+        assert hops["tokenizer_wrap"][1] == pytest.approx(written, rel=0.001), hops
+        for h in ("tokenizer_send", "scheduler_recv", "broadcast_src", "broadcast_dst"):
+            assert hops[h][0] >= len(GREEDY) and 0 < hops[h][1] < 2e5 * hops[h][0], (h, hops)
+        assert _m(m2, "mmshm_ipc_seconds_count", transport="server") == 0
 
         if SMALL_SHM:
             # a burst in a 64 MiB /dev/shm: ENOSPC (or the budget), then inline

@@ -9,12 +9,15 @@ Server runs (each bounded in time and killed by process group on every path
 out; see ``server.py``):
 
 1. plain vLLM: the reference answers;
-2. under ``mmshm run``, with a segment directory that does not exist yet:
-   the same requests, metric deltas around each, then a normal stop (vLLM's
-   default ``--shutdown-timeout 0`` kills its EngineCore and workers);
-3. under ``mmshm run`` again, SIGKILLed as a whole process group after one
-   request; 4. restarted on the same directory: it must have reclaimed the
-   killed server's segments before its first request;
+2. under ``mmshm run --observe`` (observe mode): vLLM's own transport,
+   timed hop by hop; the same answers, no segment, per-hop bytes that match
+   the pixels;
+3. under ``mmshm run``, with a segment directory that does not exist yet:
+   the same requests, metric deltas around each, then the whole process
+   group is SIGKILLed; 4. restarted on the same directory: it must have
+   reclaimed the killed server's segments before its first request, and a
+   normal stop (vLLM's default ``--shutdown-timeout 0`` kills its
+   EngineCore and workers) leaves nothing;
 5. TP=1 under ``mmshm run`` with a read-only segment directory (a private
    mount namespace): one clear warning, every answer still right.
 """
@@ -123,6 +126,92 @@ def plain(model, photos) -> dict:
     return answers
 
 
+#: vLLM's hops (mmshm.integrations.vllm.HOPS) and how many of each one
+#: request of n choices with k images makes: the frontend encodes and the
+#: EngineCore decodes each of the n child requests; the scheduler output
+#: that first schedules a child carries its pixels to both TP workers.
+VLLM_HOPS = ("frontend_encode", "engine_decode", "mq_enqueue", "mq_dequeue")
+
+
+def hop_figures(before: str, after: str, transport: str) -> dict:
+    """Per hop: (messages, bytes, seconds) between two expositions."""
+    out = {}
+    for h in VLLM_HOPS:
+        lab = {"server": "vllm", "hop": h, "transport": transport}
+        out[h] = tuple(metric(after, f"mmshm_ipc_{k}", **lab) - metric(before, f"mmshm_ipc_{k}",
+                                                                        **lab)
+                       for k in ("bytes_count", "bytes_sum", "seconds_sum"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def observed(model, photos) -> dict:
+    """Run 2: under ``mmshm run --observe``: vLLM's own transport, timed."""
+    seg_dir = Path(tempfile.mkdtemp(prefix="mmshm-e2e-observe-", dir="/dev/shm"))
+    port = free_port()
+    srv = Server(vllm_argv(model, port, 2), port, LOGS / "observe.log",
+                 env=vllm_env(2, MMSHM_DIR=str(seg_dir), MMSHM_MODE="observe"), mmshm_run=True,
+                 leaks=LEAKS)
+    rec: dict = {"answers": {}, "hops": {}}
+    try:
+        with srv:
+            rec["metrics_at_start"] = srv.metrics_text()
+            for key, ps, n in REQUESTS:
+                before = srv.metrics_text()
+                rec["answers"][key] = ask(srv, [photos[p] for p in ps], n)
+                rec["hops"][key] = hop_figures(before, srv.metrics_text(), "server")
+            rec["metrics"] = srv.metrics_text()
+            rec["in_dir"] = os.listdir(seg_dir)
+            srv.stop()
+        rec["log"] = srv.log_text()
+    finally:
+        subprocess.run(["rm", "-rf", str(seg_dir)], check=False)
+    for key, hops in rec["hops"].items():
+        _say(f"observe mode, {key}: " + ", ".join(
+            f"{h} {c:.0f} msg {b / 1e6:.2f} MB {1e3 * sec:.1f} ms" for h, (c, b, sec) in hops.items()))
+    return rec
+
+
+def test_observe_mode_changes_no_answer_and_makes_no_segment(plain, observed):
+    for key, _, n in REQUESTS:
+        want, got = plain[key], observed["answers"][key]
+        for i, (a, b) in enumerate(zip(want, got, strict=True)):
+            assert b["tokens"] == a["tokens"], (key, i)
+            assert b["logprobs"] == a["logprobs"], (key, i)  # bit-identical floats
+    assert observed["in_dir"] == []
+    text = observed["metrics"]
+    assert metric(text, "mmshm_segments_created_total") == 0
+    assert metric(text, "mmshm_references_handed_total") == 0
+    assert metric(text, "mmshm_ipc_seconds_count", transport="mmshm") == 0
+    assert metric(text, "mmshm_observe_errors_total") == 0
+
+
+def test_observe_mode_times_every_hop_with_the_pixels_bytes(observed):
+    for key, ps, n in REQUESTS:
+        hops, k = observed["hops"][key], len(ps)
+        payload = k * IMAGE_BYTES
+        # each of the n child requests is encoded and decoded with its pixels
+        for h in ("frontend_encode", "engine_decode"):
+            count, nbytes, secs = hops[h]
+            assert count == n, (key, h, hops[h])
+            assert n * payload <= nbytes < n * (payload + 1e6), (key, h, hops[h])
+            assert secs > 0, (key, h)
+        # the scheduler outputs that carry them: pixels to both TP workers
+        count, nbytes, _ = hops["mq_enqueue"]
+        assert count >= 1 and nbytes >= n * payload, (key, hops["mq_enqueue"])
+        count, nbytes, _ = hops["mq_dequeue"]
+        assert count >= 2 and nbytes >= 2 * n * payload * 0.99, (key, hops["mq_dequeue"])
+
+
+def test_observe_mode_says_so_in_every_process(observed):
+    log = observed["log"]
+    assert "mmshm run: observe mode" in log
+    for role in ("frontend", "EngineCore", r"worker \(rank 0\)", r"worker \(rank 1\)"):
+        assert re.search(rf"mmshm\[\d+\] vllm 0\.32\.\d+, {role} \(pid \d+\): on: observe mode: ",
+                         log), role
+    assert "WARNING" not in "\n".join(line for line in log.splitlines() if "mmshm" in line), log
+
+
 @pytest.fixture(scope="module")
 def shm_parent():
     d = Path("/dev/shm") / f"mmshm-e2e-{os.getpid()}-{secrets.token_hex(4)}"
@@ -145,6 +234,7 @@ def instrumented(model, photos, shm_parent) -> dict:
     with srv:
         rec["dir_mode"] = stat.S_IMODE(os.stat(seg_dir).st_mode)
         rec["metrics_at_start"] = srv.metrics_text()
+        rec["hops"] = {}
         for key, ps, n in REQUESTS:
             before = srv.metrics_text()
             rec["answers"][key] = ask(srv, [photos[p] for p in ps], n)
@@ -152,18 +242,19 @@ def instrumented(model, photos, shm_parent) -> dict:
             rec["deltas"][key] = {
                 short: metric(after, name, **labels) - metric(before, name, **labels)
                 for short, (name, labels) in DELTAS.items()}
+            rec["hops"][key] = hop_figures(before, after, "mmshm")
         rec["metrics"] = srv.metrics_text()
-        rec["segments_before_stop"] = segments(seg_dir)
-        t0 = time.monotonic()
-        rec["rc"] = srv.stop(signal.SIGTERM)
-        rec["stop_s"] = time.monotonic() - t0
-    rec["left_after_stop"] = segments(seg_dir)
+        # runs 3 and 4 share this server: SIGKILL of the whole process group
+        # with its segments still pooled, then the restart reclaims them
+        srv.kill()
+    rec["left_by_kill"] = segments(seg_dir)
     rec["log"] = srv.log_text()
     rec["startup_s"] = srv.startup_s
     _say(f"mmshm run vLLM TP=2: started in {srv.startup_s:.0f} s; per request: "
          + json.dumps(rec["deltas"]))
-    _say(f"  segments before the stop: {len(rec['segments_before_stop'])}; after: "
-         f"{len(rec['left_after_stop'])}; stop took {rec['stop_s']:.1f} s, rc={rec['rc']}")
+    for key, hops in rec["hops"].items():
+        _say(f"mmshm, {key}: " + ", ".join(
+            f"{h} {c:.0f} msg {b / 1e6:.4f} MB {1e3 * sec:.1f} ms" for h, (c, b, sec) in hops.items()))
     return rec
 
 
@@ -237,23 +328,32 @@ def test_missing_segment_directory_is_created_0700(instrumented):
     assert "(created, mode 0700)" in instrumented["log"]
 
 
-def test_nothing_left_after_a_normal_stop(instrumented):
-    assert instrumented["segments_before_stop"], "nothing to clean up: the test proves nothing"
-    assert instrumented["left_after_stop"] == [], instrumented["log"][-4000:]
+def test_mmshm_hops_carry_metadata_only(instrumented):
+    """The same hops under mmshm: handles (tens of bytes a tensor) where vLLM
+    carries the pixels."""
+    for key, ps, n in REQUESTS:
+        hops = instrumented["hops"][key]
+        count, nbytes, _ = hops["frontend_encode"]
+        assert count == n and nbytes < n * 1e6, (key, hops)
+        count, nbytes, _ = hops["engine_decode"]
+        assert count == n and nbytes < n * 1e6, (key, hops)
+        assert 0 < hops["mq_enqueue"][1] < 1e5 * n, (key, hops)
+        assert hops["mq_dequeue"][0] >= 2 and 0 < hops["mq_dequeue"][1] < 2e5 * n, (key, hops)
+    assert metric(instrumented["metrics"], "mmshm_ipc_seconds_count", transport="server") == 0
+
+
+def test_nothing_left_after_a_normal_stop(restarted):
+    assert restarted["segments_before_stop"], "nothing to clean up: the test proves nothing"
+    assert restarted["left_after_stop"] == [], restarted["log"][-4000:]
 
 
 @pytest.fixture(scope="module")
 def restarted(model, photos, shm_parent, instrumented) -> dict:
-    """Runs 3 and 4: SIGKILL of the whole process group, then a restart."""
+    """Runs 3 and 4: the instrumented server was SIGKILLed as a whole
+    process group; now a restart on the same directory."""
     seg_dir = instrumented["dir"]
     env = vllm_env(2, MMSHM_DIR=str(seg_dir))
-    rec: dict = {}
-    port = free_port()
-    srv = Server(vllm_argv(model, port, 2), port, LOGS / "killed.log", env=env, mmshm_run=True, leaks=LEAKS)
-    with srv:
-        ask(srv, [photos["astronaut"]], 4)
-        srv.kill()
-    rec["left_by_kill"] = segments(seg_dir)
+    rec: dict = {"left_by_kill": instrumented["left_by_kill"]}
     port = free_port()
     srv = Server(vllm_argv(model, port, 2), port, LOGS / "restarted.log", env=env,
                  mmshm_run=True, leaks=LEAKS)
@@ -261,14 +361,18 @@ def restarted(model, photos, shm_parent, instrumented) -> dict:
         rec["at_ready"] = segments(seg_dir)  # before the first request
         rec["metrics_at_ready"] = srv.metrics_text()
         rec["answer"] = ask(srv, [photos["coffee"]], 1)
-        srv.stop()
+        rec["segments_before_stop"] = segments(seg_dir)
+        t0 = time.monotonic()
+        rec["rc"] = srv.stop(signal.SIGTERM)
+        rec["stop_s"] = time.monotonic() - t0
     rec["left_after_stop"] = segments(seg_dir)
     rec["log"] = srv.log_text()
     _say(f"SIGKILL of the process group left {len(rec['left_by_kill'])} segment(s); the "
          f"restarted server held {len(rec['at_ready'])} at ready, reclaimed "
          f"{metric(rec['metrics_at_ready'], 'mmshm_reaped_segments_total'):.0f} "
          f"({metric(rec['metrics_at_ready'], 'mmshm_reaped_bytes_total'):.0f} bytes); "
-         f"{len(rec['left_after_stop'])} left after its stop")
+         f"{len(rec['left_after_stop'])} left after its stop ({len(rec['segments_before_stop'])} "
+         f"before it; the stop took {rec['stop_s']:.1f} s, rc={rec['rc']})")
     return rec
 
 
