@@ -55,8 +55,9 @@ Observe mode (``MMSHM_MODE=observe``, ``mmshm run --observe``)
     bytes), ``scheduler_recv`` (TP rank 0's ``recv_pyobj`` in
     ``recv_requests``: received bytes, the unpickle included),
     ``broadcast_src`` / ``broadcast_dst`` (a non-empty ``broadcast_pyobj``:
-    the bytes ``torch.distributed.broadcast`` carries; mmshm's materialize
-    is inside it) and ``materialize`` (``unwrap_shm_features``: bytes of
+    the bytes ``torch.distributed.broadcast`` carries; a receiving rank's
+    clock starts once the message's size has arrived, so waiting for the
+    source is left out; mmshm's materialize is inside it) and ``materialize`` (``unwrap_shm_features``: bytes of
     SGLang's shared-memory pointers turned back into tensors).
 
 SGLang's own ``ShmPointerMMData`` is then never created, so its early
@@ -331,16 +332,18 @@ HOPS = ("tokenizer_wrap", "tokenizer_send", "scheduler_recv", "broadcast_src",
 
 def _pointer_bytes(mm_inputs) -> int:
     """Bytes of the tensors that SGLang's shared-memory pointers
-    (``ShmPointerMMData``: not tensors, with a ``shape`` and a ``dtype``)
-    stand for in ``mm_inputs``'s items; reads no data."""
+    (``ShmPointerMMData``: neither tensors nor mmshm's handles, with a
+    ``shape`` and a ``dtype``) stand for in ``mm_inputs``'s items; reads no
+    data."""
     import torch
+    from mmshm import ShmTensor
 
     total = 0
     for item in _items(mm_inputs):
         for name in ("feature", "precomputed_embeddings"):
             v = getattr(item, name, None)
             for x in (v if isinstance(v, (list, tuple)) else (v,)):
-                if x is None or isinstance(x, torch.Tensor):
+                if x is None or isinstance(x, (torch.Tensor, ShmTensor)):  # not SGLang's
                     continue
                 shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
                 if shape is not None and isinstance(dtype, torch.dtype):
@@ -417,6 +420,9 @@ def _timed_broadcast(inner):
         src = args[3] if len(args) > 3 else kwargs.get("src", 0)
         with observe.hop(SERVER, "broadcast_src" if rank == src else "broadcast_dst") as t:
             t.count_broadcasts = True
+            # a receiver waits for the source rank in the size broadcast: its
+            # clock starts once the size is there
+            t.clock_at_first_broadcast = rank != src
             out = inner(wrapped, instance, args, kwargs)
             t.skip = not out
             return out

@@ -56,7 +56,9 @@ Hops, in ``mmshm_ipc_seconds`` and ``mmshm_ipc_bytes{server="vllm",hop,
 transport}`` (``transport`` is ``mmshm`` in shm mode, where the same hops are
 timed around mmshm): ``frontend_encode`` (``MsgpackEncoder.encode`` of an
 ``ADD`` request: the bytes of every frame, its out-of-band tensor buffers
-included), ``engine_decode`` (the EngineCore's ``MsgpackDecoder.decode`` of
+included; vLLM sends those frames zero-copy, so their copies through the
+``ipc://`` socket run on zmq's I/O threads, which no hop times, while
+mmshm's copy into a segment is inside this hop), ``engine_decode`` (the EngineCore's ``MsgpackDecoder.decode`` of
 an ``EngineCoreRequest``: the frames' bytes; mmshm's materialize is inside),
 ``mq_enqueue`` (the scheduler-output ``MessageQueue.enqueue`` of a message
 that carries tensors: their bytes as pickled, vLLM's raw buffers or mmshm's

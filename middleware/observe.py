@@ -87,9 +87,13 @@ class Tally:
         count_frames: ``recv_multipart`` calls inside the block add the bytes
             of every frame after the first (vLLM's out-of-band tensor
             buffers of a ``MessageQueue`` message too big for its ring).
+        clock_at_first_broadcast: a receiving rank's clock starts when its
+            first counted broadcast returns (``broadcast_pyobj`` sends the
+            message's size first): waiting for the source rank is not IPC.
     """
 
-    __slots__ = ("count_broadcasts", "count_frames", "hop", "nbytes", "server", "skip", "t0")
+    __slots__ = ("clock_at_first_broadcast", "count_broadcasts", "count_frames", "hop",
+                 "nbytes", "server", "skip", "t0")
 
     def __init__(self, server: str, hop: str):
         self.server, self.hop = server, hop
@@ -97,6 +101,7 @@ class Tally:
         self.skip = False
         self.count_broadcasts = False
         self.count_frames = False
+        self.clock_at_first_broadcast = False
         self.t0 = time.perf_counter()
 
     def add(self, nbytes: int) -> None:
@@ -230,9 +235,14 @@ def _recv_multipart(wrapped, instance, args, kwargs):
 
 def _dist_broadcast(wrapped, instance, args, kwargs):
     t = _CURRENT.get()
-    if t is not None and t.count_broadcasts:
-        t.add(tensor_bytes(args[0] if args else kwargs.get("tensor")))
-    return wrapped(*args, **kwargs)
+    if t is None or not t.count_broadcasts:
+        return wrapped(*args, **kwargs)
+    t.add(tensor_bytes(args[0] if args else kwargs.get("tensor")))
+    out = wrapped(*args, **kwargs)
+    if t.clock_at_first_broadcast:
+        t.clock_at_first_broadcast = False
+        t.restart()
+    return out
 
 
 _TAPS = (("zmq.sugar.socket", "Socket.send_pyobj", _send_pyobj),

@@ -87,6 +87,9 @@ ABOVE = {
     "instrumentor": {"sending", "receiving", "segment", "handle", "walker", "broadcast"},
     "sending": {"receiving", "instrumentor", "broadcast"},
     "receiving": {"instrumentor", "broadcast"},
+    # per-hop timing knows no transport: it only counts what the hops report
+    "observe": {"segment", "handle", "walker", "sending", "receiving", "broadcast",
+                "instrumentor", "registry", "pool"},
 }
 
 

@@ -140,6 +140,14 @@ def test_the_broadcast_tap_counts_what_torch_distributed_sends(mode, taps, tmp_p
             dist.broadcast(data, src=0)
         dist.broadcast(data, src=0)  # no hop asked: not counted
         assert _sample("mmshm_ipc_bytes_sum", **_labels("bcast")) - b0 == 12345 + 8
+        # a receiver's clock starts once the size broadcast has returned
+        with observe.hop("test", "bcast") as t:
+            t.count_broadcasts = t.clock_at_first_broadcast = True
+            t0 = t.t0
+            dist.broadcast(torch.tensor([1], dtype=torch.long), src=0)
+            t1 = t.t0
+            dist.broadcast(data, src=0)
+            assert t1 > t0 and t.t0 == t1 and not t.clock_at_first_broadcast
     finally:
         dist.destroy_process_group()
 

@@ -336,6 +336,7 @@ def test_mmshm_server(env):
         assert hops["tokenizer_wrap"][1] == pytest.approx(written, rel=0.001), hops
         for h in ("tokenizer_send", "scheduler_recv", "broadcast_src", "broadcast_dst"):
             assert hops[h][0] >= len(GREEDY) and 0 < hops[h][1] < 2e5 * hops[h][0], (h, hops)
+        assert hops["materialize"][0] == 0, hops  # mmshm materializes inside the broadcast
         assert _m(m2, "mmshm_ipc_seconds_count", transport="server") == 0
 
         if SMALL_SHM:

