@@ -1,6 +1,7 @@
 """Microbenchmarks (pytest-benchmark): handle codec, reference operations, and
 wrap/unwrap of a 32-image request, beside the physical baselines (warm
-memcpy, fresh tmpfs segments, the content hash). Run with
+memcpy, fresh tmpfs segments, the content hash); observe mode's cost on the
+hop it times (one 720p image through pyzmq). Run with
 
     python -m pytest benchmarks --benchmark-only
 
@@ -21,7 +22,7 @@ import tempfile
 import mmshm
 import pytest
 import torch
-from mmshm import config, segment
+from mmshm import config, observe, segment
 from mmshm.bench.modes import FRESH_PREFIX, FreshShmPointer, write_fresh_segment
 
 QWEN2VL_720P = (4784, 1176)  # pixel_values of one 720p photo, float32 (22.5 MB)
@@ -315,3 +316,97 @@ def test_fresh_pointer_materialize_copy_on_write(private_dir):
     out = p.materialize()
     out[0] = -1.0
     assert torch.equal(out[1:], t[1:]) and not os.listdir(private_dir)
+
+
+# -- observe mode: what timing a hop adds to it ---------------------------------------
+@pytest.fixture
+def zmq_pair():
+    """A pyzmq PAIR pair over ``ipc://`` in a private directory: the transport
+    of SGLang's tokenizer-to-scheduler messages."""
+    zmq = pytest.importorskip("zmq")
+    d = tempfile.mkdtemp(prefix="pytest-mmshm-zmq-")
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        b.bind(f"ipc://{d}/pair")
+        a.connect(f"ipc://{d}/pair")
+        yield a, b
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pixel_values_720p():
+    """One message of one 720p photo: Qwen2-VL's pixel_values, float32 (22.5 MB)."""
+    g = torch.Generator().manual_seed(1)
+    return {"rid": "r", "pixel_values": torch.rand(*QWEN2VL_720P, generator=g)}
+
+
+def _observe_mode(monkeypatch) -> None:
+    monkeypatch.setenv("MMSHM_MODE", "observe")  # undone (and reloaded) by private_dir
+    config.reload()
+    assert observe.observing()
+
+
+def _ipc(sample: str, hop_name: str) -> float:
+    """``mmshm_ipc_<sample>{server="bench",hop=hop_name,transport="server"}``, 0 if none."""
+    from prometheus_client import REGISTRY
+
+    labels = {"server": "bench", "hop": hop_name, "transport": observe.SERVER}
+    return REGISTRY.get_sample_value(f"mmshm_ipc_{sample}", labels) or 0.0
+
+
+@pytest.mark.parametrize("mode", ["plain", "observe"])
+def test_observe_zmq_720p(benchmark, zmq_pair, pixel_values_720p, monkeypatch, mode):
+    """``send_pyobj`` and ``recv_pyobj`` of one 720p message over ``ipc://``, in
+    one thread. ``plain``: pyzmq alone (nothing is installed); ``observe``: the
+    same calls, each inside ``zmq_hop`` with the taps installed and
+    ``MMSHM_MODE=observe``, as SGLang's ``tokenizer_send`` and
+    ``scheduler_recv`` are timed: their ratio is observe mode's overhead on the
+    hops it times."""
+    a, b = zmq_pair
+    msg = pixel_values_720p
+    if mode == "observe":
+        _observe_mode(monkeypatch)
+        assert observe.install_taps() == []
+
+        def op():
+            with observe.zmq_hop("bench", "send"):
+                a.send_pyobj(msg)
+            with observe.zmq_hop("bench", "recv"):
+                return b.recv_pyobj()
+    else:
+        def op():
+            a.send_pyobj(msg)
+            return b.recv_pyobj()
+
+    sent, received = _ipc("seconds_count", "send"), _ipc("seconds_count", "recv")
+    nbytes = _ipc("bytes_sum", "send")
+    try:
+        out = benchmark.pedantic(op, rounds=30, warmup_rounds=3, iterations=1)
+    finally:
+        observe.remove_taps()
+    assert torch.equal(out["pixel_values"], msg["pixel_values"])
+    n = _ipc("seconds_count", "send") - sent
+    wire = len(pickle.dumps(msg, pickle.DEFAULT_PROTOCOL))
+    assert _ipc("seconds_count", "recv") - received == n and (n >= 1) == (mode == "observe")
+    assert _ipc("bytes_sum", "send") - nbytes == n * wire  # pyzmq's own bytes, once a message
+    benchmark.extra_info["pickled_bytes"] = wire
+
+
+def test_observe_empty_hop(benchmark, monkeypatch):
+    """The fixed cost of timing one message: an empty ``with observe.hop(...)``
+    (two ``perf_counter`` calls, a context variable set and reset, and the two
+    histogram observations)."""
+    _observe_mode(monkeypatch)
+
+    def op():
+        with observe.hop("bench", "empty"):
+            pass
+
+    before = _ipc("seconds_count", "empty")
+    benchmark(op)
+    assert _ipc("seconds_count", "empty") > before

@@ -431,26 +431,18 @@ def _o_decode(wrapped, instance, args, kwargs):
         return obj
 
 
-def _o_enqueue(inner):
+def _o_queue(inner, hop_name: str):
+    """A timed scheduler-output queue's ``enqueue`` or ``dequeue``: one
+    message of ``hop_name`` if it carries tensors (their buffers, or mmshm's
+    handles, counted while it is pickled or unpickled)."""
+
     def wrapper(wrapped, instance, args, kwargs):
         if instance not in _TIMED_QUEUES:
             return inner(wrapped, instance, args, kwargs)
-        with observe.hop(SERVER, "mq_enqueue") as t:
-            out = inner(wrapped, instance, args, kwargs)
-            t.skip = t.nbytes == 0  # a message without tensors
-            return out
-
-    return wrapper
-
-
-def _o_dequeue(inner):
-    def wrapper(wrapped, instance, args, kwargs):
-        if instance not in _TIMED_QUEUES:
-            return inner(wrapped, instance, args, kwargs)
-        with observe.hop(SERVER, "mq_dequeue") as t:
+        with observe.hop(SERVER, hop_name) as t:
             t.count_frames = True  # a message too big for the ring comes over zmq
             out = inner(wrapped, instance, args, kwargs)
-            t.skip = t.nbytes == 0  # no tensor buffer, no handle: not multimodal
+            t.skip = t.nbytes == 0  # no tensor: not a multimodal message
             return out
 
     return wrapper
@@ -514,10 +506,13 @@ def _o_reduce_tensor(inner):
         if t is None:
             return inner(wrapped, instance, args, kwargs)
         out = inner(wrapped, instance, args, kwargs)
-        if out[0] is receiving.rebuild:
-            t.add(len(out[1][0]))
-        elif args:
-            t.add(observe.tensor_bytes(args[0]))
+        try:
+            if out[0] is receiving.rebuild:
+                t.add(len(out[1][0]))
+            elif args:
+                t.add(observe.tensor_bytes(args[0]))
+        except Exception as exc:  # noqa: BLE001 - timing never breaks a message
+            observe.error(SERVER, t.hop, exc)
         return out
 
     return wrapper
@@ -605,8 +600,8 @@ PATCHES: dict[tuple[str, str], object] = {
     (_CORE, "EngineCore.preprocess_add_request"): _w_preprocess_add_request,
     (_LLM, "LLMEngine.add_request"): _w_add_request,
     (_ASYNC, "AsyncLLM.add_request"): _w_add_request_async,
-    (_MQ, "MessageQueue.enqueue"): _o_enqueue(_w_enqueue),
-    (_MQ, "MessageQueue.dequeue"): _o_dequeue(_w_dequeue),
+    (_MQ, "MessageQueue.enqueue"): _o_queue(_w_enqueue, "mq_enqueue"),
+    (_MQ, "MessageQueue.dequeue"): _o_queue(_w_dequeue, "mq_dequeue"),
     (_MQ, "_reduce_tensor"): _o_reduce_tensor(_w_reduce_tensor),
     (_EXEC, "MultiprocExecutor._init_executor"): _w_init_executor,
 }
@@ -626,8 +621,8 @@ OBSERVE_PATCHES: dict[tuple[str, str], object] = {
     (_SERIAL, "MsgpackEncoder.encode"): _o_encode,
     (_SERIAL, "MsgpackDecoder.decode"): _o_decode,
     (_CORE, "EngineCoreProc.process_input_sockets"): _o_process_input_sockets,
-    (_MQ, "MessageQueue.enqueue"): _o_enqueue(_passthrough),
-    (_MQ, "MessageQueue.dequeue"): _o_dequeue(_passthrough),
+    (_MQ, "MessageQueue.enqueue"): _o_queue(_passthrough, "mq_enqueue"),
+    (_MQ, "MessageQueue.dequeue"): _o_queue(_passthrough, "mq_dequeue"),
     (_MQ, "MessageQueue.acquire_read"): _o_acquire_read,
     (_MQ, "_reduce_tensor"): _o_reduce_tensor(_passthrough),
     (_EXEC, "MultiprocExecutor._init_executor"): _o_init_executor,

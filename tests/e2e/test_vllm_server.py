@@ -144,6 +144,21 @@ def hop_figures(before: str, after: str, transport: str) -> dict:
     return out
 
 
+def say_hops(label: str, per_request: dict) -> None:
+    for key, hops in per_request.items():
+        _say(f"{label}, {key}: " + ", ".join(
+            f"{h} {c:.0f} msg {b:.0f} B {1e3 * sec:.1f} ms" for h, (c, b, sec) in hops.items()))
+
+
+def assert_same_answers(want: dict, got: dict) -> None:
+    """Tokens and chosen-token logprobs bit-identical, request by request."""
+    for key, _, n in REQUESTS:
+        assert len(got[key]) == n, key
+        for i, (a, b) in enumerate(zip(want[key], got[key], strict=True)):
+            assert b["tokens"] == a["tokens"], (key, i)
+            assert b["logprobs"] == a["logprobs"], (key, i)  # bit-identical floats
+
+
 @pytest.fixture(scope="module")
 def observed(model, photos) -> dict:
     """Run 2: under ``mmshm run --observe``: vLLM's own transport, timed."""
@@ -166,18 +181,12 @@ def observed(model, photos) -> dict:
         rec["log"] = srv.log_text()
     finally:
         subprocess.run(["rm", "-rf", str(seg_dir)], check=False)
-    for key, hops in rec["hops"].items():
-        _say(f"observe mode, {key}: " + ", ".join(
-            f"{h} {c:.0f} msg {b / 1e6:.2f} MB {1e3 * sec:.1f} ms" for h, (c, b, sec) in hops.items()))
+    say_hops("observe mode", rec["hops"])
     return rec
 
 
 def test_observe_mode_changes_no_answer_and_makes_no_segment(plain, observed):
-    for key, _, n in REQUESTS:
-        want, got = plain[key], observed["answers"][key]
-        for i, (a, b) in enumerate(zip(want, got, strict=True)):
-            assert b["tokens"] == a["tokens"], (key, i)
-            assert b["logprobs"] == a["logprobs"], (key, i)  # bit-identical floats
+    assert_same_answers(plain, observed["answers"])
     assert observed["in_dir"] == []
     text = observed["metrics"]
     assert metric(text, "mmshm_segments_created_total") == 0
@@ -252,19 +261,12 @@ def instrumented(model, photos, shm_parent) -> dict:
     rec["startup_s"] = srv.startup_s
     _say(f"mmshm run vLLM TP=2: started in {srv.startup_s:.0f} s; per request: "
          + json.dumps(rec["deltas"]))
-    for key, hops in rec["hops"].items():
-        _say(f"mmshm, {key}: " + ", ".join(
-            f"{h} {c:.0f} msg {b / 1e6:.4f} MB {1e3 * sec:.1f} ms" for h, (c, b, sec) in hops.items()))
+    say_hops("mmshm", rec["hops"])
     return rec
 
 
 def test_every_request_answered_with_identical_logprobs(plain, instrumented):
-    for key, _, n in REQUESTS:
-        want, got = plain[key], instrumented["answers"][key]
-        assert len(got) == n
-        for i, (a, b) in enumerate(zip(want, got, strict=True)):
-            assert b["tokens"] == a["tokens"], (key, i)
-            assert b["logprobs"] == a["logprobs"], (key, i)  # bit-identical floats
+    assert_same_answers(plain, instrumented["answers"])
     _say(f"logprobs bit-identical with and without mmshm: "
          f"{sum(len(plain[k]) for k, _, _ in REQUESTS)} choices, "
          f"{sum(len(c['logprobs']) for k, _, _ in REQUESTS for c in plain[k])} tokens")
