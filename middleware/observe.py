@@ -37,7 +37,8 @@ Invariant: nothing here raises into the server. A failure while timing or
 recording is counted in ``mmshm_observe_errors_total{server,hop}`` and the
 message goes through untouched. The cost is two ``perf_counter`` calls, a
 context-variable set and two histogram observations per message (about
-10 us: see ``benchmarks/test_micro.py``), against hops of milliseconds.
+6.5 us measured here, 0.02% of one 720p photo's send and receive: see
+``benchmarks/test_micro.py``), against hops of milliseconds.
 """
 
 from __future__ import annotations

@@ -244,3 +244,18 @@ def test_mmshm_run_names_each_bad_setting_and_still_starts_the_server():
     assert "MMSHM_POOL_IDLE_S='-3' is not valid" in bad[0] + bad[1]
     assert all(x.endswith("the server's processes use the default") for x in bad)
     assert "metrics in PROMETHEUS_MULTIPROC_DIR=" in r.stderr
+
+
+def test_run_observe_sets_the_mode_for_the_server_and_says_so():
+    r = subprocess.run([*MMSHM, "run", "--observe", "--", sys.executable, "-c",
+                        "import os; print(os.environ['MMSHM_MODE'])"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "observe"
+    assert r.stderr.startswith("mmshm run: observe mode (the server's own transport carries "
+                               "the tensors; each hop is timed): instrumenting"), r.stderr
+    plain = subprocess.run([*MMSHM, "run", "--", sys.executable, "-c",
+                            "import os; print(os.environ.get('MMSHM_MODE', 'unset'))"],
+                           env={k: v for k, v in os.environ.items() if k != "MMSHM_MODE"},
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert plain.stdout.strip() == "unset" and "observe mode" not in plain.stderr
