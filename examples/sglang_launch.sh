@@ -32,7 +32,13 @@ export MMSHM_MIN_BYTES=${MMSHM_MIN_BYTES:-65536}
 # and detokenizer processes instrument themselves too. It also sets
 # PROMETHEUS_MULTIPROC_DIR (when unset) so that --enable-metrics merges mmshm's
 # series from every process into SGLang's own /metrics.
-exec mmshm run -- python -m sglang.launch_server \
+# OBSERVE=1: measure first. mmshm leaves the server's own transport exactly as
+# it is and only times each hop (mmshm_ipc_seconds / mmshm_ipc_bytes with
+# transport="server"); run once with and once without it, compare the panel
+# "multimodal IPC seconds per request, by hop and transport".
+OBSERVE_FLAG=()
+[ "${OBSERVE:-0}" = 1 ] && OBSERVE_FLAG=(--observe)
+exec mmshm run "${OBSERVE_FLAG[@]}" -- python -m sglang.launch_server \
   --model-path "$MODEL" \
   --tp "${TP:-2}" \
   --port "$PORT" \
@@ -41,6 +47,9 @@ exec mmshm run -- python -m sglang.launch_server \
 
 # What to look at in http://localhost:$PORT/metrics (all series start at 0):
 #
+#   mmshm_ipc_seconds{hop,transport}, mmshm_ipc_bytes{hop,transport} (histograms)
+#       each hop of the multimodal path, per message, for the server's own
+#       transport (OBSERVE=1: transport="server") and for mmshm's ("mmshm").
 #   mmshm_segments_created_total, mmshm_shm_written_bytes_total
 #       pixels written to /dev/shm once per image: parallel sampling (n > 1)
 #       adds references, not segments (compare with the number of images sent).

@@ -56,7 +56,13 @@ export MMSHM_INSTRUMENT=${MMSHM_INSTRUMENT:-vllm}
 # MMSHM_METRICS_PORT would serve the same series a second time, on mmshm's own
 # exporter: scrape one or the other, never both.)
 
-exec mmshm run -- python -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+# OBSERVE=1: measure first. mmshm leaves the server's own transport exactly as
+# it is and only times each hop (mmshm_ipc_seconds / mmshm_ipc_bytes with
+# transport="server"); run once with and once without it, compare the panel
+# "multimodal IPC seconds per request, by hop and transport".
+OBSERVE_FLAG=()
+[ "${OBSERVE:-0}" = 1 ] && OBSERVE_FLAG=(--observe)
+exec mmshm run "${OBSERVE_FLAG[@]}" -- python -m vllm.entrypoints.openai.api_server --model "$MODEL" \
   --port "$PORT" \
   --tensor-parallel-size "${TP:-2}" \
   --limit-mm-per-prompt "$LIMIT_MM" \
