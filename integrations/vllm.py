@@ -55,14 +55,14 @@ timed (:mod:`mmshm.observe`), and vLLM's own transport carries the tensors.
 Hops, in ``mmshm_ipc_seconds`` and ``mmshm_ipc_bytes{server="vllm",hop,
 transport}`` (``transport`` is ``mmshm`` in shm mode, where the same hops are
 timed around mmshm): ``frontend_encode`` (``MsgpackEncoder.encode`` of an
-``ADD`` request: the bytes of every frame, its out-of-band tensor buffers
+``ADD`` request with multimodal features: the bytes of every frame, its out-of-band tensor buffers
 included; vLLM sends those frames zero-copy, so their copies through the
 ``ipc://`` socket run on zmq's I/O threads, which no hop times, while
 mmshm's copy into a segment is inside this hop), ``engine_decode`` (the EngineCore's ``MsgpackDecoder.decode`` of
-an ``EngineCoreRequest``: the frames' bytes; mmshm's materialize is inside),
+such an ``EngineCoreRequest``: the frames' bytes; mmshm's materialize is inside),
 ``mq_enqueue`` (the scheduler-output ``MessageQueue.enqueue`` of a message
-that carries tensors: their bytes as pickled, vLLM's raw buffers or mmshm's
-handles) and ``mq_dequeue`` (a TP worker's ``dequeue`` of such a message,
+that carries tensors: the bytes of those vLLM sends out of band, 1 MiB or
+more each, or of mmshm's handles) and ``mq_dequeue`` (a TP worker's ``dequeue`` of such a message,
 timed from the moment the message is there, not while waiting for it).
 
 Note: EngineCore views stay in the segment directory while vLLM's
@@ -407,6 +407,8 @@ def _o_encode(wrapped, instance, args, kwargs):
     if not _ADDING.get():
         return wrapped(*args, **kwargs)
     _ADDING.set(False)  # one encode per request; nested encodes are not hops
+    if not getattr(args[0] if args else kwargs.get("obj"), "mm_features", None):
+        return wrapped(*args, **kwargs)  # a text-only request: not a multimodal hop
     with observe.hop(SERVER, "frontend_encode") as t:
         frames = wrapped(*args, **kwargs)
         try:
@@ -422,7 +424,8 @@ def _o_decode(wrapped, instance, args, kwargs):
     with observe.hop(SERVER, "engine_decode") as t:
         obj = wrapped(*args, **kwargs)
         try:
-            t.skip = type(obj).__name__ != "EngineCoreRequest"
+            t.skip = (type(obj).__name__ != "EngineCoreRequest"
+                      or not getattr(obj, "mm_features", None))
             if not t.skip:
                 t.add(_frames_bytes(args[0] if args else kwargs.get("bufs")))
         except Exception as exc:  # noqa: BLE001
@@ -481,11 +484,10 @@ class _ClockAtMessage:
         t = observe.current()
         if t is not None and t.hop == "mq_dequeue":
             t.restart()
-            if observe.observing():  # mmshm's handles count themselves (receiving.rebuild)
-                try:
-                    t.add(_ring_oob_bytes(buf))
-                except Exception as exc:  # noqa: BLE001 - timing never breaks a worker
-                    observe.error(SERVER, "mq_dequeue", exc)
+            try:  # vLLM's own buffers (mmshm's handles count themselves: receiving.rebuild)
+                t.add(_ring_oob_bytes(buf))
+            except Exception as exc:  # noqa: BLE001 - timing never breaks a worker
+                observe.error(SERVER, "mq_dequeue", exc)
         return buf
 
     def __exit__(self, *exc):
@@ -497,9 +499,15 @@ def _o_acquire_read(wrapped, instance, args, kwargs):
     return _ClockAtMessage(cm) if observe.current() is not None else cm
 
 
+#: ``MessageQueue.enqueue`` keeps buffers under 1 MiB in the pickle stream and
+#: sends larger ones out of band: the queue hops count those (and mmshm's
+#: handles), the same on both sides of the queue.
+OOB_MIN_BYTES = 1 << 20
+
+
 def _o_reduce_tensor(inner):
-    """Count the tensor bytes vLLM's own reducer pickles (mmshm's adds its
-    handle's bytes)."""
+    """Count the bytes of the tensors vLLM's own reducer sends out of band
+    (mmshm's reducer: its handles' bytes)."""
 
     def wrapper(wrapped, instance, args, kwargs):
         t = observe.current()
@@ -510,7 +518,9 @@ def _o_reduce_tensor(inner):
             if out[0] is receiving.rebuild:
                 t.add(len(out[1][0]))
             elif args:
-                t.add(observe.tensor_bytes(args[0]))
+                n = observe.tensor_bytes(args[0])
+                if n >= OOB_MIN_BYTES:  # what vLLM sends out of band, as a reader sees it
+                    t.add(n)
         except Exception as exc:  # noqa: BLE001 - timing never breaks a message
             observe.error(SERVER, t.hop, exc)
         return out

@@ -325,7 +325,9 @@ def run(argv: list[str], env: dict | None = None) -> int:
         _say(("observe mode (the server's own transport carries the tensors; each hop is "
               "timed): " if observing else "")
              + f"instrumenting {names.replace(',', ', ')} in every Python process of "
-             f"{' '.join(argv)[:200]}; segments in {seg_dir}"
+             f"{' '.join(argv)[:200]}; "
+             + (f"segment directory {seg_dir} (observe mode makes no segment)" if observing
+                else f"segments in {seg_dir}")
              + (" (created, mode 0700)" if made else "")
              + (f"; metrics in PROMETHEUS_MULTIPROC_DIR={prom}" if prom else "")
              + "; each instrumented process says what it turned on")

@@ -247,8 +247,36 @@ def sglang_segments(root: str = "/dev/shm") -> set[str]:
     return out
 
 
+def _held(root: str) -> set[str]:
+    """Names under ``root`` that some live process maps or holds open."""
+    out = set()
+    prefix = root.rstrip("/") + "/"
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    i = line.find(prefix)
+                    if i >= 0:
+                        out.add(line[i + len(prefix):].split()[0])
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(prefix):
+                    out.add(target[len(prefix):])
+        except OSError:
+            continue
+    return out
+
+
 def remove_segments(names, root: str = "/dev/shm") -> None:
+    """Unlink what a test's SGLang code left in ``root``, except files a live
+    process maps or holds open: another program's (a server's ring buffer)
+    with a name of the same shape is never touched."""
+    held = _held(root)
     for n in names:
+        if n in held:
+            continue
         try:
             os.unlink(os.path.join(root, n))
         except FileNotFoundError:
