@@ -52,11 +52,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from ttft_server import MODEL_NAME, PHOTOS, sglang_config, vllm_config  # noqa: E402
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "e2e")]
 
 from server import ROOT, Server, data_url, free_port, metric, series  # noqa: E402
+from ttft_server import MODEL_NAME, PHOTOS, sglang_config, vllm_config  # noqa: E402
 
 #: The hops each server's instrumentor times, in the order a request takes them
 #: (mmshm.integrations.sglang.HOPS, mmshm.integrations.vllm.HOPS).
@@ -81,9 +80,8 @@ LEAKS = ("vllm_dist_", "sgl_shm_mq_", "sglang_loads_")
 def photo(name: str, resolution: str, shift: int, roll: int = 0):
     """A bundled photo (``mmshm.bench.photos``) as a ``PIL.Image`` at
     ``resolution``, rolled right by ``shift`` and down by ``roll`` pixels."""
-    from PIL import Image, ImageChops
-
     from mmshm.bench import photos as ph
+    from PIL import Image, ImageChops
 
     if resolution in SMALLER:
         img = ph.rgb(name, "720p", shift=shift).resize(SMALLER[resolution],

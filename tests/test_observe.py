@@ -12,9 +12,8 @@ import pickle
 import pytest
 import torch
 import zmq
-from prometheus_client import REGISTRY
-
 from mmshm import config, observe
+from prometheus_client import REGISTRY
 
 
 def _sample(name: str, **labels) -> float:
