@@ -166,7 +166,7 @@ class Server:
         if not self._log.closed:
             self._log.close()
         if self.leaks:
-            mapped = _mapped_shm_names()
+            mapped = mapped_shm_names()
             for name in set(os.listdir("/dev/shm")) - self._shm_before:
                 if name.startswith(self.leaks) and name not in mapped:
                     try:
@@ -207,8 +207,10 @@ class Server:
         return self.log_text()[-chars:]
 
 
-def _mapped_shm_names() -> set[str]:
-    """Names of /dev/shm files some process maps or holds open."""
+def mapped_shm_names(root: str = "/dev/shm") -> set[str]:
+    """Names of files under ``root`` that some live process maps or holds
+    open."""
+    prefix = root.rstrip("/") + "/"
     out = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -216,13 +218,13 @@ def _mapped_shm_names() -> set[str]:
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
-                    i = line.find("/dev/shm/")
+                    i = line.find(prefix)
                     if i >= 0:
-                        out.add(line[i + 9:].split()[0])
+                        out.add(line[i + len(prefix):].split()[0])
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    out.add(target[9:])
+                if target.startswith(prefix):
+                    out.add(target[len(prefix):])
         except OSError:
             continue
     return out

@@ -247,33 +247,16 @@ def sglang_segments(root: str = "/dev/shm") -> set[str]:
     return out
 
 
-def _held(root: str) -> set[str]:
-    """Names under ``root`` that some live process maps or holds open."""
-    out = set()
-    prefix = root.rstrip("/") + "/"
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    i = line.find(prefix)
-                    if i >= 0:
-                        out.add(line[i + len(prefix):].split()[0])
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(prefix):
-                    out.add(target[len(prefix):])
-        except OSError:
-            continue
-    return out
-
-
 def remove_segments(names, root: str = "/dev/shm") -> None:
     """Unlink what a test's SGLang code left in ``root``, except files a live
     process maps or holds open: another program's (a server's ring buffer)
     with a name of the same shape is never touched."""
-    held = _held(root)
+    e2e = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "e2e")
+    if e2e not in sys.path:
+        sys.path.append(e2e)
+    from server import mapped_shm_names  # tests/e2e/server.py
+
+    held = mapped_shm_names(root)
     for n in names:
         if n in held:
             continue
