@@ -544,12 +544,13 @@ def _scheduler_ready(wrapped, instance, args, kwargs):
 class SGLangInstrumentor(Instrumentor):
     """mmshm's instrumentor for SGLang (see the module docstring)."""
 
-    def on_uninstrument(self) -> None:
-        observe.remove_taps()
-
     name = "sglang"
     package = "sglang"
     supported = SUPPORTED
+
+    def on_uninstrument(self) -> None:
+        """Take the per-hop timing taps off (pyzmq, torch.distributed)."""
+        observe.remove_taps()
 
     def targets(self) -> list[Target]:
         # 0.5.15 moved the scheduler's receive path into request_receiver

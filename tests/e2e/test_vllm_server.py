@@ -56,8 +56,10 @@ REQUESTS = (
     ("3 images, n=4", ("hubble_deep_field", "immunohistochemistry", "retina"), 4),
 )
 SEED = 1234
-#: vLLM CPU's own all-reduce buffers, which it leaves in /dev/shm at every stop.
-LEAKS = ("vllm_dist_",)
+#: What vLLM CPU itself leaves in /dev/shm: its all-reduce buffers at every
+#: stop, and a SIGKILLed server's message-queue rings and semaphores (removed
+#: once the group is gone, if they appeared during its life and nothing maps them).
+LEAKS = ("vllm_dist_", "psm_", "sem.mp-")
 #: Metric deltas read around each request: short name -> (series, labels).
 DELTAS = {
     "created": ("mmshm_segments_created_total", {}),
