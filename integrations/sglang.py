@@ -50,15 +50,16 @@ Observe mode (``MMSHM_MODE=observe``, ``mmshm run --observe``)
     across nodes) carries the tensors. Hops, in ``mmshm_ipc_seconds`` and
     ``mmshm_ipc_bytes{server="sglang",hop,transport}`` (``transport`` is
     ``mmshm`` in shm mode, where the same hops are timed around mmshm):
-    ``tokenizer_wrap`` (``wrap_shm_features``: bytes put into shared
-    memory), ``tokenizer_send`` (the tokenizer's ``send_pyobj``: pickled
-    bytes), ``scheduler_recv`` (TP rank 0's ``recv_pyobj`` in
-    ``recv_requests``: received bytes, the unpickle included),
-    ``broadcast_src`` / ``broadcast_dst`` (a non-empty ``broadcast_pyobj``:
-    the bytes ``torch.distributed.broadcast`` carries; a receiving rank's
-    clock starts once the message's size has arrived, so waiting for the
-    source is left out; mmshm's materialize is inside it) and ``materialize`` (``unwrap_shm_features``: bytes of
-    SGLang's shared-memory pointers turned back into tensors).
+    ``tokenizer_wrap`` (``wrap_shm_features``: bytes put into shared memory),
+    ``tokenizer_send`` (the tokenizer's ``send_pyobj``: pickled bytes),
+    ``scheduler_recv`` (TP rank 0's ``recv_pyobj`` in ``recv_requests``:
+    received bytes, the unpickle included), ``broadcast_src`` /
+    ``broadcast_dst`` (a non-empty ``broadcast_pyobj``: the bytes
+    ``torch.distributed.broadcast`` carries; a receiving rank's clock starts
+    once the message's size has arrived, so waiting for the source is left
+    out; mmshm's materialize is inside it) and ``materialize``
+    (``unwrap_shm_features``: bytes of SGLang's shared-memory pointers turned
+    back into tensors).
 
 SGLang's own ``ShmPointerMMData`` is then never created, so its early
 unlink, barriers and n+1 segments play no part. mmshm is used only where
@@ -379,10 +380,6 @@ def _timed_wrap(inner):
     return wrapper
 
 
-def _passthrough(wrapped, instance, args, kwargs):
-    return wrapped(*args, **kwargs)
-
-
 def _timed_send(inner):
     """``_send_one_request``: its ``send_pyobj`` is one ``tokenizer_send``."""
 
@@ -563,14 +560,14 @@ class SGLangInstrumentor(Instrumentor):
             # the same boundaries, timed only: SGLang's own transport runs
             return [
                 Target(MM_UTILS, "_get_is_default_transport"),
-                Target(MM_UTILS, "wrap_shm_features", _timed_wrap(_passthrough)),
-                Target(TOKENIZER, "wrap_shm_features", _timed_wrap(_passthrough)),
+                Target(MM_UTILS, "wrap_shm_features", _timed_wrap(observe.passthrough)),
+                Target(TOKENIZER, "wrap_shm_features", _timed_wrap(observe.passthrough)),
                 Target(TOKENIZER, "TokenizerManager._send_one_request",
-                       _timed_send(_passthrough)),
+                       _timed_send(observe.passthrough)),
                 Target(TOKENIZER, "TokenizerManager.__init__", _tokenizer_ready, optional=True),
                 Target(SCHEDULER, "Scheduler.__init__", _scheduler_ready, optional=True),
-                Target(sched, "broadcast_pyobj", _timed_broadcast(_passthrough)),
-                Target(sched, f"{sched_cls}.recv_requests", _timed_recv(_passthrough)),
+                Target(sched, "broadcast_pyobj", _timed_broadcast(observe.passthrough)),
+                Target(sched, f"{sched_cls}.recv_requests", _timed_recv(observe.passthrough)),
                 Target(sched, "unwrap_shm_features", _timed_unwrap, optional=True),
             ]
         out = [

@@ -55,15 +55,17 @@ timed (:mod:`mmshm.observe`), and vLLM's own transport carries the tensors.
 Hops, in ``mmshm_ipc_seconds`` and ``mmshm_ipc_bytes{server="vllm",hop,
 transport}`` (``transport`` is ``mmshm`` in shm mode, where the same hops are
 timed around mmshm): ``frontend_encode`` (``MsgpackEncoder.encode`` of an
-``ADD`` request with multimodal features: the bytes of every frame, its out-of-band tensor buffers
-included; vLLM sends those frames zero-copy, so their copies through the
-``ipc://`` socket run on zmq's I/O threads, which no hop times, while
-mmshm's copy into a segment is inside this hop), ``engine_decode`` (the EngineCore's ``MsgpackDecoder.decode`` of
-such an ``EngineCoreRequest``: the frames' bytes; mmshm's materialize is inside),
+``ADD`` request with multimodal features: the bytes of every frame, its
+out-of-band tensor buffers included; vLLM sends those frames zero-copy, so
+their copies through the ``ipc://`` socket run on zmq's I/O threads, which no
+hop times, while mmshm's copy into a segment is inside this hop),
+``engine_decode`` (the EngineCore's ``MsgpackDecoder.decode`` of such an
+``EngineCoreRequest``: the frames' bytes; mmshm's materialize is inside),
 ``mq_enqueue`` (the scheduler-output ``MessageQueue.enqueue`` of a message
-that carries tensors: the bytes of those vLLM sends out of band, 1 MiB or
-more each, or of mmshm's handles) and ``mq_dequeue`` (a TP worker's ``dequeue`` of such a message,
-timed from the moment the message is there, not while waiting for it).
+that carries tensors: the bytes of those vLLM sends out of band, 1 MiB or more
+each, or of mmshm's handles) and ``mq_dequeue`` (a TP worker's ``dequeue`` of
+such a message, timed from the moment the message is there, not while waiting
+for it).
 
 Note: EngineCore views stay in the segment directory while vLLM's
 multimodal receiver cache holds them (``--mm-processor-cache-gb``); the
@@ -335,7 +337,7 @@ def _w_init_executor(wrapped, instance, args, kwargs):
     out = wrapped(*args, **kwargs)
     mq = getattr(instance, "rpc_broadcast_mq", None)
     if mq is not None:
-        _TIMED_QUEUES.add(mq)
+        _time_queue(mq, "EngineCore")
     if mq is None:
         _EXEC_STATE = ("off", "this node's EngineCore does not broadcast scheduler outputs "
                        "(multi-node data parallelism)", "nothing to do")
@@ -528,10 +530,6 @@ def _o_reduce_tensor(inner):
     return wrapper
 
 
-def _passthrough(wrapped, instance, args, kwargs):
-    return wrapped(*args, **kwargs)
-
-
 def _time_queue(mq, role: str) -> None:
     """Time ``mq``'s messages; a reader needs the pyzmq tap for messages too
     big for the ring (a WARNING names the hop it leaves untimed)."""
@@ -559,7 +557,7 @@ def _o_init_executor(wrapped, instance, args, kwargs):
     out = wrapped(*args, **kwargs)
     mq = getattr(instance, "rpc_broadcast_mq", None)
     if mq is not None:
-        _TIMED_QUEUES.add(mq)
+        _time_queue(mq, "EngineCore")
         if getattr(mq, "tensor_arena", None) is not None:
             _INSTRUMENTOR.path_off(
                 "EngineCore", "timing of mq_enqueue, mq_dequeue",
@@ -626,15 +624,15 @@ OPTIONAL_PATCHES: dict[tuple[str, str], object] = {
 #: Observe mode: the same boundaries, timed only (vLLM's own transport runs).
 OBSERVE_PATCHES: dict[tuple[str, str], object] = {
     (_CLIENT, "MPClient.__init__"): _o_client_init,
-    (_CLIENT, "SyncMPClient._send_input"): _o_send_input(_passthrough),
-    (_CLIENT, "AsyncMPClient._send_input"): _o_send_input(_passthrough),
+    (_CLIENT, "SyncMPClient._send_input"): _o_send_input(observe.passthrough),
+    (_CLIENT, "AsyncMPClient._send_input"): _o_send_input(observe.passthrough),
     (_SERIAL, "MsgpackEncoder.encode"): _o_encode,
     (_SERIAL, "MsgpackDecoder.decode"): _o_decode,
     (_CORE, "EngineCoreProc.process_input_sockets"): _o_process_input_sockets,
-    (_MQ, "MessageQueue.enqueue"): _o_queue(_passthrough, "mq_enqueue"),
-    (_MQ, "MessageQueue.dequeue"): _o_queue(_passthrough, "mq_dequeue"),
+    (_MQ, "MessageQueue.enqueue"): _o_queue(observe.passthrough, "mq_enqueue"),
+    (_MQ, "MessageQueue.dequeue"): _o_queue(observe.passthrough, "mq_dequeue"),
     (_MQ, "MessageQueue.acquire_read"): _o_acquire_read,
-    (_MQ, "_reduce_tensor"): _o_reduce_tensor(_passthrough),
+    (_MQ, "_reduce_tensor"): _o_reduce_tensor(observe.passthrough),
     (_EXEC, "MultiprocExecutor._init_executor"): _o_init_executor,
 }
 OBSERVE_OPTIONAL: dict[tuple[str, str], object] = {
