@@ -61,11 +61,23 @@ Observe mode (``MMSHM_MODE=observe``, ``mmshm run --observe``)
     (``unwrap_shm_features``: bytes of SGLang's shared-memory pointers turned
     back into tensors).
 
+Several nodes (``--nnodes > 1``)
+    SGLang's own transport is then ``default``: the tokenizer pickles the
+    pixels into its message and ``broadcast_pyobj`` sends that pickle to every
+    rank. Under mmshm the tokenizer -> TP rank 0 hop (one node) goes through
+    shared memory, and the broadcast carries metadata to the ranks of rank
+    0's node and each payload once to every other node, where one rank puts
+    it in a segment of its own node for its peers (:mod:`mmshm.multinode`).
+    The node layout decides, not SGLang's flag: 0.5.9-0.5.12 on one node with
+    ``--dist-init-addr`` keep shared memory. A node whose ranks run no mmshm
+    or another version is found on the first broadcast
+    (:func:`mmshm.node.handshake`): the group then carries its tensors
+    inline, with a WARNING naming the ranks.
+
 SGLang's own ``ShmPointerMMData`` is then never created, so its early
-unlink, barriers and n+1 segments play no part. mmshm is used only where
-SGLang itself would use shared memory (transport mode not ``default``, so not
-for multi-node TP) and with pickle IPC (``SGLANG_USE_PICKLE_IPC``, the
-default); otherwise SGLang's functions run unchanged.
+unlink, barriers and n+1 segments play no part. mmshm is used with pickle IPC
+(``SGLANG_USE_PICKLE_IPC``, the default) and a tokenizer process; otherwise
+SGLang's functions run unchanged.
 """
 
 from __future__ import annotations
@@ -96,6 +108,7 @@ PATH_REQUESTS = "multimodal tensors to the scheduler through shared memory"
 PATH_FANOUT = "parallel sampling (n>1) writes each tensor once"
 PATH_SCHED_IN = "requests materialized zero-copy on every TP rank"
 PATH_BROADCAST = "TP broadcast carries metadata only"
+PATH_MULTINODE = "multi-node: payload once per node"
 PATH_OBSERVE = ("observe mode: SGLang's own transport carries the tensors; timing each hop "
                 "(mmshm_ipc_seconds, transport=\"server\")")
 
@@ -118,20 +131,20 @@ def _server_args(mm):
 
 
 def _transport_off_reason() -> tuple[str, str] | None:
-    """``(reason, fix)`` when SGLang itself would not use shared memory here
-    (transport mode ``default``, no tokenizer, no pickle IPC), so neither
-    does mmshm; None when it would."""
+    """``(reason, fix)`` when mmshm cannot carry the tensors here (no
+    tokenizer, no pickle IPC); None when it can.
+
+    SGLang's own transport mode is not asked: it is ``default`` (pixels
+    pickled into the message and broadcast to every rank) whenever TP spans
+    nodes, and on 0.5.9-0.5.12 whenever ``--dist-init-addr`` is given, even on
+    one node. mmshm decides from the node layout instead: the tokenizer and
+    TP rank 0's scheduler are started together on node rank 0 by SGLang's
+    launcher (one node: shared memory), and :func:`mmshm.deferred_unwrap`
+    learns the TP group's nodes on its first broadcast (several nodes: each
+    payload crosses the network once per node, :mod:`mmshm.multinode`)."""
     mm = sys.modules.get(MM_UTILS)
     if mm is None:
         return ("sglang's mm_utils is not imported in this process",
-                "report this as an mmshm bug with the SGLang version")
-    try:
-        if mm._get_is_default_transport():
-            return ("SGLang's tensor transport is 'default' here (a multi-node deployment, or "
-                    "--dist-init-addr on 0.5.9-0.5.12): tensors are pickled into the message",
-                    "nothing to do across nodes; on one node, drop --dist-init-addr")
-    except Exception as exc:  # noqa: BLE001 - reporting never breaks a server
-        return (f"SGLang's transport mode could not be read ({exc})",
                 "report this as an mmshm bug with the SGLang version")
     try:
         if getattr(_server_args(mm), "skip_tokenizer_init", False):
@@ -522,11 +535,22 @@ def _tp_rank_size(scheduler) -> tuple[int | str, int]:
     return ("?" if rank is None else rank), (1 if size is None else size)
 
 
+def _nnodes(scheduler) -> int:
+    """The nodes SGLang was started on (``--nnodes``; 1 where unknown)."""
+    try:
+        return int(getattr(getattr(scheduler, "server_args", None), "nnodes", 1) or 1)
+    except (TypeError, ValueError):
+        return 1
+
+
 def _scheduler_ready(wrapped, instance, args, kwargs):
     """``Scheduler.__init__``: say what this scheduler (TP rank) does."""
     result = wrapped(*args, **kwargs)
     rank, size = _tp_rank_size(instance)
     on = [PATH_SCHED_IN] + ([f"{PATH_BROADCAST} ({size} ranks)"] if size > 1 else [])
+    nnodes = _nnodes(instance)
+    if size > 1 and nnodes > 1:
+        on.append(f"{PATH_MULTINODE} ({nnodes} nodes)")
     if size == 1:
         hops = ("scheduler_recv", "materialize")
     elif rank == 0:

@@ -66,7 +66,8 @@ from .metrics import (
     MATERIALIZE_SECONDS,
     REQUEST_FAILURES,
 )
-from .multinode import P2P_TAG, _NodePlan  # noqa: F401 - P2P_TAG re-exported
+from .multinode import P2P_TAG, HandleIndex, _NodePlan  # noqa: F401 - P2P_TAG re-exported
+from .receiving import unwrap_each
 from .walker import handles, transform
 
 log = logging.getLogger("mmshm")
@@ -320,6 +321,9 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
         plan: _NodePlan | None = None
         receivers = world - 1
         if world > 1:
+            if not node.handshake(dist_group).ok:  # a dict lookup after the first call
+                return _inline_broadcast(broadcast_fn, data, rank, dist_group, src, on_failure,
+                                         role, args, kwargs)
             lay = node.layout(dist_group)  # a dict lookup after the first call
             if not lay.single and src_group_rank is not None:
                 plan = _NodePlan(lay, dist_group, group_rank, src_group_rank)
@@ -344,7 +348,23 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
     return wrapper
 
 
-class _Unwrapper:
+def _inline_broadcast(broadcast_fn, data, rank, dist_group, src, on_failure, role, args,
+                      kwargs) -> list:
+    """The broadcast of a group whose ranks do not all run this mmshm
+    (:func:`mmshm.node.handshake`): the source rank materializes every handle
+    into a private tensor first (a request whose handles cannot be read
+    becomes ``on_failure(request, error)`` before it is sent, so every rank
+    gets the same), then ``broadcast_fn`` carries the tensors as the server's
+    own transport would; the other ranks receive tensors and unwrap nothing."""
+    if rank == src and data:
+        data = unwrap_each(list(data), on_failure or (lambda req, err: err))
+    t0 = time.perf_counter()
+    out = broadcast_fn(data, rank, dist_group, src, *args, **kwargs)
+    BROADCAST_SECONDS.labels(role=role).observe(time.perf_counter() - t0)
+    return out
+
+
+class _Unwrapper(HandleIndex):
     """Materializes the batch's handles, one walk per request.
 
     Handle objects are indexed batch-wide in order of first appearance; the
@@ -366,7 +386,7 @@ class _Unwrapper:
 
     def __init__(self, copy: bool):
         self.copy = copy
-        self.index: dict[int, int] = {}
+        self._positions: dict[int, int] = {}  # id(handle) -> index
         self.order: list[ShmTensor] = []
         self.state: list = []  # per handle: tensor, exception, or None
         self.current: list[int] = []
@@ -375,10 +395,10 @@ class _Unwrapper:
         self.mapped: dict[tuple[HandleMeta, str | None], torch.Tensor] = {}
         self.duplicates: dict[SegKey, int] = {}  # references to give back per segment
 
-    def _idx(self, h: ShmTensor) -> int:
-        idx = self.index.get(id(h))
+    def index(self, h: ShmTensor) -> int:
+        idx = self._positions.get(id(h))
         if idx is None:
-            idx = self.index[id(h)] = len(self.order)
+            idx = self._positions[id(h)] = len(self.order)
             self.order.append(h)
             self.state.append(None)
             self.wire_bytes += _HANDLE_WIRE_BYTES
@@ -388,7 +408,7 @@ class _Unwrapper:
         if not isinstance(x, ShmTensor):
             self.wire_bytes += x.numel() * x.element_size()
             return x
-        idx = self._idx(x)
+        idx = self.index(x)
         self.current.append(idx)
         st = self.state[idx]
         if isinstance(st, BaseException):
@@ -430,7 +450,7 @@ class _Unwrapper:
 
     def request_handles(self, req) -> list[int]:
         """Indices of every handle in ``req`` (after a walk that stopped early)."""
-        return list(dict.fromkeys(self._idx(h) for h in handles(req)))
+        return list(dict.fromkeys(self.index(h) for h in handles(req)))
 
 
 def _give_back(unw: _Unwrapper, idxs: list[int], stranded: np.ndarray, col: int) -> None:

@@ -61,6 +61,11 @@ Variables:
         string is hashed. Unset (the default): the identity comes from the
         system (boot id, IPC and mount namespace, segment directory). Meant for
         tests and for simulating several nodes on one machine.
+    MMSHM_HANDSHAKE_S: seconds a rank's first broadcast on a process group
+        waits for every peer rank to announce the same mmshm (default 60; see
+        :func:`mmshm.node.handshake`). A peer that never does (no mmshm on its
+        node, or another version) makes the whole group carry its tensors
+        inline, with a WARNING naming it.
 
 Bad values: a value a variable does not accept never stops a process. The
 settings fall back to that variable's default and log one WARNING naming the
@@ -281,6 +286,9 @@ VARIABLES: tuple[Variable, ...] = (
              "when a handle's content hash is computed"),
     Variable("MMSHM_NODE_ID", "node_id", _text, None, "any text",
              "overrides this process's node identity"),
+    Variable("MMSHM_HANDSHAKE_S", "handshake_s", _seconds(True), 60.0,
+             "a number of seconds above 0",
+             "a rank's first broadcast on a group waits this long for every peer's mmshm"),
     Variable("MMSHM_INSTRUMENT", None, _instrument, None,
              "a comma-separated list of instrumentors (sglang, vllm), or none",
              "instrumentors `mmshm run` loads (unset: sglang,vllm, each active only in a process that imports its server)"),
@@ -379,6 +387,7 @@ class Settings:
     in_flight_grace_s: float = 300.0
     debug_refs: bool = False
     mode: str = "shm"
+    handshake_s: float = 60.0
 
     @property
     def observe(self) -> bool:

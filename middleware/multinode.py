@@ -45,6 +45,27 @@ from .walker import handles
 P2P_TAG = 0x6D6D
 
 
+class HandleIndex:
+    """The interface between :mod:`mmshm.broadcast`'s walker and this module:
+    a broadcast batch's handles indexed in walk order (the same on every
+    rank). The broadcast's ``_Unwrapper`` is one; :class:`_NodePlan` reads
+    and replaces entries through these names only, and never imports the
+    broadcast.
+
+    Attributes:
+        order: the handles, by index (a plan swaps in this node's copies).
+        state: per index: the materialized tensor, the exception that
+            handle fails with, or None (not reached yet).
+    """
+
+    order: list[ShmTensor]
+    state: list
+
+    def index(self, h: ShmTensor) -> int:
+        """The index of handle object ``h``, appended if new."""
+        raise NotImplementedError
+
+
 class _NodePlan:
     """One broadcast's transfers when the TP group spans nodes.
 
@@ -62,9 +83,8 @@ class _NodePlan:
     3. every rank of the node replaces the foreign handles by the local ones
        before walking; failed handles raise their forwarded reason.
 
-    Each method's ``unw`` is the broadcast's walker
-    (:class:`mmshm.broadcast._Unwrapper`): its ``order`` (the handles, by
-    index), ``state`` (per index: tensor, exception or None) and ``_idx``.
+    Each method's ``unw`` is the broadcast's walker, a :class:`HandleIndex`
+    (:class:`mmshm.broadcast._Unwrapper`).
     """
 
     def __init__(self, lay: node.Layout, group, group_rank: int, src: int):
@@ -89,7 +109,7 @@ class _NodePlan:
     def prepare(self, unw, out: list) -> None:
         for req in out:
             for h in handles(req):
-                unw._idx(h)
+                unw.index(h)
         if self.on_src_node or not unw.order:
             return
         for h in unw.order:

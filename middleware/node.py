@@ -25,6 +25,15 @@ first call, which is therefore collective) and the answer is cached; a group
 whose ranks are all on one node takes the single-node path of
 :func:`mmshm.deferred_unwrap` with no further collective.
 
+:func:`handshake` finds version skew between the ranks of a group before any
+of mmshm's collectives: on its first broadcast on a group, every rank
+announces itself (mmshm's version, wire protocol, host and node identity)
+under its global rank in the default process group's key-value store and
+waits for every peer's announcement. A peer with no mmshm (it never
+announces) or another version makes the group carry its tensors inline:
+the first rank to decide stores the verdict (``compare_set``) and every rank
+follows the stored one, so no two ranks of a group ever disagree.
+
 Simulating ``K`` nodes on one machine (``mmshm bench --nodes K``): give each
 simulated node its own segment directory and node id with :func:`simulate`
 (in the rank process, before anything else of mmshm runs) or pass
@@ -35,15 +44,25 @@ sent to other nodes (also ``mmshm_internode_bytes_total``).
 
 from __future__ import annotations
 
+import datetime
+import logging
 import os
 import socket
 from dataclasses import dataclass
 
 import blake3
+import msgspec
 import torch.distributed as dist
 
 from . import config
 from .metrics import INTERNODE_BYTES
+
+log = logging.getLogger("mmshm")
+
+#: Version of what ranks of one group exchange (the broadcast's metadata,
+#: the failure agreement, the multi-node transfers); a peer announcing
+#: another one makes the group go inline (:func:`handshake`).
+PROTOCOL = 1
 
 NODE_ID_BITS = 32
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -211,12 +230,146 @@ def layout(group=None) -> Layout:
     dist.all_gather_object(idents, identity(), group=group)
     lay = Layout.from_identities(idents)
     _LAYOUTS[id(pg)] = (pg, lay)
+    if not lay.single:
+        log.info("mmshm: the process group of %d ranks spans %d nodes (group ranks by node: "
+                 "%s): each payload crosses to every other node once",
+                 world, lay.num_nodes, [list(m) for m in lay.nodes])
     return lay
 
 
 def forget_layouts() -> None:
     """Drop every cached layout (after destroying process groups)."""
     _LAYOUTS.clear()
+
+
+# -- the handshake: is every rank of a group running the same mmshm? ---------------
+_HELLO = "mmshm/hello/"
+_VERDICT = "mmshm/verdict/"
+
+
+class Hello(msgspec.Struct, frozen=True):
+    """What a rank announces: mmshm's ``version``, the wire ``protocol``,
+    the ``host`` name and its node ``identity`` (:func:`identity`)."""
+
+    version: str
+    protocol: int
+    host: str
+    identity: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A group's handshake result, the same on every rank of the group.
+
+    Attributes:
+        ok: every rank runs this mmshm (same version and protocol).
+        reason: why not, naming the ranks and their hosts ("" when ok).
+    """
+
+    ok: bool
+    reason: str = ""
+
+
+_VERDICTS: dict[int, tuple[object, Verdict]] = {}
+
+
+def _hello() -> Hello:
+    from . import __version__
+
+    return Hello(__version__, PROTOCOL, socket.gethostname(), identity())
+
+
+def _default_store():
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - no default group, or moved: no handshake
+        return None
+
+
+def _group_ranks(group) -> list[int]:
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def _judge(store, ranks: list[int], mine: Hello, wait_s: float) -> Verdict:
+    keys = [f"{_HELLO}{r}" for r in ranks]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=wait_s))
+    except Exception:  # noqa: BLE001 - timed out: someone never announced
+        pass
+    missing, other = [], []
+    for r, key in zip(ranks, keys):
+        if not store.check([key]):
+            missing.append(r)
+            continue
+        try:
+            theirs = msgspec.msgpack.decode(store.get(key), type=Hello)
+        except msgspec.MsgspecError:
+            other.append(f"rank {r} (an announcement this mmshm cannot read)")
+            continue
+        if (theirs.version, theirs.protocol) != (mine.version, mine.protocol):
+            other.append(f"rank {r} on {theirs.host} (mmshm {theirs.version}, "
+                         f"protocol {theirs.protocol})")
+    if not missing and not other:
+        return Verdict(True)
+    parts = []
+    if missing:
+        parts.append(f"rank(s) {missing} announced no mmshm within {wait_s:g} s "
+                     f"(MMSHM_HANDSHAKE_S): mmshm is not running there")
+    if other:
+        parts.append(", ".join(other) + f" run another mmshm than this one "
+                     f"({mine.version}, protocol {mine.protocol})")
+    return Verdict(False, "; ".join(parts))
+
+
+def handshake(group=None) -> Verdict:
+    """Whether every rank of ``group`` (default: the default group) runs this
+    mmshm, judged once per group and the same on every rank.
+
+    The first call on a group announces this rank (:class:`Hello`, under its
+    global rank in the default group's store) and waits up to
+    ``MMSHM_HANDSHAKE_S`` for every peer's announcement; the verdict goes
+    into the store with ``compare_set`` and every rank returns the stored
+    one. It is not a collective: a peer without mmshm never takes part, and
+    the wait bounds what that costs (once per group). Where the default
+    group has no store the ranks cannot be checked, and the verdict is ok.
+    Later calls are a dict lookup.
+
+    Returns:
+        :class:`Verdict`; a group whose verdict is not ok must carry its
+        tensors inline (:func:`mmshm.deferred_unwrap` does).
+    """
+    pg = _group_key(group)
+    hit = _VERDICTS.get(id(pg))
+    if hit is not None and hit[0] is pg:
+        return hit[1]
+    store = _default_store()
+    if store is None:
+        verdict = Verdict(True)
+    else:
+        mine = _hello()
+        store.set(f"{_HELLO}{dist.get_rank()}", msgspec.msgpack.encode(mine))
+        ranks = _group_ranks(group)
+        judged = _judge(store, ranks, mine, config.get().handshake_s)
+        key = _VERDICT + ",".join(map(str, ranks))
+        raw = judged.reason.encode() if not judged.ok else b"ok"
+        stored = store.compare_set(key, "", raw)
+        stored = bytes(stored) if not isinstance(stored, bytes) else stored
+        verdict = Verdict(True) if stored == b"ok" else Verdict(False, stored.decode())
+        if not verdict.ok:
+            log.warning("mmshm: the TP group of ranks %s carries its multimodal tensors "
+                        "inline: %s. Fix: install the same mmshm on every node and start "
+                        "each node's server under `mmshm run`", ranks, verdict.reason)
+    _VERDICTS[id(pg)] = (pg, verdict)
+    return verdict
+
+
+def forget_handshakes() -> None:
+    """Drop every cached verdict (after destroying process groups)."""
+    _VERDICTS.clear()
 
 
 # -- inter-node traffic ------------------------------------------------------------

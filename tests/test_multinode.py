@@ -314,6 +314,48 @@ def rank_one_node(rank: int, world: int, seed: int, dirs: list | None) -> dict:
             "sent": node.internode_bytes() - sent0, "payload": payload}
 
 
+def rank_skew(rank: int, world: int, base: str, seed: int, peer: str) -> dict:
+    """2 simulated nodes, one rank each; rank 1 runs no mmshm (``peer ==
+    "plain"``: SGLang's own ``broadcast_pyobj``) or another mmshm version
+    (``"other"``). Rank 0 broadcasts wrapped requests under the deferred
+    unwrap: the handshake finds the skew and both ranks get the tensors
+    inline, bytes equal, for two rounds."""
+    import logging
+
+    _enter_node(rank, world, base, 2)
+    if rank == 1 and peer == "other":
+        mmshm.__version__ = "0.0.9"
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("mmshm").addHandler(Keep())
+    plain = rank == 1 and peer == "plain"
+    bcast = mmshm.broadcast_pyobj if plain else mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
+    res: dict = {"rounds": []}
+    for rnd in range(2):
+        if rank == 0:
+            reqs = [mmshm.wrap(_mp._request(i, seed + rnd), min_bytes=1024) for i in range(2)]
+            out = bcast(reqs, rank, None, 0)
+            del reqs
+        else:
+            out = bcast(None, rank, None, 0)
+        res["rounds"].append({"handles": len(mmshm.handles(out)), "n": len(out)})
+        for i, req in enumerate(out):
+            _mp._check_request(req, i, seed + rnd)
+        del out, req
+        gc.collect()
+    if not plain:
+        v = node.handshake()
+        res["verdict"] = (v.ok, v.reason)
+    res["warnings"] = [m for m in records if "inline" in m]
+    res["sent"] = node.internode_bytes()
+    res["live"] = _live_files()
+    return res
+
+
 # -- multi-process tests ------------------------------------------------------------
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
@@ -555,3 +597,29 @@ def test_from_writer(shm_dir):
     assert z.materialize().shape == (0, 3)
     gc.collect()
     assert _mp.seg_files() == []
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("peer", ["plain", "other"])
+def test_version_skew_goes_inline_never_wrong_bytes(shm_dir, monkeypatch, peer):
+    """A node without mmshm, or with another version, is found by the
+    handshake before any of mmshm's collectives: the group carries its
+    tensors inline (bytes equal on both ranks), with a WARNING naming the
+    rank, and nothing is left in either node's directory."""
+    monkeypatch.setenv("MMSHM_HANDSHAKE_S", "3")
+    res = _mp.run_group(rank_skew, 2, shm_dir, 31, peer, timeout=150)
+    for r in (0, 1):
+        assert res[r]["rounds"] == [{"handles": 0, "n": 2}] * 2, (r, res[r])
+        assert res[r]["sent"] == 0  # no payload went over the multi-node path
+        assert res[r]["live"] == [], (r, res[r])
+    ok, reason = res[0]["verdict"]
+    assert ok is False
+    if peer == "plain":
+        assert "rank(s) [1] announced no mmshm within 3 s" in reason, reason
+    else:
+        assert "rank 1 on " in reason and "mmshm 0.0.9" in reason, reason
+        assert res[1]["verdict"] == res[0]["verdict"]  # one verdict for the group
+        assert len(res[1]["warnings"]) == 1
+    assert len(res[0]["warnings"]) == 1 and "ranks [0, 1]" in res[0]["warnings"][0]
+    _assert_nodes_empty(shm_dir, 2)
