@@ -34,15 +34,27 @@ segment, ``n`` references (``mmshm_fanout_copies_total`` counts the
 children, ``mmshm_references_handed_total{path="send"}`` the references).
 
 **EngineCore -> workers.** The ``MessageQueue`` that ``MultiprocExecutor``
-broadcasts scheduler outputs on (local readers only, no tensor arena) pickles
-every CPU tensor of at least ``MMSHM_MIN_BYTES`` as a handle: the writer adds
-one reference per reader before the message is written ("hand out before
-handing over"), and each worker materializes a zero-copy view while
-unpickling. A tensor that is already a view of a segment (the EngineCore got
-it from the frontend that way) is not copied at all: its segment only gets
-the readers' references. Enqueue-to-dequeue latency goes to
-``mmshm_broadcast_seconds{role="dst"}``, the writer's time in ``enqueue`` to
-``role="src"``.
+broadcasts scheduler outputs on (no tensor arena) pickles every CPU tensor of
+at least ``MMSHM_MIN_BYTES`` as a handle for the readers on the EngineCore's
+node (the ring's readers): the writer adds one reference per local reader
+before the message is written ("hand out before handing over"), and each
+worker materializes a zero-copy view while unpickling. A tensor that is
+already a view of a segment (the EngineCore got it from the frontend that
+way) is not copied at all: its segment only gets the readers' references.
+Enqueue-to-dequeue latency goes to ``mmshm_broadcast_seconds{role="dst"}``,
+the writer's time in ``enqueue`` to ``role="src"``.
+
+**Multi-node TP/PP** (``--nnodes``/``--node-rank``, ``--headless`` on the
+other nodes): the queue also has readers on other nodes, which vLLM serves
+over one zmq ``XPUB`` socket, the same frames to each. A handle is no use
+there (its segment is on this node), so such a queue's message is pickled
+twice: once with handles for the ring (local readers only, one reference
+each), once by vLLM alone, tensors inline, for the remote socket; the
+EngineCore's line says ``multi-node: N local readers through shared memory,
+M remote readers inline``, and the tensor bytes sent inline (once per
+remote reader) go to ``mmshm_internode_bytes_total``. Each serialization runs vLLM's own ``enqueue``
+on a view of the queue (:class:`_OnlyReaders`) that shows it one kind of
+reader; the queue itself is never changed.
 
 Any ``OSError`` while making a segment (ENOSPC, the budget guard, EMFILE)
 leaves that tensor on vLLM's own path (inline), counted in
@@ -83,7 +95,7 @@ import weakref
 import torch
 from mmshm import config, observe, receiving, sending
 from mmshm.instrumentor import Instrumentor, Target
-from mmshm.metrics import BROADCAST_SECONDS
+from mmshm.metrics import BROADCAST_SECONDS, INTERNODE_BYTES
 
 log = logging.getLogger("mmshm")
 
@@ -104,7 +116,8 @@ _QUEUES: weakref.WeakSet = weakref.WeakSet()  # MessageQueues whose tensors go t
 #: Views materialized from a frontend handle (and tensors this process put in
 #: a segment): tensor -> (wire bytes, HandleMeta); see mmshm.sending.SEGMENTS.
 _VIEWS = sending.SEGMENTS
-#: The EngineCore's scheduler-output queue: ("on", readers) or ("off", reason, fix).
+#: The EngineCore's scheduler-output queue: ("on", local readers, remote
+#: readers) or ("off", reason, fix).
 _EXEC_STATE: tuple | None = None
 
 #: Path names in the report lines and ``mmshm_path_enabled{path}``.
@@ -113,6 +126,9 @@ PATH_FANOUT = "parallel sampling (n>1) shares one segment per tensor"
 PATH_ENGINE_IN = "requests from the frontend materialized zero-copy"
 PATH_WORKERS = "scheduler outputs to the TP workers through shared memory"
 PATH_WORKER_IN = "scheduler outputs materialized zero-copy"
+#: A worker on another node than the EngineCore (a remote reader of its queue).
+PATH_WORKER_REMOTE = ("scheduler outputs inline from the EngineCore's node (vLLM's remote "
+                      "socket; no handle is sent across nodes)")
 _FIX_RELEASE = "run a vLLM release mmshm supports (0.32-0.33)"
 
 
@@ -268,7 +284,7 @@ def _w_process_input_sockets(wrapped, instance, args, kwargs):
     if state is None:
         on.append("one worker in this process (no scheduler-output broadcast)")
     elif state[0] == "on":
-        on.append(f"{PATH_WORKERS} ({state[1]} reader{'' if state[1] == 1 else 's'})")
+        on.append(f"{PATH_WORKERS} ({describe_readers(*state[1:])})")
     _INSTRUMENTOR.say("EngineCore", on,
                       [] if state is None or state[0] == "on" else [(PATH_WORKERS, *state[1:])])
     return wrapped(*args, **kwargs)
@@ -286,19 +302,62 @@ def _w_preprocess_add_request(wrapped, instance, args, kwargs):
 
 # -- EngineCore -> workers ----------------------------------------------------
 def enable_broadcast(mq) -> bool:
-    """Let mmshm carry the tensors of a writer ``MessageQueue``'s messages.
-    Refused (False) for a queue with remote readers or vLLM's tensor arena."""
-    if (not getattr(mq, "_is_writer", False) or getattr(mq, "n_remote_reader", 1) != 0
-            or getattr(mq, "n_local_reader", 0) < 1
+    """Let mmshm carry the tensors of a writer ``MessageQueue``'s messages to
+    its local readers (those on this node, reading the ring); its remote
+    readers, if any, keep getting them inline (see :func:`_w_enqueue`).
+    Refused (False) for a queue without local readers, or with vLLM's tensor
+    arena."""
+    if (not getattr(mq, "_is_writer", False) or getattr(mq, "n_local_reader", 0) < 1
             or getattr(mq, "tensor_arena", None) is not None):
         return False
     _QUEUES.add(mq)
     return True
 
 
+class _OnlyReaders:
+    """``mq`` as its ``enqueue`` sees it when only its local readers
+    (``local=True``: the ring) or only its remote readers (``local=False``:
+    vLLM's zmq remote socket) exist: those two counts are the view's own,
+    every other attribute is ``mq``'s (read and written through), so the
+    queue is never changed, whichever thread looks at it."""
+
+    __slots__ = ("_mq", "n_local_reader", "n_remote_reader")
+
+    def __init__(self, mq, local: bool):
+        object.__setattr__(self, "_mq", mq)
+        object.__setattr__(self, "n_local_reader", mq.n_local_reader if local else 0)
+        object.__setattr__(self, "n_remote_reader", 0 if local else mq.n_remote_reader)
+
+    def __getattr__(self, name):
+        return getattr(self._mq, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._mq, name, value)
+
+
+def describe_readers(n_local: int, n_remote: int) -> str:
+    """How a scheduler-output queue's readers get tensors, for the
+    EngineCore's line: ``"2 readers"``, or ``"multi-node: 1 local reader
+    through shared memory, 1 remote reader inline"``."""
+    def n(k, what):
+        return f"{k} {what}{'' if k == 1 else 's'}"
+
+    if not n_remote:
+        return n(n_local, "reader")
+    return (f"multi-node: {n(n_local, 'local reader')} through shared memory, "
+            f"{n(n_remote, 'remote reader')} inline")
+
+
+#: Inside the remote half of an enabled ``enqueue``: the tensor bytes pickled
+#: inline for the remote readers so far (a one-element list), else None.
+_INLINE_BYTES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "mmshm_vllm_inline", default=None)
+
+
 def _w_reduce_tensor(wrapped, instance, args, kwargs):
     """``_reduce_tensor`` (the queue's pickler): inside an enabled
-    ``enqueue``, a tensor becomes a handle with one reference per reader."""
+    ``enqueue``, a tensor becomes a handle with one reference per local
+    reader; for the remote readers it stays vLLM's (its bytes counted)."""
     box = sending.current_outbox()
     if box is not None and box.path == "broadcast" and args:
         t = args[0]
@@ -306,17 +365,50 @@ def _w_reduce_tensor(wrapped, instance, args, kwargs):
             h = box.put(t)
             if h is not None:
                 return receiving.rebuild, (h.encode(), box.t0)
+    inline = _INLINE_BYTES.get()
+    if inline is not None and args and isinstance(args[0], torch.Tensor):
+        inline[0] += args[0].numel() * args[0].element_size()
     return wrapped(*args, **kwargs)
 
 
 def _w_enqueue(wrapped, instance, args, kwargs):
+    """``MessageQueue.enqueue`` of an enabled queue (:func:`enable_broadcast`):
+    tensors as handles for the local readers, one reference each. A queue
+    that also has remote readers is written twice, in vLLM's order: the ring
+    (handles) first, then the remote socket (vLLM's own pickle, tensors
+    inline); the handles' references are handed over once the ring has the
+    message, whatever the remote send does."""
     if instance not in _QUEUES or config.get().disable:
         with sending.not_sending():
             return wrapped(*args, **kwargs)
-    with sending.sending(hops=instance.n_local_reader - 1, path="broadcast") as box:
-        out = wrapped(*args, **kwargs)
+    n_local = instance.n_local_reader
+    n_remote = getattr(instance, "n_remote_reader", 0)
+    enqueue = getattr(wrapped, "__func__", None)
+    if n_remote and enqueue is None:  # cannot give each kind of reader its own bytes
+        _INSTRUMENTOR.path_off(
+            "EngineCore", PATH_WORKERS, "MessageQueue.enqueue is not a plain method here "
+            "(another wrapper?), so local and remote readers cannot be written apart; every "
+            "reader gets the tensors inline", "report this as an mmshm bug with the vLLM "
+            "version and the other patches of MessageQueue.enqueue")
+        with sending.not_sending():
+            return wrapped(*args, **kwargs)
+    with sending.sending(hops=n_local - 1, path="broadcast") as box:
+        if n_remote:
+            out = enqueue(_OnlyReaders(instance, local=True), *args, **kwargs)
+        else:
+            out = wrapped(*args, **kwargs)
         if box.handles:
             BROADCAST_SECONDS.labels(role="src").observe(time.monotonic() - box.t0)
+    if n_remote:
+        inline = [0]
+        token = _INLINE_BYTES.set(inline)
+        try:
+            with sending.not_sending():  # no handle can reach another node
+                out = enqueue(_OnlyReaders(instance, local=False), *args, **kwargs)
+        finally:
+            _INLINE_BYTES.reset(token)
+        if inline[0]:  # vLLM's XPUB socket sends the same frames to each remote reader
+            INTERNODE_BYTES.inc(inline[0] * n_remote)
     return out
 
 
@@ -339,17 +431,19 @@ def _w_init_executor(wrapped, instance, args, kwargs):
     if mq is not None:
         _time_queue(mq, "EngineCore")
     if mq is None:
-        _EXEC_STATE = ("off", "this node's EngineCore does not broadcast scheduler outputs "
-                       "(multi-node data parallelism)", "nothing to do")
+        _EXEC_STATE = ("off", "this node's executor does not broadcast scheduler outputs (a "
+                       "headless node of multi-node TP/PP, or multi-node data parallelism)",
+                       "nothing to do")
     elif enable_broadcast(mq):
-        _EXEC_STATE = ("on", mq.n_local_reader)
+        _EXEC_STATE = ("on", mq.n_local_reader, getattr(mq, "n_remote_reader", 0))
     elif getattr(mq, "tensor_arena", None) is not None:
         _EXEC_STATE = ("off", "vLLM's shm tensor arena (--enable-shm-tensor-arena) carries "
                        "the tensors", "leave --enable-shm-tensor-arena off to let mmshm "
                        "carry them")
     else:
-        _EXEC_STATE = ("off", "the queue has readers on other nodes, so tensors stay on "
-                       "vLLM's path", "nothing to do for multi-node TP")
+        _EXEC_STATE = ("off", "every reader of the queue is on another node, so the tensors "
+                       "go inline on vLLM's remote socket", "nothing to do: run the TP "
+                       "workers of one node with the EngineCore to give them shared memory")
     return out
 
 
@@ -357,9 +451,12 @@ def _w_init_worker_queues(wrapped, instance, args, kwargs):
     out = wrapped(*args, **kwargs)
     try:
         rank = getattr(getattr(instance, "worker", None), "rank", "?")
-        if getattr(instance, "rpc_broadcast_mq", None) is not None:
-            _time_queue(instance.rpc_broadcast_mq, "worker")
-            _INSTRUMENTOR.say(f"worker (rank {rank})", [PATH_WORKER_IN])
+        mq = getattr(instance, "rpc_broadcast_mq", None)
+        if mq is not None:
+            _time_queue(mq, "worker")
+            _INSTRUMENTOR.say(f"worker (rank {rank})", [
+                PATH_WORKER_REMOTE if getattr(mq, "_is_remote_reader", False)
+                else PATH_WORKER_IN])
     except Exception as exc:  # noqa: BLE001 - never break a worker's start-up
         log.debug("mmshm: worker report failed: %s", exc)
     return out
@@ -694,6 +791,7 @@ __all__ = [
     "VLLMInstrumentor",
     "attach_encoder",
     "attach_provider",
+    "describe_readers",
     "enable_broadcast",
     "input_endpoint",
     "materialize_request_tensor",

@@ -421,9 +421,16 @@ def test_executor_hook_enables_only_local_arena_free_queues(instrumented, shm_di
 
             hook._self_wrapper(init, ex, (), {})
             assert (q in mv._QUEUES) is want
-        remote = SimpleNamespace(_is_writer=True, n_remote_reader=1, n_local_reader=1,
-                                 tensor_arena=None)
-        assert mv.enable_broadcast(remote) is False
+        # multi-node TP: local readers through mmshm, remote ones inline
+        multi = MessageQueue(2, 1, max_chunk_bytes=1 << 20, max_chunks=2, connect_ip="127.0.0.1")
+        ex = SimpleNamespace()
+        hook._self_wrapper(lambda: setattr(ex, "rpc_broadcast_mq", multi), ex, (), {})
+        assert multi in mv._QUEUES and mv._EXEC_STATE == ("on", 1, 1)
+        mv._QUEUES.discard(multi)
+        del multi, ex
+        every_reader_remote = SimpleNamespace(_is_writer=True, n_remote_reader=2,
+                                              n_local_reader=0, tensor_arena=None)
+        assert mv.enable_broadcast(every_reader_remote) is False
     finally:
         mv._QUEUES.discard(mq)
         del mq, arena
@@ -612,17 +619,36 @@ def test_parallel_sampling_async_shares_one_segment(eng, shm_dir):
 
 # -- EngineCore -> workers: the real MessageQueue ---------------------------------------
 class Readers:
-    def __init__(self):
+    """The real ``MessageQueue`` with reader processes (vllm_procs.reader_main).
+
+    * ``default`` and ``arena``: 2 local readers (ranks 0 and 1), vLLM's
+      default path and its tensor arena;
+    * ``multinode``: the queue of multi-node TP as ``MultiprocExecutor``
+      makes it on the EngineCore's node (3 readers, 2 of them local,
+      ``connect_ip`` 127.0.0.1): ranks 0 and 1 read the ring, rank 2 is on
+      simulated node 1 (its own ``MMSHM_DIR`` and ``MMSHM_NODE_ID``, so an
+      mmshm handle cannot be opened there) and reads vLLM's remote socket
+      over tcp, as a worker on another node does.
+    """
+
+    def __init__(self, node1_dir: str):
+        from mmshm import node
+
         self.queues = {
             "default": MessageQueue(2, 2, max_chunk_bytes=MQ_CHUNK),
             "arena": MessageQueue(2, 2, max_chunk_bytes=MQ_CHUNK, enable_shm_tensor_arena=True),
+            "multinode": MessageQueue(3, 2, max_chunk_bytes=MQ_CHUNK, connect_ip="127.0.0.1"),
         }
+        self.readers_of = {"default": [0, 1], "arena": [0, 1], "multinode": [0, 1, 2]}
+        #: Per rank, what its environment has on top of the test's MMSHM_*.
+        self.rank_env = {2: node.simulated_env(node1_dir, 1)}
         handles = {k: q.export_handle() for k, q in self.queues.items()}
         self.conns, self.procs = [], []
-        for rank in range(2):
+        for rank in range(3):
             conn, child = SPAWN.Pipe()
-            p = SPAWN.Process(target=vllm_procs.reader_main, args=(child, handles, rank, _env()),
-                              daemon=True)
+            mine = {k: h for k, h in handles.items() if rank in self.readers_of[k]}
+            p = SPAWN.Process(target=vllm_procs.reader_main,
+                              args=(child, mine, rank, self._env(rank)), daemon=True)
             p.start()
             _mp.SPAWNED_PIDS.add(p.pid)
             self.conns.append(conn)
@@ -630,22 +656,30 @@ class Readers:
         for c in self.conns:
             assert _recv(c, 300)[0] == "attached"
         for q in self.queues.values():  # bounded: a lost reader fails, never hangs
-            q.local_socket.setsockopt(zmq.RCVTIMEO, 120_000)
+            socks = [s for s in (q.local_socket, q.remote_socket) if s is not None]
+            for sock in socks:
+                sock.setsockopt(zmq.RCVTIMEO, 120_000)
             q.wait_until_ready()
-            q.local_socket.setsockopt(zmq.RCVTIMEO, -1)
+            for sock in socks:
+                sock.setsockopt(zmq.RCVTIMEO, -1)
         for c in self.conns:
             assert _recv(c) == "ready"
 
+    def _env(self, rank: int, **extra) -> dict:
+        return {**_env(**extra), **self.rank_env.get(rank, {})}
+
     def env(self, **extra) -> None:
-        for c in self.conns:
-            c.send(("env", _env(**extra)))
+        for rank, c in enumerate(self.conns):
+            c.send(("env", self._env(rank, **extra)))
         for c in self.conns:
             assert _recv(c) == "ok"
 
-    def run(self, queue: str, tensors, extra=None) -> list[dict]:
-        """Enqueue each tensor (waiting for both readers each time); return
-        per message the writer's enqueue time and both readers' reports."""
-        for c in self.conns:
+    def run(self, queue: str, tensors, extra=None, ranks=None) -> list[dict]:
+        """Enqueue each tensor (waiting for the readers each time); return per
+        message the writer's enqueue time and the readers' reports (those of
+        ``ranks``, default every reader of ``queue``, in rank order)."""
+        conns = [self.conns[r] for r in (self.readers_of[queue] if ranks is None else ranks)]
+        for c in conns:
             c.send(("read", queue, len(tensors)))
         q = self.queues[queue]
         out = []
@@ -655,16 +689,27 @@ class Readers:
             q.enqueue({"x": x, "t_enqueue": t0, **(extra or {})}, timeout=60)
             t_enq = time.monotonic() - t0
             del x
-            reports = [_recv(c) for c in self.conns]
+            reports = [_recv(c) for c in conns]
             out.append({"enqueue": t_enq, "readers": reports})
-        for c in self.conns:
+        for c in conns:
             assert _recv(c) == "done"
         return out
 
-    def metric(self, *args) -> list:
-        for c in self.conns:
+    def read(self, queue: str, ranks) -> list[dict]:
+        """One message already enqueued on ``queue``, as ``ranks`` read it."""
+        conns = [self.conns[r] for r in ranks]
+        for c in conns:
+            c.send(("read", queue, 1))
+        reports = [_recv(c) for c in conns]
+        for c in conns:
+            assert _recv(c) == "done"
+        return reports
+
+    def metric(self, *args, ranks=(0, 1)) -> list:
+        conns = [self.conns[r] for r in ranks]
+        for c in conns:
             c.send(("metric", *args))
-        return [_recv(c) for c in self.conns]
+        return [_recv(c) for c in conns]
 
     def close(self) -> None:
         for c in self.conns:
@@ -678,8 +723,8 @@ class Readers:
 
 
 @pytest.fixture(scope="module")
-def readers(instrumented):
-    r = Readers()
+def readers(instrumented, tmp_path_factory):
+    r = Readers(str(tmp_path_factory.mktemp("node1")))
     yield r
     r.close()
 
@@ -823,6 +868,90 @@ def test_message_queue_fallback_and_references(rdr, shm_dir, monkeypatch):
     finally:
         q.acquire_write = real
     del view
+    _assert_clean(shm_dir)
+
+
+def test_message_queue_multinode_local_handles_remote_inline(rdr, shm_dir):
+    """Multi-node TP (2 readers on the EngineCore's node, 1 on another): the
+    local readers materialize the tensor from an mmshm segment, the remote
+    reader gets vLLM's inline bytes (never a handle: it could not open one),
+    all bytes equal; each handle carries exactly one reference per local
+    reader, and nothing is left once the readers drop the message."""
+    mq = rdr.queues["multinode"]
+    assert (mq.n_local_reader, mq.n_remote_reader) == (2, 1)
+    assert mv.enable_broadcast(mq)
+    assert mv.describe_readers(2, 1) == ("multi-node: 2 local readers through shared "
+                                         "memory, 1 remote reader inline")
+    assert mv.describe_readers(1, 1) == ("multi-node: 1 local reader through shared "
+                                         "memory, 1 remote reader inline")
+    image = _image(7)
+    want = {"x": vllm_procs.digest(image)}
+    refs0 = _metric("mmshm_references_handed_total", {"path": "broadcast"})
+    inter0 = _metric("mmshm_internode_bytes_total")
+    # one message written before anyone reads: the handle's references, in flight
+    mq.enqueue({"x": image, "t_enqueue": time.monotonic()}, timeout=60)
+    [name] = _segments(shm_dir)
+    assert segment.attach(name).refcount() == 2  # one per local reader, none for the writer
+    assert _metric("mmshm_references_handed_total", {"path": "broadcast"}) - refs0 == 2
+    assert _metric("mmshm_internode_bytes_total") - inter0 == image.nbytes
+    reports = rdr.read("multinode", [0, 1, 2])
+    # then a fresh tensor and one already in the frontend's segment, read as they come
+    rows = [{"readers": reports}] + rdr.run(
+        "multinode", [lambda: image, lambda: _frontend_view(image)])
+    for row in rows:
+        local, remote = row["readers"][:2], row["readers"][2]
+        for r in local:
+            assert "error" not in r and not r["remote"], r
+            assert r["digests"] == want and r["shared"] == ["x"]
+        assert "error" not in remote and remote["remote"], remote
+        assert remote["digests"] == want and remote["shared"] == []
+    assert _metric("mmshm_references_handed_total", {"path": "broadcast"}) - refs0 == 6
+    assert _metric("mmshm_internode_bytes_total") - inter0 == 3 * image.nbytes
+    [failures] = rdr.metric("mmshm_materialize_failures_total", {"reason": "wrong_node"},
+                            ranks=(2,))
+    assert not failures  # the remote reader never saw a handle
+    _assert_clean(shm_dir)
+
+
+def test_message_queue_multinode_failures_keep_references(rdr, shm_dir):
+    """A remote send that fails after the ring has the message: the local
+    readers still materialize it and give its references back. A ring write
+    that fails: nothing reaches anyone, every reference is given back."""
+    mq = rdr.queues["multinode"]
+    assert mv.enable_broadcast(mq)
+    x = torch.randn(512, 1024)
+    want = {"x": vllm_procs.digest(x)}
+
+    class Down:
+        def send_multipart(self, *a, **k):
+            raise OSError("remote socket down")
+
+    real = mq.remote_socket
+    mq.remote_socket = Down()
+    try:
+        with pytest.raises(OSError, match="remote socket down"):
+            mq.enqueue({"x": x, "t_enqueue": 0.0}, timeout=60)
+    finally:
+        mq.remote_socket = real
+    for r in rdr.read("multinode", [0, 1]):
+        assert "error" not in r and r["digests"] == want and r["shared"] == ["x"]
+    _assert_clean(shm_dir)
+
+    def boom(*a, **k):
+        raise TimeoutError("no free chunk")
+
+    mq.acquire_write = boom  # the instance's, read through the reader view
+    try:
+        with pytest.raises(TimeoutError):
+            mq.enqueue({"x": x, "t_enqueue": 0.0}, timeout=60)
+        assert _segments(shm_dir) == []
+    finally:
+        del mq.acquire_write
+    # nobody got the failed message: the next one is the first each reader sees
+    [row] = rdr.run("multinode", [lambda: x], {"marker": torch.tensor(7)})
+    for r in row["readers"]:
+        assert "error" not in r and r["digests"]["x"] == want["x"]
+        assert r["digests"]["marker"] == vllm_procs.digest(torch.tensor(7))
     _assert_clean(shm_dir)
 
 

@@ -8,7 +8,9 @@ the test sends ``(command, *args)`` and reads one reply per command.
   ``EngineCoreProc.process_input_sockets`` (patched by mmshm) in its thread,
   with the real ``MsgpackDecoder`` and the real ``preprocess_add_request``,
   on a bare ``EngineCoreProc`` object (no model, no scheduler).
-* :func:`reader_main` is a TP worker: a real ``MessageQueue`` reader.
+* :func:`reader_main` is a TP worker: a real ``MessageQueue`` reader, local
+  (the ring) or remote (vLLM's zmq remote socket, as a worker on another node
+  reads it).
 """
 
 from __future__ import annotations
@@ -187,17 +189,22 @@ def reader_main(conn, handles: dict, rank: int, env: dict) -> None:
 
         queues = {}
         for name, h in handles.items():
+            if rank not in h.local_reader_ranks and h.remote_subscribe_addr is None:
+                continue  # not a reader of this queue
             queues[name] = MessageQueue.create_from_handle(h, rank)
+            if queues[name]._is_remote_reader:
+                continue  # no ring: vLLM's remote socket
             if not hasattr(queues[name].buffer, "shared_memory"):  # vLLM defers this failure
                 raise RuntimeError(f"ring buffer {h.buffer_handle[-1]} of queue {name!r} is gone "
                                    "from /dev/shm (another process removed it)")
         conn.send(("attached", os.getpid()))
         import zmq
 
-        for name in handles:  # bounded: a lost writer fails, never hangs
-            queues[name].local_socket.setsockopt(zmq.RCVTIMEO, 120_000)
-            queues[name].wait_until_ready()
-            queues[name].local_socket.setsockopt(zmq.RCVTIMEO, -1)
+        for q in queues.values():  # bounded: a lost writer fails, never hangs
+            sock = q.remote_socket if q._is_remote_reader else q.local_socket
+            sock.setsockopt(zmq.RCVTIMEO, 120_000)
+            q.wait_until_ready()
+            sock.setsockopt(zmq.RCVTIMEO, -1)
         conn.send("ready")
 
         def read(name, count):  # one report per message, then "done"
@@ -230,7 +237,8 @@ def _read_one(mq) -> dict:
     tensors = flat_tensors(obj)
     return {"t_enqueue": obj["t_enqueue"], "t_dequeue": t1, "t_touch": t2,
             "digests": {k: digest(v) for k, v in tensors.items()},
-            "shared": [k for k, v in tensors.items() if _is_segment_view(v)]}
+            "shared": [k for k, v in tensors.items() if _is_segment_view(v)],
+            "remote": bool(mq._is_remote_reader)}
 
 
 def _is_segment_view(t: torch.Tensor) -> bool:
