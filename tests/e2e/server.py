@@ -92,13 +92,28 @@ class Server:
 
     # -- life cycle -------------------------------------------------------------
     def start(self) -> Server:
-        t0 = time.monotonic()
+        """Launch the server and wait until ``GET /health`` answers 200."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> Server:
+        """Start the process group without waiting for it (several processes
+        that must start together, e.g. the nodes of one multi-node server,
+        are launched first and then waited for with :meth:`wait_ready`)."""
+        self._t0 = time.monotonic()
         self._shm_before = set(os.listdir("/dev/shm"))
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, cwd=ROOT)
         _LIVE.add(self.proc.pid)
+        return self
+
+    def wait_ready(self) -> Server:
+        """Wait up to ``ready_timeout_s`` from :meth:`launch` for ``GET
+        /health`` to answer 200; kill the group and raise :class:`ServerDied`
+        if it exits or does not become ready."""
+        assert self.proc is not None
+        t0 = self._t0
         deadline = t0 + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -249,6 +264,20 @@ def series(text: str, name: str) -> list[tuple[dict, float]]:
 
     return [(dict(s.labels), s.value) for fam in text_string_to_metric_families(text)
             for s in fam.samples if s.name == name]
+
+
+_PHOTOS: dict[int, str] = {}
+
+
+def photo_url(i: int) -> str:
+    """Photo ``i`` of scikit-image's bundled set, at 720p, as a PNG data URL
+    (cached: each is encoded once per test session)."""
+    if i not in _PHOTOS:
+        from mmshm.bench.photos import _load_rgb, available_photos
+
+        names = available_photos()
+        _PHOTOS[i] = data_url(_load_rgb(names[i % len(names)], (1280, 720)))
+    return _PHOTOS[i]
 
 
 def data_url(img, fmt: str = "PNG") -> str:

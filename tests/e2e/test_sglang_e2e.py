@@ -151,18 +151,8 @@ def _clear(env) -> None:
 
 
 # -- requests ------------------------------------------------------------------------
-_PHOTOS: dict[int, str] = {}
-
-
 def _photo_url(i: int) -> str:
-    """Photo ``i`` of scikit-image's bundled set, at 720p, as a PNG data URL."""
-    if i not in _PHOTOS:
-        from mmshm.bench.photos import _load_rgb, available_photos
-
-        server = _import_server()
-        names = available_photos()
-        _PHOTOS[i] = server.data_url(_load_rgb(names[i % len(names)], (1280, 720)))
-    return _PHOTOS[i]
+    return _import_server().photo_url(i)
 
 
 def _ask(srv, photo: int, n: int = 1, text: str = "Describe the picture."):

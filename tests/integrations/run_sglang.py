@@ -8,7 +8,9 @@ Usage::
         [--no-e2e | --e2e-only] [-- PYTEST ARGS]
 
 After the module-level tests, the real-server e2e tests
-(tests/e2e/test_sglang_e2e.py) run for 0.5.9 and 0.5.23 in
+(tests/e2e/test_sglang_e2e.py on one node, then
+tests/e2e/test_sglang_multinode_e2e.py on two simulated nodes) run for 0.5.9
+and 0.5.23 in
 ``.venvs/sglang-<version>-server`` (the lean environment plus what a server
 needs, and the stubs installed as packages); ``--no-e2e`` skips them.
 
@@ -75,7 +77,9 @@ SERVER: dict[str, list[str]] = {
 #: ``--grammar-backend none``; 0.5.23 imports it for function calling).
 SERVER_NO_DEPS: dict[str, list[str]] = {"0.5.9": [], "0.5.23": ["xgrammar==0.2.7"]}
 STUBS = ROOT / "tests" / "integrations" / "stubs"
-E2E_TESTS = ROOT / "tests" / "e2e" / "test_sglang_e2e.py"
+#: One node (test_sglang_e2e.py), then two simulated nodes (--nnodes 2).
+E2E_TESTS = [ROOT / "tests" / "e2e" / "test_sglang_e2e.py",
+             ROOT / "tests" / "e2e" / "test_sglang_multinode_e2e.py"]
 
 
 def _site_packages(prefix: Path) -> Path:
@@ -184,9 +188,9 @@ def run(release: str, pytest_args: list[str], setup_only: bool,
     env.pop("PYTHONPATH", None)
     if e2e:
         env["MMSHM_E2E"] = "sglang"
-    tests = E2E_TESTS if e2e else TESTS
+    tests = E2E_TESTS if e2e else [TESTS]
     cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider",
-           "-p", "no:benchmark", str(tests), "-q", "-rs", *pytest_args]
+           "-p", "no:benchmark", *map(str, tests), "-q", "-rs", *pytest_args]
     t1 = time.monotonic()
     print(f"--- SGLang {release} ({'e2e' if e2e else 'module'}): {' '.join(cmd[1:])}",
           flush=True)

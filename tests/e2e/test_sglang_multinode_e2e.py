@@ -1,0 +1,330 @@
+"""mmshm against a real SGLang server (0.5.9, 0.5.23) whose TP group spans
+two nodes: ``--tp 2 --nnodes 2`` on CPU, one rank per node, real photos.
+
+Two nodes on one machine: each node's ``sglang.launch_server`` runs in its
+own mount namespace whose /dev/shm is a tmpfs of its own (the test mounts it
+on a host path and bind-mounts it there, so it can look in from outside),
+bound to a core of its own (``taskset``), and the nodes talk over 127.0.0.1
+only. mmshm tells them apart as a real deployment would: a node is what can
+open the same segments (:mod:`mmshm.node`: the mount namespace and the
+segment directory differ).
+
+Run by ``tests/integrations/run_sglang.py`` after the single-node e2e, in
+``.venvs/sglang-<version>-server``. The phases share one state and run in
+file order, each starting both nodes once:
+
+1. SGLang's own transport, timed by observe mode (the plain reference):
+   greedy texts, and the bytes its ``broadcast_pyobj`` carries to the other
+   node (the pickled pixels); nothing made in either /dev/shm.
+2. under ``mmshm run`` on both nodes: the same texts; per request, the
+   payload crosses to node 1 once (``mmshm_internode_bytes_total`` = the
+   bytes mmshm wrote, x (nodes - 1)) and the broadcast carries metadata
+   only; n=2 writes the photo once; then node 1's processes are SIGKILLed
+   while its pool holds the photo's segment.
+3. under ``mmshm run`` again: node 1 reclaims the killed node's segments
+   before its first request; a graceful stop leaves nothing on either node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import needs_e2e
+
+pytestmark = [needs_e2e("sglang"),
+              pytest.mark.skipif(not (os.geteuid() == 0 and shutil.which("unshare")
+                                      and shutil.which("taskset")),
+                                 reason="two simulated nodes need root, unshare and taskset "
+                                        "(a mount namespace and a core each)")]
+
+RELEASE = os.environ.get("MMSHM_SGLANG_RELEASE", "0.0.0")
+V = tuple(int(x) for x in RELEASE.split("."))
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"
+NODES = 2
+TP = 2
+MAX_TOKENS = 8
+#: 256 MiB per node: room for SGLang's own files, a pooled photo and the next
+GREEDY = [(0, "Describe the picture."), (1, "What is in it?")]
+#: a broadcast's metadata for one request stays below this (bytes)
+METADATA_MAX = 100_000
+
+S: dict = {}
+
+
+def _server():
+    sys.path.insert(0, str(Path(__file__).parent))
+    import server
+
+    return server
+
+
+@pytest.fixture(scope="module")
+def env(request):
+    """The model, the logs, and one tmpfs per node that becomes its /dev/shm."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import tiny_model
+
+    tiny_model.build(MODEL_DIR)
+    logs = Path(tempfile.mkdtemp(prefix=f"sglang-multinode-{RELEASE}-"))
+    shms = []
+    try:
+        for k in range(NODES):
+            d = Path(tempfile.mkdtemp(prefix=f"mmshm-node{k}-shm-"))
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=1777", "tmpfs",
+                            str(d)], check=True)
+            shms.append(d)
+        print(f"\nSGLang {RELEASE} multi-node e2e: logs in {logs}", flush=True)
+        yield {"logs": logs, "shm": shms}
+    finally:
+        (logs / "figures.json").write_text(json.dumps(S, indent=1, default=str))
+        capture = request.config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled():
+            print(f"\nSGLang {RELEASE} multi-node e2e figures (also in {logs}/figures.json):")
+            for k, v in S.items():
+                print(f"  {k}: {v}")
+        _server()._kill_all()
+        for d in shms:
+            subprocess.run(["umount", "-l", str(d)], check=False)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+class Nodes:
+    """One SGLang server on two simulated nodes: node 0 runs the HTTP server,
+    the tokenizer and TP rank 0; node 1 runs TP rank 1 (and SGLang's dummy
+    health endpoint). Under mmshm, node 1's own exporter
+    (``MMSHM_METRICS_PORT``) shows its processes' metrics."""
+
+    def __init__(self, env, name: str, mode: str, node1_pool_idle_s: str = "2"):
+        srv = _server()
+        dist_port = srv.free_port()
+        self.metrics_port = srv.free_port()
+        self.shm = env["shm"]
+        self.nodes = []
+        for k in range(NODES):
+            port = srv.free_port()
+            argv = srv.sglang_argv(MODEL_DIR, port, TP, V) + [
+                "--nnodes", str(NODES), "--node-rank", str(k),
+                "--dist-init-addr", f"127.0.0.1:{dist_port}"]
+            e = srv.sglang_env(MMSHM_DIR="/dev/shm", MMSHM_REAP_INTERVAL_S="60",
+                               MMSHM_POOL_IDLE_S=node1_pool_idle_s if k else "2")
+            if mode == "observe":
+                e["MMSHM_MODE"] = "observe"
+            if k:
+                e["MMSHM_METRICS_PORT"] = str(self.metrics_port)
+            prefix = ["unshare", "-m", "sh", "-c",
+                      (f"mount --make-rprivate / && mount --bind {self.shm[k]} /dev/shm && "
+                       f'exec taskset -c {k} "$0" "$@"')]
+            self.nodes.append(srv.Server(argv, port, env["logs"] / f"{name}-node{k}.log",
+                                         env=e, mmshm_run=True, prefix=prefix,
+                                         ready_timeout_s=400))
+        t0 = time.monotonic()
+        for n in self.nodes:  # node 1's ranks wait for node 0's in the dist init
+            n.launch()
+        try:
+            for n in self.nodes:
+                n.wait_ready()
+        except BaseException:
+            self.kill()
+            raise
+        S.setdefault("startup_s", {})[name] = round(time.monotonic() - t0, 1)
+        print(f"  {name}: both nodes ready in {S['startup_s'][name]:.0f} s", flush=True)
+
+    def ask(self, photo: int, text: str, n: int = 1) -> list[str]:
+        """One chat request with one photo: greedy for n=1, seeded for n>1."""
+        r = self.nodes[0].client(timeout_s=600).chat.completions.create(
+            model="default", max_tokens=MAX_TOKENS, n=n, seed=7,
+            temperature=0.0 if n == 1 else 0.8,
+            messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": _server().photo_url(photo)}},
+                {"type": "text", "text": text}]}])
+        assert len(r.choices) == n
+        return [c.message.content for c in r.choices]
+
+    def metrics(self, k: int) -> str:
+        """Node ``k``'s exposition (node 0: SGLang's /metrics, which merges
+        mmshm's; node 1: mmshm's exporter)."""
+        if k == 0:
+            return self.nodes[0].metrics_text()
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=30) as r:
+            return r.read().decode()
+
+    def segments(self, k: int) -> list[str]:
+        return _server().segments(self.shm[k])
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop(signal.SIGTERM, timeout_s=60)
+
+    def kill(self) -> None:
+        for n in self.nodes:
+            n.kill()
+
+
+def _m(text: str, name: str, **labels) -> float:
+    return _server().metric(text, name, **labels)
+
+
+def _delta(before: str, after: str, name: str, **labels) -> float:
+    return _m(after, name, **labels) - _m(before, name, **labels)
+
+
+def _hop_bytes(before: str, after: str, hop: str, transport: str) -> float:
+    return _delta(before, after, "mmshm_ipc_bytes_sum", server="sglang", hop=hop,
+                  transport=transport)
+
+
+def _wait_no_segments(nodes: Nodes, timeout_s: float = 30.0) -> list[list[str]]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(nodes.segments(k) for k in range(NODES)):
+        time.sleep(0.5)
+    return [nodes.segments(k) for k in range(NODES)]
+
+
+def _others(env) -> list[list[str]]:
+    """What is left in each node's /dev/shm besides mmshm's segments
+    (SGLang's own files, for the record)."""
+    return [sorted(n for n in os.listdir(d) if not n.startswith("mmshm-")) for d in env["shm"]]
+
+
+# -- 1. SGLang's own transport across nodes ---------------------------------------------
+@pytest.mark.timeout(900)
+def test_plain_across_nodes(env):
+    """The reference: SGLang's ``default`` transport pickles the pixels into
+    the broadcast that reaches node 1 (observe mode times it)."""
+    t0 = time.monotonic()
+    g = Nodes(env, "observe", "observe")
+    try:
+        S["plain"], S["plain_internode_bytes"] = [], []
+        for photo, text in GREEDY:
+            m0 = g.metrics(0)
+            S["plain"].append(g.ask(photo, text)[0])
+            m1 = g.metrics(0)
+            # what torch.distributed.broadcast carried from rank 0: the pickled
+            # request, pixels included, once per remote rank (1 here)
+            sent = _hop_bytes(m0, m1, "broadcast_src", "server")
+            assert sent > 4784 * 1176 * 4, sent  # the pixels were pickled into it
+            S["plain_internode_bytes"].append(sent * (TP - 1))
+        m0 = g.metrics(0)
+        S["plain_n2"] = g.ask(0, "Describe the picture.", n=2)
+        S["plain_n2_internode_bytes"] = _hop_bytes(m0, g.metrics(0), "broadcast_src",
+                                                   "server") * (TP - 1)
+        node1 = g.metrics(1)
+        S["plain_node1_received_bytes"] = _m(node1, "mmshm_ipc_bytes_sum", server="sglang",
+                                             hop="broadcast_dst", transport="server")
+        assert S["plain_node1_received_bytes"] >= sum(S["plain_internode_bytes"])
+        assert _m(g.metrics(0), "mmshm_segments_created_total") == 0
+        assert [g.segments(k) for k in range(NODES)] == [[], []]
+        g.stop()
+        S["plain_left_after_stop"] = [g.segments(k) for k in range(NODES)]
+        S["plain_others_after_stop"] = _others(env)
+        assert S["plain_left_after_stop"] == [[], []]
+    finally:
+        g.kill()
+        S.setdefault("phase_s", {})["observe"] = round(time.monotonic() - t0, 1)
+
+
+# -- 2. mmshm on both nodes -------------------------------------------------------------
+@pytest.mark.timeout(900)
+def test_mmshm_across_nodes(env):
+    """Each payload crosses to node 1 once; answers equal; then node 1 dies."""
+    assert S.get("plain"), "the plain phase did not run"
+    t0 = time.monotonic()
+    # node 1's pool keeps an idle photo segment for 10 minutes: it is what
+    # the SIGKILL below leaves behind
+    g = Nodes(env, "mmshm", "shm", node1_pool_idle_s="600")
+    try:
+        texts, per_req = [], []
+        for photo, text in GREEDY:
+            a0, b0 = g.metrics(0), g.metrics(1)
+            texts.append(g.ask(photo, text)[0])
+            a1, b1 = g.metrics(0), g.metrics(1)
+            written = _delta(a0, a1, "mmshm_shm_written_bytes_total")
+            r = {"written": written,
+                 "internode": _delta(a0, a1, "mmshm_internode_bytes_total"),
+                 "metadata": _delta(a0, a1, "mmshm_broadcast_bytes_sum", role="src"),
+                 "node1_segments": _delta(b0, b1, "mmshm_segments_created_total"),
+                 "node1_pool_hits": _delta(b0, b1, "mmshm_pool_requests_total", result="hit"),
+                 "broadcast_src_ms": 1e3 * _delta(a0, a1, "mmshm_ipc_seconds_sum",
+                                                  server="sglang", hop="broadcast_src",
+                                                  transport="mmshm")}
+            per_req.append(r)
+            assert written >= 4784 * 1176 * 4, r
+            # the payload crossed to the other node once: payload x (nodes - 1)
+            assert r["internode"] == written * (NODES - 1), r
+            assert 0 < r["metadata"] < METADATA_MAX, r
+            # node 1's leader put it in a segment of its own node (new or pooled)
+            assert r["node1_segments"] + r["node1_pool_hits"] == 1, r
+        S["mmshm"], S["mmshm_per_request"] = texts, per_req
+        assert texts == S["plain"]
+        a0 = g.metrics(0)
+        S["mmshm_n2"] = g.ask(0, "Describe the picture.", n=2)
+        a1 = g.metrics(0)
+        n2 = {"written": _delta(a0, a1, "mmshm_shm_written_bytes_total"),
+              "internode": _delta(a0, a1, "mmshm_internode_bytes_total"),
+              "fanout_copies": _delta(a0, a1, "mmshm_fanout_copies_total")}
+        S["mmshm_n2_figures"] = n2
+        # written once for the warm-up and both samples; it crosses once per
+        # broadcast that carries it (the warm-up's, then the samples')
+        assert n2["written"] == per_req[0]["written"], n2
+        assert n2["fanout_copies"] == 3, n2
+        assert n2["internode"] in (2 * n2["written"], 3 * n2["written"]), n2
+        m0, m1 = g.metrics(0), g.metrics(1)
+        for m in (m0, m1):
+            assert sum(_m(m, "mmshm_inline_fallbacks_total", reason=r)
+                       for r in ("enospc", "budget", "emfile", "other")) == 0
+            assert _m(m, "mmshm_materialize_failures_total", reason="other") == 0
+        S["mmshm_node1_created"] = _m(m1, "mmshm_segments_created_total")
+        # node 0's segments go back to its pool and out after 2 s; node 1's
+        # pool keeps the photo
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and g.segments(0):
+            time.sleep(0.5)
+        assert g.segments(0) == []
+        S["left_on_node1_before_kill"] = g.segments(1)
+        assert S["left_on_node1_before_kill"], "node 1's pool holds nothing to leave behind"
+        g.nodes[1].kill()  # SIGKILL: node 1's processes, with their pool
+        S["left_on_node1_after_kill"] = g.segments(1)
+        assert S["left_on_node1_after_kill"] == S["left_on_node1_before_kill"]
+        g.nodes[0].kill()  # its TP peer is gone: SGLang cannot go on
+    finally:
+        g.kill()
+        S.setdefault("phase_s", {})["mmshm"] = round(time.monotonic() - t0, 1)
+
+
+# -- 3. the restarted group ----------------------------------------------------------
+@pytest.mark.timeout(900)
+def test_restart_reclaims_on_each_node_and_stops_clean(env):
+    left = S.get("left_on_node1_after_kill")
+    if not left:
+        pytest.skip("the mmshm phase left nothing to reclaim")
+    t0 = time.monotonic()
+    g = Nodes(env, "mmshm-restart", "shm")
+    try:
+        # node 1 reclaimed the killed processes' segments as it started,
+        # before its first request
+        assert not set(g.segments(1)) & set(left), "the killed node's segments are still there"
+        S["node1_reaped_at_start"] = _m(g.metrics(1), "mmshm_reaped_segments_total",
+                                        reason="killed")
+        assert S["node1_reaped_at_start"] >= len(left)
+        assert g.ask(*GREEDY[0])[0] == S["plain"][0]
+        S["left_before_stop"] = _wait_no_segments(g)
+        assert S["left_before_stop"] == [[], []]
+        g.stop()
+        S["left_after_stop"] = [g.segments(k) for k in range(NODES)]
+        S["others_after_stop"] = _others(env)
+        assert S["left_after_stop"] == [[], []]
+    finally:
+        g.kill()
+        S.setdefault("phase_s", {})["mmshm-restart"] = round(time.monotonic() - t0, 1)
