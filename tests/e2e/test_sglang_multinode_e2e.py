@@ -23,6 +23,10 @@ file order, each starting both nodes once:
    while its pool holds the photo's segment.
 3. under ``mmshm run`` again: node 1 reclaims the killed node's segments
    before its first request; a graceful stop leaves nothing on either node.
+4. ``--tp 4`` (two ranks per node, a 4-head build of the tiny model),
+   observed then under mmshm: the answer is the same, and plain sends the
+   pixels to each of node 1's ranks where mmshm sends them once to the node
+   (inter-node bytes plain / mmshm = 2).
 """
 
 from __future__ import annotations
@@ -51,10 +55,13 @@ RELEASE = os.environ.get("MMSHM_SGLANG_RELEASE", "0.0.0")
 V = tuple(int(x) for x in RELEASE.split("."))
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"
+#: the same tiny Qwen2-VL with 4 heads, which TP=4 can shard
+MODEL4_DIR = ROOT / ".venvs" / "tiny-qwen2-vl-4heads"
 NODES = 2
 TP = 2
+#: two ranks on each node: where a node's leader shares what it received
+TP4 = 4
 MAX_TOKENS = 8
-#: 256 MiB per node: room for SGLang's own files, a pooled photo and the next
 GREEDY = [(0, "Describe the picture."), (1, "What is in it?")]
 #: a broadcast's metadata for one request stays below this (bytes)
 METADATA_MAX = 100_000
@@ -76,6 +83,7 @@ def env(request):
     import tiny_model
 
     tiny_model.build(MODEL_DIR)
+    model4 = tiny_model.build(MODEL4_DIR, heads=4)
     logs = Path(tempfile.mkdtemp(prefix=f"sglang-multinode-{RELEASE}-"))
     shms = []
     try:
@@ -85,7 +93,7 @@ def env(request):
                             str(d)], check=True)
             shms.append(d)
         print(f"\nSGLang {RELEASE} multi-node e2e: logs in {logs}", flush=True)
-        yield {"logs": logs, "shm": shms}
+        yield {"logs": logs, "shm": shms, "model4": model4}
     finally:
         (logs / "figures.json").write_text(json.dumps(S, indent=1, default=str))
         capture = request.config.pluginmanager.getplugin("capturemanager")
@@ -105,19 +113,23 @@ class Nodes:
     health endpoint). Under mmshm, node 1's own exporter
     (``MMSHM_METRICS_PORT``) shows its processes' metrics."""
 
-    def __init__(self, env, name: str, mode: str, node1_pool_idle_s: str = "2"):
+    def __init__(self, env, name: str, mode: str, node1_pool_idle_s: str = "2", tp: int = TP):
         srv = _server()
+        per_node = tp // NODES
         dist_port = srv.free_port()
         self.metrics_port = srv.free_port()
         self.shm = env["shm"]
         self.nodes = []
         for k in range(NODES):
             port = srv.free_port()
-            argv = srv.sglang_argv(MODEL_DIR, port, TP, V) + [
+            argv = srv.sglang_argv(MODEL_DIR if tp == TP else env["model4"], port, tp, V) + [
                 "--nnodes", str(NODES), "--node-rank", str(k),
                 "--dist-init-addr", f"127.0.0.1:{dist_port}"]
+            # one core per node: every rank of node k on core k
+            bind = "|".join(str(r // per_node) for r in range(tp))
             e = srv.sglang_env(MMSHM_DIR="/dev/shm", MMSHM_REAP_INTERVAL_S="60",
-                               MMSHM_POOL_IDLE_S=node1_pool_idle_s if k else "2")
+                               MMSHM_POOL_IDLE_S=node1_pool_idle_s if k else "2",
+                               SGLANG_CPU_OMP_THREADS_BIND=bind)
             if mode == "observe":
                 e["MMSHM_MODE"] = "observe"
             if k:
@@ -328,3 +340,52 @@ def test_restart_reclaims_on_each_node_and_stops_clean(env):
     finally:
         g.kill()
         S.setdefault("phase_s", {})["mmshm-restart"] = round(time.monotonic() - t0, 1)
+
+
+# -- 4. two ranks per node (TP=4): the payload crosses once per node, not per rank ----------
+@pytest.mark.timeout(900)
+def test_two_ranks_per_node_plain_and_mmshm(env):
+    """``--tp 4 --nnodes 2``: SGLang's broadcast sends the pickled pixels to
+    each of node 1's two ranks; mmshm sends the payload once to node 1's
+    leader, which puts it in one segment for both. Inter-node bytes plain /
+    mmshm = remote ranks / remote nodes = 2; the answers are equal."""
+    t0 = time.monotonic()
+    remote_ranks = TP4 - TP4 // NODES
+    photo, text = GREEDY[0]
+    res: dict = {}
+    for mode in ("observe", "shm"):
+        g = Nodes(env, f"tp4-{mode}", mode, tp=TP4)
+        try:
+            a0, b0 = g.metrics(0), g.metrics(1)
+            res[mode] = g.ask(photo, text)[0]
+            a1, b1 = g.metrics(0), g.metrics(1)
+            if mode == "observe":
+                sent = _hop_bytes(a0, a1, "broadcast_src", "server")
+                assert sent > 4784 * 1176 * 4, sent
+                S["tp4_plain_internode_bytes"] = sent * remote_ranks
+            else:
+                written = _delta(a0, a1, "mmshm_shm_written_bytes_total")
+                S["tp4_mmshm"] = r = {
+                    "written": written,
+                    "internode": _delta(a0, a1, "mmshm_internode_bytes_total"),
+                    "metadata": _delta(a0, a1, "mmshm_broadcast_bytes_sum", role="src"),
+                    "node1_segments": _delta(b0, b1, "mmshm_segments_created_total"),
+                    "node1_pool_hits": _delta(b0, b1, "mmshm_pool_requests_total",
+                                              result="hit")}
+                assert r["internode"] == written * (NODES - 1), r
+                assert 0 < r["metadata"] < METADATA_MAX, r
+                # one segment on node 1 for both of its ranks
+                assert r["node1_segments"] + r["node1_pool_hits"] == 1, r
+                S["tp4_left_before_stop"] = _wait_no_segments(g)
+                assert S["tp4_left_before_stop"] == [[], []]
+            g.stop()
+            assert [g.segments(k) for k in range(NODES)] == [[], []]
+        finally:
+            g.kill()
+    S["tp4_texts"] = res
+    assert res["shm"] == res["observe"]
+    ratio = S["tp4_plain_internode_bytes"] / S["tp4_mmshm"]["internode"]
+    S["tp4_internode_plain_over_mmshm"] = round(ratio, 3)
+    # remote ranks / remote nodes = 2, less the pickle's framing
+    assert remote_ranks * 0.99 < ratio < remote_ranks * 1.01, ratio
+    S.setdefault("phase_s", {})["tp4"] = round(time.monotonic() - t0, 1)

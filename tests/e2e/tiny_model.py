@@ -182,8 +182,9 @@ def _weights(cfg: dict) -> dict:
     def ones(name, *shape):
         out[name] = torch.ones(*shape, dtype=torch.float32)
 
-    V, H, I = cfg["vocab_size"], HIDDEN, INTERMEDIATE
-    hd = HIDDEN // HEADS
+    V, H, I = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"]
+    HEADS, KV_HEADS = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = H // HEADS
     w("model.embed_tokens.weight", V, H)
     for i in range(LAYERS):
         p = f"model.layers.{i}."
@@ -222,8 +223,8 @@ def _weights(cfg: dict) -> dict:
     zeros("visual.merger.ln_q.bias", E)
     w("visual.merger.mlp.0.weight", C, C)
     zeros("visual.merger.mlp.0.bias", C)
-    w("visual.merger.mlp.2.weight", HIDDEN, C)
-    zeros("visual.merger.mlp.2.bias", HIDDEN)
+    w("visual.merger.mlp.2.weight", H, C)
+    zeros("visual.merger.mlp.2.bias", H)
     return out
 
 
@@ -231,7 +232,7 @@ def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _build_into(d: Path, texts: list[str]) -> None:
+def _build_into(d: Path, texts: list[str], heads: int = HEADS) -> None:
     tok = _train_tokenizer(texts)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
@@ -305,14 +306,14 @@ def _build_into(d: Path, texts: list[str]) -> None:
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
         "hidden_act": "silu",
-        "hidden_size": HIDDEN,
+        "hidden_size": HIDDEN * heads // HEADS,
         "initializer_range": INIT_STD,
-        "intermediate_size": INTERMEDIATE,
+        "intermediate_size": INTERMEDIATE * heads // HEADS,
         "max_position_embeddings": 32768,
         "max_window_layers": LAYERS,
-        "num_attention_heads": HEADS,
+        "num_attention_heads": heads,
         "num_hidden_layers": LAYERS,
-        "num_key_value_heads": KV_HEADS,
+        "num_key_value_heads": KV_HEADS * heads // HEADS,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
         "rope_scaling": {"type": "mrope", "mrope_section": MROPE_SECTION},
@@ -326,7 +327,7 @@ def _build_into(d: Path, texts: list[str]) -> None:
             "depth": V_DEPTH,
             "embed_dim": V_EMBED,
             "hidden_act": "quick_gelu",
-            "hidden_size": HIDDEN,
+            "hidden_size": HIDDEN * heads // HEADS,
             "in_chans": IN_CHANS,
             "in_channels": IN_CHANS,
             "initializer_range": INIT_STD,
@@ -350,11 +351,15 @@ def _build_into(d: Path, texts: list[str]) -> None:
     save_file(_weights(cfg), str(d / "model.safetensors"), metadata={"format": "pt"})
 
 
-def build(path: str | os.PathLike) -> str:
-    """Build the tiny Qwen2-VL into `path` unless a fresh build is already there."""
+def build(path: str | os.PathLike, heads: int = HEADS) -> str:
+    """Build the tiny Qwen2-VL into `path` unless a fresh build is already there.
+
+    ``heads``: text attention (and KV) heads, each of 64; the hidden width and
+    the MLP grow with them. The default 2 divides TP=2; 4 gives a model TP=4
+    can shard (two ranks on each of two nodes)."""
     d = Path(path).resolve()
     texts = _corpus()
-    stamp = _stamp_value(texts)
+    stamp = _stamp_value(texts) + ("" if heads == HEADS else f"-heads{heads}")
     sp = d / STAMP
     if sp.is_file() and sp.read_text().strip() == stamp:
         return str(d)
@@ -363,7 +368,7 @@ def build(path: str | os.PathLike) -> str:
     # half-built directory and concurrent builders do not interleave files.
     tmp = Path(tempfile.mkdtemp(prefix=d.name + ".build-", dir=d.parent))
     try:
-        _build_into(tmp, texts)
+        _build_into(tmp, texts, heads)
         (tmp / STAMP).write_text(stamp + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 / safetensors' 0600: readable by all
         for f in tmp.iterdir():
