@@ -431,9 +431,9 @@ def _w_init_executor(wrapped, instance, args, kwargs):
     if mq is not None:
         _time_queue(mq, "EngineCore")
     if mq is None:
-        _EXEC_STATE = ("off", "this node's executor does not broadcast scheduler outputs (a "
-                       "headless node of multi-node TP/PP, or multi-node data parallelism)",
-                       "nothing to do")
+        _EXEC_STATE = ("off", ("this node's executor does not broadcast scheduler outputs "
+                               "(a headless node of multi-node TP/PP, or multi-node data "
+                               "parallelism)"), "nothing to do")
     elif enable_broadcast(mq):
         _EXEC_STATE = ("on", mq.n_local_reader, getattr(mq, "n_remote_reader", 0))
     elif getattr(mq, "tensor_arena", None) is not None:
@@ -441,9 +441,10 @@ def _w_init_executor(wrapped, instance, args, kwargs):
                        "the tensors", "leave --enable-shm-tensor-arena off to let mmshm "
                        "carry them")
     else:
-        _EXEC_STATE = ("off", "every reader of the queue is on another node, so the tensors "
-                       "go inline on vLLM's remote socket", "nothing to do: run the TP "
-                       "workers of one node with the EngineCore to give them shared memory")
+        _EXEC_STATE = ("off", ("every reader of the queue is on another node, so the "
+                               "tensors go inline on vLLM's remote socket"),
+                       ("nothing to do: run TP workers on the EngineCore's node to give "
+                        "them shared memory"))
     return out
 
 

@@ -424,10 +424,13 @@ def test_executor_hook_enables_only_local_arena_free_queues(instrumented, shm_di
         # multi-node TP: local readers through mmshm, remote ones inline
         multi = MessageQueue(2, 1, max_chunk_bytes=1 << 20, max_chunks=2, connect_ip="127.0.0.1")
         ex = SimpleNamespace()
-        hook._self_wrapper(lambda: setattr(ex, "rpc_broadcast_mq", multi), ex, (), {})
+
+        def init_multi(ex=ex, q=multi):
+            ex.rpc_broadcast_mq = q
+
+        hook._self_wrapper(init_multi, ex, (), {})
         assert multi in mv._QUEUES and mv._EXEC_STATE == ("on", 1, 1)
         mv._QUEUES.discard(multi)
-        del multi, ex
         every_reader_remote = SimpleNamespace(_is_writer=True, n_remote_reader=2,
                                               n_local_reader=0, tensor_arena=None)
         assert mv.enable_broadcast(every_reader_remote) is False
