@@ -24,8 +24,13 @@ Invariants:
   references come back to the source rank on its node, to the leader on the
   others (:meth:`_NodePlan.give_back_stranded`); on a transport failure the
   leader takes back what reached no one and releases the segments it made;
-- a payload the leader has no room for is still taken off the wire, so the
-  stream stays in step.
+- a payload the leader has no room for (its node's /dev/shm is full, a
+  budget, EMFILE) lands in its private memory and follows the metadata
+  inline to the node's other ranks (:data:`INLINE`, counted in
+  ``mmshm_inline_fallbacks_total``): that node only goes inline, and the
+  request goes on;
+- a payload the leader cannot take for any other reason is still taken off
+  the wire, so the stream stays in step.
 """
 
 from __future__ import annotations
@@ -35,14 +40,35 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import node
+from . import codec, node
 from .agreement import _OTHER, _REASON_CODE, _key, _reason_of, _remote, _update
-from .errors import MmshmError, failure_reason
+from .errors import DescriptorLimitError, MmshmError, ShmSpaceError, failure_reason
 from .handle import ShmTensor
-from .walker import handles
+from .walker import handles, record_fallback
 
 # tag of the point-to-point messages of the multi-node path
 P2P_TAG = 0x6D6D
+
+
+#: A handle's code from a node's leader to its other ranks: the leader could
+#: not make a segment (its node's /dev/shm is full, a budget, EMFILE), so the
+#: payload follows the metadata inline (counted in mmshm_inline_fallbacks_total
+#: on the leader). Not a reason code: the request goes on.
+INLINE = -1
+
+
+def _received_inline(meta, nbytes: int, src: int, group) -> torch.Tensor:
+    """Receive one payload of ``nbytes`` from global rank ``src`` into
+    private memory: the tensor of ``meta``'s dtype and shape."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        dist.recv(buf, src=src, group=group, tag=P2P_TAG)
+        node.count_received(nbytes)
+    return buf.view(codec.DTYPES[meta.dtype]).reshape(meta.shape)
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
 
 
 class HandleIndex:
@@ -149,6 +175,15 @@ class _NodePlan:
                                          f"{sizes[idx]} sent")
                     local = ShmTensor.from_writer(meta.nbytes, meta.dtype, meta.shape, receive,
                                                   hash=meta.hash)
+                except (ShmSpaceError, DescriptorLimitError) as exc:
+                    if started:
+                        raise
+                    # no room on this node: the payload lands in private memory
+                    # here and travels inline to this node's other ranks
+                    record_fallback(exc)
+                    unw.state[idx] = _received_inline(meta, sizes[idx], src, self.group)
+                    codes[idx] = INLINE
+                    continue
                 except (MmshmError, OSError) as exc:
                     if started:
                         raise  # the transport failed mid-payload: not a per-request failure
@@ -165,7 +200,7 @@ class _NodePlan:
                 unw.order[idx] = local
             wires: list[bytes | None] = [None] * nh
             for idx in range(nh):
-                if codes[idx]:
+                if codes[idx]:  # failed, or inline
                     continue
                 local = unw.order[idx]
                 try:
@@ -183,10 +218,14 @@ class _NodePlan:
                 size = torch.tensor([blob.size], dtype=torch.int64)
                 payload = torch.from_numpy(blob.copy())
                 works = []
+                inline = [_flat_bytes(unw.state[idx]) for idx in range(nh)
+                          if codes[idx] == INLINE and sizes[idx]]
                 for r in members:
                     dst = self._global(r)
                     works.append(dist.isend(size, dst=dst, group=self.group, tag=P2P_TAG))
                     works.append(dist.isend(payload, dst=dst, group=self.group, tag=P2P_TAG))
+                    for t in inline:  # after the metadata, in index order
+                        works.append(dist.isend(t, dst=dst, group=self.group, tag=P2P_TAG))
                 for w in works:
                     w.wait()
         except BaseException:
@@ -209,6 +248,10 @@ class _NodePlan:
         dist.recv(buf, src=leader, group=self.group, tag=P2P_TAG)
         codes, wires = msgspec.msgpack.decode(buf.numpy().tobytes())
         for idx, (code, wire) in enumerate(zip(codes, wires)):
+            if code == INLINE:  # the leader had no room: the bytes follow
+                meta = unw.order[idx].meta
+                unw.state[idx] = _received_inline(meta, meta.nbytes, leader, self.group)
+                continue
             if code:
                 unw.state[idx] = _remote(int(code), "the source rank or this node's leader")
                 continue

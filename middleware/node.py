@@ -300,28 +300,26 @@ def _judge(store, ranks: list[int], mine: Hello, wait_s: float) -> Verdict:
         store.wait(keys, datetime.timedelta(seconds=wait_s))
     except Exception:  # noqa: BLE001 - timed out: someone never announced
         pass
-    missing, other = [], []
+    missing, seen = [], []
     for r, key in zip(ranks, keys):
         if not store.check([key]):
             missing.append(r)
             continue
         try:
             theirs = msgspec.msgpack.decode(store.get(key), type=Hello)
+            seen.append((r, theirs.host, f"mmshm {theirs.version} (protocol {theirs.protocol})"))
         except msgspec.MsgspecError:
-            other.append(f"rank {r} (an announcement this mmshm cannot read)")
-            continue
-        if (theirs.version, theirs.protocol) != (mine.version, mine.protocol):
-            other.append(f"rank {r} on {theirs.host} (mmshm {theirs.version}, "
-                         f"protocol {theirs.protocol})")
-    if not missing and not other:
+            seen.append((r, "?", "an announcement this mmshm cannot read"))
+    versions = {v for _, _, v in seen}
+    if not missing and versions == {f"mmshm {mine.version} (protocol {mine.protocol})"}:
         return Verdict(True)
     parts = []
     if missing:
         parts.append(f"rank(s) {missing} announced no mmshm within {wait_s:g} s "
                      f"(MMSHM_HANDSHAKE_S): mmshm is not running there")
-    if other:
-        parts.append(", ".join(other) + f" run another mmshm than this one "
-                     f"({mine.version}, protocol {mine.protocol})")
+    if len(versions) > 1:  # the same text whichever rank judges
+        parts.append("the ranks run different mmshm: " +
+                     ", ".join(f"rank {r} on {host}: {v}" for r, host, v in seen))
     return Verdict(False, "; ".join(parts))
 
 

@@ -219,7 +219,9 @@ def rank_node_failures(rank: int, world: int, base: str, seed: int) -> dict:
     """Per-request failures on one node are agreed by all 4 ranks.
 
     * request 1: node 1's leader cannot make the segment (its budget,
-      MMSHM_MAX_BYTES, holds requests 0, 2, 3, 4 but not 1): enospc on [2, 3];
+      MMSHM_MAX_BYTES, holds requests 0, 2, 3, 4 but not 1): node 1 gets it
+      inline (one fallback on the leader, the bytes on to rank 3), and it
+      arrives everywhere;
     * request 3: its segment is gone (on the source node): not_found everywhere;
     * request 4: broken on rank 1 only (node 0): malformed on [1];
     * requests 0 and 2 arrive everywhere.
@@ -261,7 +263,8 @@ def rank_node_failures(rank: int, world: int, base: str, seed: int) -> dict:
     dist.barrier()
     return {"node": k, "errors": errors, "sent": node.internode_bytes() - sent0,
             "payload": payload, "live": _live_files(),
-            "received": node.internode_stats()["received_bytes"]}
+            "received": node.internode_stats()["received_bytes"],
+            "fallbacks": _mp.fallbacks_total()}
 
 
 def rank_one_node(rank: int, world: int, seed: int, dirs: list | None) -> dict:
@@ -434,13 +437,17 @@ def test_wrong_node_request_fails_on_every_rank(shm_dir):
 @pytest.mark.timeout(240)
 def test_failures_on_one_node_agreed_by_all_ranks(shm_dir):
     res = _mp.run_group(rank_node_failures, WORLD, shm_dir, 24, timeout=180)
-    expected = {1: ("enospc", [2, 3]), 3: ("not_found", [0, 1, 2, 3]), 4: ("malformed", [1])}
+    expected = {3: ("not_found", [0, 1, 2, 3]), 4: ("malformed", [1])}
     for r in range(WORLD):
         assert res[r]["errors"] == expected, (r, res[r]["errors"])
         assert res[r]["live"] == [], (r, res[r])
+    # node 1's full directory: inline there only, counted once, on its leader
+    assert [res[r]["fallbacks"] for r in range(WORLD)] == [0, 0, 1, 0]
     # what the source could read went to node 1 once (request 3's segment was gone)
     assert res[0]["sent"] == res[0]["payload"]
     assert res[2]["received"] == res[0]["payload"]
+    # and request 1's payload on from the leader to its node's other rank
+    assert res[3]["received"] == SIZES[1]
     assert sum(res[r]["sent"] for r in (1, 2, 3)) == 0
     _assert_nodes_empty(shm_dir)
 
@@ -618,7 +625,8 @@ def test_version_skew_goes_inline_never_wrong_bytes(shm_dir, monkeypatch, peer):
     if peer == "plain":
         assert "rank(s) [1] announced no mmshm within 3 s" in reason, reason
     else:
-        assert "rank 1 on " in reason and "mmshm 0.0.9" in reason, reason
+        assert "the ranks run different mmshm: rank 0 on " in reason, reason
+        assert ": mmshm 0.0.9 (protocol 1)" in reason and mmshm.__version__ in reason, reason
         assert res[1]["verdict"] == res[0]["verdict"]  # one verdict for the group
         assert len(res[1]["warnings"]) == 1
     assert len(res[0]["warnings"]) == 1 and "ranks [0, 1]" in res[0]["warnings"][0]
