@@ -56,6 +56,7 @@ from .errors import (
     HandleStateError,
     MaterializeError,
     MmshmError,
+    PeerLostError,
     WrongNodeError,
 )
 from .handle import ShmTensor
@@ -298,9 +299,10 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
     on any rank, the failure flags are combined (MAX over ``dist_group``) and
     every rank replaces that request with ``on_failure(request, error)`` (by
     default the :class:`~mmshm.errors.MaterializeError` itself). The wrapper
-    never raises for a per-request failure; it re-raises only what
+    never raises for a per-request failure; it re-raises what
     ``broadcast_fn`` itself raises (after giving back the references it
-    added).
+    added), and raises :class:`~mmshm.errors.PeerLostError` when a rank of
+    the group dies after the broadcast (the group cannot go on).
 
     When ``dist_group`` spans several nodes, payloads cross each node
     boundary once (see the module docstring); within a node only metadata
@@ -341,8 +343,18 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
                 h._owns = True
             raise
         BROADCAST_SECONDS.labels(role=role).observe(time.perf_counter() - t0)
-        return _unwrap_all(out, dist_group, world, group_rank, copy, on_failure, role,
-                           src_group_rank, plan, src)
+        try:
+            return _unwrap_all(out, dist_group, world, group_rank, copy, on_failure, role,
+                               src_group_rank, plan, src)
+        except RuntimeError as exc:
+            if isinstance(exc, MmshmError):
+                raise
+            # only mmshm's own messages (the multi-node payloads, the
+            # agreement) talk to the other ranks in there
+            raise PeerLostError(
+                f"mmshm: TP rank {group_rank} lost a peer after a broadcast ({exc}); the "
+                f"group cannot go on, so the server's own failure handling takes over",
+                ranks=[r for r in range(world) if r != group_rank]) from exc
 
     wrapper.__mmshm_deferred__ = True  # type: ignore[attr-defined]
     return wrapper

@@ -97,6 +97,26 @@ class HandleStateError(MmshmError, RuntimeError):
     """The handle no longer owns a reference (released or materialized)."""
 
 
+class PeerLostError(MmshmError, RuntimeError):
+    """A rank of the TP group stopped answering mmshm's messages after a
+    broadcast (the multi-node payloads, the failure agreement): it died, or
+    its link did. Raised from :func:`mmshm.deferred_unwrap` on the ranks
+    still alive, as soon as ``torch.distributed`` reports the broken link
+    (a dead peer's closed socket: at once; a hung one: the process group's
+    timeout). The group cannot go on, as with any broken collective: the
+    server's own failure handling takes over (SGLang's scheduler exits and
+    its launcher stops the server). A ``RuntimeError``, as the
+    ``torch.distributed`` error it wraps (``__cause__``).
+
+    Attributes:
+        ranks: the group ranks this rank was waiting on, or ``None``.
+    """
+
+    def __init__(self, message: str, ranks=None):
+        super().__init__(message)
+        self.ranks = ranks
+
+
 class MaterializeError(MmshmError):
     """A request's shared-memory tensors could not be materialized on some TP
     rank. Returned (not raised) by :func:`mmshm.deferred_unwrap` in place of

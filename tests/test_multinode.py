@@ -359,6 +359,47 @@ def rank_skew(rank: int, world: int, base: str, seed: int, peer: str) -> dict:
     return res
 
 
+def rank_dead_peer(rank: int, world: int, base: str, seed: int) -> dict:
+    """2 simulated nodes, one rank each: node 1's rank goes away right after
+    the broadcast's metadata reached it (its process group torn down, so its
+    sockets close as a killed process's do). The source rank gets a typed
+    PeerLostError, soon, and keeps nothing in its node's directory."""
+    import time as _time
+
+    import torch.distributed as dist
+
+    _enter_node(rank, world, base, 2)
+
+    def dies_after(data, rank_, group=None, src=0):
+        out = mmshm.broadcast_pyobj(data, rank_, group, src)
+        if rank_ == 1:
+            dist.destroy_process_group()
+            raise SystemExit("gone")
+        return out
+
+    bcast = mmshm.deferred_unwrap(dies_after)
+    if rank == 1:
+        try:
+            bcast(None, rank, None, 0)
+        except SystemExit:
+            return {}
+        return {"error": "did not die"}
+    reqs = [mmshm.wrap(_mp._request(i, seed), min_bytes=1024) for i in range(2)]
+    t0 = _time.monotonic()
+    try:
+        bcast(reqs, rank, None, 0)
+        res = {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        res = {"raised": type(exc).__name__, "ranks": getattr(exc, "ranks", None),
+               "runtime": isinstance(exc, RuntimeError), "cause": repr(exc.__cause__)}
+    res["s"] = _time.monotonic() - t0
+    mmshm.release(reqs)
+    del reqs
+    gc.collect()
+    res["live"] = _live_files()
+    return res
+
+
 # -- multi-process tests ------------------------------------------------------------
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
@@ -630,4 +671,19 @@ def test_version_skew_goes_inline_never_wrong_bytes(shm_dir, monkeypatch, peer):
         assert res[1]["verdict"] == res[0]["verdict"]  # one verdict for the group
         assert len(res[1]["warnings"]) == 1
     assert len(res[0]["warnings"]) == 1 and "ranks [0, 1]" in res[0]["warnings"][0]
+    _assert_nodes_empty(shm_dir, 2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_dead_remote_rank_is_a_bounded_typed_failure(shm_dir):
+    """A remote rank that dies after the broadcast: PeerLostError (a
+    RuntimeError, as the torch.distributed error it wraps) within the
+    process group's timeout, and the source node keeps no segment."""
+    res = _mp.run_group(rank_dead_peer, 2, shm_dir, 41, timeout=90)
+    assert res[1] == {}
+    r = res[0]
+    assert r["raised"] == "PeerLostError" and r["runtime"] and r["ranks"] == [1], r
+    assert r["s"] < 30, r  # _mp's groups time out after 30 s; a closed socket is at once
+    assert r["live"] == [], r
     _assert_nodes_empty(shm_dir, 2)
