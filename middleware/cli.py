@@ -373,6 +373,7 @@ def doctor(directory, expected_bytes, as_json) -> None:
     import msgspec
     from rich.text import Text
 
+    from . import node
     from .doctor import diagnose
 
     _check_settings("doctor")
@@ -409,6 +410,7 @@ def doctor(directory, expected_bytes, as_json) -> None:
         ("descriptors", fd),
         ("memory cgroup", cg),
         ("servers", servers),
+        ("node", node.describe_text(rep.node) if rep.node else "unknown"),
     )
     for key, value in rows:
         con.print(Text.assemble(f"  {key:<14}", value))
@@ -460,6 +462,7 @@ def status(directory, as_json) -> None:
     import msgspec
     from rich.text import Text
 
+    from . import node
     from .status import MMSHM_ELSEWHERE
     from .status import status as survey_status
 
@@ -472,6 +475,8 @@ def status(directory, as_json) -> None:
     con = _console()
     con.print(Text.assemble(("mmshm status: ", "bold"), rep.directory, f" ({rep.fs_type}, "
                             f"{_size(rep.fs_size_bytes)})"))
+    if rep.node is not None:
+        con.print(Text(f"node: {node.describe_text(rep.node)}"))
     if rep.processes:
         con.print(Text("processes:", style="bold"))
         con.print(Text(f"  {'pid':>7}  {'owned':>5} {'held':>4}  {'bytes':>9}  {'refs':>4}  "

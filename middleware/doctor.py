@@ -29,7 +29,8 @@ import resource
 
 import msgspec
 
-from . import config, reaper
+from . import config, node, reaper
+from .node import NodeInfo
 from .segment import segment_dir
 from .status import OtherGroup, mount_of, scan_processes, survey
 
@@ -96,6 +97,8 @@ class DoctorReport(msgspec.Struct):
     cgroup_shmem_bytes: int | None = None
     servers: list[ServerVersion] = msgspec.field(default_factory=list)
     notes: list[str] = msgspec.field(default_factory=list)
+    #: this process's node for the directory (:func:`mmshm.node.describe`)
+    node: NodeInfo | None = None
 
     @property
     def ok(self) -> bool:
@@ -340,4 +343,4 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
         expected_assumption=assumption, shm_size_gib=gib, others=others,
         other_bytes=other_bytes, fd_soft_limit=soft_l, fd_hard_limit=hard_l, fd_needed=need,
         cgroup_limit_bytes=limit, cgroup_usage_bytes=usage, cgroup_shmem_bytes=shmem,
-        servers=servers, notes=notes)
+        servers=servers, notes=notes, node=node.describe(d))

@@ -148,6 +148,31 @@ def clear_cache() -> None:
     _IDS.clear()
 
 
+class NodeInfo(msgspec.Struct, frozen=True):
+    """This process's node, as ``mmshm status`` and ``doctor`` show it:
+    ``id`` (what handles carry), the ``host`` name and the ``identity`` it
+    is derived from (:func:`identity`). Processes that show the same id are
+    one node: they open the same segments."""
+
+    id: int
+    host: str
+    identity: str
+
+
+def describe(directory: str | None = None) -> NodeInfo:
+    """This process's :class:`NodeInfo` for segment directory ``directory``
+    (default ``MMSHM_DIR``)."""
+    ident, nid = _lookup(directory)
+    return NodeInfo(nid, socket.gethostname(), ident)
+
+
+def describe_text(info: NodeInfo) -> str:
+    """One line for the CLI: the id, the host and what makes the node."""
+    return (f"0x{info.id:08x} on {info.host} ({info.identity}); the processes that show this "
+            f"id are one node (they open the same segments); a TP group across nodes sends "
+            f"each payload once to every other node")
+
+
 # -- the layout of a process group -------------------------------------------------
 @dataclass(frozen=True)
 class Layout:

@@ -36,7 +36,8 @@ import time
 
 import msgspec
 
-from . import config
+from . import config, node
+from .node import NodeInfo
 from .segfile import (
     _HDR,
     _LIVE_BYTE,
@@ -182,6 +183,8 @@ class StatusReport(msgspec.Struct):
     #: bytes of mmshm segments (``mmshm-<pid>-<hex>``) in other directories of
     #: the same file system, part of ``other_bytes``
     mmshm_elsewhere_bytes: int = 0
+    #: this process's node for the directory (:func:`mmshm.node.describe`)
+    node: NodeInfo | None = None
 
 
 def mount_of(path: str) -> tuple[str, str]:
@@ -560,4 +563,5 @@ def status(directory: str | None = None) -> StatusReport:
         unaccounted_bytes=max(0, used - seg_bytes - sum(g.allocated_bytes for g in others))
         if root != d else 0,
         notes=notes,
-        mmshm_elsewhere_bytes=sum(g.bytes for g in others if g.owner == MMSHM_ELSEWHERE))
+        mmshm_elsewhere_bytes=sum(g.bytes for g in others if g.owner == MMSHM_ELSEWHERE),
+        node=node.describe(d))

@@ -555,6 +555,30 @@ def test_node_id_override(shm_dir, monkeypatch):
     assert node.node_id() < 2**32
 
 
+def test_status_and_doctor_show_this_node(shm_dir, monkeypatch):
+    """`mmshm status` and `doctor` say which node they see: on each node of a
+    multi-node server, each shows its own id (the one its handles carry)."""
+    from click.testing import CliRunner
+    from mmshm.cli import main
+
+    other = os.path.join(shm_dir, "other")
+    os.mkdir(other)
+    seen = {}
+    for d in (shm_dir, other):
+        monkeypatch.setenv("MMSHM_DIR", d)
+        config.reload()
+        for cmd in ("status", "doctor"):
+            r = CliRunner().invoke(main, [cmd, "--json"])
+            got = msgspec.json.decode(r.output)["node"]
+            assert got["id"] == node.node_id(d) and got["identity"] == node.identity(d), got
+            seen[(d, cmd)] = got["id"]
+        r = CliRunner().invoke(main, ["status"])
+        assert f"node: 0x{node.node_id(d):08x} on " in r.output, r.output
+    # two segment directories are two nodes, and both commands agree on each
+    assert seen[(shm_dir, "status")] == seen[(shm_dir, "doctor")]
+    assert seen[(shm_dir, "status")] != seen[(other, "status")]
+
+
 def test_layout_and_rank_blocks():
     lay = node.Layout.from_identities(["b", "b", "a", "a", "b"])
     assert lay.nodes == ((0, 1, 4), (2, 3)) and lay.node_of == (0, 0, 1, 1, 0)

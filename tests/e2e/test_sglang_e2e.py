@@ -16,7 +16,9 @@ many cases against it:
    leaves SGLang's bug as it is) and 0.5.23 answers.
 2. plain, 64 MiB /dev/shm (0.5.9): one greedy request answered exactly as
    under observe mode; then a burst of photos kills it with SIGBUS.
-3. under ``mmshm run``: every request answered, greedy texts equal to
+3. under ``mmshm run`` (with ``--dist-init-addr``, which turns SGLang
+   0.5.9-0.5.12's own shared memory off even on one node, and not mmshm's):
+   every request answered, greedy texts equal to
    plain's, the TP broadcast carries metadata only, n=2 writes each image
    once; a burst in a 64 MiB /dev/shm is answered in full (inline
    fallbacks); then the server's process group is SIGKILLed mid-request.
@@ -118,9 +120,16 @@ def _argv(port: int) -> list[str]:
     return _import_server().sglang_argv(MODEL_DIR, port, TP, V)
 
 
-def _server(env, name: str, mmshm: bool, small_shm: bool = SMALL_SHM, observe: bool = False):
+def _server(env, name: str, mmshm: bool, small_shm: bool = SMALL_SHM, observe: bool = False,
+            dist_init: bool = False):
     server = _import_server()
     port = server.free_port()
+    argv = _argv(port)
+    if dist_init:
+        # one node, but a rendezvous address: SGLang 0.5.9-0.5.12 then turn
+        # their own shared memory off ("cross node"); mmshm goes by the node
+        # layout and stays on
+        argv += ["--dist-init-addr", f"127.0.0.1:{server.free_port()}"]
     e = server.sglang_env(MMSHM_POOL_IDLE_S="2", MMSHM_REAP_INTERVAL_S="60")
     if observe:
         e["MMSHM_MODE"] = "observe"
@@ -134,7 +143,7 @@ def _server(env, name: str, mmshm: bool, small_shm: bool = SMALL_SHM, observe: b
                    'exec "$0" "$@"')]
     else:
         e["MMSHM_DIR"] = str(env["seg_dir"])
-    srv = server.Server(_argv(port), port, env["logs"] / f"{name}.log", env=e, mmshm_run=mmshm,
+    srv = server.Server(argv, port, env["logs"] / f"{name}.log", env=e, mmshm_run=mmshm,
                         prefix=prefix, ready_timeout_s=400)
     srv.start()
     print(f"  {name}: ready in {srv.startup_s:.0f} s", flush=True)
@@ -280,7 +289,7 @@ def test_plain_server_small_shm_burst(env):
 def test_mmshm_server(env):
     assert "plain" in S, "the plain phase did not run"
     t0 = time.monotonic()
-    srv = _server(env, "mmshm", mmshm=True)
+    srv = _server(env, "mmshm", mmshm=True, dist_init=True)
     try:
         log = srv.log_text()
         # every process says what it turned on: the tokenizer, each TP rank

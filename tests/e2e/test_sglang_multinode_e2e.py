@@ -49,7 +49,8 @@ pytestmark = [needs_e2e("sglang"),
               pytest.mark.skipif(not (os.geteuid() == 0 and shutil.which("unshare")
                                       and shutil.which("taskset")),
                                  reason="two simulated nodes need root, unshare and taskset "
-                                        "(a mount namespace and a core each)")]
+                                        "(a mount namespace and a core each)"),
+              pytest.mark.skipif(not shutil.which("nsenter"), reason="needs nsenter")]
 
 RELEASE = os.environ.get("MMSHM_SGLANG_RELEASE", "0.0.0")
 V = tuple(int(x) for x in RELEASE.split("."))
@@ -298,6 +299,15 @@ def test_mmshm_across_nodes(env):
                        for r in ("enospc", "budget", "emfile", "other")) == 0
             assert _m(m, "mmshm_materialize_failures_total", reason="other") == 0
         S["mmshm_node1_created"] = _m(m1, "mmshm_segments_created_total")
+        # `mmshm status` run inside each node's namespace shows that node
+        ids = []
+        for n in g.nodes:
+            out = subprocess.run(["nsenter", "-t", str(n.proc.pid), "-m", sys.executable, "-m",
+                                  "mmshm.cli", "status", "--json"], capture_output=True,
+                                 text=True, timeout=120, env=dict(os.environ, MMSHM_DIR="/dev/shm"))
+            ids.append(json.loads(out.stdout)["node"]["id"])
+        S["status_node_ids"] = [f"0x{i:08x}" for i in ids]
+        assert ids[0] != ids[1]
         # node 0's segments go back to its pool and out after 2 s; node 1's
         # pool keeps the photo
         deadline = time.monotonic() + 30
