@@ -441,6 +441,45 @@ def test_executor_hook_enables_only_local_arena_free_queues(instrumented, shm_di
 
 
 # -- frontend -> EngineCore ----------------------------------------------------------
+class _FakeQueue:
+    """A writer queue's shape (weak-referenceable, unlike SimpleNamespace)."""
+
+    def __init__(self, n_local: int, n_remote: int):
+        self._is_writer, self.tensor_arena = True, None
+        self.n_local_reader, self.n_remote_reader = n_local, n_remote
+        self.current_idx = 0
+
+
+def test_reader_view_and_unsplittable_enqueue(instrumented, caplog):
+    """The reader view shows one kind of reader and writes through; an
+    ``enqueue`` that cannot be called on the view sends every reader the
+    tensors inline, with a WARNING that has the reason and the fix."""
+    from mmshm import report, sending
+
+    q = _FakeQueue(2, 1)
+    local, remote = mv._OnlyReaders(q, local=True), mv._OnlyReaders(q, local=False)
+    assert (local.n_local_reader, local.n_remote_reader) == (2, 0)
+    assert (remote.n_local_reader, remote.n_remote_reader) == (0, 1)
+    local.current_idx = 5  # what acquire_write does, through the view
+    assert q.current_idx == 5 and (q.n_local_reader, q.n_remote_reader) == (2, 1)
+    assert mv.enable_broadcast(q)
+    seen = []
+
+    def not_a_method(obj, timeout=None):  # no __func__: cannot be given the view
+        seen.append(sending.current_outbox())
+
+    report._reset_for_tests()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mmshm"):
+            mv._w_enqueue(not_a_method, q, ({"x": torch.zeros(4)},), {})
+        assert seen == [None]  # no outbox: every tensor inline, for every reader
+        warn = [r.getMessage() for r in caplog.records if "is OFF" in r.getMessage()]
+        assert len(warn) == 1 and "cannot be written apart" in warn[0] and "Fix:" in warn[0]
+    finally:
+        mv._QUEUES.discard(q)
+        report._reset_for_tests()
+
+
 def _edge_case_request(rid: str, big: int):
     g = torch.Generator().manual_seed(7)
     base = torch.randn(big // 4 // 200 + 1, 200, generator=g)
