@@ -136,7 +136,13 @@ _COLUMNS = (
     ("ok", "center", "ok: bytes correct on every rank"),
     ("left", "right", "left: segments left behind"),
 )
-_INTER_NODE = ("inter-node", "right", "inter-node: bytes sent between the simulated nodes")
+_MULTI_NODE = (
+    ("inter-node", "right", "inter-node: bytes sent between the simulated nodes"),
+    ("bcast all ms", "right", ("bcast all ms: the broadcast until every rank holds its tensors "
+                               "(floor row: one send of the payload to the other node, point to "
+                               "point over the same link)")),
+    ("vs link", "right", "vs link: that over the floor's one send (lower is better)"),
+)
 
 
 # the columns kept on a terminal narrower than FULL_WIDTH, and than NARROW_WIDTH
@@ -162,9 +168,9 @@ def result_tables(result: dict, width: int | None = None) -> list[Table]:
         nodes = max((r.get("nodes", 1) for r in runs), default=1)
         multi = nodes > 1
         where = f" over {nodes} nodes" if multi else ""
-        columns = _COLUMNS + ((_INTER_NODE,) if multi else ())
+        columns = _COLUMNS + (_MULTI_NODE if multi else ())
         keep = [i for i, (col, _, _) in enumerate(columns)
-                if shown is None or col in shown or col == "inter-node"]
+                if shown is None or col in shown or columns[i] in _MULTI_NODE]
         caption = "; ".join(columns[i][2] for i in keep if columns[i][2])
         caption += ("; a mode can land below the floor when the host is busy"
                     + (f"; a terminal of {FULL_WIDTH}+ columns (or --json) shows every column"
@@ -179,7 +185,7 @@ def result_tables(result: dict, width: int | None = None) -> list[Table]:
         def row(*cells, t=t, keep=keep, **kw):
             t.add_row(*(cells[i] for i in keep), **kw)
 
-        extra = (lambda v: (v,)) if multi else (lambda v: ())
+        extra = (lambda *v: v) if multi else (lambda *v: ())
         by_images: dict[int, list[dict]] = {}
         for r in runs:
             by_images.setdefault(r["images"], []).append(r)
@@ -188,12 +194,13 @@ def result_tables(result: dict, width: int | None = None) -> list[Table]:
             row(str(k), _mb(f["payload_bytes"]), "[dim]floor[/]", "",
                 _ms(f.get("floor_broadcast_s")), _ms(f.get("floor_s")), "1.0x", "", "",
                 _gbps(f.get("memcpy_Bps")), "", _bytes(f.get("floor_broadcast_bytes")),
-                "", "", "", "", *extra(""), style="dim")
+                "", "", "", "", *extra("", _ms(f.get("floor_link_s")),
+                                      "1.0x" if f.get("floor_link_s") else ""), style="dim")
             for r in rs:
                 if r.get("skipped"):
                     row("", "", r["mode"], str(r["copies"]), "",
                         "[yellow]skipped[/]", "", "", "", "", "", "", "", "0", "", "",
-                        *extra(""))
+                        *extra("", "", ""))
                     continue
                 row(
                     "", "", r["mode"], str(r["copies"]), _ms(r["broadcast_s"]),
@@ -205,7 +212,8 @@ def result_tables(result: dict, width: int | None = None) -> list[Table]:
                     str(r.get("repeat", "")),
                     "[green]yes[/]" if r["correct"] else "[red]NO[/]",
                     str(len(r.get("leftover_segments", []))),
-                    *extra(_bytes(r.get("internode_bytes"))),
+                    *extra(_bytes(r.get("internode_bytes")), _ms(r.get("broadcast_total_s")),
+                           _x(r.get("broadcast_over_link"), 2)),
                 )
             t.add_section()
         tables.append(t)

@@ -510,11 +510,18 @@ class _Session:
                 off += nb
             memcpy_s = min(memcpy_s, time.perf_counter() - t0)
         del buf
+        # with simulated nodes: one send of the payload to node 1's first rank
+        link_dst = next((r for r in range(self.tp)
+                         if node.node_of_rank(r, self.tp, self.cfg.nodes) == 1), None)
         for c in self.conns:
-            c.send({"op": "floor", "n": n, "images": images})
+            c.send({"op": "floor", "n": n, "images": images, "link_dst": link_dst,
+                    "link_bytes": nbytes if link_dst is not None else 0})
         res = self.gather()
         bcast_s = max(m["t_done"] for m in res) - res[0]["t_start"]  # from the source's start
+        link_s = (res[link_dst]["t_link_done"] - res[0]["t_link_start"]
+                  if link_dst is not None else None)
         return {"floor_s": memcpy_s + bcast_s, "memcpy_s": memcpy_s, "broadcast_s": bcast_s,
+                "link_s": link_s,
                 "broadcast_bytes": res[0]["broadcast_bytes"],
                 "problems": [f"rank {m['rank']}: {p}" for m in res for p in m["problems"]]}
 
@@ -639,6 +646,7 @@ def _floor_summary(samples: list[dict], payload: int) -> dict:
         "floor_broadcast_s": _median(s["broadcast_s"] for s in samples),
         "floor_broadcast_bytes": int(_median(s["broadcast_bytes"] for s in samples)),
         "memcpy_Bps": payload / memcpy_s if memcpy_s else None,
+        "floor_link_s": _median(s.get("link_s") for s in samples),
     }
 
 
@@ -697,6 +705,10 @@ def _aggregate(base: dict, samples: list, leftovers: list[str], floor: dict) -> 
     # of a zero-copy transport should cost whatever the payload
     run["broadcast_over_floor"] = (run["broadcast_total_s"] / floor["floor_broadcast_s"]
                                    if floor.get("floor_broadcast_s") else None)
+    # simulated nodes: the whole broadcast (every rank holding its tensors)
+    # over one send of the payload across the same link
+    run["broadcast_over_link"] = (run["broadcast_total_s"] / floor["floor_link_s"]
+                                  if floor.get("floor_link_s") else None)
     return run
 
 

@@ -189,9 +189,34 @@ class _Rank:
         out = broadcast_pyobj(data, self.rank, self.group, 0)
         t1 = time.perf_counter()
         problems = [] if len(out) == n else [f"floor: {len(out)} of {n} requests"]
+        link = self._link(int(cmd.get("link_bytes") or 0), cmd.get("link_dst"))
         return {"op": "floor", "rank": self.rank, "pid": os.getpid(), "t_start": t0,
                 "t_done": t1, "broadcast_bytes": self.bytes_broadcast, "problems": problems,
-                "peak_rss_bytes": _peak_rss_bytes()}
+                "peak_rss_bytes": _peak_rss_bytes(), **link}
+
+    def _link(self, nbytes: int, dst: int | None) -> dict:
+        """The link's floor with simulated nodes: one send of ``nbytes``
+        (the payload) from rank 0 to rank ``dst`` on another node, point to
+        point over the same gloo group, into a pre-faulted buffer. Returns
+        ``t_link_start`` (rank 0) or ``t_link_done`` (``dst``)."""
+        if not nbytes or dst is None:
+            return {}
+        import torch
+
+        dst = int(dst)
+        buf = None
+        if self.rank in (0, dst):
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            buf.fill_(1)  # fault every page in outside the timing
+        self.dist.barrier(group=self.group)
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            self.dist.send(buf, dst=dst, group=self.group)
+            return {"t_link_start": t0}
+        if self.rank == dst:
+            self.dist.recv(buf, src=0, group=self.group)
+            return {"t_link_done": time.perf_counter()}
+        return {}
 
     def close(self) -> None:
         if self.pull is not None:

@@ -272,11 +272,17 @@ def test_bench_two_simulated_nodes(shm_dir, tmp_path):
         # the pickled batch, to the 2 ranks of node 1
         assert inl["internode_bytes"] == 2 * inl["broadcast_bytes"]
         assert inl["internode_bytes"] > mm["internode_bytes"]
+        # the link's floor: one send of the payload to node 1, and each mode's
+        # whole broadcast over it (a ratio, not a timing goal)
+        for r in (mm, inl):
+            assert r["floor_link_s"] > 0
+            assert r["broadcast_over_link"] == pytest.approx(
+                r["broadcast_total_s"] / r["floor_link_s"])
     assert result["leftover_segments"] == []
     for k in range(2):
         assert not _bench_files(node.simulated_dir(shm_dir, k))
     assert not _bench_files(shm_dir)
-    assert "inter-node" in proc.stdout
+    assert "inter-node" in proc.stdout and "vs link" in proc.stdout
 
 
 def test_bench_rejects_more_nodes_than_ranks():
