@@ -38,11 +38,28 @@ export MMSHM_MIN_BYTES=${MMSHM_MIN_BYTES:-65536}
 # "multimodal IPC seconds per request, by hop and transport".
 OBSERVE_FLAG=()
 [ "${OBSERVE:-0}" = 1 ] && OBSERVE_FLAG=(--observe)
+# Several nodes (TP across nodes): run this script on every node with the same
+# DIST_INIT_ADDR (node 0's host:port) and NNODES, and NODE_RANK 0..NNODES-1,
+# each under `mmshm run` (a node without mmshm, or with another version, makes
+# the group carry its tensors inline, with a WARNING naming it). Each payload
+# crosses the network once per node. SGLang serves /metrics on node 0 only:
+# the other nodes' mmshm series go to their own exporter on METRICS_PORT.
+#   DIST_INIT_ADDR=10.0.0.1:5000 NNODES=2 NODE_RANK=0 TP=16 examples/sglang_launch.sh
+#   DIST_INIT_ADDR=10.0.0.1:5000 NNODES=2 NODE_RANK=1 TP=16 examples/sglang_launch.sh
+NODE_FLAGS=()
+if [ "${NNODES:-1}" -gt 1 ]; then
+  NODE_FLAGS=(--nnodes "$NNODES" --node-rank "${NODE_RANK:?set NODE_RANK}"
+              --dist-init-addr "${DIST_INIT_ADDR:?set DIST_INIT_ADDR to host:port of node 0}")
+  if [ "${NODE_RANK}" != 0 ]; then
+    export MMSHM_METRICS_PORT=${METRICS_PORT:-9477}
+  fi
+fi
 exec mmshm run "${OBSERVE_FLAG[@]}" -- python -m sglang.launch_server \
   --model-path "$MODEL" \
   --tp "${TP:-2}" \
   --port "$PORT" \
   --enable-metrics \
+  "${NODE_FLAGS[@]}" \
   "$@"
 
 # What to look at in http://localhost:$PORT/metrics (all series start at 0):
@@ -57,6 +74,9 @@ exec mmshm run "${OBSERVE_FLAG[@]}" -- python -m sglang.launch_server \
 #       what broadcast_pyobj carries to the other TP rank: handle metadata,
 #       a few KB per request (up to ~60 kB with 0.5.9, which sends mrope
 #       positions inline), not megabytes of pixels.
+#   mmshm_internode_bytes_total
+#       several nodes: payload bytes TP rank 0 sent to the other nodes, once
+#       per node (SGLang's own transport sends the pickle to every remote rank).
 #   mmshm_broadcast_seconds{role=...}, mmshm_materialize_seconds
 #       the scheduler boundary: milliseconds, whatever the image size.
 #   mmshm_inline_fallbacks_total{reason="enospc"|"budget"|"emfile"|"other"}

@@ -62,9 +62,27 @@ export MMSHM_INSTRUMENT=${MMSHM_INSTRUMENT:-vllm}
 # "multimodal IPC seconds per request, by hop and transport".
 OBSERVE_FLAG=()
 [ "${OBSERVE:-0}" = 1 ] && OBSERVE_FLAG=(--observe)
+COMMON=(--tensor-parallel-size "${TP:-2}" --limit-mm-per-prompt "$LIMIT_MM"
+        --max-model-len "${MAX_MODEL_LEN:-32768}")
+# Several nodes (TP across nodes, vLLM's multiprocessing backend): run this on
+# every node with the same MASTER_ADDR/MASTER_PORT (node 0's) and NNODES, and
+# NODE_RANK 0..NNODES-1, each under `mmshm run`. The TP workers on the
+# EngineCore's node read scheduler outputs through shared memory; vLLM sends
+# them to the workers on other nodes over its own socket, tensors inline (its
+# remote readers are one subscriber each: vLLM's wire has no per-node relay).
+# Nodes other than 0 run headless (`vllm serve --headless`: no API server).
+#   MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NNODES=2 NODE_RANK=0 TP=16 examples/vllm_launch.sh
+#   MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NNODES=2 NODE_RANK=1 TP=16 examples/vllm_launch.sh
+if [ "${NNODES:-1}" -gt 1 ]; then
+  COMMON+=(--nnodes "$NNODES" --node-rank "${NODE_RANK:?set NODE_RANK}"
+           --master-addr "${MASTER_ADDR:?set MASTER_ADDR to the host of node 0}"
+           --master-port "${MASTER_PORT:-29500}")
+  if [ "${NODE_RANK}" != 0 ]; then
+    export MMSHM_METRICS_PORT=${METRICS_PORT:-9477}  # no API server, so no /metrics here
+    exec mmshm run "${OBSERVE_FLAG[@]}" -- vllm serve "$MODEL" --headless "${COMMON[@]}" "$@"
+  fi
+fi
 exec mmshm run "${OBSERVE_FLAG[@]}" -- python -m vllm.entrypoints.openai.api_server --model "$MODEL" \
   --port "$PORT" \
-  --tensor-parallel-size "${TP:-2}" \
-  --limit-mm-per-prompt "$LIMIT_MM" \
-  --max-model-len "${MAX_MODEL_LEN:-32768}" \
+  "${COMMON[@]}" \
   "$@"

@@ -571,3 +571,52 @@ def test_launch_scripts_are_executable_and_agree_with_doctor():
         assert sizes <= {f"{advice}g"}, (f, sizes)
     readme = (ROOT / "README.md").read_text()
     assert f"--shm-size={advice}g" in readme and "9/8" in readme
+
+
+def test_sglang_launch_script_across_nodes(tmp_path):
+    """NNODES > 1: the script passes SGLang's node flags, and a node other
+    than 0 (no /metrics of SGLang's there) gets mmshm's own exporter; a
+    missing NODE_RANK stops it with the variable's name."""
+    fake = tmp_path / "mmshm"
+    fake.write_text('#!/bin/sh\necho "args: $*"\necho "metrics port: ${MMSHM_METRICS_PORT:-none}"\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", MODEL="m")
+    env.pop("MMSHM_METRICS_PORT", None)
+    script = str(EXAMPLES / "sglang_launch.sh")
+
+    def launch(**extra):
+        return subprocess.run(["bash", script, "--x"], env={**env, **extra},
+                              capture_output=True, text=True, timeout=30)
+
+    one = launch()
+    assert one.returncode == 0 and "--nnodes" not in one.stdout, one
+    assert "metrics port: none" in one.stdout
+    r = launch(NNODES="2", NODE_RANK="1", DIST_INIT_ADDR="10.0.0.1:5000")
+    assert r.returncode == 0, r.stderr
+    assert "--nnodes 2 --node-rank 1 --dist-init-addr 10.0.0.1:5000 --x" in r.stdout, r.stdout
+    assert "metrics port: 9477" in r.stdout
+    r0 = launch(NNODES="2", NODE_RANK="0", DIST_INIT_ADDR="10.0.0.1:5000")
+    assert "--node-rank 0" in r0.stdout and "metrics port: none" in r0.stdout, r0.stdout
+    bad = launch(NNODES="2", DIST_INIT_ADDR="10.0.0.1:5000")
+    assert bad.returncode != 0 and "NODE_RANK" in bad.stderr, bad
+
+
+def test_vllm_launch_script_across_nodes(tmp_path):
+    """NNODES > 1: node 0 serves the API with vLLM's node flags; another node
+    runs `vllm serve --headless` with mmshm's own exporter."""
+    fake = tmp_path / "mmshm"
+    fake.write_text('#!/bin/sh\necho "args: $*"\necho "metrics port: ${MMSHM_METRICS_PORT:-none}"\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", MODEL="m",
+               NNODES="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
+    env.pop("MMSHM_METRICS_PORT", None)
+    script = str(EXAMPLES / "vllm_launch.sh")
+    flags = "--nnodes 2 --node-rank {} --master-addr 10.0.0.1 --master-port 29500 --x"
+    r0 = subprocess.run(["bash", script, "--x"], env={**env, "NODE_RANK": "0"},
+                        capture_output=True, text=True, timeout=30)
+    assert "vllm.entrypoints.openai.api_server --model m" in r0.stdout, r0
+    assert flags.format(0) in r0.stdout and "metrics port: none" in r0.stdout, r0.stdout
+    r1 = subprocess.run(["bash", script, "--x"], env={**env, "NODE_RANK": "1"},
+                        capture_output=True, text=True, timeout=30)
+    assert "-- vllm serve m --headless" in r1.stdout, r1
+    assert flags.format(1) in r1.stdout and "metrics port: 9477" in r1.stdout, r1.stdout
