@@ -266,6 +266,37 @@ def series(text: str, name: str) -> list[tuple[dict, float]]:
             for s in fam.samples if s.name == name]
 
 
+def mount_tmpfs(prefix: str, size: str) -> Path:
+    """A fresh directory with a tmpfs of ``size`` (mount's syntax: ``64m``)
+    mounted on it, mode 1777: a server's private /dev/shm once bind-mounted
+    in its mount namespace, and visible to the test from outside."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", str(d)],
+                   check=True)
+    return d
+
+
+def unmount_tmpfs(d: Path) -> None:
+    """Undo :func:`mount_tmpfs` (lazily: a straggler may still hold it)."""
+    import shutil
+
+    subprocess.run(["umount", "-l", str(d)], check=False)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def report_figures(request, title: str, figures: dict, logs: Path) -> None:
+    """Write ``figures`` to ``logs/figures.json`` and print them past
+    pytest's output capture, for the record."""
+    (logs / "figures.json").write_text(json.dumps(figures, indent=1, default=str))
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\n{title} figures (also in {logs}/figures.json):")
+        for k, v in figures.items():
+            print(f"  {k}: {v}")
+
+
 _PHOTOS: dict[int, str] = {}
 
 

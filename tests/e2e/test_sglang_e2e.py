@@ -34,12 +34,10 @@ private one in it, and the small-/dev/shm cases skip with that reason.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -89,29 +87,19 @@ def env(request):
     tiny_model.build(MODEL_DIR)
     logs = Path(tempfile.mkdtemp(prefix=f"sglang-e2e-{RELEASE}-"))
     shm = None
+    server = _import_server()
     if SMALL_SHM:
-        shm = Path(tempfile.mkdtemp(prefix="mmshm-e2e-shm-"))
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=1777", "tmpfs", str(shm)],
-                       check=True)
+        shm = server.mount_tmpfs("mmshm-e2e-shm-", "64m")
         seg_dir = shm  # /dev/shm itself, inside the servers' namespace
     else:
         seg_dir = Path(tempfile.mkdtemp(prefix="mmshm-e2e-", dir="/dev/shm"))
     info = {"logs": logs, "shm": shm, "seg_dir": seg_dir}
     print(f"\nSGLang {RELEASE} e2e: logs in {logs}", flush=True)
     yield info
-    # the figures, for the record: in the run's output (past pytest's capture)
-    # and in the log folder
-    (logs / "figures.json").write_text(json.dumps(S, indent=1, default=str))
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        print(f"\nSGLang {RELEASE} e2e figures (also in {logs}/figures.json):")
-        for k, v in S.items():
-            print(f"  {k}: {v}")
-    server = _import_server()
+    server.report_figures(request, f"SGLang {RELEASE} e2e", S, logs)
     server._kill_all()
     if shm is not None:
-        subprocess.run(["umount", "-l", str(shm)], check=False)
-        shutil.rmtree(shm, ignore_errors=True)
+        server.unmount_tmpfs(shm)
     else:
         shutil.rmtree(seg_dir, ignore_errors=True)
 

@@ -86,26 +86,18 @@ def env(request):
     tiny_model.build(MODEL_DIR)
     model4 = tiny_model.build(MODEL4_DIR, heads=4)
     logs = Path(tempfile.mkdtemp(prefix=f"sglang-multinode-{RELEASE}-"))
+    server = _server()
     shms = []
     try:
         for k in range(NODES):
-            d = Path(tempfile.mkdtemp(prefix=f"mmshm-node{k}-shm-"))
-            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=1777", "tmpfs",
-                            str(d)], check=True)
-            shms.append(d)
+            shms.append(server.mount_tmpfs(f"mmshm-node{k}-shm-", "256m"))
         print(f"\nSGLang {RELEASE} multi-node e2e: logs in {logs}", flush=True)
         yield {"logs": logs, "shm": shms, "model4": model4}
     finally:
-        (logs / "figures.json").write_text(json.dumps(S, indent=1, default=str))
-        capture = request.config.pluginmanager.getplugin("capturemanager")
-        with capture.global_and_fixture_disabled():
-            print(f"\nSGLang {RELEASE} multi-node e2e figures (also in {logs}/figures.json):")
-            for k, v in S.items():
-                print(f"  {k}: {v}")
-        _server()._kill_all()
+        server.report_figures(request, f"SGLang {RELEASE} multi-node e2e", S, logs)
+        server._kill_all()
         for d in shms:
-            subprocess.run(["umount", "-l", str(d)], check=False)
-            shutil.rmtree(d, ignore_errors=True)
+            server.unmount_tmpfs(d)
 
 
 class Nodes:
@@ -198,11 +190,35 @@ def _hop_bytes(before: str, after: str, hop: str, transport: str) -> float:
                   transport=transport)
 
 
+def _figures(a0: str, a1: str, b0: str, b1: str) -> dict:
+    """One request under mmshm, from node 0's (``a``) and node 1's (``b``)
+    expositions before and after it: bytes written into shared memory,
+    payload bytes sent to node 1, the broadcast's metadata bytes, node 1's
+    new segments and pool hits, and the source's broadcast hop in ms."""
+    return {"written": _delta(a0, a1, "mmshm_shm_written_bytes_total"),
+            "internode": _delta(a0, a1, "mmshm_internode_bytes_total"),
+            "metadata": _delta(a0, a1, "mmshm_broadcast_bytes_sum", role="src"),
+            "node1_segments": _delta(b0, b1, "mmshm_segments_created_total"),
+            "node1_pool_hits": _delta(b0, b1, "mmshm_pool_requests_total", result="hit"),
+            "broadcast_src_ms": 1e3 * _delta(a0, a1, "mmshm_ipc_seconds_sum", server="sglang",
+                                             hop="broadcast_src", transport="mmshm")}
+
+
 def _wait_no_segments(nodes: Nodes, timeout_s: float = 30.0) -> list[list[str]]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(nodes.segments(k) for k in range(NODES)):
         time.sleep(0.5)
     return [nodes.segments(k) for k in range(NODES)]
+
+
+def _stop_clean(g: Nodes, env, key: str) -> None:
+    """Stop both nodes gracefully: nothing of mmshm's is left on either
+    (``S[key + "left_after_stop"]``; SGLang's own files, for the record, in
+    ``S[key + "others_after_stop"]``)."""
+    g.stop()
+    S[f"{key}left_after_stop"] = [g.segments(k) for k in range(NODES)]
+    S[f"{key}others_after_stop"] = _others(env)
+    assert S[f"{key}left_after_stop"] == [[], []]
 
 
 def _others(env) -> list[list[str]]:
@@ -239,10 +255,7 @@ def test_plain_across_nodes(env):
         assert S["plain_node1_received_bytes"] >= sum(S["plain_internode_bytes"])
         assert _m(g.metrics(0), "mmshm_segments_created_total") == 0
         assert [g.segments(k) for k in range(NODES)] == [[], []]
-        g.stop()
-        S["plain_left_after_stop"] = [g.segments(k) for k in range(NODES)]
-        S["plain_others_after_stop"] = _others(env)
-        assert S["plain_left_after_stop"] == [[], []]
+        _stop_clean(g, env, "plain_")
     finally:
         g.kill()
         S.setdefault("phase_s", {})["observe"] = round(time.monotonic() - t0, 1)
@@ -263,15 +276,8 @@ def test_mmshm_across_nodes(env):
             a0, b0 = g.metrics(0), g.metrics(1)
             texts.append(g.ask(photo, text)[0])
             a1, b1 = g.metrics(0), g.metrics(1)
-            written = _delta(a0, a1, "mmshm_shm_written_bytes_total")
-            r = {"written": written,
-                 "internode": _delta(a0, a1, "mmshm_internode_bytes_total"),
-                 "metadata": _delta(a0, a1, "mmshm_broadcast_bytes_sum", role="src"),
-                 "node1_segments": _delta(b0, b1, "mmshm_segments_created_total"),
-                 "node1_pool_hits": _delta(b0, b1, "mmshm_pool_requests_total", result="hit"),
-                 "broadcast_src_ms": 1e3 * _delta(a0, a1, "mmshm_ipc_seconds_sum",
-                                                  server="sglang", hop="broadcast_src",
-                                                  transport="mmshm")}
+            r = _figures(a0, a1, b0, b1)
+            written = r["written"]
             per_req.append(r)
             assert written >= 4784 * 1176 * 4, r
             # the payload crossed to the other node once: payload x (nodes - 1)
@@ -304,7 +310,8 @@ def test_mmshm_across_nodes(env):
         for n in g.nodes:
             out = subprocess.run(["nsenter", "-t", str(n.proc.pid), "-m", sys.executable, "-m",
                                   "mmshm.cli", "status", "--json"], capture_output=True,
-                                 text=True, timeout=120, env=dict(os.environ, MMSHM_DIR="/dev/shm"))
+                                 text=True, timeout=120,
+                                 env=dict(os.environ, MMSHM_DIR="/dev/shm"))
             ids.append(json.loads(out.stdout)["node"]["id"])
         S["status_node_ids"] = [f"0x{i:08x}" for i in ids]
         assert ids[0] != ids[1]
@@ -343,10 +350,7 @@ def test_restart_reclaims_on_each_node_and_stops_clean(env):
         assert g.ask(*GREEDY[0])[0] == S["plain"][0]
         S["left_before_stop"] = _wait_no_segments(g)
         assert S["left_before_stop"] == [[], []]
-        g.stop()
-        S["left_after_stop"] = [g.segments(k) for k in range(NODES)]
-        S["others_after_stop"] = _others(env)
-        assert S["left_after_stop"] == [[], []]
+        _stop_clean(g, env, "")
     finally:
         g.kill()
         S.setdefault("phase_s", {})["mmshm-restart"] = round(time.monotonic() - t0, 1)
@@ -374,22 +378,14 @@ def test_two_ranks_per_node_plain_and_mmshm(env):
                 assert sent > 4784 * 1176 * 4, sent
                 S["tp4_plain_internode_bytes"] = sent * remote_ranks
             else:
-                written = _delta(a0, a1, "mmshm_shm_written_bytes_total")
-                S["tp4_mmshm"] = r = {
-                    "written": written,
-                    "internode": _delta(a0, a1, "mmshm_internode_bytes_total"),
-                    "metadata": _delta(a0, a1, "mmshm_broadcast_bytes_sum", role="src"),
-                    "node1_segments": _delta(b0, b1, "mmshm_segments_created_total"),
-                    "node1_pool_hits": _delta(b0, b1, "mmshm_pool_requests_total",
-                                              result="hit")}
-                assert r["internode"] == written * (NODES - 1), r
+                S["tp4_mmshm"] = r = _figures(a0, a1, b0, b1)
+                assert r["internode"] == r["written"] * (NODES - 1), r
                 assert 0 < r["metadata"] < METADATA_MAX, r
                 # one segment on node 1 for both of its ranks
                 assert r["node1_segments"] + r["node1_pool_hits"] == 1, r
                 S["tp4_left_before_stop"] = _wait_no_segments(g)
                 assert S["tp4_left_before_stop"] == [[], []]
-            g.stop()
-            assert [g.segments(k) for k in range(NODES)] == [[], []]
+            _stop_clean(g, env, f"tp4_{mode}_")
         finally:
             g.kill()
     S["tp4_texts"] = res
