@@ -327,6 +327,9 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
                 return _inline_broadcast(broadcast_fn, data, rank, dist_group, src, on_failure,
                                          role, args, kwargs)
             lay = node.layout(dist_group)  # a dict lookup after the first call
+            if lay.id_collision:
+                return _inline_broadcast(broadcast_fn, data, rank, dist_group, src, on_failure,
+                                         role, args, kwargs)
             if not lay.single and src_group_rank is not None:
                 plan = _NodePlan(lay, dist_group, group_rank, src_group_rank)
                 receivers = len(lay.ranks_on_node_of(src_group_rank)) - 1

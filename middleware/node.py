@@ -188,9 +188,23 @@ class Layout:
     identities: tuple[str, ...]
     node_of: tuple[int, ...]
     nodes: tuple[tuple[int, ...], ...]
+    #: the node id each rank's handles carry (:func:`node_id`); empty when
+    #: built from identities alone
+    ids: tuple[int, ...] = ()
+
+    @property
+    def id_collision(self) -> bool:
+        """Whether two different nodes of the group have the same node id (a
+        32-bit hash, or one ``MMSHM_NODE_ID`` given to two machines): their
+        handles could not be told apart, so the group must go inline."""
+        by_id: dict[int, str] = {}
+        for ident, nid in zip(self.identities, self.ids):
+            if by_id.setdefault(nid, ident) != ident:
+                return True
+        return False
 
     @classmethod
-    def from_identities(cls, identities) -> Layout:
+    def from_identities(cls, identities, ids=()) -> Layout:
         index: dict[str, int] = {}
         members: list[list[int]] = []
         node_of = []
@@ -201,7 +215,8 @@ class Layout:
                 members.append([])
             members[k].append(r)
             node_of.append(k)
-        return cls(tuple(identities), tuple(node_of), tuple(tuple(m) for m in members))
+        return cls(tuple(identities), tuple(node_of), tuple(tuple(m) for m in members),
+                   tuple(ids))
 
     @property
     def single(self) -> bool:
@@ -251,10 +266,16 @@ def layout(group=None) -> Layout:
     if hit is not None and hit[0] is pg:
         return hit[1]
     world = dist.get_world_size(group=group)
-    idents: list = [None] * world
-    dist.all_gather_object(idents, identity(), group=group)
-    lay = Layout.from_identities(idents)
+    pairs: list = [None] * world
+    dist.all_gather_object(pairs, _lookup(None), group=group)
+    lay = Layout.from_identities([p[0] for p in pairs], [p[1] for p in pairs])
     _LAYOUTS[id(pg)] = (pg, lay)
+    if lay.id_collision:
+        log.warning("mmshm: two nodes of the process group of %d ranks have the same node id "
+                    "(%s): their handles cannot be told apart, so the group carries its "
+                    "multimodal tensors inline. Fix: give each node its own MMSHM_NODE_ID (or "
+                    "unset it)", world, ", ".join(f"rank {r}: 0x{i:08x} ({n})" for r, (n, i)
+                                                in enumerate(pairs)))
     if not lay.single:
         log.info("mmshm: the process group of %d ranks spans %d nodes (group ranks by node: "
                  "%s): each payload crosses to every other node once",

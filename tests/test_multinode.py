@@ -400,6 +400,40 @@ def rank_dead_peer(rank: int, world: int, base: str, seed: int) -> dict:
     return res
 
 
+def rank_id_collision(rank: int, world: int, base: str, seed: int) -> dict:
+    """2 simulated nodes whose node ids collide (as two machines given one
+    MMSHM_NODE_ID, or a 32-bit hash clash): the layout sees two identities
+    with one id, and the group goes inline, bytes equal."""
+    import logging
+
+    _enter_node(rank, world, base, 2)
+    real = node._lookup
+    node._lookup = lambda directory=None: (real(directory)[0], 7)
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("mmshm").addHandler(Keep())
+    bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
+    if rank == 0:
+        reqs = [mmshm.wrap(_mp._request(i, seed), min_bytes=1024) for i in range(2)]
+        out = bcast(reqs, rank, None, 0)
+        del reqs
+    else:
+        out = bcast(None, rank, None, 0)
+    res = {"handles": len(mmshm.handles(out)), "collision": node.layout().id_collision,
+           "warnings": [m for m in records if "same node id" in m],
+           "sent": node.internode_bytes()}
+    for i, req in enumerate(out):
+        _mp._check_request(req, i, seed)
+    del out, req
+    gc.collect()
+    res["live"] = _live_files()
+    return res
+
+
 # -- multi-process tests ------------------------------------------------------------
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
@@ -711,3 +745,20 @@ def test_dead_remote_rank_is_a_bounded_typed_failure(shm_dir):
     assert r["s"] < 30, r  # _mp's groups time out after 30 s; a closed socket is at once
     assert r["live"] == [], r
     _assert_nodes_empty(shm_dir, 2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_node_id_collision_goes_inline(shm_dir):
+    """Two nodes with one node id could not tell each other's handles apart:
+    the layout finds it (same id, different identities) on every rank, and
+    the group carries its tensors inline, with a WARNING naming the fix."""
+    res = _mp.run_group(rank_id_collision, 2, shm_dir, 51, timeout=90)
+    for r in (0, 1):
+        assert res[r]["collision"] is True and res[r]["handles"] == 0, res[r]
+        assert res[r]["sent"] == 0 and res[r]["live"] == [], res[r]
+        assert len(res[r]["warnings"]) == 1 and "MMSHM_NODE_ID" in res[r]["warnings"][0]
+    _assert_nodes_empty(shm_dir, 2)
+    lay = node.Layout.from_identities(["a", "b", "a"], [1, 2, 1])
+    assert not lay.id_collision and lay.nodes == ((0, 2), (1,))
+    assert node.Layout.from_identities(["a", "b"], [3, 3]).id_collision
