@@ -43,6 +43,7 @@ def _examples() -> list[BaseException]:
         mmshm.SegmentCorruptError(errno.EINVAL, "not an mmshm segment (bad magic)", "/p"),
         mmshm.MaterializeError("2 handles failed", request={"rid": "r1"}, reason="corrupt",
                                ranks=[1, 3]),
+        mmshm.PeerLostError("TP rank 0 lost a peer", ranks=[1]),
     ]
 
 
