@@ -194,12 +194,11 @@ def _fake_tp_group(monkeypatch, world: int) -> None:
     """deferred_unwrap on TP rank 0 of a one-node group of ``world`` ranks,
     without peers: enough for what happens before and around the inner
     broadcast (which the test supplies)."""
-    import types
-
     from mmshm import broadcast
 
     monkeypatch.setattr(broadcast, "_world", lambda group: (world, 0))
-    monkeypatch.setattr(broadcast.node, "layout", lambda group: types.SimpleNamespace(single=True))
+    one_node = broadcast.node.Layout.from_identities(["this node"] * world, [1] * world)
+    monkeypatch.setattr(broadcast.node, "layout", lambda group: one_node)
 
 
 def _fanned_copies(monkeypatch, world: int):
