@@ -82,6 +82,8 @@ for it).
 Note: EngineCore views stay in the segment directory while vLLM's
 multimodal receiver cache holds them (``--mm-processor-cache-gb``); the
 budget guard keeps the reserve free and makes further tensors travel inline.
+Their segments are marked (:func:`mark_cached_views`), so ``mmshm status``
+says they are held by the EngineCore's cache.
 """
 
 from __future__ import annotations
@@ -291,13 +293,55 @@ def _w_process_input_sockets(wrapped, instance, args, kwargs):
 
 
 def _w_preprocess_add_request(wrapped, instance, args, kwargs):
+    request = args[0] if args else kwargs.get("request")
     if receiving.has_failures():
-        request = args[0] if args else kwargs.get("request")
         err = receiving.failure_in(
             request, f"request {getattr(request, 'request_id', '?')}, in the EngineCore")
         if err is not None:
             raise err  # vLLM turns it into this request's error output
-    return wrapped(*args, **kwargs)
+    out = wrapped(*args, **kwargs)
+    cache = getattr(instance, "mm_receiver_cache", None)
+    if cache is not None:
+        mark_cached_views(cache, request)
+    return out
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def mark_cached_views(cache, request) -> int:
+    """After vLLM's multimodal receiver cache (``cache``) took the items of
+    ``request`` (an ``EngineCoreRequest``), mark the segments of the zero-copy
+    views it keeps (:func:`mmshm.segment.mark_cached`), so that ``mmshm
+    status`` says they are held by the EngineCore's cache rather than leave
+    an idle server's segment looking like a leak. An item the cache did not
+    take (too large for ``--mm-processor-cache-gb``) is left unmarked when
+    the cache tells. Returns the segments marked. Never raises."""
+    from mmshm import segment
+
+    marked = 0
+    try:
+        held = getattr(cache, "_cache", None)
+        for feature in getattr(request, "mm_features", None) or ():
+            data = getattr(feature, "data", None)
+            if data is None:
+                continue
+            key = getattr(feature, "mm_hash", None) or getattr(feature, "identifier", None)
+            if held is not None and key is not None and key not in held:
+                continue  # not kept (did not fit, or evicted already)
+            for elem in data.values():
+                for t in _tensors(getattr(elem, "data", None)):
+                    entry = _VIEWS.get(t)
+                    if entry is not None and segment.mark_cached(entry[1].name):
+                        marked += 1
+    except Exception as exc:  # noqa: BLE001 - a status mark never fails a request
+        log.debug("mmshm: marking the multimodal cache's segments failed: %s", exc)
+    return marked
 
 
 # -- EngineCore -> workers ----------------------------------------------------

@@ -69,7 +69,10 @@ mmshm code, so each mmshm process refreshes its value every
 ``MMSHM_METRICS_REFRESH_S`` seconds (default 5; 0: only on demand) from a
 daemon thread, and :func:`render` / the exporter refresh it again right before
 collecting; the merge keeps the most recent value
-(``multiprocess_mode="mostrecent"``). The in-use gauges are ``livesum``.
+(``multiprocess_mode="mostrecent"``). The in-use gauges are ``livesum``; a
+killed process's live gauges are dropped by :func:`mark_dead_processes` (the
+reaper calls it when it reclaims a killed holder's segments, ``mmshm run`` once
+the server has exited).
 
 Exporter: :func:`start_exporter`, :func:`maybe_start_exporter_from_env`
 (``MMSHM_METRICS_PORT``, ``MMSHM_METRICS_ADDR``) and :func:`render`; see
@@ -80,6 +83,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -373,6 +377,72 @@ def start_refresher() -> threading.Thread | None:
         return _refresher
 
 
+#: prometheus-client's files of live gauges (``livesum``, ``livemax``, ...): ``gauge_live*_<pid>.db``
+_LIVE_DB_RE = re.compile(r"gauge_live[a-z]*_([0-9]+)\.db\Z")
+
+
+def multiproc_dir(env=None) -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR`` (or its lower-case spelling) of ``env``
+    (default ``os.environ``), None when unset or empty."""
+    env = os.environ if env is None else env
+    return next((env[v] for v in _MULTIPROC_ENV if env.get(v)), None)
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs any more: none exists, or only its
+    zombie (killed, not yet waited for by its parent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def mark_dead_processes(path: str | None = None) -> list[int]:
+    """Drop the live gauges (``livesum``/``livemax``: segments and bytes in
+    use, ``mmshm_path_enabled``, ...) of processes that no longer run from
+    prometheus-client's multiprocess directory ``path`` (default
+    ``PROMETHEUS_MULTIPROC_DIR``), with prometheus-client's
+    ``multiprocess.mark_process_dead``, so that the merged exposition stops
+    counting what a killed process had in use. Its counters and histograms
+    stay (they count what happened). A pid is dead when no process has it
+    or only its zombie; a pid reused by a live process keeps its files.
+
+    Called by the reaper when it reclaims a killed holder's segments and by
+    ``mmshm run`` once the server has exited. Returns the pids marked.
+    Never raises (a directory that cannot be read marks nothing)."""
+    path = path or multiproc_dir()
+    if not path:
+        return []
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    me = os.getpid()
+    pids = {int(m.group(1)) for m in map(_LIVE_DB_RE.match, names) if m}
+    dead = sorted(p for p in pids if p != me and _process_gone(p))
+    if not dead:
+        return []
+    try:
+        from prometheus_client.multiprocess import mark_process_dead
+    except ImportError:  # pragma: no cover - a dependency of mmshm
+        return []
+    marked = []
+    for pid in dead:
+        try:
+            mark_process_dead(pid, path)
+            marked.append(pid)
+        except OSError as exc:
+            log.debug("mmshm: marking process %d dead in %s failed: %s", pid, path, exc)
+    return marked
+
+
 def _after_fork_in_child() -> None:
     global _refresher, _refresher_lock, _init_lock
     _refresher_lock = threading.Lock()
@@ -436,7 +506,9 @@ __all__ = [
     "dir_size_bytes",
     "init",
     "initialised",
+    "mark_dead_processes",
     "maybe_start_exporter_from_env",
+    "multiproc_dir",
     "multiprocess_enabled",
     "refresh",
     "registry",

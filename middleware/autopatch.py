@@ -355,6 +355,7 @@ def run(argv: list[str], env: dict | None = None) -> int:
             for s, h in forwarded.items():
                 signal.signal(s, h)
         _reclaim_after_exit(seg_dir, run_pids(work))
+        _mark_dead_after_exit(env.get("PROMETHEUS_MULTIPROC_DIR"), work)
         return 128 - rc if rc < 0 else rc
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -394,6 +395,23 @@ def _reclaim_after_exit(seg_dir: str, pids: set[int], wait_s: float = 10.0) -> N
     if rep.live:
         _say(f"{rep.live} segment(s) of the server's processes are still held by a live "
              f"process; left in place")
+
+
+def _mark_dead_after_exit(prom: str | None, work: str) -> None:
+    """Drop, from the server's ``PROMETHEUS_MULTIPROC_DIR`` ``prom``, the
+    live gauges of every process that wrote files there and no longer runs
+    (a killed EngineCore or scheduler kept its segments-in-use and
+    path-enabled gauges in the merged exposition until then). Nothing to do
+    for the directory ``mmshm run`` made under ``work`` (removed next)."""
+    if not prom or os.path.realpath(prom).startswith(os.path.realpath(work) + os.sep):
+        return
+    try:
+        from mmshm.metrics import mark_dead_processes
+
+        mark_dead_processes(prom)
+    except Exception as exc:  # noqa: BLE001 - the server has exited: never fail here
+        _say(f"could not mark the server's exited processes dead in "
+             f"PROMETHEUS_MULTIPROC_DIR={prom}: {exc}")
 
 
 # -- mmshm run --info -----------------------------------------------------------

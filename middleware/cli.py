@@ -492,6 +492,12 @@ def status(directory, as_json) -> None:
                        "handle; refs: references outstanding on those it owns; pooled: idle "
                        "in its warm pool, reused by its next request; run: started under "
                        "`mmshm run`"))
+        for p in rep.processes:
+            if p.cached:
+                con.print(Text(f"  {p.pid}: {p.cached} segment(s) ({_size(p.cached_bytes)}) "
+                               f"held by the cache of the {p.role or 'process'} (e.g. vLLM's "
+                               f"multimodal processor cache, --mm-processor-cache-gb): kept on "
+                               f"purpose, released when the cache evicts them; not a leak"))
     else:
         con.print(Text("no process holds a segment in this directory, and no SGLang or vLLM "
                        "process is running" if not rep.segments else

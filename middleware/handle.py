@@ -311,6 +311,13 @@ class ShmTensor:
         return digest
 
     @property
+    def directory(self) -> str | None:
+        """The segment directory this handle opens its segment in; None:
+        ``MMSHM_DIR`` at the time of each use (every handle unpickled or
+        decoded without a directory)."""
+        return self._dir
+
+    @property
     def node(self) -> int:
         """Id of the node whose segment directory holds the segment."""
         return self._usable_meta().node

@@ -45,6 +45,7 @@ from .segfile import (
     STATE_FREED,
     STATE_LIVE,
     STATE_POOLED,
+    _clear_hand_out,
     _lock,
     _read_header,
 )
@@ -72,6 +73,7 @@ def _revive(seg) -> bool:
         os.pwrite(seg.fd, _U64.pack(gen), _OFF_GEN)
         os.pwrite(seg.fd, _I64.pack(1), _OFF_REFCOUNT)
         os.pwrite(seg.fd, _U32.pack(STATE_LIVE), _OFF_STATE)
+        _clear_hand_out(seg.fd)  # a new life: nothing handed out yet
     except OSError:
         return False
     finally:

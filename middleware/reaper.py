@@ -19,14 +19,25 @@ of ``mmshm_reaped_segments_total{reason}`` and of :attr:`ReapReport.reasons`):
 
 * ``killed``: some process had the segment open and never closed it cleanly
   (the segment's holder count, see :mod:`mmshm.segfile`, is above zero with
-  no lock held): it was killed, or left without mmshm's exit hook. Reclaimed
-  at the first pass, whatever the references say: nobody can give them back.
+  no lock held): it was killed, or left without mmshm's exit hook. Or the
+  references still counted were *delivered*: readers attached the segment
+  for every reference of its last hand-out (the header's hand-out record),
+  so they belong to processes that opened it and are gone (a reader killed
+  after it read the handle's hash and closed the segment, or in the instant
+  between its open and its holder count). Reclaimed at the first pass,
+  whatever the references say: nobody can give them back.
 * ``in_flight_expired``: every process that had it open closed it cleanly, but
-  references are still counted: handles pickled for receivers that have not
-  opened them yet (a writer that exits with requests still queued). Those
+  references are still counted that no reader has attached yet: handles
+  pickled for receivers that have not opened them (a writer that exits with
+  requests still queued). Those
   are kept for ``MMSHM_IN_FLIGHT_GRACE_S`` (default 300 s) from the last
   clean close, so that late readers find them (:attr:`ReapReport.in_flight`
   counts them), and reclaimed with this reason after that.
+
+When a pass reclaims a killed holder's segments, the live gauges of every
+process that no longer runs are dropped from ``PROMETHEUS_MULTIPROC_DIR``
+(:func:`mmshm.metrics.mark_dead_processes`), so that the merged
+``mmshm_segments_in_use`` and ``mmshm_shm_in_use_bytes`` stop counting them.
 
 The reaper reads segment files only through the public interface of the
 file layer (:func:`~mmshm.segfile.try_lock_unheld`,
@@ -45,7 +56,7 @@ import time
 import msgspec
 
 from . import config
-from .metrics import REAP_REASONS, REAPED_BYTES, REAPED_SEGMENTS
+from .metrics import REAP_REASONS, REAPED_BYTES, REAPED_SEGMENTS, mark_dead_processes
 from .segfile import (
     STATE_LIVE,
     boottime_ns,
@@ -123,8 +134,8 @@ def _why(fd: int, path: str, grace_s: float) -> str:
     state = read_state(fd, path)
     if state is None:
         return "killed"  # died before writing a header, or not readable
-    st, refs, n, detached = state
-    if st != STATE_LIVE or refs <= 0 or n > 0 or detached == 0:
+    st, refs, n, detached, delivered = state
+    if st != STATE_LIVE or refs <= 0 or n > 0 or detached == 0 or delivered:
         return "killed"
     return "in_flight" if boottime_ns() - detached < grace_s * 1e9 else "in_flight_expired"
 
@@ -229,6 +240,10 @@ def _pass(d: str, dry_run: bool, grace: float, creators: set[int] | None = None,
                     log.log(level, "mmshm: reclaimed %d segment(s), %d bytes, in %s, reason=%s: %s",
                                 rep.reasons[why], nbytes[why], d, why,
                                 _EXPLAIN[why].format(grace=grace))
+        if rep.reasons["killed"]:
+            # a holder died: its live gauges (segments and bytes in use) must
+            # leave the merged exposition of PROMETHEUS_MULTIPROC_DIR
+            mark_dead_processes()
     return rep
 
 

@@ -16,7 +16,9 @@ File layout (little-endian)::
     [0, 4096)           header: magic, version, state, payload size (bytes),
                         reference count, creator pid, creation time (ns),
                         generation, flags; at 64 the holder count, at 72
-                        the last clean detach (CLOCK_BOOTTIME ns)
+                        the last clean detach (CLOCK_BOOTTIME ns); at 80
+                        the last hand-out: references it added, readers
+                        that attached since, the pid that made it
     [4096, 4096+size)   payload, page aligned
 
 Cross-process locking uses Linux open-file-description (OFD) byte-range locks
@@ -46,11 +48,16 @@ views as before (``tests/scripts/fd_views.py`` measures both).
   release looks at it: while the owner lives, a poolable segment goes back to
   the owner's warm pool (state ``POOLED``, pages kept); otherwise it is
   unlinked.
+* byte 3, **cached**: a shared lock that a process takes when a cache of its
+  own keeps views of the segment (vLLM's multimodal processor cache in the
+  EngineCore), until it closes the segment; only ``mmshm status`` reads it
+  (``/proc/<pid>/fdinfo``), so that such a segment is shown as held on purpose.
 
 Invariants:
 
 - the reference count, the state and the generation are read and changed
-  only under the mutex (byte 0); the holder count and the last detach too;
+  only under the mutex (byte 0); the holder count, the last detach and the
+  hand-out record too;
 - a segment is an orphan only if an exclusive lock on byte 1 can be taken
   (:func:`try_lock_unheld`); liveness never comes from pids;
 - every header read checks the magic and the version
@@ -104,6 +111,13 @@ _OFF_FLAGS = 56
 # releases, which the reaper then treats as left by a killed process.
 _OFF_HOLDERS = 64
 _OFF_DETACHED = 72
+# The last hand-out (a reference count increase: ``share``), for the reaper's
+# in-flight grace: u32 references it added, u32 attaches since by processes
+# other than the one that made it, u32 that process's pid. Reset by every
+# hand-out and by a reuse from the pool; zero in segments of earlier releases
+# (then nothing is known to have been delivered: the grace applies, as before).
+_OFF_HANDED = 80
+_HAND_OUT = struct.Struct("<III")
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
 _U32 = struct.Struct("<I")
@@ -111,7 +125,7 @@ _U32 = struct.Struct("<I")
 PREFIX = "mmshm-"
 NAME_RE = re.compile(r"mmshm-([0-9]{1,10})-([0-9a-f]{16})\Z")
 
-_MUTEX_BYTE, _LIVE_BYTE, _OWNER_BYTE = 0, 1, 2
+_MUTEX_BYTE, _LIVE_BYTE, _OWNER_BYTE, _CACHE_BYTE = 0, 1, 2, 3
 # struct flock on Linux (x86_64, aarch64): short, short, off_t, off_t, pid_t
 _FLOCK = struct.Struct("hhqqi4x")
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -256,12 +270,50 @@ def holders(fd: int) -> tuple[int, int]:
     return _I64.unpack_from(raw, 0)[0], _U64.unpack_from(raw, 8)[0]
 
 
+def hand_out(fd: int) -> tuple[int, int]:
+    """``(references the last hand-out added, attaches since by other
+    processes)`` from a segment's header (a racy read, without the mutex)."""
+    raw = os.pread(fd, _HAND_OUT.size, _OFF_HANDED)
+    if len(raw) < _HAND_OUT.size:
+        return 0, 0
+    handed, attached, _pid = _HAND_OUT.unpack(raw)
+    return handed, attached
+
+
+def delivered(handed: int, attached: int) -> bool:
+    """Whether the references of the last hand-out (``handed``, or the one
+    reference a creator hands over without a count change when 0) have
+    all been attached by readers (``attached`` attaches since): a reference
+    counted on a segment nobody holds then belongs to a process that opened
+    it and is gone, not to a message still in flight (see
+    :mod:`mmshm.reaper`)."""
+    return attached >= max(handed, 1)
+
+
+def _record_hand_out(fd: int, k: int) -> None:
+    """``k`` references were just added by this process (under the mutex):
+    a new hand-out, attached by nobody yet."""
+    os.pwrite(fd, _HAND_OUT.pack(min(k, 0xFFFFFFFF), 0, os.getpid() & 0xFFFFFFFF), _OFF_HANDED)
+
+
+def _clear_hand_out(fd: int) -> None:
+    """No hand-out yet (a segment reused from the pool; under the mutex)."""
+    os.pwrite(fd, _HAND_OUT.pack(0, 0, 0), _OFF_HANDED)
+
+
 def _add_holder(fd: int, path: str) -> None:
-    """This process now has the segment open (after the liveness lock)."""
+    """This process now has the segment open (after the liveness lock): one
+    holder more and, unless it made the last hand-out itself, one attach of
+    that hand-out's references."""
     _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)
     try:
         n = _I64.unpack(os.pread(fd, 8, _OFF_HOLDERS))[0]
         os.pwrite(fd, _I64.pack(max(n, 0) + 1), _OFF_HOLDERS)
+        raw = os.pread(fd, _HAND_OUT.size, _OFF_HANDED)
+        if len(raw) == _HAND_OUT.size:
+            handed, attached, pid = _HAND_OUT.unpack(raw)
+            if pid != os.getpid() & 0xFFFFFFFF and attached < 0xFFFFFFFF:
+                os.pwrite(fd, _HAND_OUT.pack(handed, attached + 1, pid), _OFF_HANDED)
     finally:
         _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
 
@@ -285,6 +337,13 @@ def _detach(fd: int) -> None:
             _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
     except OSError as exc:
         log.debug("mmshm: detach failed: %s", exc)
+
+
+def mark_cached(fd: int) -> None:
+    """Record that a cache of this process keeps views of the segment open
+    on ``fd``: the shared lock on byte 3, held until the descriptor closes.
+    Raises :class:`OSError` if ``fcntl`` fails."""
+    _lock(fd, fcntl.F_RDLCK, _CACHE_BYTE, wait=False)
 
 
 def _owner_alive(fd: int) -> bool:
@@ -334,12 +393,13 @@ def try_lock_unheld(fd: int) -> bool:
     return True
 
 
-def read_state(fd: int, path: str) -> tuple[int, int, int, int] | None:
+def read_state(fd: int, path: str) -> tuple[int, int, int, int, bool] | None:
     """``(state, reference count, holders, last clean detach in boottime
-    ns)`` of the segment open on ``fd``, read under its mutex (byte 0); None
-    if its header cannot be read (a process died before writing it, a bad
-    magic or version, a short file). Raises :class:`OSError` if the mutex
-    cannot be taken."""
+    ns, delivered)`` of the segment open on ``fd``, read under its mutex
+    (byte 0); ``delivered``: readers attached every reference of the last
+    hand-out (:func:`delivered`). None if its header cannot be read (a
+    process died before writing it, a bad magic or version, a short file).
+    Raises :class:`OSError` if the mutex cannot be taken."""
     _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)  # only brief updates by path can hold it
     try:
         try:
@@ -347,6 +407,7 @@ def read_state(fd: int, path: str) -> tuple[int, int, int, int] | None:
         except OSError:
             return None
         n, detached = holders(fd)
+        handed, attached = hand_out(fd)
     finally:
         _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
-    return hdr[2], hdr[4], n, detached
+    return hdr[2], hdr[4], n, detached, delivered(handed, attached)

@@ -103,6 +103,7 @@ from .segfile import (  # noqa: F401 - the file format, importable from here as 
     _os_error,
     _owner_alive,
     _read_header,
+    _record_hand_out,
     boottime_ns,
     ensure_dir,
     holders,
@@ -111,6 +112,7 @@ from .segfile import (  # noqa: F401 - the file format, importable from here as 
     new_name,
     segment_dir,
 )
+from .segfile import mark_cached as _mark_cached
 from .sweeper import _ensure_sweeper, _fs_size, _reaped_dirs, sweep  # noqa: F401
 
 log = logging.getLogger("mmshm")
@@ -247,6 +249,8 @@ def _update_refcount(fd: int, path: str, delta: int, gen: int | None = None,
                       "a handle was pickled without share()", path, new)
             new = 0
         os.pwrite(fd, _I64.pack(new), _OFF_REFCOUNT)
+        if delta > 0:
+            _record_hand_out(fd, delta)
         if new == 0:
             if hdr[8] & FLAG_POOLABLE and (owner_here or _owner_alive(fd)):
                 os.pwrite(fd, _U32.pack(STATE_POOLED), _OFF_STATE)
@@ -482,6 +486,25 @@ def _maybe_close(seg: Segment) -> None:
     if seg.owned and not seg.freed():
         return  # creator keeps it: in use elsewhere (liveness lock) or pooled
     _forget(seg)
+
+
+def mark_cached(name: str) -> bool:
+    """Record that a cache of this process (vLLM's multimodal processor cache
+    in the EngineCore) keeps views of segment ``name``, so that ``mmshm
+    status`` shows the segment as held by that cache, not as a leak. Takes
+    the shared lock on the segment's byte 3 (:func:`mmshm.segfile.mark_cached`),
+    which lasts until this process closes the segment. Returns False when
+    this process does not have the segment open. Never raises."""
+    with _LOCK:
+        seg = _REGISTRY.get(name)
+        if seg is None or seg.fd < 0:
+            return False
+        try:
+            _mark_cached(seg.fd)
+        except OSError as exc:
+            log.debug("mmshm: marking %s as cached failed: %s", name, exc)
+            return False
+        return True
 
 
 def update_refcount(name: str, delta: int, directory: str | None = None,

@@ -102,41 +102,47 @@ class TensorMemo:
 
 #: tensor -> BLAKE3-128 digest of its bytes.
 DIGESTS = TensorMemo()
-#: tensor -> ``(wire bytes, HandleMeta)`` of a live segment holding exactly its bytes.
+#: tensor -> ``(wire bytes, HandleMeta, segment directory)`` of a live segment
+#: holding exactly its bytes.
 SEGMENTS = TensorMemo()
 
 
-def remember_segment(t: torch.Tensor, meta: HandleMeta, wire: bytes | None = None) -> None:
+def remember_segment(t: torch.Tensor, meta: HandleMeta, wire: bytes | None = None,
+                     directory: str | None = None) -> None:
     """Remember that the segment of the handle ``meta`` (wire bytes ``wire``,
-    encoded here if not given) holds ``t``'s bytes: ``t`` was copied into it,
-    or is a zero-copy view of it."""
-    SEGMENTS.put(t, (codec.encode(meta) if wire is None else wire, meta))
+    encoded here if not given) in ``directory`` (default ``MMSHM_DIR``, as
+    it is now) holds ``t``'s bytes: ``t`` was copied into it, or is a
+    zero-copy view of it."""
+    SEGMENTS.put(t, (codec.encode(meta) if wire is None else wire, meta,
+                     segment.segment_dir(directory)))
 
 
 def share_segment(t: torch.Tensor) -> ShmTensor | None:
     """A new handle, owning one more reference, on the live segment known to
-    hold ``t``'s bytes; None if there is none, or it was freed or reused by
-    the pool meanwhile (the entry is then forgotten)."""
+    hold ``t``'s bytes, in the directory that segment lives in; None if there
+    is none, or it was freed or reused by the pool meanwhile (the entry is
+    then forgotten)."""
     entry = SEGMENTS.get(t)
     if entry is None:
         return None
-    meta = entry[1]
+    _wire, meta, directory = entry
     try:
         # the generation check refuses a segment the pool has since reused
-        segment.update_refcount(meta.name, 1, None, meta.gen)
+        segment.update_refcount(meta.name, 1, directory, meta.gen)
     except (MmshmError, OSError):
         SEGMENTS.drop(t)
         return None
-    return ShmTensor(meta, owns=True)
+    return ShmTensor(meta, owns=True, directory=directory)
 
 
-def give_back(name: str, k: int, gen: int) -> None:
-    """Give back ``k`` references of segment ``name`` (generation ``gen``)
-    that were handed out for a message that never left. Never raises."""
+def give_back(name: str, k: int, gen: int, directory: str | None = None) -> None:
+    """Give back ``k`` references of segment ``name`` (generation ``gen``) in
+    ``directory`` (default ``MMSHM_DIR``) that were handed out for a message
+    that never left. Never raises."""
     if not k:
         return
     try:
-        segment.update_refcount(name, -k, None, gen)
+        segment.update_refcount(name, -k, directory, gen)
     except (MmshmError, OSError) as exc:
         log.debug("mmshm: giving back %d reference(s) of %s failed: %s", k, name, exc)
 
@@ -325,7 +331,7 @@ class Outbox:
             if h is None:
                 return None
             self.written += h.nbytes
-            remember_segment(t, h.meta)
+            remember_segment(t, h.meta, directory=h.directory)
         if self.fan is not None:
             self.fan.hold(t, h)
         if self.hops:
@@ -354,7 +360,7 @@ class Outbox:
         handles, self.handles = self.handles, []
         for h in handles:
             if h.owns_reference:
-                give_back(h.name, self.hops, h.meta.gen)
+                give_back(h.name, self.hops, h.meta.gen, h.directory)
             h.release()
 
 

@@ -39,6 +39,7 @@ import msgspec
 from . import config, node
 from .node import NodeInfo
 from .segfile import (
+    _CACHE_BYTE,
     _HDR,
     _LIVE_BYTE,
     _OWNER_BYTE,
@@ -47,6 +48,8 @@ from .segfile import (
     STATE_LIVE,
     STATE_POOLED,
     boottime_ns,
+    delivered,
+    hand_out,
     holders,
     lock_holders_present,
     segment_dir,
@@ -82,7 +85,8 @@ class SegmentState(msgspec.Struct):
         held: some process holds it (liveness lock).
         owner_alive: its creating process still runs (owner lock).
         in_flight: nobody holds it, every holder closed it cleanly and
-            references are still counted (handles not opened yet) within
+            references are still counted that no reader has attached yet
+            (handles not opened yet) within
             ``MMSHM_IN_FLIGHT_GRACE_S`` of the last close: the reaper keeps
             it (see :mod:`mmshm.reaper`), so it is not an orphan yet.
     """
@@ -118,6 +122,9 @@ class ProcessEntry(msgspec.Struct):
         references: reference counts of the segments it owns, summed.
         oldest_age_s: age in seconds of its oldest segment (None: none).
         pooled, pooled_bytes: owned segments idle in its warm pool.
+        cached, cached_bytes: segments (owned or held) that a cache of the
+            process keeps on purpose (vLLM's multimodal processor cache in
+            the EngineCore): they go when the cache evicts them, not a leak.
     """
 
     pid: int
@@ -131,6 +138,8 @@ class ProcessEntry(msgspec.Struct):
     oldest_age_s: float | None = None
     pooled: int = 0
     pooled_bytes: int = 0
+    cached: int = 0
+    cached_bytes: int = 0
 
 
 class OtherGroup(msgspec.Struct):
@@ -250,7 +259,7 @@ def read_segment(path: str, now: float | None = None) -> SegmentState | None:
         in_flight = False
         if not held and hdr[2] == STATE_LIVE and hdr[4] > 0:
             n, detached = holders(fd)  # as the reaper judges it (mmshm.reaper._why)
-            in_flight = n <= 0 and detached != 0 and \
+            in_flight = n <= 0 and detached != 0 and not delivered(*hand_out(fd)) and \
                 boottime_ns() - detached < config.get().in_flight_grace_s * 1e9
         return SegmentState(name, size, state, hdr[4], age, held,
                             lock_holders_present(fd, _OWNER_BYTE), in_flight)
@@ -386,23 +395,36 @@ def _mount_ns(pid: int | str) -> str | None:
         return None
 
 
-def _owns(pid: int, fd: str) -> bool:
-    """Whether that descriptor carries the owner lock (byte 2, exclusive)."""
+def lock_marks(pid: int, fd: int | str) -> tuple[bool, bool]:
+    """``(owner, cached)`` of a segment descriptor of ``pid``, from
+    ``/proc/<pid>/fdinfo``: whether it carries the owner lock (byte 2,
+    exclusive: the process created the segment) and the cache mark (byte 3,
+    shared: a cache of the process keeps views of it, see
+    :func:`mmshm.segment.mark_cached`)."""
+    owner = cached = False
     try:
         with open(f"/proc/{pid}/fdinfo/{fd}") as f:
             for line in f:
                 if line.startswith("lock:"):
                     parts = line.split()
                     if "WRITE" in parts and parts[-2:] == [str(_OWNER_BYTE)] * 2:
-                        return True
+                        owner = True
+                    elif "READ" in parts and parts[-2:] == [str(_CACHE_BYTE)] * 2:
+                        cached = True
     except OSError:
         pass
-    return False
+    return owner, cached
+
+
+def _owns(pid: int, fd: str) -> bool:
+    """Whether that descriptor carries the owner lock (byte 2, exclusive)."""
+    return lock_marks(pid, fd)[0]
 
 
 def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
-    """Per visible pid: ``{"owned": set, "held": set, "role": ..., "command": ...}``
-    of this directory's segments it has open, plus the server processes that
+    """Per visible pid: ``{"owned": set, "held": set, "cached": set, "role": ...,
+    "command": ...}`` of this directory's segments it has open (``cached``:
+    those a cache of the process keeps, :func:`lock_marks`), plus the server processes that
     hold none; and notes (processes whose descriptors cannot be read)."""
     d = os.path.realpath(directory)
     out: dict[int, dict] = {}
@@ -421,6 +443,7 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
             continue
         owned: set[str] = set()
         held: set[str] = set()
+        cached: set[str] = set()
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except PermissionError:
@@ -436,7 +459,10 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
             if os.path.dirname(target) != d or not NAME_RE.match(os.path.basename(target)):
                 continue  # elsewhere, or unlinked (" (deleted)")
             name = os.path.basename(target)
-            (owned if _owns(pid, fd) else held).add(name)
+            owner, in_cache = lock_marks(pid, fd)
+            (owned if owner else held).add(name)
+            if in_cache:
+                cached.add(name)
         command = _command(pid)
         role = role_of(command)
         if not owned and not held and role is None:
@@ -450,7 +476,7 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
         if _start_time(pid) != t0:
             continue  # the pid was reused while we looked: drop it
         out[pid] = {"owned": owned, "held": held - owned, "role": role,
-                    "command": command, "under_mmshm_run": under}
+                    "command": command, "under_mmshm_run": under, "cached": cached}
     notes = []
     if hidden and os.geteuid() != 0:
         notes.append(f"{hidden} process(es) of other users cannot be inspected (run as root "
@@ -544,6 +570,9 @@ def status(directory: str | None = None) -> StatusReport:
                     e.pooled_bytes += s.bytes
             else:
                 e.held += 1
+            if name in p.get("cached", ()):
+                e.cached += 1
+                e.cached_bytes += s.bytes
         entries.append(e)
     hidden = [s for s in segs if s.held and s.name not in seen]
     orphans = [s for s in segs if s.orphan]

@@ -324,3 +324,37 @@ def test_a_fan_out_copies_a_tensor_again_once_it_is_modified_in_place(toy, shm_d
     assert torch.equal(got[0]["pixel_values"] * 2, t)
     del got
     gc.collect()
+
+
+def test_a_remembered_segment_is_shared_and_given_back_in_its_own_directory(shm_dir,
+                                                                               monkeypatch):
+    """Issue 24: a tensor remembered in a segment of one directory, sent
+    again after ``MMSHM_DIR`` changed, shares that segment in the directory
+    it lives in (its handle was made for ``MMSHM_DIR`` at the time of use,
+    so it looked like another node's: the share was refused, the tensor went
+    inline and the reference leaked); abandoning the message gives every
+    reference back there."""
+    import os
+
+    from mmshm import config
+
+    t = _pixels()
+    first = sending.Outbox()
+    h1 = first.put(t)  # written into a segment of shm_dir, remembered
+    assert h1 is not None and _mp.seg_files(shm_dir) == [h1.name]
+    other = os.path.join(shm_dir, "other")
+    os.mkdir(other, 0o700)
+    monkeypatch.setenv("MMSHM_DIR", other)
+    config.reload()
+    second = sending.Outbox(hops=1)
+    h2 = second.put(t)
+    assert h2 is not None, "the remembered segment was not shared"
+    assert (h2.name, h2.directory) == (h1.name, shm_dir) and h2.is_local()
+    assert _mp.refcount(h1.name, shm_dir) == 3  # h1's, and h2's 1 + hops
+    assert torch.equal(h2.clone().materialize(copy=True), t)
+    second.abandon()
+    assert _mp.refcount(h1.name, shm_dir) == 1
+    monkeypatch.setenv("MMSHM_DIR", shm_dir)  # h1 was made for MMSHM_DIR (no directory)
+    config.reload()
+    first.abandon()
+    assert _mp.seg_files(shm_dir) == [] and os.listdir(other) == []

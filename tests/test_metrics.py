@@ -581,3 +581,61 @@ def test_metrics_wait_for_a_server_that_sets_multiproc_dir_late(tmp_path):
     assert reg.get_sample_value("mmshm_segments_created_total") == 3
     assert reg.get_sample_value("mmshm_inline_fallbacks_total", {"reason": "enospc"}) == 0
     assert segment_files(shm) == []
+
+
+# -- killed processes' live gauges (issue 24) ---------------------------------------------------
+HOLDER = textwrap.dedent("""
+    import signal, sys, os
+    import torch
+    from mmshm import ShmTensor, metrics
+    assert metrics.multiprocess_enabled()
+    h = ShmTensor.from_tensor(torch.ones(1 << 14))   # mmshm_segments_in_use: livesum
+    print("HELD", flush=True)
+    sys.stdin.readline()
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def _merged(mpdir, name: str) -> float | None:
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(mpdir))
+    return reg.get_sample_value(name)
+
+
+def _killed_holder(mpdir, shm_dir, how: str = "kill") -> int:
+    """A child with PROMETHEUS_MULTIPROC_DIR that holds one segment, SIGKILLed
+    (waited for); returns its pid. Its live gauges are still merged."""
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, how], env=_child_env(mpdir, shm_dir),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "HELD"
+        assert _merged(mpdir, "mmshm_segments_in_use") == 1
+        p.communicate("\n", timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == -9
+    return p.pid
+
+
+@pytest.mark.timeout(120)
+def test_reaper_drops_the_live_gauges_of_a_killed_holder(tmp_path, shm_dir, monkeypatch):
+    """A SIGKILLed process's livesum gauges (segments and bytes in use) leave
+    the merged exposition once the reaper finds its segment killed."""
+    from mmshm import reaper
+
+    mpdir = tmp_path / "prom"
+    mpdir.mkdir()
+    pid = _killed_holder(mpdir, shm_dir)
+    # still there: nothing told prometheus-client the process died
+    assert _merged(mpdir, "mmshm_segments_in_use") == 1
+    assert _merged(mpdir, "mmshm_shm_in_use_bytes") == HEADER_SIZE + (1 << 16)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(mpdir))
+    rep = reaper.reap(shm_dir)
+    assert rep.reasons["killed"] == 1
+    assert _merged(mpdir, "mmshm_segments_in_use") in (None, 0)
+    assert _merged(mpdir, "mmshm_shm_in_use_bytes") in (None, 0)
+    assert not list(mpdir.glob(f"gauge_live*_{pid}.db"))
+    assert _merged(mpdir, "mmshm_segments_created_total") == 1  # counters stay

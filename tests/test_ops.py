@@ -620,3 +620,38 @@ def test_vllm_launch_script_across_nodes(tmp_path):
                         capture_output=True, text=True, timeout=30)
     assert "-- vllm serve m --headless" in r1.stdout, r1
     assert flags.format(1) in r1.stdout and "metrics port: 9477" in r1.stdout, r1.stdout
+
+
+def test_status_says_which_process_keeps_a_segment_in_its_cache(shm_dir):
+    """Issue 24: an idle vLLM server's one live segment, kept by the
+    EngineCore's multimodal processor cache, is shown as held by that
+    process's cache (JSON: ``cached``/``cached_bytes``; text: who holds it
+    and that it is not a leak), not as an unexplained live segment."""
+    import torch
+    from mmshm import ShmTensor
+
+    h = ShmTensor.from_tensor(torch.ones(1 << 18))
+    h.share(1)
+    parent, child = F.ctx().Pipe()
+    holder = F.start(F.w_cache_holder, shm_dir, child)
+    try:
+        parent.send(pickle.dumps(h))
+        assert F.recv(parent, 30) is True
+        h.release()  # the writer lets go: only the cache's view keeps it
+        rep = status.status(shm_dir)
+        (p,) = [p for p in rep.processes if p.pid == holder.pid]
+        (s,) = rep.segments
+        assert (p.held, p.cached, p.cached_bytes) == (1, 1, s.bytes)
+        assert s.held and s.references == 1 and not s.orphan
+        r = _invoke("status", "--dir", shm_dir)
+        assert r.exit_code == 0, r.output
+        line = next(ln for ln in r.output.splitlines() if f"{holder.pid}: 1 segment" in ln)
+        assert "held by the cache of the" in line and "not a leak" in line, line
+        r = _invoke("status", "--dir", shm_dir, "--json")
+        (pj,) = [p for p in json.loads(r.output)["processes"] if p["pid"] == holder.pid]
+        assert (pj["cached"], pj["cached_bytes"]) == (1, s.bytes)
+    finally:
+        parent.send("exit")
+        assert F.recv(parent, 30) == "bye"
+        assert F.join(holder, 30) == 0
+    assert F.segment_files(shm_dir) == []

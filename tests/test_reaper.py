@@ -417,3 +417,39 @@ def test_status_counts_references_in_flight_apart_from_orphans(segdir):
     late = pickle.loads(data)  # the late reader takes the last reference
     assert mmshm.content_hash(late.materialize(copy=True)) == digest
     assert F.segment_files(segdir) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_reference_a_killed_reader_had_opened_is_reclaimed_at_once(segdir):
+    """Issue 24: the in-flight grace protects only references nobody opened.
+    A reader that opened its segment (and closed it again: it read the
+    content hash) is SIGKILLed owning its reference, the writer exits
+    cleanly: reclaimed at the first pass, reason ``killed``. A reference
+    handed out that nobody ever opened is still kept for the grace."""
+    a, b = F.ctx().Pipe()
+    writer = F.start(F.w_holder, segdir, 1 << 20, 31, 1, b)
+    data, digest, name = F.recv(a, 30)
+    ra, rb = F.ctx().Pipe()
+    reader = F.start(F.w_hash_reader, segdir, rb)
+    ra.send(data)
+    assert F.recv(ra, 30) == digest  # it opened the segment and read every byte
+    reader.kill()
+    assert F.join(reader) == KILLED
+    a.send("exit")
+    assert F.recv(a) == "bye"
+    assert F.join(writer) == 0
+    kept_data, kept_digest, kept = _writer_exits_cleanly(segdir, 1 << 18, 32)
+    from mmshm import status
+
+    assert status.read_segment(os.path.join(segdir, name)).orphan
+    assert status.read_segment(os.path.join(segdir, kept)).in_flight
+    before = _by_reason()
+    rep = reaper.reap(segdir)
+    assert (rep.names, rep.reasons) == ([name], {"killed": 1, "in_flight_expired": 0}), rep
+    assert (rep.in_flight, rep.in_flight_bytes) == (1, HDR + (1 << 18))
+    assert F.delta(before, _by_reason()) == {"killed": 1, "in_flight_expired": 0}
+    (info,) = reaper.scan(segdir)
+    assert (info.name, info.orphan, info.reason) == (kept, False, "in_flight")
+    late = pickle.loads(kept_data)  # the late reader of the other one finds every byte
+    assert mmshm.content_hash(late.materialize(copy=True)) == kept_digest
+    assert F.segment_files(segdir) == []

@@ -259,3 +259,39 @@ def test_run_observe_sets_the_mode_for_the_server_and_says_so():
                            env={k: v for k, v in os.environ.items() if k != "MMSHM_MODE"},
                            capture_output=True, text=True, timeout=120, check=False)
     assert plain.stdout.strip() == "unset" and "observe mode" not in plain.stderr
+
+
+GAUGE_SETTER = textwrap.dedent("""
+    import os, signal
+    from mmshm import metrics
+    assert metrics.multiprocess_enabled()
+    metrics.PATH_ENABLED.labels(server="test", role="r", path="p").set(1)  # livemax
+    metrics.SEGMENTS_IN_USE.inc()  # livesum, with no segment the reaper could find
+    print(os.getpid(), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_run_drops_the_live_gauges_of_the_servers_killed_processes(shm_dir, tmp_path):
+    """The server's processes left live gauges in the server's
+    PROMETHEUS_MULTIPROC_DIR when they were killed: once the server has
+    exited, `mmshm run` marks them dead, so the merged exposition drops them."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    mpdir = tmp_path / "prom"
+    mpdir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k.lower() != "prometheus_multiproc_dir"}
+    env.update(PROMETHEUS_MULTIPROC_DIR=str(mpdir), MMSHM_POOL="0")
+    r = subprocess.run([*MMSHM, "run", "--", sys.executable, "-c", GAUGE_SETTER],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 137, r.stderr
+    pid = int(r.stdout.split()[0])
+    assert list(mpdir.glob(f"counter_{pid}.db"))  # it wrote its metrics there
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(mpdir))
+    labels = {"server": "test", "role": "r", "path": "p"}
+    assert reg.get_sample_value("mmshm_path_enabled", labels) is None, r.stderr
+    assert reg.get_sample_value("mmshm_segments_in_use") in (None, 0)
+    assert not list(mpdir.glob(f"gauge_live*_{pid}.db"))

@@ -1058,3 +1058,36 @@ def test_bench_runs_vllm_transport_modes(shm_dir, tmp_path):
     # the queues' ring buffers and arena are gone from /dev/shm with the TP ranks
     assert not _orphans(_psm_files() - psm_before)
     assert not _segments(shm_dir)
+
+
+# -- the EngineCore's multimodal receiver cache (issue 24) --------------------------------------
+def test_views_the_engine_cores_mm_cache_keeps_are_marked_for_status(instrumented, shm_dir):
+    """vLLM's multimodal receiver cache in the EngineCore keeps the views of
+    a request's items after the request (an idle server shows a live
+    segment): the instrumented ``preprocess_add_request`` marks their
+    segments, which ``mmshm status`` shows as held by the cache."""
+    from mmshm import ShmTensor, receiving, status
+    from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache
+    from vllm.v1.engine.core import EngineCore
+
+    h = ShmTensor.from_tensor(_image(7))  # the frontend's segment
+    wire = h.encode()
+    h.hand_over()  # its reference travels with the message
+    view = receiving.materialize_wire(wire, "float32", tuple(IMAGE_SHAPE))
+    assert view.numel() and mv._VIEWS.get(view) is not None
+    core = object.__new__(EngineCore)
+    core.mm_receiver_cache = LruKeyReplicatedReceiverCache(SimpleNamespace(
+        get_multimodal_config=lambda: SimpleNamespace(mm_processor_cache_gb=1)))
+    core.request_block_hasher = None
+    core.structured_output_manager = None
+    req = make_request("cached", [{"pixel_values": view}])
+    seg = segment._REGISTRY[h.name]
+    assert status.lock_marks(os.getpid(), seg.fd)[1] is False
+    out = core.preprocess_add_request(req)
+    assert status.lock_marks(os.getpid(), seg.fd)[1] is True
+    # a request whose item the cache did not keep marks nothing
+    assert mv.mark_cached_views(LruKeyReplicatedReceiverCache(SimpleNamespace(
+        get_multimodal_config=lambda: SimpleNamespace(mm_processor_cache_gb=1))), req) == 0
+    core.mm_receiver_cache.clear_cache()
+    del out, req, view, seg
+    _assert_clean(shm_dir)

@@ -224,6 +224,33 @@ def w_consumer(directory: str, conn) -> None:
     del v
 
 
+def w_hash_reader(directory: str, conn) -> None:
+    """A reader killed after it opened a segment and closed it again: reads
+    a pickled handle's content hash from its segment (``MMSHM_HASH=lazy``:
+    attach, hash, close), reports it, then waits, still owning the reference."""
+    use_dir(directory)
+    h = pickle.loads(conn.recv())
+    conn.send(h.hash)
+    conn.recv()  # never comes: killed here, the reference never given back
+    h.release()
+
+
+def w_cache_holder(directory: str, conn) -> None:
+    """A reader whose cache keeps a zero-copy view (as vLLM's EngineCore
+    keeps one in its multimodal processor cache), its segment marked as
+    such; answers ``"exit"``, dropping the view."""
+    use_dir(directory)
+    from mmshm import segment
+
+    h = pickle.loads(conn.recv())
+    name = h.name
+    cache = {"item": h.materialize()}
+    conn.send(segment.mark_cached(name))
+    assert conn.recv() == "exit"
+    cache.clear()
+    conn.send("bye")
+
+
 def w_tp_producer(directory: str, seed: int, conn_r0) -> None:
     """Tokenizer of a simulated TP group: wraps a two-tensor request, hands one
     reference to rank 0, waits for its verdict and leaves normally."""
