@@ -71,7 +71,7 @@ S: dict = {}
 
 
 def _server():
-    sys.path.insert(0, str(Path(__file__).parent))
+    """tests/e2e/server.py (on sys.path: tests/e2e/conftest.py puts it there)."""
     import server
 
     return server
@@ -80,7 +80,6 @@ def _server():
 @pytest.fixture(scope="module")
 def env(request):
     """The model, the logs, and one tmpfs per node that becomes its /dev/shm."""
-    sys.path.insert(0, str(Path(__file__).parent))
     import tiny_model
 
     tiny_model.build(MODEL_DIR)
