@@ -244,6 +244,9 @@ def test_plain_across_nodes(env):
             sent = _hop_bytes(m0, m1, "broadcast_src", "server")
             assert sent > 4784 * 1176 * 4, sent  # the pixels were pickled into it
             S["plain_internode_bytes"].append(sent * (TP - 1))
+            S.setdefault("plain_broadcast_src_ms", []).append(round(1e3 * _delta(
+                m0, m1, "mmshm_ipc_seconds_sum", server="sglang", hop="broadcast_src",
+                transport="server"), 1))
         m0 = g.metrics(0)
         S["plain_n2"] = g.ask(0, "Describe the picture.", n=2)
         S["plain_n2_internode_bytes"] = _hop_bytes(m0, g.metrics(0), "broadcast_src",
