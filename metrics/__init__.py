@@ -96,8 +96,10 @@ LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.
 # 1 KB .. 1 GB
 BYTES_BUCKETS = tuple(float(10 ** e * m) for e in range(3, 9) for m in (1, 4)) + (1e9,)
 
-#: ``reason`` label values of ``mmshm_inline_fallbacks_total``.
-FALLBACK_REASONS = ("enospc", "budget", "emfile", "other")
+#: ``reason`` label values of ``mmshm_inline_fallbacks_total`` (``group``: the
+#: TP group cannot use shared memory at all, a rank without this mmshm or two
+#: nodes with one node id; see :func:`mmshm.node.handshake`).
+FALLBACK_REASONS = ("enospc", "budget", "emfile", "other", "group")
 #: ``reason`` label values of the materialize and request failure counters
 #: (:data:`mmshm.broadcast.REASONS` without ``ok``).
 FAILURE_REASONS = ("malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",

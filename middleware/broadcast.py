@@ -62,6 +62,7 @@ from .errors import (
 from .handle import ShmTensor
 from .metrics import (
     BROADCAST_BYTES,
+    FALLBACKS,
     BROADCAST_SECONDS,
     MATERIALIZE_FAILURES,
     MATERIALIZE_SECONDS,
@@ -366,12 +367,18 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
 def _inline_broadcast(broadcast_fn, data, rank, dist_group, src, on_failure, role, args,
                       kwargs) -> list:
     """The broadcast of a group whose ranks do not all run this mmshm
-    (:func:`mmshm.node.handshake`): the source rank materializes every handle
+    (:func:`mmshm.node.handshake`), or whose nodes cannot be told apart
+    (:attr:`mmshm.node.Layout.id_collision`): the source rank counts each of
+    its handles in ``mmshm_inline_fallbacks_total{reason="group"}``,
+    materializes every handle
     into a private tensor first (a request whose handles cannot be read
     becomes ``on_failure(request, error)`` before it is sent, so every rank
     gets the same), then ``broadcast_fn`` carries the tensors as the server's
     own transport would; the other ranks receive tensors and unwrap nothing."""
     if rank == src and data:
+        n = sum(len(handles(req)) for req in data)
+        if n:
+            FALLBACKS.labels(reason="group").inc(n)
         data = unwrap_each(list(data), on_failure or (lambda req, err: err))
     t0 = time.perf_counter()
     out = broadcast_fn(data, rank, dist_group, src, *args, **kwargs)

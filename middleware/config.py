@@ -162,10 +162,13 @@ def _size(raw: str) -> int:
     return parse_size(raw)
 
 
-def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
+def _seconds(minimum_exclusive: bool, maximum: float | None = None
+             ) -> Callable[[str], float]:
     def parse(raw: str) -> float:
         v = float(raw.strip())
         if v != v or v in (float("inf"),) or v < 0 or (minimum_exclusive and v == 0):
+            raise ValueError(raw)
+        if maximum is not None and v > maximum:
             raise ValueError(raw)
         return v
     return parse
@@ -286,8 +289,8 @@ VARIABLES: tuple[Variable, ...] = (
              "when a handle's content hash is computed"),
     Variable("MMSHM_NODE_ID", "node_id", _text, None, "any text",
              "overrides this process's node identity"),
-    Variable("MMSHM_HANDSHAKE_S", "handshake_s", _seconds(True), 60.0,
-             "a number of seconds above 0",
+    Variable("MMSHM_HANDSHAKE_S", "handshake_s", _seconds(True, maximum=3600.0), 60.0,
+             "a number of seconds above 0, at most 3600",
              "a rank's first broadcast on a group waits this long for every peer's mmshm"),
     Variable("MMSHM_INSTRUMENT", None, _instrument, None,
              "a comma-separated list of instrumentors (sglang, vllm), or none",

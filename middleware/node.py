@@ -122,6 +122,23 @@ def _lookup(directory: str | None) -> tuple[str, int]:
     return value
 
 
+def system_facts(directory: str | None = None) -> str:
+    """What the system says of this process's node, whatever
+    ``MMSHM_NODE_ID`` says: the boot and the segment directory's file system
+    and inode (``boot=<boot id>;dir=<st_dev>:<st_ino>``). The namespaces are
+    left out: processes in two mount namespaces that bind-mount one /dev/shm
+    can share segments, and may be declared one node with ``MMSHM_NODE_ID``;
+    two boots or two directories never can."""
+    d = directory if directory is not None else config.get().dir
+    boot = _read(_BOOT_ID) or f"host:{socket.gethostname()}"
+    try:
+        st = os.stat(d)
+        where = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        where = f"path:{os.path.abspath(d)}"
+    return f"boot={boot};dir={where}"
+
+
 def identity(directory: str | None = None) -> str:
     """This process's node identity for segment directory ``directory``
     (default ``MMSHM_DIR``): ``override=<MMSHM_NODE_ID>``, or
@@ -192,19 +209,30 @@ class Layout:
     #: built from identities alone
     ids: tuple[int, ...] = ()
 
+    #: per rank, what the system says whatever ``MMSHM_NODE_ID`` says: the
+    #: boot and the segment directory's file system (:func:`system_facts`);
+    #: empty when not gathered
+    facts: tuple[str, ...] = ()
+
     @property
     def id_collision(self) -> bool:
-        """Whether two different nodes of the group have the same node id (a
-        32-bit hash, or one ``MMSHM_NODE_ID`` given to two machines): their
+        """Whether two nodes of the group would be taken for one: two
+        identities with one node id (a clash of the 32-bit hash), or one
+        identity (one ``MMSHM_NODE_ID`` given to two machines, or to two
+        segment directories) over different boots or directories. Their
         handles could not be told apart, so the group must go inline."""
         by_id: dict[int, str] = {}
         for ident, nid in zip(self.identities, self.ids):
             if by_id.setdefault(nid, ident) != ident:
                 return True
+        by_ident: dict[str, str] = {}
+        for ident, fact in zip(self.identities, self.facts):
+            if by_ident.setdefault(ident, fact) != fact:
+                return True
         return False
 
     @classmethod
-    def from_identities(cls, identities, ids=()) -> Layout:
+    def from_identities(cls, identities, ids=(), facts=()) -> Layout:
         index: dict[str, int] = {}
         members: list[list[int]] = []
         node_of = []
@@ -216,7 +244,7 @@ class Layout:
             members[k].append(r)
             node_of.append(k)
         return cls(tuple(identities), tuple(node_of), tuple(tuple(m) for m in members),
-                   tuple(ids))
+                   tuple(ids), tuple(facts))
 
     @property
     def single(self) -> bool:
@@ -267,15 +295,16 @@ def layout(group=None) -> Layout:
         return hit[1]
     world = dist.get_world_size(group=group)
     pairs: list = [None] * world
-    dist.all_gather_object(pairs, _lookup(None), group=group)
-    lay = Layout.from_identities([p[0] for p in pairs], [p[1] for p in pairs])
+    dist.all_gather_object(pairs, (*_lookup(None), system_facts()), group=group)
+    lay = Layout.from_identities([p[0] for p in pairs], [p[1] for p in pairs],
+                                 [p[2] for p in pairs])
     _LAYOUTS[id(pg)] = (pg, lay)
     if lay.id_collision:
         log.warning("mmshm: two nodes of the process group of %d ranks have the same node id "
                     "(%s): their handles cannot be told apart, so the group carries its "
                     "multimodal tensors inline. Fix: give each node its own MMSHM_NODE_ID (or "
-                    "unset it)", world, ", ".join(f"rank {r}: 0x{i:08x} ({n})" for r, (n, i)
-                                                in enumerate(pairs)))
+                    "unset it)", world, ", ".join(f"rank {r}: 0x{i:08x} ({n}; {f})"
+                                                for r, (n, i, f) in enumerate(pairs)))
     if not lay.single:
         log.info("mmshm: the process group of %d ranks spans %d nodes (group ranks by node: "
                  "%s): each payload crosses to every other node once",

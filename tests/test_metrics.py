@@ -401,7 +401,7 @@ def test_label_values_are_preinitialised():
         return {s.labels[key] for s in fams[fam].samples if s.name == fam + suffix}
 
     assert labels("mmshm_inline_fallbacks", "reason", "_total") == {
-        "enospc", "budget", "emfile", "other"}
+        "enospc", "budget", "emfile", "other", "group"}
     assert labels("mmshm_materialize_failures", "reason", "_total") == set(
         metrics.FAILURE_REASONS)
     assert labels("mmshm_request_failures", "reason", "_total") == set(metrics.FAILURE_REASONS)

@@ -355,6 +355,7 @@ def rank_skew(rank: int, world: int, base: str, seed: int, peer: str) -> dict:
         res["verdict"] = (v.ok, v.reason)
     res["warnings"] = [m for m in records if "inline" in m]
     res["sent"] = node.internode_bytes()
+    res["group_fallbacks"] = _mp.metric("mmshm_inline_fallbacks_total", reason="group")
     res["live"] = _live_files()
     return res
 
@@ -400,15 +401,19 @@ def rank_dead_peer(rank: int, world: int, base: str, seed: int) -> dict:
     return res
 
 
-def rank_id_collision(rank: int, world: int, base: str, seed: int) -> dict:
-    """2 simulated nodes whose node ids collide (as two machines given one
-    MMSHM_NODE_ID, or a 32-bit hash clash): the layout sees two identities
-    with one id, and the group goes inline, bytes equal."""
+def rank_id_collision(rank: int, world: int, base: str, seed: int, how: str) -> dict:
+    """2 simulated nodes (a segment directory each) that would be taken for
+    one: ``how == "override"``, both given ``MMSHM_NODE_ID=7`` (as two
+    machines given one value); ``"hash"``, two identities whose ids clash.
+    The layout finds it, and the group goes inline, bytes equal."""
     import logging
 
-    _enter_node(rank, world, base, 2)
-    real = node._lookup
-    node._lookup = lambda directory=None: (real(directory)[0], 7)
+    if how == "override":
+        _enter_node(rank, world, base, 2, env={"MMSHM_NODE_ID": "7"})
+    else:
+        _enter_node(rank, world, base, 2)
+        real = node._lookup
+        node._lookup = lambda directory=None: (real(directory)[0], 7)
     records: list[str] = []
 
     class Keep(logging.Handler):
@@ -425,7 +430,8 @@ def rank_id_collision(rank: int, world: int, base: str, seed: int) -> dict:
         out = bcast(None, rank, None, 0)
     res = {"handles": len(mmshm.handles(out)), "collision": node.layout().id_collision,
            "warnings": [m for m in records if "same node id" in m],
-           "sent": node.internode_bytes()}
+           "sent": node.internode_bytes(),
+           "group_fallbacks": _mp.metric("mmshm_inline_fallbacks_total", reason="group")}
     for i, req in enumerate(out):
         _mp._check_request(req, i, seed)
     del out, req
@@ -729,6 +735,8 @@ def test_version_skew_goes_inline_never_wrong_bytes(shm_dir, monkeypatch, peer):
         assert res[1]["verdict"] == res[0]["verdict"]  # one verdict for the group
         assert len(res[1]["warnings"]) == 1
     assert len(res[0]["warnings"]) == 1 and "ranks [0, 1]" in res[0]["warnings"][0]
+    # counted where they went inline: the source's 3 handles a round, 2 rounds
+    assert res[0]["group_fallbacks"] == 6 and res[1].get("group_fallbacks", 0) == 0
     _assert_nodes_empty(shm_dir, 2)
 
 
@@ -749,16 +757,33 @@ def test_dead_remote_rank_is_a_bounded_typed_failure(shm_dir):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-def test_node_id_collision_goes_inline(shm_dir):
-    """Two nodes with one node id could not tell each other's handles apart:
-    the layout finds it (same id, different identities) on every rank, and
-    the group carries its tensors inline, with a WARNING naming the fix."""
-    res = _mp.run_group(rank_id_collision, 2, shm_dir, 51, timeout=90)
+@pytest.mark.parametrize("how", ["override", "hash"])
+def test_node_id_collision_goes_inline(shm_dir, how):
+    """Two nodes taken for one could not tell each other's handles apart:
+    one MMSHM_NODE_ID over two segment directories (the system's facts
+    differ), or two identities with one id. The layout finds it on every
+    rank and the group carries its tensors inline, counted, with a WARNING
+    naming the fix; before, the override case failed every request with
+    ``not_found`` on the other node."""
+    res = _mp.run_group(rank_id_collision, 2, shm_dir, 51, how, timeout=90)
     for r in (0, 1):
         assert res[r]["collision"] is True and res[r]["handles"] == 0, res[r]
         assert res[r]["sent"] == 0 and res[r]["live"] == [], res[r]
         assert len(res[r]["warnings"]) == 1 and "MMSHM_NODE_ID" in res[r]["warnings"][0]
+    assert res[0]["group_fallbacks"] == 3  # the 2 requests' 3 handles, inline
     _assert_nodes_empty(shm_dir, 2)
     lay = node.Layout.from_identities(["a", "b", "a"], [1, 2, 1])
     assert not lay.id_collision and lay.nodes == ((0, 2), (1,))
     assert node.Layout.from_identities(["a", "b"], [3, 3]).id_collision
+
+
+@pytest.mark.parametrize("raw, want", [("5", 5.0), ("3600", 3600.0), ("1e14", 60.0),
+                                       ("abc", 60.0), ("0", 60.0), ("-1", 60.0)])
+def test_handshake_wait_is_bounded(monkeypatch, raw, want):
+    """MMSHM_HANDSHAKE_S takes seconds above 0 and at most an hour: a value
+    past what a store wait can hold (1e14 s overflows its timedelta) would
+    have turned the wait into none; it gets the default and a WARNING."""
+    monkeypatch.setenv("MMSHM_HANDSHAKE_S", raw)
+    assert config.reload().handshake_s == want
+    bad = raw in ("1e14", "abc", "0", "-1")
+    assert bool(config.problems()) == bad, config.problems()
