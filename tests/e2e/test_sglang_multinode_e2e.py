@@ -304,7 +304,7 @@ def test_mmshm_across_nodes(env):
         m0, m1 = g.metrics(0), g.metrics(1)
         for m in (m0, m1):
             assert sum(_m(m, "mmshm_inline_fallbacks_total", reason=r)
-                       for r in ("enospc", "budget", "emfile", "other")) == 0
+                       for r in ("enospc", "budget", "emfile", "other", "group")) == 0
             assert _m(m, "mmshm_materialize_failures_total", reason="other") == 0
         S["mmshm_node1_created"] = _m(m1, "mmshm_segments_created_total")
         # `mmshm status` run inside each node's namespace shows that node
