@@ -430,10 +430,14 @@ def rank_failures(rank: int, world: int, seed: int, bad_rank: int) -> dict:
 def rank_wrong_dir(rank: int, world: int, seed: int, dirs: list) -> dict:
     """Rank r uses MMSHM_DIR=dirs[r]: a rank that cannot see the segments."""
     import mmshm
-    from mmshm import config
+    from mmshm import config, node
 
     os.environ["MMSHM_DIR"] = dirs[rank]
     config.reload()
+    # the ranks are told they are one node (MMSHM_NODE_ID) and the system's
+    # facts are made to agree, so that the layout cannot see the two
+    # directories (it would make the group go inline: tests/test_multinode.py)
+    node.system_facts = lambda directory=None: "one node"
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
     if rank == 0:
         reqs = [mmshm.wrap(_request(0, seed), min_bytes=1024), _request(1, seed)]
