@@ -30,7 +30,7 @@ from prometheus_client import REGISTRY
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 NAME_RE = re.compile(r"mmshm-([0-9]{1,10})-([0-9a-f]{16})\Z")
-FALLBACK_REASONS = ("enospc", "budget", "emfile", "other", "group")
+FALLBACK_REASONS = ("enospc", "budget", "emfile", "other")  # a tensor's own reasons
 
 #: pids of every process a test started (their segments are the test's business)
 TRACKED_PIDS: set[int] = {os.getpid()}
