@@ -99,14 +99,24 @@ def _compute(directory: str, override: str | None) -> tuple[tuple[str, int], boo
         else:
             nid = _hash32("override=" + override)
         return (f"override={override}", nid), True
-    boot = _read(_BOOT_ID) or f"host:{socket.gethostname()}"
-    try:
-        st = os.stat(directory)
-        where, cacheable = f"{st.st_dev}:{st.st_ino}", True
-    except OSError:
-        where, cacheable = f"path:{os.path.abspath(directory)}", False
+    boot = _boot()
+    where, cacheable = _where(directory)
     ident = f"boot={boot};ipc={_ns_inode('ipc')};mnt={_ns_inode('mnt')};dir={where}"
     return (ident, _hash32(ident)), cacheable
+
+
+def _boot() -> str:
+    return _read(_BOOT_ID) or f"host:{socket.gethostname()}"
+
+
+def _where(directory: str) -> tuple[str, bool]:
+    """The directory's ``st_dev:st_ino`` (cacheable), or its path when it
+    cannot be stat'ed (yet: not cacheable)."""
+    try:
+        st = os.stat(directory)
+        return f"{st.st_dev}:{st.st_ino}", True
+    except OSError:
+        return f"path:{os.path.abspath(directory)}", False
 
 
 def _lookup(directory: str | None) -> tuple[str, int]:
@@ -130,13 +140,7 @@ def system_facts(directory: str | None = None) -> str:
     can share segments, and may be declared one node with ``MMSHM_NODE_ID``;
     two boots or two directories never can."""
     d = directory if directory is not None else config.get().dir
-    boot = _read(_BOOT_ID) or f"host:{socket.gethostname()}"
-    try:
-        st = os.stat(d)
-        where = f"{st.st_dev}:{st.st_ino}"
-    except OSError:
-        where = f"path:{os.path.abspath(d)}"
-    return f"boot={boot};dir={where}"
+    return f"boot={_boot()};dir={_where(d)[0]}"
 
 
 def identity(directory: str | None = None) -> str:
@@ -421,6 +425,11 @@ def handshake(group=None) -> Verdict:
         return hit[1]
     store = _default_store()
     if store is None:
+        # nothing to check against: every rank goes on as if the others ran
+        # this mmshm, as before there was a handshake
+        log.warning("mmshm: the ranks' mmshm versions cannot be checked (torch.distributed "
+                    "has no default store here); a peer without this mmshm would not be "
+                    "found. Fix: report this as an mmshm bug with the torch version")
         verdict = Verdict(True)
     else:
         mine = _hello()
