@@ -324,11 +324,10 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
         plan: _NodePlan | None = None
         receivers = world - 1
         if world > 1:
-            if not node.handshake(dist_group).ok:  # a dict lookup after the first call
-                return _inline_broadcast(broadcast_fn, data, rank, dist_group, src, on_failure,
-                                         role, args, kwargs)
-            lay = node.layout(dist_group)  # a dict lookup after the first call
-            if lay.id_collision:
+            # both a dict lookup after the first call; the handshake first, since
+            # the layout is a collective that a peer without mmshm never makes
+            if (not node.handshake(dist_group).ok
+                    or (lay := node.layout(dist_group)).id_collision):
                 return _inline_broadcast(broadcast_fn, data, rank, dist_group, src, on_failure,
                                          role, args, kwargs)
             if not lay.single and src_group_rank is not None:
