@@ -18,6 +18,7 @@ in that output.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -150,6 +151,12 @@ def maybe_start_exporter_from_env():
     try:
         return start_exporter(port, addr)
     except OSError as exc:
-        level = logging.INFO if _multiproc_dir() else logging.WARNING
-        log.log(level, "mmshm: metrics exporter not started on %s:%s: %s", addr, port, exc)
+        if _multiproc_dir() and exc.errno == errno.EADDRINUSE:
+            # the usual case: another process of this server bound it first, and
+            # it serves every process's series (one PROMETHEUS_MULTIPROC_DIR)
+            log.info("mmshm: metrics on %s:%s are served by another process of this server "
+                     "(the port is taken; they share PROMETHEUS_MULTIPROC_DIR)", addr, port)
+        else:
+            level = logging.INFO if _multiproc_dir() else logging.WARNING
+            log.log(level, "mmshm: metrics exporter not started on %s:%s: %s", addr, port, exc)
         return None
