@@ -190,6 +190,36 @@ def _set_item_hashes(mm_inputs) -> None:
             item.hash = hash_int(d)
 
 
+_numpy_warned: set[str] = set()
+
+
+def _warn_numpy_features(mm_inputs, min_bytes: int) -> None:
+    """Say once per process, at WARNING, that a feature or precomputed
+    embedding of at least ``min_bytes`` bytes is a numpy array: mmshm (like
+    SGLang's own shared memory) carries torch tensors only, so the array is
+    pickled into the request. SGLang's ``LlavaImageProcessor`` (LLaVA-1.5 /
+    NeXT / OneVision checkpoints in their original format, e.g.
+    ``LlavaQwenForCausalLM``) returns float16 numpy pixel values."""
+    np = sys.modules.get("numpy")
+    if np is None or "numpy" in _numpy_warned:
+        return
+    for item in _items(mm_inputs):
+        for name in ("feature", "precomputed_embeddings"):
+            value = getattr(item, name, None)
+            for x in (value if isinstance(value, (list, tuple)) else (value,)):
+                if isinstance(x, np.ndarray) and x.nbytes >= min_bytes:
+                    _numpy_warned.add("numpy")
+                    log.warning(
+                        "mmshm: a multimodal %s of %d bytes is a numpy array (%s %s), not a "
+                        "torch tensor: it travels inline, pickled into the request, not "
+                        "through shared memory (said once). SGLang's processor for this "
+                        "model returns numpy arrays (its LlavaImageProcessor does, for "
+                        "LLaVA checkpoints in their original format); the Hugging Face "
+                        "format of the checkpoint (e.g. LlavaNextForConditionalGeneration) "
+                        "gives tensors", name, x.nbytes, x.dtype, tuple(x.shape))
+                    return
+
+
 def _wrap_shm_features(wrapped, instance, args, kwargs):
     """``wrap_shm_features(obj)``: a copy of ``obj`` whose ``mm_inputs``
     carry handles from this send's outbox (the input, and the ``mm_items``
@@ -215,6 +245,7 @@ def _wrap_shm_features(wrapped, instance, args, kwargs):
     # the hash is left to _set_item_hashes, for items SGLang's processor did
     # not hash (MMSHM_HASH=lazy: computed only if needed)
     new_mm = transform(mm_inputs, leaf)
+    _warn_numpy_features(new_mm, min_bytes)
     _set_item_hashes(new_mm)
     if new_mm is mm_inputs:
         return obj

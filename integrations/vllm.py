@@ -84,6 +84,17 @@ multimodal receiver cache holds them (``--mm-processor-cache-gb``); the
 budget guard keeps the reserve free and makes further tensors travel inline.
 Their segments are marked (:func:`mark_cached_views`), so ``mmshm status``
 says they are held by the EngineCore's cache.
+
+**A finished request lets go of its segments.** vLLM's input thread
+(``process_input_sockets``) keeps the last request it decoded in its locals
+until the next one arrives, so on an idle server that request's views (and
+with them its segments, live in the directory, refcount 1, held by the
+EngineCore) would outlive it indefinitely. When the scheduler frees a request
+(``Scheduler._free_request``: finished or aborted), and when its
+pre-processing fails, the features whose data holds mmshm views drop that
+data (:func:`drop_views`; vLLM's own ``MultiModalFeatureSpec.data`` may be
+None): the stale locals then hold no view. The receiver cache keeps its own
+items.
 """
 
 from __future__ import annotations
@@ -111,6 +122,7 @@ _ASYNC = "vllm.v1.engine.async_llm"
 _LLM = "vllm.v1.engine.llm_engine"
 _MQ = "vllm.distributed.device_communicators.shm_broadcast"
 _EXEC = "vllm.v1.executor.multiproc_executor"
+_SCHED = "vllm.v1.core.sched.scheduler"
 
 _ATTACHED: weakref.WeakSet = weakref.WeakSet()  # encoders given a consumer
 _PROVIDED: weakref.WeakSet = weakref.WeakSet()  # EngineCoreProcs given a provider
@@ -298,12 +310,56 @@ def _w_preprocess_add_request(wrapped, instance, args, kwargs):
         err = receiving.failure_in(
             request, f"request {getattr(request, 'request_id', '?')}, in the EngineCore")
         if err is not None:
+            drop_views(request)  # never scheduled: nothing frees it later
             raise err  # vLLM turns it into this request's error output
-    out = wrapped(*args, **kwargs)
+    try:
+        out = wrapped(*args, **kwargs)
+    except BaseException:
+        drop_views(request)  # vLLM answers it with an error; its views go now
+        raise
     cache = getattr(instance, "mm_receiver_cache", None)
     if cache is not None:
         mark_cached_views(cache, request)
     return out
+
+
+def drop_views(request) -> int:
+    """Let the multimodal features of ``request`` (an ``EngineCoreRequest``
+    or a scheduler ``Request``: they share their ``mm_features``) drop data
+    that holds tensors mmshm knows in a segment (zero-copy views of the
+    frontend's, or this process's copies: :data:`_VIEWS`;
+    ``feature.data = None``),
+    so that no stale reference to the request (vLLM's input thread keeps the
+    last one it decoded) keeps a segment alive once the request is done.
+    Features without mmshm views are left as they are; an item vLLM's
+    receiver cache keeps stays in the cache. Returns the views let go.
+    Never raises."""
+    dropped = 0
+    try:
+        for feature in getattr(request, "mm_features", None) or ():
+            data = getattr(feature, "data", None)
+            if data is None:
+                continue
+            views = sum(1 for elem in data.values()
+                        for t in _tensors(getattr(elem, "data", None))
+                        if _VIEWS.get(t) is not None)
+            if views:
+                feature.data = None
+                dropped += views
+    except Exception as exc:  # noqa: BLE001 - freeing a request never fails
+        log.debug("mmshm: dropping a finished request's views failed: %s", exc)
+    return dropped
+
+
+def _w_free_request(wrapped, instance, args, kwargs):
+    """``Scheduler._free_request``: the request is finished (or aborted);
+    once vLLM has freed it, its features let go of their mmshm views
+    (:func:`drop_views`)."""
+    request = args[0] if args else kwargs.get("request")
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        drop_views(request)
 
 
 def _tensors(x):
@@ -740,6 +796,7 @@ TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (_MQ, "MessageQueue.dequeue", ()),
     (_MQ, "_reduce_tensor", ("tensor",)),
     (_EXEC, "MultiprocExecutor._init_executor", ()),
+    (_SCHED, "Scheduler._free_request", ("request",)),
 )
 
 PATCHES: dict[tuple[str, str], object] = {
@@ -754,6 +811,7 @@ PATCHES: dict[tuple[str, str], object] = {
     (_MQ, "MessageQueue.dequeue"): _o_queue(_w_dequeue, "mq_dequeue"),
     (_MQ, "_reduce_tensor"): _o_reduce_tensor(_w_reduce_tensor),
     (_EXEC, "MultiprocExecutor._init_executor"): _w_init_executor,
+    (_SCHED, "Scheduler._free_request"): _w_free_request,
 }
 #: Patched when present: the report lines, and the per-hop timing
 #: (:mod:`mmshm.observe`), which never refuses the transport.
@@ -837,6 +895,7 @@ __all__ = [
     "attach_encoder",
     "attach_provider",
     "describe_readers",
+    "drop_views",
     "enable_broadcast",
     "input_endpoint",
     "materialize_request_tensor",

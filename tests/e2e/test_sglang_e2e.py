@@ -26,6 +26,17 @@ many cases against it:
    server's segments are reclaimed before its first request; a graceful
    stop leaves nothing.
 
+Faults under load (``tests/e2e/faults.py``), on servers already running: an
+abort storm (30 streamed requests of 1-3 small photos, n 1-4, 4 at a time,
+the client closing them at random points), then rejected requests (too many
+images, over the context length, corrupt or non-image data URLs), then the
+checks: the fixed request answered as before, after the pool's idle time
+nothing in the segment directory that ``mmshm status`` does not explain,
+``mmshm gc --dry-run`` finds no orphan, mmshm's counters agree with the
+events. Under mmshm in phase 3 (before its SIGKILL); on 0.5.9's plain server
+in phase 2 (before its burst), where SGLang's own ``psm_*`` segments are
+counted beside mmshm's. Each phase records, a test after it asserts.
+
 As root (with ``unshare``), every server runs in a private mount namespace
 whose /dev/shm is one 64 MiB tmpfs that the test mounted and watches (Docker's
 default size); otherwise /dev/shm is the host's, mmshm's segment directory a
@@ -42,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -66,8 +78,22 @@ BURST = 4  # 4 x 22.5 MB photos in flight: more than a 64 MiB /dev/shm holds
 #: are unlinked as the scheduler receives them, so only those made while it is
 #: busy with a prefill pile up; 8 photos make that pile outgrow 64 MiB.
 PLAIN_BURST = 8
+#: The faults under load (tests/e2e/faults.py): storm requests, 4 at a time;
+#: images per request the servers allow (--limit-mm-data-per-request); the
+#: pool's idle time the servers run with (MMSHM_POOL_IDLE_S).
+STORM_SHOTS, STORM_CONCURRENCY, MAX_IMAGES, POOL_IDLE_S = 30, 4, 3, 2.0
+#: SGLang 0.5.9 answers an image it cannot load (corrupt base64, an SVG...)
+#: with HTTP 500 "Internal server error: ..." (0.5.23: 400); its plain
+#: server does the same (asserted below).
+BAD_IMAGE_500 = V <= (0, 5, 9)
+#: The model's context length (max_position_embeddings of tiny_model.py)
+#: and the tiny tokenizer's tokens per " hello".
+CONTEXT, TOKENS_PER_WORD = 32768, 3
 
 S: dict = {}  # state shared by the phases (file order)
+#: The faults' records by phase ("records"), what broke them ("errors"), the
+#: storm's photo URLs ("urls"): kept out of S, whose items are all printed.
+FAULTS: dict = {"records": {}, "errors": {}, "urls": None}
 
 
 # -- the servers -------------------------------------------------------------------
@@ -105,7 +131,7 @@ def env(request):
 
 
 def _argv(port: int) -> list[str]:
-    return _import_server().sglang_argv(MODEL_DIR, port, TP, V)
+    return _import_server().sglang_argv(MODEL_DIR, port, TP, V, limit_images=MAX_IMAGES)
 
 
 def _server(env, name: str, mmshm: bool, small_shm: bool = SMALL_SHM, observe: bool = False,
@@ -118,7 +144,7 @@ def _server(env, name: str, mmshm: bool, small_shm: bool = SMALL_SHM, observe: b
         # their own shared memory off ("cross node"); mmshm goes by the node
         # layout and stays on
         argv += ["--dist-init-addr", f"127.0.0.1:{server.free_port()}"]
-    e = server.sglang_env(MMSHM_POOL_IDLE_S="2", MMSHM_REAP_INTERVAL_S="60")
+    e = server.sglang_env(MMSHM_POOL_IDLE_S=f"{POOL_IDLE_S:g}", MMSHM_REAP_INTERVAL_S="60")
     if observe:
         e["MMSHM_MODE"] = "observe"
         mmshm = True
@@ -194,6 +220,66 @@ def _hops(m0: str, m1: str, transport: str) -> dict:
     return out
 
 
+# -- faults under load (tests/e2e/faults.py) -------------------------------------------
+def _faults(env, srv, name: str, mmshm: bool, fixed) -> None:
+    """The abort storm, the rejects and the checks on the running ``srv``;
+    the record goes to ``S["faults"][name]`` (its summary to the figures, the
+    per-request detail to the log folder), or what broke to
+    ``S["faults_error"][name]``: the phase goes on, the test after it
+    asserts. ``fixed()`` sends the fixed request (its greedy text).
+
+    Under mmshm the storm has n 1-4 (SGLang itself refuses n > 1 with several
+    images); plain 0.5.9 only n=1 (its n>1 bug kills the scheduler, phase 1).
+    ``mmshm status`` and ``gc`` run in the server's mount namespace (its
+    /dev/shm is the test's tmpfs) or on the private segment directory."""
+    import faults
+
+    try:
+        if FAULTS["urls"] is None:
+            FAULTS["urls"] = faults.small_photo_urls(4)
+        urls = FAULTS["urls"]
+        shots = faults.plan(STORM_SHOTS, photos=len(urls),
+                            max_n=4 if mmshm or not HAS_FANOUT_BUG else 1, max_n_multi=1)
+        cases = faults.reject_cases(urls[0], MAX_IMAGES, CONTEXT, TOKENS_PER_WORD)
+        mm = None
+        if mmshm:
+            mm = (faults.Mmshm("/dev/shm", ns_pid=srv.proc.pid) if SMALL_SHM
+                  else faults.Mmshm(env["seg_dir"]))
+        rec = faults.run_faults(
+            srv.client(timeout_s=300), "default", urls, shots, cases, fixed, mm=mm,
+            list_segments=lambda: _segs(env), idle_s=POOL_IDLE_S, metrics=srv.metrics_text,
+            shm_root=env["shm"], pgid=None if SMALL_SHM else srv.proc.pid,
+            concurrency=STORM_CONCURRENCY, detail_path=env["logs"] / f"faults-{name}.json")
+        rec["alive"] = srv.proc.poll() is None
+        FAULTS["records"][name] = rec
+        S.setdefault("faults", {})[name] = faults.summary(rec)
+    except Exception:  # noqa: BLE001 - recorded; the test after the phase fails with it
+        FAULTS["errors"][name] = traceback.format_exc()[-6000:]
+        S.setdefault("faults", {})[name] = "failed: see the test after the phase"
+
+
+def _fault_record(name: str) -> dict:
+    err = FAULTS["errors"].get(name)
+    assert err is None, err
+    if name not in FAULTS["records"]:
+        pytest.skip(f"the {name} phase did not run its faults")
+    return FAULTS["records"][name]
+
+
+def _assert_refusals(rec: dict, plain: dict | None) -> None:
+    """Every reject refused: HTTP 4xx, or 0.5.9's own 500 for an image it
+    cannot load; with the plain server's record, the same status per case."""
+    import faults
+
+    for r in rec["rejects"]:
+        ok = faults.refused(r) or (BAD_IMAGE_500 and r["status"] == 500
+                                   and "Internal server error" in r["error"])
+        assert ok, r
+    if plain is not None:
+        assert {r["case"]: r["status"] for r in rec["rejects"]} == \
+            {r["case"]: r["status"] for r in plain["rejects"]}
+
+
 # -- 1. SGLang's own transport, observed --------------------------------------------
 @pytest.mark.timeout(900)
 def test_plain_server(env):
@@ -259,6 +345,10 @@ def test_plain_server_small_shm_burst(env):
         # the one truly plain server of this release: observe mode answered the same
         S["plain_unobserved"] = _ask(srv, GREEDY[0][0], 1, GREEDY[0][1])[0]
         assert S["plain_unobserved"] == S["plain"][0]
+        # the abort storm and the rejects on the plain server (asserted below):
+        # what SGLang's own psm_* segments do
+        _faults(env, srv, "plain", mmshm=False,
+                fixed=lambda: _ask(srv, GREEDY[0][0], 1, GREEDY[0][1])[0])
         with ThreadPoolExecutor(PLAIN_BURST) as ex:
             futs = [ex.submit(_ask, srv, i) for i in range(PLAIN_BURST)]
             errors = [f.exception(timeout=600) for f in futs]
@@ -270,6 +360,22 @@ def test_plain_server_small_shm_burst(env):
         srv.kill()
         _clear(env)
     S["phase_s"]["plain-small-shm"] = time.monotonic() - t0
+
+
+def test_plain_server_faults_under_load(env):
+    """Phase 2's storm and rejects: plain 0.5.9 answered every storm request
+    until the client closed it, refused every reject, answered the fixed
+    request as before and stayed up; its own psm_* segments are counted."""
+    rec = _fault_record("plain")
+    assert not rec["storm"]["errors"], rec["storm"]["errors"]
+    _assert_refusals(rec, None)
+    assert rec["fixed_equal"] and rec["fixed_after"] == S["plain"][0], rec
+    assert rec["alive"]
+    # SGLang's own transport carried the storm's images: psm_* segments made
+    # (one per image that reached the tokenizer); what is left is the figure
+    w = rec["watch"]["psm_*"]
+    assert w["made"] >= 1, w
+    assert rec["watch"]["mmshm-*"]["made"] == 0
 
 
 # -- 3. under mmshm run --------------------------------------------------------------
@@ -340,6 +446,10 @@ def test_mmshm_server(env):
             assert S["fallbacks"] >= 1
             assert "Bus error" not in srv.log_text()[len(log):]
 
+        # the abort storm, the rejects and the checks (asserted below)
+        _faults(env, srv, "mmshm", mmshm=True,
+                fixed=lambda: _ask(srv, GREEDY[0][0], 1, GREEDY[0][1])[0])
+
         # the idle pooled segments go after MMSHM_POOL_IDLE_S (2 s): wait for
         # them, so that the next request's segment is a fresh one
         deadline = time.monotonic() + 30
@@ -371,6 +481,34 @@ def test_mmshm_server(env):
     finally:
         srv.kill()
     S["phase_s"]["mmshm"] = time.monotonic() - t0
+
+
+def test_mmshm_server_faults_under_load(env):
+    """Phase 3's storm and rejects under mmshm: every storm request answered
+    until the client closed it, every reject refused as plain refuses it,
+    the fixed request answered as plain answered it; after the pool's idle
+    time nothing in the segment directory that ``mmshm status`` does not
+    explain, no orphan for ``mmshm gc --dry-run``, the directory empty; the
+    counters agree (segments in use == files, pool misses == creations,
+    nothing reaped, no failure)."""
+    import faults
+
+    rec = _fault_record("mmshm")
+    plain = FAULTS["records"].get("plain")
+    assert not rec["storm"]["errors"], rec["storm"]["errors"]
+    _assert_refusals(rec, plain)
+    assert rec["fixed_equal"] and rec["fixed_after"] == S["plain"][0], rec
+    assert rec["alive"]
+    # the storm went through mmshm: segments made (or reused) for its photos,
+    # each file made counted once, and none of SGLang's own psm_* segments
+    assert rec["counters"]["created"] + rec["counters"]["pool_hits"] >= 1, rec["counters"]
+    if "watch" in rec:  # the servers' /dev/shm is the test's tmpfs
+        assert rec["watch"]["mmshm-*"]["made"] == rec["counters"]["created"], \
+            (rec["watch"], rec["counters"])
+        assert rec["watch"]["psm_*"]["made"] == 0, rec["watch"]
+    problems = [p for p in faults.problems(rec)
+                if not p.startswith(("reject ", "storm request "))]  # judged above
+    assert not problems, problems
 
 
 def _swallow(fn, *a):

@@ -25,6 +25,16 @@ out; see ``server.py``):
    rank each, node 1 ``--headless``; 7. the same under ``mmshm run`` on both
    nodes: the same answers, the EngineCore node's worker through shared
    memory, node 1's worker inline, nothing of mmshm left on either node.
+
+Faults under load (``tests/e2e/faults.py``) on runs 1 and 3, before their
+stop and their SIGKILL: an abort storm (30 streamed requests of 1-3 small
+photos, n 1-4, 4 at a time, unseeded: vLLM 0.32 CPU dies under concurrent
+seeded sampling; the client closing them at random points), then rejected
+requests (too many images, over max-model-len, corrupt or non-image data
+URLs); then the fixed request must be answered with the same logprobs, and
+under mmshm, after the pool's idle time, nothing may be in the segment
+directory that ``mmshm status`` does not explain, ``mmshm gc --dry-run``
+must find no orphan and mmshm's counters must agree with the events.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -79,6 +90,15 @@ DELTAS = {
     "failures": ("mmshm_materialize_failures_total", {}),
 }
 LOGS = Path(os.environ.get("MMSHM_E2E_LOGS") or tempfile.mkdtemp(prefix="mmshm-e2e-vllm-"))
+#: The faults under load: storm requests (4 at a time), images a request may
+#: have (vllm_argv's --limit-mm-per-prompt), the context (--max-model-len),
+#: the tiny tokenizer's tokens per " hello", and the pool's idle time the
+#: servers run with (MMSHM_POOL_IDLE_S: mmshm's default).
+STORM_SHOTS, STORM_CONCURRENCY, MAX_IMAGES, CONTEXT, TOKENS_PER_WORD = 30, 4, 3, 4096, 3
+POOL_IDLE_S = 10.0
+#: The faults' records by server ("plain", "mmshm"), what broke them, the
+#: storm's photo URLs.
+FAULTS: dict = {"records": {}, "errors": {}, "urls": None}
 
 
 def _say(msg: str) -> None:
@@ -124,12 +144,53 @@ def ask(srv: Server, urls: list[str], n: int) -> list[dict]:
     return out
 
 
+def run_faults(srv: Server, name: str, photos: dict, seg_dir: Path | None = None) -> None:
+    """The abort storm, the rejects and the checks (tests/e2e/faults.py) on
+    the running ``srv``, into ``FAULTS["records"][name]`` (or what broke, into
+    ``FAULTS["errors"][name]``: the fixture goes on to its stop or kill, the
+    tests assert). The fixed request is REQUESTS' first (greedy, logprobs),
+    sent last, so a pooled segment is there for a SIGKILL that follows.
+    ``seg_dir``: mmshm's segment directory (None: a plain server)."""
+    import faults
+
+    t0 = time.monotonic()
+    try:
+        if FAULTS["urls"] is None:
+            FAULTS["urls"] = faults.small_photo_urls(4)
+        urls = FAULTS["urls"]
+        shots = faults.plan(STORM_SHOTS, photos=len(urls))
+        cases = faults.reject_cases(urls[0], MAX_IMAGES, CONTEXT, TOKENS_PER_WORD)
+        key, ps, n = REQUESTS[0]
+        rec = faults.run_faults(
+            srv.client(), "tiny", urls, shots, cases, lambda: ask(srv, [photos[p] for p in ps], n),
+            mm=None if seg_dir is None else faults.Mmshm(seg_dir),
+            list_segments=None if seg_dir is None else (lambda: segments(seg_dir)),
+            idle_s=POOL_IDLE_S, metrics=srv.metrics_text, shm_root=seg_dir,
+            pgid=srv.proc.pid, concurrency=STORM_CONCURRENCY,
+            detail_path=LOGS / f"faults-{name}.json")
+        rec["alive"] = srv.proc.poll() is None
+        FAULTS["records"][name] = rec
+        _say(f"faults under load, {name} vLLM TP=2 ({time.monotonic() - t0:.0f} s): "
+             + json.dumps(faults.summary(rec)))
+    except Exception:  # noqa: BLE001 - recorded; the fault tests fail with it
+        FAULTS["errors"][name] = traceback.format_exc()[-6000:]
+        _say(f"faults under load, {name} vLLM TP=2: failed")
+
+
+def fault_record(name: str) -> dict:
+    err = FAULTS["errors"].get(name)
+    assert err is None, err
+    assert name in FAULTS["records"], f"the {name} server ran no faults"
+    return FAULTS["records"][name]
+
+
 @pytest.fixture(scope="module")
 def plain(model, photos) -> dict:
     port = free_port()
     srv = Server(vllm_argv(model, port, 2), port, LOGS / "plain.log", env=vllm_env(2), leaks=LEAKS)
     with srv:
         answers = {key: ask(srv, [photos[p] for p in ps], n) for key, ps, n in REQUESTS}
+        run_faults(srv, "plain", photos)
         srv.stop()
     _say(f"plain vLLM TP=2: started in {srv.startup_s:.0f} s, {len(answers)} requests answered")
     return answers
@@ -262,6 +323,9 @@ def instrumented(model, photos, shm_parent) -> dict:
                 for short, (name, labels) in DELTAS.items()}
             rec["hops"][key] = hop_figures(before, after, "mmshm")
         rec["metrics"] = srv.metrics_text()
+        # the faults under load (asserted by their own tests); the fixed
+        # request comes last and leaves its segment pooled for the kill
+        run_faults(srv, "mmshm", photos, seg_dir)
         # runs 3 and 4 share this server: SIGKILL of the whole process group
         # with its segments still pooled, then the restart reclaims them
         srv.kill()
@@ -351,6 +415,43 @@ def test_mmshm_hops_carry_metadata_only(instrumented):
         assert 0 < hops["mq_enqueue"][1] < 1e5 * n, (key, hops)
         assert hops["mq_dequeue"][0] >= 2 and 0 < hops["mq_dequeue"][1] < 2e5 * n, (key, hops)
     assert metric(instrumented["metrics"], "mmshm_ipc_seconds_count", transport="server") == 0
+
+
+def test_plain_server_survives_the_abort_storm_and_refuses_bad_requests(plain):
+    """Plain vLLM: every storm request answered until the client closed it,
+    every reject refused with a 4xx, the fixed request answered with the
+    same logprobs as before the storm, the server still up."""
+    import faults
+
+    rec = fault_record("plain")
+    assert not rec["storm"]["errors"], rec["storm"]["errors"]
+    assert all(faults.refused(r) for r in rec["rejects"]), rec["rejects"]
+    assert rec["fixed_equal"] and rec["fixed_after"] == plain[REQUESTS[0][0]], rec
+    assert rec["alive"]
+
+
+def test_mmshm_server_survives_the_abort_storm_and_leaves_nothing(plain, instrumented):
+    """Under mmshm: the same (the rejects refused with plain's statuses, the
+    fixed request's logprobs equal to plain's); after the pool's idle time
+    nothing in the segment directory that ``mmshm status`` does not explain,
+    no orphan for ``mmshm gc --dry-run``, the directory empty; the counters
+    agree with the events (segments in use == files, each pool miss a
+    creation, every file made counted as created, nothing reaped, no
+    materialize or request failure)."""
+    import faults
+
+    rec = fault_record("mmshm")
+    assert not rec["storm"]["errors"], rec["storm"]["errors"]
+    assert all(faults.refused(r) for r in rec["rejects"]), rec["rejects"]
+    if "plain" in FAULTS["records"]:
+        assert {r["case"]: r["status"] for r in rec["rejects"]} == \
+            {r["case"]: r["status"] for r in FAULTS["records"]["plain"]["rejects"]}
+    assert rec["fixed_equal"] and rec["fixed_after"] == plain[REQUESTS[0][0]], rec
+    assert rec["alive"]
+    c = rec["counters"]
+    assert c["created"] + c["pool_hits"] >= 1, c
+    assert rec["watch"]["mmshm-*"]["made"] == c["created"], (rec["watch"], c)
+    assert faults.problems(rec) == []
 
 
 def test_nothing_left_after_a_normal_stop(restarted):

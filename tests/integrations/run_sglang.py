@@ -9,7 +9,8 @@ Usage::
 
 After the module-level tests, the real-server e2e tests
 (tests/e2e/test_sglang_e2e.py on one node, then
-tests/e2e/test_sglang_multinode_e2e.py on two simulated nodes) run for 0.5.9
+tests/e2e/test_sglang_multinode_e2e.py on two simulated nodes; for 0.5.23
+also the model matrix, tests/e2e/test_sglang_matrix.py) run for 0.5.9
 and 0.5.23 in
 ``.venvs/sglang-<version>-server`` (the lean environment plus what a server
 needs, and the stubs installed as packages); ``--no-e2e`` skips them.
@@ -76,10 +77,23 @@ SERVER: dict[str, list[str]] = {
 #: Installed ``--no-deps`` (xgrammar would pull in triton, 1 GB, never used:
 #: ``--grammar-backend none``; 0.5.23 imports it for function calling).
 SERVER_NO_DEPS: dict[str, list[str]] = {"0.5.9": [], "0.5.23": ["xgrammar==0.2.7"]}
+#: Added to a release's server environment once it exists, under a stamp of
+#: their own, so that adding one never rebuilds (``--clear``) an environment
+#: a running server may be using: 0.5.23's Qwen-VL video path decodes with
+#: torchcodec, else decord (torchcodec wants FFmpeg's shared libraries and a
+#: build for this exact torch; decord2 bundles FFmpeg).
+SERVER_ADD: dict[str, list[str]] = {"0.5.9": [], "0.5.23": ["decord2==3.4.0"]}
 STUBS = ROOT / "tests" / "integrations" / "stubs"
+#: Stub packages copied into every server environment (see :func:`_install_stubs`).
+STUB_PACKAGES = ("_anything.py", "triton", "torchvision", "sgl_kernel", "torchaudio")
 #: One node (test_sglang_e2e.py), then two simulated nodes (--nnodes 2).
 E2E_TESTS = [ROOT / "tests" / "e2e" / "test_sglang_e2e.py",
              ROOT / "tests" / "e2e" / "test_sglang_multinode_e2e.py"]
+#: Real-server tests of one release only, after :data:`E2E_TESTS`: the model
+#: matrix (LLaVA-NeXT, Qwen2.5-VL images and video, Qwen2-Audio) on 0.5.23.
+E2E_TESTS_BY_RELEASE: dict[str, list[Path]] = {
+    "0.5.23": [ROOT / "tests" / "e2e" / "test_sglang_matrix.py"],
+}
 
 
 def _site_packages(prefix: Path) -> Path:
@@ -132,15 +146,17 @@ def setup(release: str, log) -> Path:
 
 
 def _install_stubs(venv: Path) -> None:
-    """Copy the stub packages (triton, torchvision, sgl_kernel) into a server
-    environment, where no PYTHONPATH is needed (``mmshm run`` sets its own),
-    with distribution metadata for torchvision: transformers' Qwen2-VL
-    processor insists on finding it (PyPI's build is CUDA-only:
-    ``operator torchvision::nms does not exist``)."""
+    """Copy the stub packages (triton, torchvision, sgl_kernel, torchaudio)
+    into a server environment, where no PYTHONPATH is needed (``mmshm run``
+    sets its own), with distribution metadata for torchvision: transformers'
+    Qwen2-VL processor insists on finding it (PyPI's build is CUDA-only:
+    ``operator torchvision::nms does not exist``). torchaudio gets none:
+    SGLang 0.5.23's audio loader only imports it (PyPI has no torchaudio for
+    torch 2.13), and nothing should take it for a real one."""
     import shutil
 
     site = _site_packages(venv)
-    for name in ("_anything.py", "triton", "torchvision", "sgl_kernel"):
+    for name in STUB_PACKAGES:
         src, dst = STUBS / name, site / name
         if dst.is_dir():
             shutil.rmtree(dst)
@@ -162,8 +178,21 @@ def setup_server(release: str, log) -> Path:
     venv = VENVS / f"sglang-{release}-server"
     _make_venv(venv, [_site_packages(lean), _site_packages(VENVS / "sglang-common"), base],
                SERVER[release], SERVER_NO_DEPS[release], log)
+    _add_packages(venv, SERVER_ADD.get(release, []), log)
     _install_stubs(venv)
     return venv
+
+
+def _add_packages(venv: Path, packages: list[str], log) -> None:
+    """pip-install ``packages`` into the existing ``venv`` (files are only
+    added: a server running from it is not disturbed), once: a stamp of
+    their own, which a rebuild of ``venv`` removes with it."""
+    stamp = venv / "mmshm-add-stamp.json"
+    want = sorted(packages)
+    if not want or (stamp.exists() and json.loads(stamp.read_text()) == want):
+        return
+    _pip(venv, want, log)
+    stamp.write_text(json.dumps(want))
 
 
 _SUMMARY = re.compile(r"^(?:=+ )?(\d+ (?:passed|failed|skipped|errors?|deselected)[^\n]*?)"
@@ -188,7 +217,7 @@ def run(release: str, pytest_args: list[str], setup_only: bool,
     env.pop("PYTHONPATH", None)
     if e2e:
         env["MMSHM_E2E"] = "sglang"
-    tests = E2E_TESTS if e2e else [TESTS]
+    tests = [*E2E_TESTS, *E2E_TESTS_BY_RELEASE.get(release, [])] if e2e else [TESTS]
     cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider",
            "-p", "no:benchmark", *map(str, tests), "-q", "-rs", *pytest_args]
     t1 = time.monotonic()

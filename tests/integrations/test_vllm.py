@@ -1091,3 +1091,91 @@ def test_views_the_engine_cores_mm_cache_keeps_are_marked_for_status(instrumente
     core.mm_receiver_cache.clear_cache()
     del out, req, view, seg
     _assert_clean(shm_dir)
+
+
+# -- a finished request lets go of its segments (issue 21) ----------------------------------------
+def _bare_scheduler():
+    """A ``Scheduler`` with only what ``_free_request`` reads for a request
+    without KV transfer (no connectors; blocks left to the caller)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    sched = object.__new__(Scheduler)
+    sched.aux_output_connector = None
+    sched._inflight_prefills = set()
+    sched._kv_fetch_stages = None
+    sched.connector = None
+    sched.ec_connector = None
+    sched.encoder_cache_manager = SimpleNamespace(free=lambda request: None)
+    sched._pending_encoder_input_ids = {}
+    sched.finished_req_ids = set()
+    sched.finished_req_ids_dict = None
+    return sched
+
+
+def _frontend_segment_view(seed: int):
+    """A zero-copy view, as the EngineCore's decoder makes it, of a segment
+    the frontend made (its reference handed over with the message)."""
+    from mmshm import ShmTensor, receiving
+
+    h = ShmTensor.from_tensor(_image(seed))
+    wire = h.encode()
+    h.hand_over()
+    view = receiving.materialize_wire(wire, "float32", tuple(IMAGE_SHAPE))
+    assert mv._VIEWS.get(view) is not None
+    return view
+
+
+def test_a_freed_request_lets_go_of_its_segments_despite_stale_references(instrumented,
+                                                                           shm_dir):
+    """vLLM's input thread keeps the last ``EngineCoreRequest`` it decoded
+    (and the ``Request`` made from it) in its locals until the next request
+    arrives: on an idle server that request's segments stayed live, held by
+    the EngineCore, indefinitely (the e2e abort storm found them after the
+    pool's idle time). Once the real (patched) ``Scheduler._free_request``
+    frees the request, its features drop their mmshm views: with the stale
+    references still there, the segment is gone; a feature without mmshm
+    views keeps its data."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request, RequestStatus
+
+    plain = torch.ones(8, 8)
+    req = make_request("stale", [{"pixel_values": _frontend_segment_view(11)},
+                                 {"pixel_values": plain}])
+    request = Request.from_engine_core_request(req, None)  # as preprocess_add_request does
+    assert request.mm_features is req.mm_features or \
+        request.mm_features[0] is req.mm_features[0]
+    assert len(_segments(shm_dir)) == 1
+    request.status = RequestStatus.FINISHED_ABORTED
+    Scheduler._free_request(_bare_scheduler(), request, delay_free_blocks=True)
+    gc.collect()
+    # `req` and `request` still referenced, as in vLLM's input thread
+    assert _segments(shm_dir) == [], "the freed request's segment is still held"
+    assert req.mm_features[0].data is None
+    assert req.mm_features[1].data["pixel_values"].data is plain
+    del request, req
+    _assert_clean(shm_dir)
+
+
+def test_a_request_whose_preprocessing_fails_lets_go_of_its_segments(instrumented, shm_dir,
+                                                                      monkeypatch):
+    """A request vLLM cannot pre-process (it answers it with an error) never
+    reaches the scheduler: the instrumented ``preprocess_add_request`` drops
+    its views as the error goes up, so the stale local does not keep them."""
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.request import Request
+
+    def boom(*a, **k):
+        raise ValueError("cannot pre-process")
+
+    monkeypatch.setattr(Request, "from_engine_core_request", classmethod(boom))
+    core = object.__new__(EngineCore)
+    core.mm_receiver_cache = None
+    core.request_block_hasher = None
+    core.structured_output_manager = None
+    req = make_request("bad", [{"pixel_values": _frontend_segment_view(12)}])
+    with pytest.raises(ValueError, match="cannot pre-process"):
+        core.preprocess_add_request(req)
+    gc.collect()
+    assert _segments(shm_dir) == [], "the failed request's segment is still held"
+    del req
+    _assert_clean(shm_dir)
