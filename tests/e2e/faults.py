@@ -518,27 +518,10 @@ def group_shm_files(pgid: int, root: str = "/dev/shm") -> list[str]:
     """Names of the files under ``root`` that a process of process group
     ``pgid`` maps or holds open (a server on the host's /dev/shm, beside other
     programs' files)."""
-    prefix = root.rstrip("/") + "/"
-    out = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
-                    continue
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    i = line.find(prefix)
-                    if i >= 0:
-                        out.add(line[i + len(prefix):].split()[0])
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(prefix):
-                    out.add(target[len(prefix):])
-        except (OSError, ValueError, IndexError):
-            continue
-    return sorted(out)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from server import mapped_shm_names
+
+    return sorted(mapped_shm_names(root, pgid=pgid))
 
 
 # -- the whole sequence --------------------------------------------------------------------

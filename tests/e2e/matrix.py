@@ -166,16 +166,19 @@ def photo_url(name: str) -> str:
 @functools.cache
 def video_frames(name: str):
     """The video over photo ``name``: uint8 [VIDEO_FRAMES, 252, 448, 3] RGB,
-    a window of the 720p photo's height panning left to right, shrunk to
-    448x252."""
+    a 16:9 window of three quarters of the 720p photo's height (960x540),
+    at mid-height, panning left to right in equal steps (107 pixels between
+    frames: every frame differs), shrunk to 448x252."""
     import numpy as np
     from PIL import Image
 
     img = photo(name)
     w, h = img.size
-    win = h * VIDEO_SIZE[0] // VIDEO_SIZE[1]  # 16:9 window of full height
-    step = (w - win) // max(VIDEO_FRAMES - 1, 1)
-    frames = [np.asarray(img.crop((i * step, 0, i * step + win, h)).resize(
+    win_h = h * 3 // 4
+    win_w = win_h * VIDEO_SIZE[0] // VIDEO_SIZE[1]
+    top = (h - win_h) // 2
+    step = (w - win_w) // max(VIDEO_FRAMES - 1, 1)
+    frames = [np.asarray(img.crop((i * step, top, i * step + win_w, top + win_h)).resize(
         VIDEO_SIZE, Image.Resampling.BICUBIC)) for i in range(VIDEO_FRAMES)]
     return np.stack(frames)
 
@@ -339,46 +342,33 @@ DELTAS = {
 }
 
 
-def metric(text: str, name: str, **labels) -> float:
-    """The sum of the samples called ``name`` in a Prometheus exposition whose
-    labels include ``labels`` (0.0 when there is none)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items()):
-                total += s.value
-    return total
-
-
 def deltas(before: str, after: str) -> dict[str, float]:
     """:data:`DELTAS` between two expositions of the server's ``/metrics``."""
+    from server import metric
+
     return {short: metric(after, name, **labels) - metric(before, name, **labels)
             for short, (name, labels) in DELTAS.items()}
 
 
-def request_problems(d: dict, family: str, case: Case, fan_out_refs: bool = True,
-                     uint8_videos: bool = False) -> list[str]:
+def request_problems(d: dict, tensors: list[int], messages: int, fanout: int) -> list[str]:
     """What is wrong with one request's :func:`deltas` ``d`` (empty: nothing):
-    one segment per tensor of :func:`expected_tensors` (new, or a warm one
-    from the pool), their bytes written once whatever n is, n fan-out
-    copies when n > 1, no inline fallback and no materialize failure. With
-    ``fan_out_refs`` (vLLM: each of the n child requests is its own message
-    to the EngineCore) also one send reference per tensor and child;
-    ``uint8_videos`` as in :func:`expected_tensors`."""
-    exp = expected_tensors(family, case.items, uint8_videos=uint8_videos)
-    k, nbytes = sum(len(e) for e in exp), sum(sum(e) for e in exp)
+    one segment (new, or a warm one from the pool) per tensor of ``tensors``
+    (the bytes of each tensor the request carries through shared memory,
+    e.g. :func:`expected_tensors` flattened), their bytes written once
+    whatever n is, one send reference per tensor and each of the
+    ``messages`` that carry the request, ``fanout`` fan-out copies counted,
+    no inline fallback and no materialize failure."""
+    k, nbytes = len(tensors), sum(tensors)
     out = []
     if d["created"] + d["pool_hits"] != k:
         out.append(f"{d['created']:.0f} segments made + {d['pool_hits']:.0f} from the pool, "
                    f"want {k} (one per item tensor)")
     if d["written"] != nbytes:
         out.append(f"{d['written']:.0f} bytes written, want {nbytes} (each tensor once)")
-    if fan_out_refs and d["sent_refs"] != k * case.n:
-        out.append(f"{d['sent_refs']:.0f} send references, want {k * case.n}")
-    if d["fanout"] != (case.n if case.n > 1 else 0):
-        out.append(f"{d['fanout']:.0f} fan-out copies, want {case.n if case.n > 1 else 0}")
+    if d["sent_refs"] != k * messages:
+        out.append(f"{d['sent_refs']:.0f} send references, want {k * messages}")
+    if d["fanout"] != fanout:
+        out.append(f"{d['fanout']:.0f} fan-out copies, want {fanout}")
     if d["fallbacks"]:
         out.append(f"{d['fallbacks']:.0f} inline fallbacks")
     if d["failures"]:

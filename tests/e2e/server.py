@@ -45,6 +45,28 @@ atexit.register(_kill_all)
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, drawn below the kernel's ephemeral
+    range (``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 by
+    default): a port the kernel hands to another ``bind(("", 0))`` or an
+    outgoing connection (the server's own internal sockets, other tests)
+    between this check and the server's bind would make its start fail with
+    EADDRINUSE."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -222,15 +244,19 @@ class Server:
         return self.log_text()[-chars:]
 
 
-def mapped_shm_names(root: str = "/dev/shm") -> set[str]:
+def mapped_shm_names(root: str = "/dev/shm", pgid: int | None = None) -> set[str]:
     """Names of files under ``root`` that some live process maps or holds
-    open."""
+    open (with ``pgid``: a process of that process group)."""
     prefix = root.rstrip("/") + "/"
     out = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
+            if pgid is not None:
+                with open(f"/proc/{pid}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                        continue
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
                     i = line.find(prefix)
@@ -240,7 +266,7 @@ def mapped_shm_names(root: str = "/dev/shm") -> set[str]:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if target.startswith(prefix):
                     out.add(target[len(prefix):])
-        except OSError:
+        except (OSError, ValueError, IndexError):
             continue
     return out
 

@@ -38,7 +38,7 @@ from conftest import needs_e2e
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(1500)]
 
-from server import Server, free_port, segments, vllm_argv, vllm_env
+from server import Server, free_port, metric, segments, vllm_argv, vllm_env
 
 #: vLLM's shape per family: --limit-mm-per-prompt (the most items a case
 #: sends; a video's dummy options keep the start-up profiling at the
@@ -180,9 +180,18 @@ def test_answers_depend_on_the_inputs(family, plain):
 
 
 def test_each_item_written_once_per_fan_out(family, shm):
-    problems = {c.key: p for c in matrix.FAMILIES[family].cases
-                if (p := matrix.request_problems(shm["deltas"][c.key], family, c,
-                                                 uint8_videos=UINT8_VIDEOS))}
+    """One segment per tensor, written once; each of the n child requests is
+    its own message to the EngineCore (one send reference per tensor), n
+    fan-out copies for n > 1."""
+    problems = {}
+    for c in matrix.FAMILIES[family].cases:
+        tensors = [b for per_item in matrix.expected_tensors(family, c.items,
+                                                             uint8_videos=UINT8_VIDEOS)
+                   for b in per_item]
+        p = matrix.request_problems(shm["deltas"][c.key], tensors, messages=c.n,
+                                    fanout=c.n if c.n > 1 else 0)
+        if p:
+            problems[c.key] = p
     assert not problems, (problems, shm["deltas"])
 
 
@@ -198,9 +207,9 @@ def test_engine_core_reshares_to_both_workers(family, shm):
 
 def test_no_fallback_no_failure(family, shm):
     text = shm["metrics"]
-    assert matrix.metric(text, "mmshm_inline_fallbacks_total") == 0
-    assert matrix.metric(text, "mmshm_materialize_failures_total") == 0
-    assert matrix.metric(text, "mmshm_request_failures_total") == 0
+    assert metric(text, "mmshm_inline_fallbacks_total") == 0
+    assert metric(text, "mmshm_materialize_failures_total") == 0
+    assert metric(text, "mmshm_request_failures_total") == 0
 
 
 def test_every_process_says_it_is_on(family, shm):

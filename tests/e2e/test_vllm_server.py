@@ -57,6 +57,7 @@ from conftest import needs_e2e
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(1200)]
 
+import matrix  # noqa: E402
 from server import (  # noqa: E402
     ROOT, Server, data_url, free_port, metric, segments, series, vllm_argv, vllm_env)
 
@@ -78,17 +79,8 @@ SEED = 1234
 #: ``sem.mp-*``: glibc makes a semaphore under a temporary name and links it,
 #: so a live one is mapped under another name and would look unused.
 LEAKS = ("vllm_dist_", "psm_")
-#: Metric deltas read around each request: short name -> (series, labels).
-DELTAS = {
-    "created": ("mmshm_segments_created_total", {}),
-    "written": ("mmshm_shm_written_bytes_total", {}),
-    "fanout": ("mmshm_fanout_copies_total", {}),
-    "sent_refs": ("mmshm_references_handed_total", {"path": "send"}),
-    "bcast_refs": ("mmshm_references_handed_total", {"path": "broadcast"}),
-    "pool_hits": ("mmshm_pool_requests_total", {"result": "hit"}),
-    "fallbacks": ("mmshm_inline_fallbacks_total", {}),
-    "failures": ("mmshm_materialize_failures_total", {}),
-}
+#: Metric deltas read around each request (the matrix's: short name -> (series, labels)).
+DELTAS = matrix.DELTAS
 LOGS = Path(os.environ.get("MMSHM_E2E_LOGS") or tempfile.mkdtemp(prefix="mmshm-e2e-vllm-"))
 #: The faults under load: storm requests (4 at a time), images a request may
 #: have (vllm_argv's --limit-mm-per-prompt), the context (--max-model-len),
