@@ -195,10 +195,12 @@ def _text(raw: str) -> str:
 
 
 def known_instrumentors() -> list[str]:
-    """Names ``MMSHM_INSTRUMENT`` may list (the instrumentor registry)."""
-    from mmshm.integrations import REGISTRY
+    """Names ``MMSHM_INSTRUMENT`` may list: the registered instrumentors
+    (:func:`mmshm.instrumentor.registered`, the ``mmshm.instrumentors``
+    entry points)."""
+    from .instrumentor import registered
 
-    return sorted(REGISTRY)
+    return sorted(registered())
 
 
 def instrument_names(value: str | None, known: Iterable[str] | None = None) -> list[str] | None:
