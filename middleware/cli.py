@@ -384,13 +384,15 @@ def _print_others(con, others, total: int) -> None:
     if not others:
         con.print(Text("  nothing else on this file system"))
         return
+    table = _table("bytes>", "files>", "owner", header=False)
     for g in others:
         ex = ", ".join(g.examples) + (", ..." if g.files > len(g.examples) else "")
         sparse = (f" [apparent size; {_size(g.allocated_bytes)} allocated now]"
                   if g.allocated_bytes < g.bytes else "")
-        con.print(Text(f"  {_size(g.bytes):>10}  {g.files:>4} file(s)  {g.owner} "
-                       f"({g.pattern}){sparse}: {ex}"))
-    con.print(Text(f"  {_size(total):>10}  in all"))
+        _add_row(table, _size(g.bytes), f"{g.files} file(s)",
+                 f"{g.owner} ({g.pattern}){sparse}: {ex}")
+    _add_row(table, _size(total), "", "in all")
+    _print_table(con, table)
 
 
 @main.command()
@@ -457,8 +459,10 @@ def doctor(directory, expected_bytes, as_json) -> None:
         ("servers", servers),
         ("node", node.describe_text(rep.node) if rep.node else "unknown"),
     )
+    table = _table("item", "value", header=False)
     for key, value in rows:
-        con.print(Text.assemble(f"  {key:<14}", value))
+        _add_row(table, key, value)
+    _print_table(con, table)
     con.print(Text("other files on this file system:", style="bold"))
     if missing:
         con.print(Text("  unknown: the directory cannot be read"))
@@ -524,15 +528,15 @@ def status(directory, as_json) -> None:
         con.print(Text(f"node: {node.describe_text(rep.node)}"))
     if rep.processes:
         con.print(Text("processes:", style="bold"))
-        con.print(Text(f"  {'pid':>7}  {'owned':>5} {'held':>4}  {'bytes':>9}  {'refs':>4}  "
-                       f"{'oldest':>6}  {'pooled':<16} {'run':<3}  role: command"))
+        table = _table("pid>", "owned>", "held>", "bytes>", "refs>", "oldest>", "pooled", "run",
+                       "role: command")
         for p in rep.processes:
             run = {True: "yes", False: "no", None: "?"}[p.under_mmshm_run]
             pooled = f"{p.pooled} ({_size(p.pooled_bytes)})" if p.pooled else "0"
             who = (f"{p.role}: " if p.role else "") + p.command
-            con.print(Text(f"  {p.pid:>7}  {p.owned:>5} {p.held:>4}  {_size(p.bytes):>9}  "
-                           f"{p.references:>4}  {_age(p.oldest_age_s):>6}  {pooled:<16} "
-                           f"{run:<3}  {who[:100]}"))
+            _add_row(table, p.pid, p.owned, p.held, _size(p.bytes), p.references,
+                     _age(p.oldest_age_s), pooled, run, who[:100])
+        _print_table(con, table)
         con.print(Text("  owned: segments it created; held: opened from another process's "
                        "handle; refs: references outstanding on those it owns; pooled: idle "
                        "in its warm pool, reused by its next request; run: started under "
