@@ -618,7 +618,8 @@ _SGLANG_STUBS = os.path.join(os.path.dirname(os.path.dirname(
 def _sglang_add_stubs() -> None:
     """On a CPU-only host SGLang needs importable ``triton`` / ``torchvision``
     modules: put the test suite's stubs on ``sys.path`` when the real ones are
-    missing, and keep torch from believing triton exists."""
+    missing, and keep torch from believing triton exists (the stubs'
+    ``cpu_stubs.use``)."""
     import importlib.util
     import sys
 
@@ -628,17 +629,9 @@ def _sglang_add_stubs() -> None:
     if not os.path.isdir(_SGLANG_STUBS) or _SGLANG_STUBS in sys.path:
         return
     sys.path.insert(0, _SGLANG_STUBS)
-    import torch.utils._triton as tt
+    import cpu_stubs
 
-    saved = sys.modules.get("triton", False)
-    sys.modules["triton"] = None  # type: ignore[assignment]
-    try:
-        tt.has_triton_package()  # functools.cache: False from now on
-    finally:
-        if saved is False:
-            del sys.modules["triton"]
-        else:
-            sys.modules["triton"] = saved
+    cpu_stubs.use()
 
 
 _SGLANG: dict = {}

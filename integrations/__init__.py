@@ -19,11 +19,14 @@ share is in the core, where a third server's integration uses it as is:
 
 On an unsupported version, or a symbol that moved, ``instrument()`` refuses
 with :class:`UnsupportedVersionError` and patches nothing.
+
+Instrumentors are found through entry points, as OpenTelemetry finds its
+own: the ``mmshm.instrumentors`` group (mmshm's ``pyproject.toml`` registers
+``sglang`` and ``vllm``; a third server's package registers its own, named
+after the server's top-level import package). :func:`get` loads one by name.
 """
 
 from __future__ import annotations
-
-import importlib
 
 from mmshm.instrumentor import (  # noqa: F401 - the integrations' shared machinery
     Instrumentor,
@@ -32,36 +35,37 @@ from mmshm.instrumentor import (  # noqa: F401 - the integrations' shared machin
     check_version,
     find_distribution,
     installed_version,
+    load,
+    registered,
 )
 from packaging.specifiers import SpecifierSet  # noqa: F401
 from packaging.version import Version  # noqa: F401
 
-REGISTRY: dict[str, str] = {
-    "sglang": "mmshm.integrations.sglang:SGLangInstrumentor",
-    "vllm": "mmshm.integrations.vllm:VLLMInstrumentor",
-}
-_instances: dict[str, object] = {}
+_instances: dict[str, Instrumentor] = {}
 
 
-def get(name: str):
-    """The (singleton) instrumentor called ``name``."""
+def get(name: str) -> Instrumentor:
+    """The (singleton) instrumentor registered as ``name`` (see
+    :func:`mmshm.instrumentor.registered`: the ``mmshm.instrumentors`` entry
+    points).
+
+    Raises:
+        ValueError: no instrumentor is registered as ``name`` (or it is
+            registered inconsistently, see :func:`mmshm.instrumentor.load`).
+        ImportError: its module cannot be imported.
+    """
     if name not in _instances:
-        try:
-            target = REGISTRY[name]
-        except KeyError:
-            raise ValueError(f"unknown instrumentor {name!r}; known: {sorted(REGISTRY)}") from None
-        mod, cls = target.split(":")
-        _instances[name] = getattr(importlib.import_module(mod), cls)()
+        _instances[name] = load(name)()
     return _instances[name]
 
 
 def available() -> list[str]:
-    """Names of instrumentors whose server package is installed."""
+    """Names of the registered instrumentors whose server package is installed."""
     out = []
-    for name in REGISTRY:
+    for name in registered():
         try:
             if get(name).is_installed():
                 out.append(name)
-        except ImportError:
+        except (ImportError, ValueError):
             continue
     return out

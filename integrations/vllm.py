@@ -780,71 +780,53 @@ def _o_init_worker_queues(wrapped, instance, args, kwargs):
 
 
 # -- what is checked and patched --------------------------------------------
-#: (module, attribute path, parameters it must have): checked before anything
-#: is patched. The serial_utils entries are vLLM's out-of-band hooks.
-TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    (_SERIAL, "MsgpackEncoder.__init__", ("size_threshold", "oob_tensor_consumer")),
-    (_SERIAL, "MsgpackDecoder.__init__", ("oob_tensor_provider",)),
-    (_CLIENT, "MPClient.__init__", ()),
-    (_CLIENT, "SyncMPClient._send_input", ("request_type", "request")),
-    (_CLIENT, "AsyncMPClient._send_input", ("request_type", "request")),
-    (_CORE, "EngineCoreProc.process_input_sockets", ()),
-    (_CORE, "EngineCore.preprocess_add_request", ("request",)),
-    (_LLM, "LLMEngine.add_request", ()),
-    (_ASYNC, "AsyncLLM.add_request", ()),
-    (_MQ, "MessageQueue.enqueue", ("obj",)),
-    (_MQ, "MessageQueue.dequeue", ()),
-    (_MQ, "_reduce_tensor", ("tensor",)),
-    (_EXEC, "MultiprocExecutor._init_executor", ()),
-    (_SCHED, "Scheduler._free_request", ("request",)),
-)
+def _targets(observe_mode: bool) -> list[Target]:
+    """vLLM's targets: every one is checked in the source before anything is
+    patched (the ``params`` are part of the contract; the serial_utils
+    ``__init__`` entries are vLLM's out-of-band hooks, checked only). In
+    observe mode the same boundaries are timed only and vLLM's own transport
+    runs (``w(shm, observed)`` picks the wrapper; None: checked only)."""
 
-PATCHES: dict[tuple[str, str], object] = {
-    (_CLIENT, "MPClient.__init__"): _w_client_init,
-    (_CLIENT, "SyncMPClient._send_input"): _o_send_input(_w_send_input),
-    (_CLIENT, "AsyncMPClient._send_input"): _o_send_input(_w_send_input),
-    (_CORE, "EngineCoreProc.process_input_sockets"): _w_process_input_sockets,
-    (_CORE, "EngineCore.preprocess_add_request"): _w_preprocess_add_request,
-    (_LLM, "LLMEngine.add_request"): _w_add_request,
-    (_ASYNC, "AsyncLLM.add_request"): _w_add_request_async,
-    (_MQ, "MessageQueue.enqueue"): _o_queue(_w_enqueue, "mq_enqueue"),
-    (_MQ, "MessageQueue.dequeue"): _o_queue(_w_dequeue, "mq_dequeue"),
-    (_MQ, "_reduce_tensor"): _o_reduce_tensor(_w_reduce_tensor),
-    (_EXEC, "MultiprocExecutor._init_executor"): _w_init_executor,
-    (_SCHED, "Scheduler._free_request"): _w_free_request,
-}
-#: Patched when present: the report lines, and the per-hop timing
-#: (:mod:`mmshm.observe`), which never refuses the transport.
-OPTIONAL_PATCHES: dict[tuple[str, str], object] = {
-    (_EXEC, "WorkerProc._init_message_queues"): _w_init_worker_queues,
-    (_SERIAL, "MsgpackEncoder.encode"): _o_encode,
-    (_SERIAL, "MsgpackDecoder.decode"): _o_decode,
-    (_MQ, "MessageQueue.acquire_read"): _o_acquire_read,
-}
-#: Observe mode: the same boundaries, timed only (vLLM's own transport runs).
-OBSERVE_PATCHES: dict[tuple[str, str], object] = {
-    (_CLIENT, "MPClient.__init__"): _o_client_init,
-    (_CLIENT, "SyncMPClient._send_input"): _o_send_input(observe.passthrough),
-    (_CLIENT, "AsyncMPClient._send_input"): _o_send_input(observe.passthrough),
-    (_SERIAL, "MsgpackEncoder.encode"): _o_encode,
-    (_SERIAL, "MsgpackDecoder.decode"): _o_decode,
-    (_CORE, "EngineCoreProc.process_input_sockets"): _o_process_input_sockets,
-    (_MQ, "MessageQueue.enqueue"): _o_queue(observe.passthrough, "mq_enqueue"),
-    (_MQ, "MessageQueue.dequeue"): _o_queue(observe.passthrough, "mq_dequeue"),
-    (_MQ, "MessageQueue.acquire_read"): _o_acquire_read,
-    (_MQ, "_reduce_tensor"): _o_reduce_tensor(observe.passthrough),
-    (_EXEC, "MultiprocExecutor._init_executor"): _o_init_executor,
-}
-OBSERVE_OPTIONAL: dict[tuple[str, str], object] = {
-    (_EXEC, "WorkerProc._init_message_queues"): _o_init_worker_queues,
-}
-MODULES = tuple(dict.fromkeys(m for m, _ in PATCHES))
+    def w(shm, observed=None):
+        return observed if observe_mode else shm
 
-
-def missing_symbols() -> list[str]:
-    """Patch targets and hooks that the installed vLLM lacks, read from its
-    source files without importing them."""
-    return _INSTRUMENTOR.missing()
+    return [
+        Target(_SERIAL, "MsgpackEncoder.__init__", params=("size_threshold",
+                                                           "oob_tensor_consumer")),
+        Target(_SERIAL, "MsgpackDecoder.__init__", params=("oob_tensor_provider",)),
+        Target(_CLIENT, "MPClient.__init__", w(_w_client_init, _o_client_init)),
+        Target(_CLIENT, "SyncMPClient._send_input",
+               _o_send_input(w(_w_send_input, observe.passthrough)),
+               params=("request_type", "request")),
+        Target(_CLIENT, "AsyncMPClient._send_input",
+               _o_send_input(w(_w_send_input, observe.passthrough)),
+               params=("request_type", "request")),
+        Target(_CORE, "EngineCoreProc.process_input_sockets",
+               w(_w_process_input_sockets, _o_process_input_sockets)),
+        Target(_CORE, "EngineCore.preprocess_add_request", w(_w_preprocess_add_request),
+               params=("request",)),
+        Target(_LLM, "LLMEngine.add_request", w(_w_add_request)),
+        Target(_ASYNC, "AsyncLLM.add_request", w(_w_add_request_async)),
+        Target(_MQ, "MessageQueue.enqueue",
+               _o_queue(w(_w_enqueue, observe.passthrough), "mq_enqueue"), params=("obj",)),
+        Target(_MQ, "MessageQueue.dequeue",
+               _o_queue(w(_w_dequeue, observe.passthrough), "mq_dequeue")),
+        Target(_MQ, "_reduce_tensor", _o_reduce_tensor(w(_w_reduce_tensor,
+                                                         observe.passthrough)),
+               params=("tensor",)),
+        Target(_EXEC, "MultiprocExecutor._init_executor",
+               w(_w_init_executor, _o_init_executor)),
+        # a finished request's views go (shm mode only)
+        Target(_SCHED, "Scheduler._free_request", w(_w_free_request), params=("request",)),
+        # the per-hop timing: optional in shm mode (it never refuses the
+        # transport), required in observe mode (it is all that mode does)
+        Target(_SERIAL, "MsgpackEncoder.encode", _o_encode, optional=not observe_mode),
+        Target(_SERIAL, "MsgpackDecoder.decode", _o_decode, optional=not observe_mode),
+        Target(_MQ, "MessageQueue.acquire_read", _o_acquire_read, optional=not observe_mode),
+        # the workers' report lines (and their queue's timing)
+        Target(_EXEC, "WorkerProc._init_message_queues",
+               w(_w_init_worker_queues, _o_init_worker_queues), optional=True),
+    ]
 
 
 class VLLMInstrumentor(Instrumentor):
@@ -857,12 +839,8 @@ class VLLMInstrumentor(Instrumentor):
     supported = ">=0.32,<0.34"
 
     def targets(self) -> list[Target]:
-        patches, optional = ((OBSERVE_PATCHES, OBSERVE_OPTIONAL) if config.get().observe
-                             else (PATCHES, OPTIONAL_PATCHES))
-        checked = [Target(m, p, patches.get((m, p)), params) for m, p, params in TARGETS]
-        named = {(m, p) for m, p, _ in TARGETS}
-        return (checked + [Target(m, p, w) for (m, p), w in patches.items() if (m, p) not in named]
-                + [Target(m, p, w, optional=True) for (m, p), w in optional.items()])
+        """vLLM's targets for the mode in effect (``MMSHM_MODE``)."""
+        return _targets(config.get().observe)
 
     def on_uninstrument(self) -> None:
         """Give back the consumers and providers vLLM had on the objects
@@ -881,13 +859,8 @@ class VLLMInstrumentor(Instrumentor):
 
 
 _INSTRUMENTOR = VLLMInstrumentor()
-#: What is patched now: (module, path) -> (parent, attribute, original, had, wrapper).
-_PATCHED = _INSTRUMENTOR.patched
 
 __all__ = [
-    "MODULES",
-    "PATCHES",
-    "TARGETS",
     "WIRE_KEY",
     "ShmTensorConsumer",
     "ShmTensorProvider",
@@ -899,5 +872,4 @@ __all__ = [
     "enable_broadcast",
     "input_endpoint",
     "materialize_request_tensor",
-    "missing_symbols",
 ]

@@ -345,10 +345,10 @@ _refresher_lock = threading.Lock()
 
 
 def _refresh_interval() -> float:
-    try:
-        return float(os.environ.get("MMSHM_METRICS_REFRESH_S", "5"))
-    except ValueError:
-        return 5.0
+    """``MMSHM_METRICS_REFRESH_S`` (a bad value: a WARNING and the default)."""
+    from mmshm import config
+
+    return config.value("MMSHM_METRICS_REFRESH_S")
 
 
 def _refresh_loop(interval: float) -> None:

@@ -8,7 +8,8 @@ multiprocessing spawn children included (SGLang's scheduler, detokenizer and
 data-parallel controller), since they inherit the environment. The module:
 
 * imports nothing heavy: it registers a wrapt post-import hook on each selected
-  server's top-level package (``sglang``, ``vllm``), so that a process that
+  server's top-level package (``sglang``, ``vllm``, or a third server's: the
+  ``mmshm.instrumentors`` entry points name them, see :func:`roots`), so that a process that
   never imports the server never imports mmshm or torch either; when the
   server is imported, the hook calls :func:`instrument`, whose own hooks patch
   the server's modules as they load;
@@ -29,7 +30,7 @@ so nothing can be in flight): vLLM's default ``--shutdown-timeout 0`` kills
 its EngineCore and workers, and SGLang 0.5.9 SIGKILLs its own processes.
 
 ``MMSHM_INSTRUMENT`` selects the instrumentors: a comma-separated list of names,
-``none`` for none; unset, every known one (each activates only in a process
+``none`` for none; unset, every registered one (each activates only in a process
 that imports its server, so the choice does not depend on what the
 environment of the ``mmshm`` command itself has installed).
 
@@ -56,6 +57,8 @@ import subprocess
 import sys
 import tempfile
 
+from .instrumentor import install_hint
+
 ENV_INSTRUMENT = "MMSHM_INSTRUMENT"
 #: ``name=import_root,...`` for the shim (computed by ``mmshm run``).
 ENV_ROOTS = "MMSHM_AUTOPATCH_ROOTS"
@@ -65,11 +68,23 @@ ENV_SITE = "MMSHM_AUTOPATCH_DIR"
 ENV_PIDS = "MMSHM_RUN_PIDS"
 #: Set once a process of the run has warned that mmshm is not importable.
 ENV_WARNED = "MMSHM_RUN_WARNED"
-#: What ``pip install`` needs to install this mmshm (see :func:`install_hint`).
+#: What ``pip install`` needs to install this mmshm (see
+#: :func:`mmshm.instrumentor.install_hint`).
 ENV_INSTALL_HINT = "MMSHM_AUTOPATCH_INSTALL_HINT"
 
-#: Import root of each instrumentor's server (no import needed to know it).
-ROOTS = {"sglang": "sglang", "vllm": "vllm"}
+
+
+def roots() -> dict[str, str]:
+    """The top-level import package whose import activates each registered
+    instrumentor (name -> package), for the start-up hook. They come from
+    the ``mmshm.instrumentors`` entry points, read without importing anything
+    (an entry point's name is its server's top-level package; see
+    :func:`mmshm.instrumentor.registered`), so a third server's package
+    registers itself and the hook waits for it too."""
+    from .instrumentor import registered
+
+    return {name: name for name in registered()}
+
 
 # The generated sitecustomize. It must stay cheap and must never raise.
 SITECUSTOMIZE = """\
@@ -229,24 +244,9 @@ def selected(value: str | None = None) -> list[str]:
     from mmshm import config
 
     value = os.environ.get(ENV_INSTRUMENT) if value is None else value
-    names = config.instrument_names(value, ROOTS)
-    return list(ROOTS) if names is None else names
-
-
-def install_hint() -> str:
-    """The ``pip install`` argument that installs the mmshm running here into
-    another interpreter: ``-e <checkout>`` for a source checkout (mmshm is
-    installed from its repository, not from a package index), else
-    ``mmshm==<version>``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.path.isfile(os.path.join(root, "pyproject.toml")):
-        return f"-e {root}"
-    try:
-        from importlib import metadata
-
-        return f"mmshm=={metadata.version('mmshm')}"
-    except Exception:  # noqa: BLE001
-        return "mmshm"
+    known = roots()
+    names = config.instrument_names(value, known)
+    return list(known) if names is None else names
 
 
 def prepare(env: dict | None = None, workdir: str | None = None) -> tuple[dict, str]:
@@ -262,7 +262,8 @@ def prepare(env: dict | None = None, workdir: str | None = None) -> tuple[dict, 
     with open(os.path.join(site_dir, "sitecustomize.py"), "w") as f:
         f.write(SITECUSTOMIZE)
     env[ENV_INSTRUMENT] = ",".join(names) if names else "none"
-    env[ENV_ROOTS] = ",".join(f"{n}={ROOTS[n]}" for n in names)
+    known = roots()
+    env[ENV_ROOTS] = ",".join(f"{n}={known[n]}" for n in names)
     env[ENV_SITE] = site_dir
     env[ENV_PIDS] = os.path.join(work, "pids")
     env["MMSHM_RUN"] = "1"

@@ -14,6 +14,8 @@ import sys
 
 import click
 
+from . import config as _config
+
 
 #: Exit status for a directory that does not exist or cannot be read (gc, status).
 EXIT_BAD_DIR = 5
@@ -59,6 +61,48 @@ class _Size(click.ParamType):
             return parse_size(str(value))
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+
+
+def _table(*columns: str, header: bool = True, indent: int = 2):
+    """A borderless rich table with ``columns`` (a name ending in ``>`` is
+    right-aligned: numbers), indented by ``indent``: the layout of every
+    table the commands print (see :func:`_print_table`)."""
+    from rich.table import Table
+
+    t = Table(box=None, show_header=header, header_style="bold", pad_edge=False,
+              padding=(0, 2, 0, 0), show_edge=False)
+    for c in columns:
+        right = c.endswith(">")
+        t.add_column(c.rstrip(">"), justify="right" if right else "left", no_wrap=right)
+    t.indent = indent
+    return t
+
+
+def _print_table(con, table) -> None:
+    """Print ``table`` indented; into a pipe or a log (no terminal) each row
+    stays on one line, however wide."""
+    from rich.padding import Padding
+    from rich.text import Text
+
+    width = con.width if con.is_terminal else 100_000
+    for line in con.render_lines(Padding(table, (0, 0, 0, table.indent), expand=False),
+                                 con.options.update(width=width), pad=False):
+        text = Text.assemble(*((seg.text, seg.style) for seg in line if not seg.control))
+        text.rstrip()
+        con.print(text, soft_wrap=True)
+
+
+def _add_row(table, *cells, style: str | None = None) -> None:
+    """Add a row of plain text (never read as rich markup: ``[default]``)."""
+    from rich.text import Text
+
+    table.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in cells), style=style)
+
+
+def _default_help(name: str, extra: str = "") -> str:
+    """``[default: NAME or its default]`` for an option that falls back on an
+    ``MMSHM_*`` variable (its declaration in :data:`mmshm.config.VARIABLES`)."""
+    return f"[default: {name} or {_config.BY_NAME[name].shown_default}{extra}]"
 
 
 def _check_settings(command: str) -> None:
@@ -140,9 +184,10 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
               help="Skip runs estimated to need more GB than this "
                    "[default: available memory less 2 GiB, before each config].")
 @click.option("--min-bytes", type=click.IntRange(min=0), default=None,
-              help="Shared-memory threshold in bytes [default: MMSHM_MIN_BYTES].")
+              help="Shared-memory threshold in bytes " + _default_help("MMSHM_MIN_BYTES")
+                   + ".")
 @click.option("--shm-dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Segment directory [default: MMSHM_DIR or /dev/shm].")
+              help="Segment directory " + _default_help("MMSHM_DIR") + ".")
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Simulate this many nodes on this machine (own segment directory and "
                    "node id each; TP ranks in contiguous blocks; at most the TP size).")
@@ -329,8 +374,8 @@ def _console():
     return Console(soft_wrap=not sys.stdout.isatty(), highlight=False)
 
 
-_DIR_HELP = ("Segment directory [default: MMSHM_DIR or /dev/shm; the launch scripts in "
-             "examples/ use the default].")
+_DIR_HELP = ("Segment directory " + _default_help(
+    "MMSHM_DIR", "; the launch scripts in examples/ use the default") + ".")
 
 
 def _print_others(con, others, total: int) -> None:
@@ -339,13 +384,15 @@ def _print_others(con, others, total: int) -> None:
     if not others:
         con.print(Text("  nothing else on this file system"))
         return
+    table = _table("bytes>", "files>", "owner", header=False)
     for g in others:
         ex = ", ".join(g.examples) + (", ..." if g.files > len(g.examples) else "")
         sparse = (f" [apparent size; {_size(g.allocated_bytes)} allocated now]"
                   if g.allocated_bytes < g.bytes else "")
-        con.print(Text(f"  {_size(g.bytes):>10}  {g.files:>4} file(s)  {g.owner} "
-                       f"({g.pattern}){sparse}: {ex}"))
-    con.print(Text(f"  {_size(total):>10}  in all"))
+        _add_row(table, _size(g.bytes), f"{g.files} file(s)",
+                 f"{g.owner} ({g.pattern}){sparse}: {ex}")
+    _add_row(table, _size(total), "", "in all")
+    _print_table(con, table)
 
 
 @main.command()
@@ -412,8 +459,10 @@ def doctor(directory, expected_bytes, as_json) -> None:
         ("servers", servers),
         ("node", node.describe_text(rep.node) if rep.node else "unknown"),
     )
+    table = _table("item", "value", header=False)
     for key, value in rows:
-        con.print(Text.assemble(f"  {key:<14}", value))
+        _add_row(table, key, value)
+    _print_table(con, table)
     con.print(Text("other files on this file system:", style="bold"))
     if missing:
         con.print(Text("  unknown: the directory cannot be read"))
@@ -479,15 +528,15 @@ def status(directory, as_json) -> None:
         con.print(Text(f"node: {node.describe_text(rep.node)}"))
     if rep.processes:
         con.print(Text("processes:", style="bold"))
-        con.print(Text(f"  {'pid':>7}  {'owned':>5} {'held':>4}  {'bytes':>9}  {'refs':>4}  "
-                       f"{'oldest':>6}  {'pooled':<16} {'run':<3}  role: command"))
+        table = _table("pid>", "owned>", "held>", "bytes>", "refs>", "oldest>", "pooled", "run",
+                       "role: command")
         for p in rep.processes:
             run = {True: "yes", False: "no", None: "?"}[p.under_mmshm_run]
             pooled = f"{p.pooled} ({_size(p.pooled_bytes)})" if p.pooled else "0"
             who = (f"{p.role}: " if p.role else "") + p.command
-            con.print(Text(f"  {p.pid:>7}  {p.owned:>5} {p.held:>4}  {_size(p.bytes):>9}  "
-                           f"{p.references:>4}  {_age(p.oldest_age_s):>6}  {pooled:<16} "
-                           f"{run:<3}  {who[:100]}"))
+            _add_row(table, p.pid, p.owned, p.held, _size(p.bytes), p.references,
+                     _age(p.oldest_age_s), pooled, run, who[:100])
+        _print_table(con, table)
         con.print(Text("  owned: segments it created; held: opened from another process's "
                        "handle; refs: references outstanding on those it owns; pooled: idle "
                        "in its warm pool, reused by its next request; run: started under "
@@ -547,41 +596,35 @@ def config_cmd(as_json) -> None:
     line each, with what is allowed; a server would warn and use the
     default).
     """
-    import os as _os
-
     from rich.text import Text
 
-    from . import config
-
+    config = _config
     rows = []
     bad = []
     d = config.reload(warn=False).dir
     try:
-        st = _os.statvfs(d)
+        st = os.statvfs(d)
         fs_size = st.f_blocks * st.f_frsize
     except OSError:
         fs_size = None
     for var in config.VARIABLES:
-        raw = _os.environ.get(var.name)
+        raw = os.environ.get(var.name)
         try:
             value, source = config.parse_variable(var)
             error = None
         except config.SettingError as exc:
             value, source, error = var.default, "default (bad value ignored)", str(exc)
             bad.append(exc)
-        shown = value
-        if var.name == "MMSHM_MIN_FREE_BYTES" and value is None and fs_size is not None:
-            shown = f"{config.default_min_free_bytes(fs_size)} (5% of {d}, 16 MiB..1 GiB)"
-        elif var.name == "MMSHM_POOL_MAX_BYTES" and value is None and fs_size is not None:
-            shown = f"{int(min(fs_size // 4, 2 << 30))} (1/4 of {d}, at most 2 GiB)"
-        elif var.name == "MMSHM_INSTRUMENT" and value is None:
-            shown = "sglang,vllm (each active only where its server is imported)"
+        if value is None and var.computed is not None and fs_size is not None:
+            shown = f"{var.computed(fs_size)} ({var.shown_default}, for {d})"
         elif value is None:
-            shown = "unset"
+            shown = var.shown_default
         elif isinstance(value, bool):
             shown = "1" if value else "0"
+        else:
+            shown = value
         rows.append({"variable": var.name, "value": value, "shown": str(shown), "raw": raw,
-                     "source": source, "allowed": var.allowed, "meaning": var.meaning,
+                     "source": source, "allowed": var.allowed, "meaning": var.doc,
                      "error": error})
     unknown = config.unknown_variables()
     if as_json:
@@ -591,9 +634,11 @@ def config_cmd(as_json) -> None:
         con = _console()
         con.print(Text("mmshm settings in effect for processes started from this environment:",
                        style="bold"))
+        table = _table("variable", "value", "source", "meaning", header=False)
         for r in rows:
-            con.print(Text(f"  {r['variable']:<24}{r['shown']}  [{r['source']}]  {r['meaning']}",
-                           style="red" if r["error"] else ""))
+            _add_row(table, r["variable"], r["shown"], f"[{r['source']}]", r["meaning"],
+                     style="red" if r["error"] else None)
+        _print_table(con, table)
         for name in unknown:
             con.print(Text(f"note: {name} is set but mmshm reads no such variable"))
     for exc in bad:
@@ -608,7 +653,7 @@ def config_cmd(as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the reaper's report as JSON.")
 @click.option("--grace", "grace_s", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Keep segments whose references are in flight this long after their last "
-                   "clean close [default: MMSHM_IN_FLIGHT_GRACE_S or 300].")
+                   "clean close " + _default_help("MMSHM_IN_FLIGHT_GRACE_S") + ".")
 def gc(directory, dry_run, as_json, grace_s) -> None:
     """Reclaim orphaned segments: those no live process holds.
 

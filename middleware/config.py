@@ -3,77 +3,17 @@
 The settings are read once per process and cached; :func:`reload` re-reads
 them (tests change the environment and call it).
 
-Variables:
-    MMSHM_DIR: directory that holds segments (default ``/dev/shm``).
-    MMSHM_MIN_BYTES: tensors smaller than this many bytes stay inline
-        (default 65536: below that, pickling is cheaper than a segment).
-    MMSHM_DISABLE: ``1`` turns the transport off; everything travels inline.
-    MMSHM_MODE: ``shm`` (default): mmshm carries the multimodal tensors.
-        ``observe``: the server's own transport carries them, untouched, and
-        mmshm only times each hop (``mmshm_ipc_seconds``, ``mmshm_ipc_bytes``
-        with ``transport="server"``; see :mod:`mmshm.observe`). ``mmshm run
-        --observe`` sets it.
-    MMSHM_SWEEP_INTERVAL_S: seconds between sweeps of a producer's finished
-        segments (default 1.0).
-    MMSHM_MIN_FREE_BYTES: budget guard reserve: a segment is not created if it
-        would leave less than this many bytes free in the segment directory.
-        Default: 5% of the file system, at least 16 MiB and at most 1 GiB. NCCL
-        keeps its own intra-node buffers in /dev/shm (``nccl-*`` files: a few
-        MiB per rank with P2P, up to several hundred MiB when it falls back to
-        its SHM transport); 16 MiB keeps NCCL's start-up working in Docker's
-        64 MiB default while still letting one 22 MB Qwen2-VL image through,
-        and 5% scales the headroom on large tmpfs mounts.
-    MMSHM_MAX_BYTES: optional cap on the bytes of shared memory this process's
-        live segments may hold (0 = no cap).
-    MMSHM_FD_RESERVE: descriptors kept free for the server: segment creation
-        and attach fail with EMFILE (inline fallback) once the process's
-        descriptor numbers reach RLIMIT_NOFILE minus this (default 64).
-    MMSHM_POOL: ``0`` turns the warm segment pool off (every segment is
-        created fresh and unlinked by its last release). Default on.
-    MMSHM_POOL_IDLE_S: seconds an idle pooled segment is kept (default 10).
-    MMSHM_POOL_MAX_BYTES: most bytes of idle pooled segments one process keeps
-        (default: a quarter of the file system, at most 2 GiB).
-    MMSHM_REAP_INTERVAL_S: the reaper runs at most once per this many seconds
-        per segment directory on process start-up, and this often in
-        long-lived processes (default 60; 0 disables the automatic runs).
-    MMSHM_IN_FLIGHT_GRACE_S: seconds a segment whose references are in
-        flight (pickled handles not yet opened) is kept by the reaper after
-        every process that had it open closed it cleanly, e.g. its writer
-        exited with requests still queued (default 300: longer than a busy
-        server's queues hold a request). A segment a killed process held is
-        reclaimed at once whatever this says (see :mod:`mmshm.reaper`).
-    MMSHM_DEBUG_REFS: ``1`` records, in each process, where every reference
-        was taken and given back, reports references still held at exit with
-        their stacks, and names the call that gave back the last reference
-        when a handle is used after it (see :mod:`mmshm.refdebug`). Off by
-        default: no cost then.
-    MMSHM_HASH: when a handle's BLAKE3-128 content hash is computed when
-        none is given. ``lazy`` (default): on the first read of
-        :attr:`mmshm.ShmTensor.hash`, in whichever process asks, from the
-        segment's bytes (once per segment and process; a handle pickled after
-        that carries it). ``eager``: at creation, on the producer, so it
-        travels with every handle (costs about 2.4x the copy: BLAKE3 runs at
-        about 5 GB/s per core, a warm memcpy at about 12 GB/s).
-    MMSHM_NODE_ID: overrides this process's node identity (see
-        :mod:`mmshm.node`). Ranks with the same value count as one node, ranks
-        with different values as different nodes, whatever the system says. A
-        decimal integer below 2**32 is used as the node id itself; any other
-        string is hashed. Unset (the default): the identity comes from the
-        system (boot id, IPC and mount namespace, segment directory). Meant for
-        tests and for simulating several nodes on one machine.
-    MMSHM_HANDSHAKE_S: seconds a rank's first broadcast on a process group
-        waits for every peer rank to announce the same mmshm (default 60; see
-        :func:`mmshm.node.handshake`). A peer that never does (no mmshm on its
-        node, or another version) makes the whole group carry its tensors
-        inline, with a WARNING naming it.
+Every variable is declared once, in :data:`VARIABLES`: its name, type,
+default, bounds and documentation (:class:`Variable`). Parsing, the
+warnings, ``mmshm config``, the command line's help and the README's
+"Configuration" table (``tests/test_ops.py`` checks it) come from there.
 
 Bad values: a value a variable does not accept never stops a process. The
 settings fall back to that variable's default and log one WARNING naming the
 variable, the value and what is allowed (a server keeps running). The
 ``mmshm`` commands check first (:func:`check`) and exit with
-:data:`EXIT_BAD_SETTING` and that one line. :data:`VARIABLES` lists every
-variable with what it accepts; ``mmshm config`` prints the values in effect.
-Sizes accept units (:func:`parse_size`: ``720M``, ``2GiB``).
+:data:`EXIT_BAD_SETTING` and that one line; ``mmshm config`` prints the values
+in effect. Sizes accept units (:func:`parse_size`: ``720M``, ``2GiB``).
 """
 
 from __future__ import annotations
@@ -151,54 +91,13 @@ def _bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
-def _nonneg_int(raw: str) -> int:
-    v = int(raw.strip())
-    if v < 0:
-        raise ValueError(raw)
-    return v
-
-
-def _size(raw: str) -> int:
-    return parse_size(raw)
-
-
-def _seconds(minimum_exclusive: bool, maximum: float | None = None
-             ) -> Callable[[str], float]:
-    def parse(raw: str) -> float:
-        v = float(raw.strip())
-        if v != v or v in (float("inf"),) or v < 0 or (minimum_exclusive and v == 0):
-            raise ValueError(raw)
-        if maximum is not None and v > maximum:
-            raise ValueError(raw)
-        return v
-    return parse
-
-
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(raw: str) -> str:
-        v = raw.strip().lower()
-        if v not in choices:
-            raise ValueError(raw)
-        return v
-    return parse
-
-
-def _port(raw: str) -> int:
-    v = int(raw.strip())
-    if not 0 <= v <= 65535:
-        raise ValueError(raw)
-    return v
-
-
-def _text(raw: str) -> str:
-    return raw.strip()
-
-
 def known_instrumentors() -> list[str]:
-    """Names ``MMSHM_INSTRUMENT`` may list (the instrumentor registry)."""
-    from mmshm.integrations import REGISTRY
+    """Names ``MMSHM_INSTRUMENT`` may list: the registered instrumentors
+    (:func:`mmshm.instrumentor.registered`, the ``mmshm.instrumentors``
+    entry points)."""
+    from .instrumentor import registered
 
-    return sorted(REGISTRY)
+    return sorted(registered())
 
 
 def instrument_names(value: str | None, known: Iterable[str] | None = None) -> list[str] | None:
@@ -227,80 +126,202 @@ def instrument_names(value: str | None, known: Iterable[str] | None = None) -> l
     return names
 
 
-def _instrument(raw: str) -> str:
-    instrument_names(raw)
-    return raw.strip()
+def default_min_free_bytes(fs_size: int) -> int:
+    """The default of ``MMSHM_MIN_FREE_BYTES`` (the budget reserve, bytes) for a
+    file system of ``fs_size`` bytes: 5%, at least 16 MiB, at most 1 GiB."""
+    return int(min(max(16 << 20, fs_size * 0.05), 1 << 30))
+
+
+def default_pool_max_bytes(fs_size: int) -> int:
+    """The default of ``MMSHM_POOL_MAX_BYTES`` (bytes) for a file system of
+    ``fs_size`` bytes: a quarter, at most 2 GiB."""
+    return int(min(fs_size // 4, 2 << 30))
+
+
+#: The types a :class:`Variable` may have, and what each accepts in words.
+TYPES = {
+    "text": "any text",
+    "bool": "1 or 0 (also true/false, yes/no, on/off)",
+    "int": "an integer",
+    "size": SIZE_SYNTAX,
+    "seconds": "a number of seconds",
+    "choice": "",
+    "port": "a port number",
+    "instrumentors": "a comma-separated list of instrumentors",
+}
 
 
 @dataclass(frozen=True)
 class Variable:
-    """One ``MMSHM_*`` setting: how it is parsed and what it accepts.
+    """The one declaration of an ``MMSHM_*`` setting.
 
     Attributes:
-        name: the environment variable.
-        field: the :class:`Settings` attribute it sets (None: read elsewhere,
-            validated here).
-        parse: turns the raw text into the value; raises ValueError (or
-            SettingError) on a bad one.
-        default: the value used when unset or bad.
-        allowed: what it accepts, in words (for errors).
-        meaning: one line for ``mmshm config``.
+        name: the environment variable, e.g. ``"MMSHM_MIN_BYTES"``.
+        field: the :class:`Settings` attribute it sets (None: read where it
+            is used, through :func:`value`).
+        type: one of :data:`TYPES`: ``text``, ``bool``, ``int``, ``size``
+            (bytes, with units), ``seconds`` (a float), ``choice`` (one of
+            ``choices``), ``port`` or ``instrumentors``.
+        default: the value used when unset or bad (None: unset, or computed
+            where it is used; ``default_text`` says how).
+        doc: what it does, one line (``mmshm config``, the README table).
+        minimum, maximum: bounds of a number (None: none); ``minimum`` is
+            excluded when ``above_minimum``.
+        choices: the values a ``choice`` accepts.
+        allowed_text: what it accepts, in words, where the type says too
+            little (a ``text``); else derived from the type and bounds.
+        default_text: the default in words, where ``default`` is None
+            (``"5% of the fs, 16 MiB..1 GiB"``); else derived from it.
+        zero: what 0 means, where it means something (``"off"``).
+        computed: for a default that depends on the segment directory's file
+            system, the default for one of that many bytes.
     """
 
     name: str
     field: str | None
-    parse: Callable[[str], object]
+    type: str
     default: object
-    allowed: str
-    meaning: str
+    doc: str
+    minimum: float | None = None
+    maximum: float | None = None
+    above_minimum: bool = False
+    choices: tuple[str, ...] = ()
+    allowed_text: str | None = None
+    default_text: str | None = None
+    zero: str | None = None
+    computed: Callable[[int], int] | None = None
+
+    @property
+    def allowed(self) -> str:
+        """What the variable accepts, in words (for errors and ``mmshm config``)."""
+        if self.allowed_text is not None:
+            return self.allowed_text
+        if self.type == "choice":
+            return " or ".join(self.choices)
+        if self.type == "instrumentors":
+            return f"{TYPES[self.type]} ({', '.join(known_instrumentors())}), or none"
+        if self.type == "port":
+            return f"{TYPES[self.type]}, {self.minimum:g} to {self.maximum:g}"
+        out = TYPES[self.type]
+        if self.minimum is not None:
+            out += (f" above {self.minimum:g}" if self.above_minimum
+                    else f" >= {self.minimum:g}")
+        if self.maximum is not None:
+            out += f", at most {self.maximum:g}"
+        return out + (f" (0: {self.zero})" if self.zero else "")
+
+    @property
+    def shown_default(self) -> str:
+        """The default as the README table, ``mmshm config`` and the CLI
+        help show it: ``65536``, ``/dev/shm``, ``1``, ``unset``."""
+        if self.default_text is not None:
+            return self.default_text
+        if self.default is None:
+            return "unset"
+        if isinstance(self.default, bool):
+            return "1" if self.default else "0"
+        if isinstance(self.default, float):
+            return f"{self.default:g}"
+        return str(self.default)
+
+    def parse(self, raw: str) -> object:
+        """The value of ``raw``.
+
+        Raises:
+            ValueError: ``raw`` is not of the type, or out of bounds.
+            SettingError: an ``instrumentors`` value names no instrumentor.
+        """
+        if self.type == "text":
+            return raw.strip()
+        if self.type == "bool":
+            return _bool(raw)
+        if self.type == "choice":
+            v = raw.strip().lower()
+            if v not in self.choices:
+                raise ValueError(raw)
+            return v
+        if self.type == "instrumentors":
+            instrument_names(raw)
+            return raw.strip()
+        if self.type == "size":
+            v = parse_size(raw)
+        elif self.type in ("int", "port"):
+            v = int(raw.strip())
+        elif self.type == "seconds":
+            v = float(raw.strip())
+            if v != v or v == float("inf"):
+                raise ValueError(raw)
+        else:
+            raise TypeError(f"{self.name}: unknown type {self.type!r}")
+        if self.minimum is not None and (v < self.minimum
+                                         or (self.above_minimum and v == self.minimum)):
+            raise ValueError(raw)
+        if self.maximum is not None and v > self.maximum:
+            raise ValueError(raw)
+        return v
 
 
-_BOOL = "1 or 0 (also true/false, yes/no, on/off)"
 VARIABLES: tuple[Variable, ...] = (
-    Variable("MMSHM_DIR", "dir", _text, "/dev/shm", "a directory path",
-             "segment directory (a tmpfs)"),
-    Variable("MMSHM_MIN_BYTES", "min_bytes", _size, 65536, SIZE_SYNTAX,
-             "smaller tensors stay inline"),
-    Variable("MMSHM_DISABLE", "disable", _bool, False, _BOOL, "1: everything travels inline"),
-    Variable("MMSHM_MODE", "mode", _choice("shm", "observe"), "shm", "shm or observe",
+    Variable("MMSHM_DIR", "dir", "text", "/dev/shm", "segment directory (a tmpfs)",
+             allowed_text="a directory path"),
+    Variable("MMSHM_MIN_BYTES", "min_bytes", "size", 65536,
+             "smaller tensors stay inline (below that, pickling is cheaper than a segment)"),
+    Variable("MMSHM_DISABLE", "disable", "bool", False, "1: everything travels inline"),
+    Variable("MMSHM_MODE", "mode", "choice", "shm",
              "shm: mmshm carries the tensors; observe: the server's own transport carries "
-             "them and mmshm only times each hop (mmshm run --observe)"),
-    Variable("MMSHM_SWEEP_INTERVAL_S", "sweep_interval_s", _seconds(True), 1.0,
-             "a number of seconds above 0", "seconds between sweeps of finished segments"),
-    Variable("MMSHM_MIN_FREE_BYTES", "min_free_bytes", _size, None, SIZE_SYNTAX,
-             "budget guard reserve kept free (NCCL headroom)"),
-    Variable("MMSHM_MAX_BYTES", "max_bytes", _size, 0, SIZE_SYNTAX,
+             "them and mmshm only times each hop (mmshm run --observe)",
+             choices=("shm", "observe")),
+    Variable("MMSHM_SWEEP_INTERVAL_S", "sweep_interval_s", "seconds", 1.0,
+             "seconds between a producer's sweeps of its finished segments", minimum=0,
+             above_minimum=True),
+    # NCCL keeps its intra-node buffers in /dev/shm (nccl-*: a few MiB per rank with
+    # P2P, up to several hundred MiB on its SHM transport): 16 MiB keeps its start-up
+    # working in Docker's 64 MiB default while one 22 MB Qwen2-VL image still fits, and
+    # 5% scales the headroom on large mounts
+    Variable("MMSHM_MIN_FREE_BYTES", "min_free_bytes", "size", None,
+             "budget guard reserve: a segment is not created if it would leave less free "
+             "(NCCL headroom)", default_text="5% of the fs, 16 MiB..1 GiB",
+             computed=default_min_free_bytes),
+    Variable("MMSHM_MAX_BYTES", "max_bytes", "size", 0,
              "cap on one process's live segment bytes (0: none)"),
-    Variable("MMSHM_FD_RESERVE", "fd_reserve", _nonneg_int, 64, "an integer >= 0",
-             "descriptors kept free below RLIMIT_NOFILE"),
-    Variable("MMSHM_REAP_INTERVAL_S", "reap_interval_s", _seconds(False), 60.0,
-             "a number of seconds >= 0 (0: off)", "automatic reaper period"),
-    Variable("MMSHM_IN_FLIGHT_GRACE_S", "in_flight_grace_s", _seconds(False), 300.0,
-             "a number of seconds >= 0",
-             "in-flight segments are kept this long after a clean exit"),
-    Variable("MMSHM_DEBUG_REFS", "debug_refs", _bool, False, _BOOL,
-             "1: record where each reference was taken and given back"),
-    Variable("MMSHM_POOL", "pool", _bool, True, _BOOL, "warm segment pool"),
-    Variable("MMSHM_POOL_IDLE_S", "pool_idle_s", _seconds(False), 10.0,
-             "a number of seconds >= 0", "idle pooled segments are unlinked after this"),
-    Variable("MMSHM_POOL_MAX_BYTES", "pool_max_bytes", _size, None, SIZE_SYNTAX,
-             "idle pooled bytes one process keeps"),
-    Variable("MMSHM_HASH", "hash", _choice("lazy", "eager"), "lazy", "lazy or eager",
-             "when a handle's content hash is computed"),
-    Variable("MMSHM_NODE_ID", "node_id", _text, None, "any text",
-             "overrides this process's node identity"),
-    Variable("MMSHM_HANDSHAKE_S", "handshake_s", _seconds(True, maximum=3600.0), 60.0,
-             "a number of seconds above 0, at most 3600",
-             "a rank's first broadcast on a group waits this long for every peer's mmshm"),
-    Variable("MMSHM_INSTRUMENT", None, _instrument, None,
-             "a comma-separated list of instrumentors (sglang, vllm), or none",
-             "instrumentors `mmshm run` loads (unset: sglang,vllm, each active only in a process that imports its server)"),
-    Variable("MMSHM_METRICS_PORT", None, _port, None, "a port number, 0 to 65535",
-             "start a standalone Prometheus exporter on this port"),
-    Variable("MMSHM_METRICS_ADDR", None, _text, "127.0.0.1", "an address to listen on",
-             "the standalone exporter's address"),
-    Variable("MMSHM_METRICS_REFRESH_S", None, _seconds(True), 5.0,
-             "a number of seconds above 0", "how often directory gauges are refreshed"),
+    Variable("MMSHM_FD_RESERVE", "fd_reserve", "int", 64,
+             "descriptors kept free below RLIMIT_NOFILE (segment creation and attach fail "
+             "with EMFILE, and go inline, beyond)", minimum=0),
+    Variable("MMSHM_REAP_INTERVAL_S", "reap_interval_s", "seconds", 60.0,
+             "automatic reaper period, at start-up per directory and in long-lived "
+             "processes", minimum=0, zero="off"),
+    Variable("MMSHM_IN_FLIGHT_GRACE_S", "in_flight_grace_s", "seconds", 300.0,
+             "the reaper keeps a segment whose references are in flight (pickled, not yet "
+             "opened) this long after every holder closed it cleanly; a killed holder's "
+             "segments go at once", minimum=0),
+    Variable("MMSHM_DEBUG_REFS", "debug_refs", "bool", False,
+             "1: record where each reference was taken and given back, report those still "
+             "held at exit (no cost when off)"),
+    Variable("MMSHM_POOL", "pool", "bool", True,
+             "warm segment pool (0: every segment fresh, unlinked by its last release)"),
+    Variable("MMSHM_POOL_IDLE_S", "pool_idle_s", "seconds", 10.0,
+             "idle pooled segments are unlinked after this", minimum=0),
+    Variable("MMSHM_POOL_MAX_BYTES", "pool_max_bytes", "size", None,
+             "idle pooled bytes one process keeps", default_text="1/4 of the fs, at most 2 GiB",
+             computed=default_pool_max_bytes),
+    Variable("MMSHM_HASH", "hash", "choice", "lazy",
+             "when a handle's BLAKE3 content hash is computed if none is given: lazy on the "
+             "first read, eager at creation (about 2.4x the copy)", choices=("lazy", "eager")),
+    Variable("MMSHM_NODE_ID", "node_id", "text", None,
+             "overrides this process's node identity (equal values count as one node)"),
+    Variable("MMSHM_HANDSHAKE_S", "handshake_s", "seconds", 60.0,
+             "a rank's first broadcast on a group waits this long for every peer's mmshm",
+             minimum=0, above_minimum=True, maximum=3600),
+    Variable("MMSHM_INSTRUMENT", None, "instrumentors", None,
+             "instrumentors `mmshm run` loads, or none; each active only in a process that "
+             "imports its server", default_text="every registered one (sglang,vllm)"),
+    Variable("MMSHM_METRICS_PORT", None, "port", None,
+             "start a standalone Prometheus exporter on this port", minimum=0, maximum=65535),
+    Variable("MMSHM_METRICS_ADDR", None, "text", "127.0.0.1",
+             "the standalone exporter's listen address", allowed_text="an address to listen on"),
+    Variable("MMSHM_METRICS_REFRESH_S", None, "seconds", 5.0,
+             "how often the directory gauges (mmshm_dir_free_bytes ...) are refreshed",
+             minimum=0, zero="only on demand"),
 )
 BY_NAME = {v.name: v for v in VARIABLES}
 # set by `mmshm run` for its start-up hook, or read by other modules / the tests
@@ -354,11 +375,6 @@ def check(environ=None) -> None:
         raise bad[0]
 
 
-def default_min_free_bytes(fs_size: int) -> int:
-    """The default budget reserve for a file system of ``fs_size`` bytes."""
-    return int(min(max(16 << 20, fs_size * 0.05), 1 << 30))
-
-
 def min_free_bytes(fs_size: int) -> int:
     """The reserve in force for a file system of ``fs_size`` bytes."""
     v = get().min_free_bytes
@@ -369,11 +385,14 @@ def pool_max_bytes(fs_size: int) -> int:
     """Most idle pooled bytes one process keeps, for a file system of
     ``fs_size`` bytes."""
     v = get().pool_max_bytes
-    return int(min(fs_size // 4, 2 << 30)) if v is None else v
+    return default_pool_max_bytes(fs_size) if v is None else v
 
 
 @dataclass(frozen=True)
 class Settings:
+    """The settings of this process: one attribute per :class:`Variable`
+    with a ``field`` (its default is the declaration's)."""
+
     dir: str
     min_bytes: int
     disable: bool
@@ -385,12 +404,12 @@ class Settings:
     pool: bool
     pool_idle_s: float
     pool_max_bytes: int | None
-    node_id: str | None = None
-    hash: str = "lazy"
-    in_flight_grace_s: float = 300.0
-    debug_refs: bool = False
-    mode: str = "shm"
-    handshake_s: float = 60.0
+    node_id: str | None
+    hash: str
+    in_flight_grace_s: float
+    debug_refs: bool
+    mode: str
+    handshake_s: float
 
     @property
     def observe(self) -> bool:
@@ -413,20 +432,30 @@ def reload(warn: bool = True) -> Settings:
     process. Never raises on a bad value: see :func:`check` for that.
     """
     global _settings
-    values = {}
-    for var in VARIABLES:
-        if var.field is None:
-            continue
-        try:
-            values[var.field] = parse_variable(var)[0]
-        except SettingError as exc:
-            values[var.field] = var.default
-            if warn and (exc.variable, exc.value) not in _warned:
-                _warned.add((exc.variable, exc.value))
-                log.warning("mmshm: %s; using the default (%s)", exc,
-                            "its computed default" if var.default is None else var.default)
-    _settings = Settings(**values)
+    _settings = Settings(**{var.field: value(var.name, warn=warn) for var in VARIABLES
+                            if var.field is not None})
     return _settings
+
+
+def value(name: str, environ=None, warn: bool = True) -> object:
+    """The value of the variable ``name`` in ``environ`` (default
+    ``os.environ``), or its default when unset or bad; a bad value logs (with
+    ``warn``) one WARNING naming the variable, once per value and process.
+    Never raises on a bad value. For the variables without a
+    :class:`Settings` field, read where they are used.
+
+    Raises:
+        KeyError: ``name`` is no declared variable.
+    """
+    var = BY_NAME[name]
+    try:
+        return parse_variable(var, environ)[0]
+    except SettingError as exc:
+        if warn and (exc.variable, exc.value) not in _warned:
+            _warned.add((exc.variable, exc.value))
+            log.warning("mmshm: %s; using the default (%s)", exc,
+                        "its computed default" if var.default is None else var.default)
+        return var.default
 
 
 def get() -> Settings:

@@ -14,6 +14,14 @@ Modelled on OpenTelemetry's ``BaseInstrumentor`` (``instrument`` /
 hooks are wrapt's (``FunctionWrapper``, ``resolve_path``,
 ``register_post_import_hook``), nothing is patched by hand.
 
+Instrumentors are found as OpenTelemetry finds its own, through entry points
+(:data:`ENTRY_POINT_GROUP`, ``[project.entry-points."mmshm.instrumentors"]``
+in a ``pyproject.toml``; :func:`registered`, :func:`load`): a third server's
+package registers its instrumentor there and ``mmshm run``, ``MMSHM_INSTRUMENT``
+and :func:`mmshm.integrations.get` know it with no edit of mmshm. Where the
+entry points cannot be read, the built-in ``sglang`` and ``vllm`` are used,
+with a WARNING saying why and the fix.
+
 Invariants:
 
 - all or nothing: a target missing from the source (or, at import, from the
@@ -200,6 +208,95 @@ def missing_targets(targets: list[Target] | tuple[Target, ...]) -> list[str]:
         if gaps and not t.optional:
             missing += [f"{t.module}:{g}" for g in gaps]
     return list(dict.fromkeys(missing))
+
+
+# -- discovery: entry points ------------------------------------------------------------
+#: The entry-point group every instrumentor is registered under, as
+#: OpenTelemetry's ``opentelemetry_instrumentor``: ``name = "module:Class"``,
+#: where ``name`` is the instrumentor's :attr:`Instrumentor.name` and also the
+#: top-level import package of its server (the start-up hook of ``mmshm run``
+#: waits for that package's import). mmshm's own are in its ``pyproject.toml``.
+ENTRY_POINT_GROUP = "mmshm.instrumentors"
+#: mmshm's own instrumentors, used when the entry points cannot be read.
+BUILTIN: dict[str, str] = {
+    "sglang": "mmshm.integrations.sglang:SGLangInstrumentor",
+    "vllm": "mmshm.integrations.vllm:VLLMInstrumentor",
+}
+
+
+def install_hint() -> str:
+    """The ``pip install`` argument that installs the mmshm running here into
+    an interpreter: ``-e <checkout>`` for a source checkout (mmshm is
+    installed from its repository, not from a package index), else
+    ``mmshm==<version>``."""
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file():
+        return f"-e {root}"
+    try:
+        return f"mmshm=={metadata.version('mmshm')}"
+    except Exception:  # noqa: BLE001
+        return "mmshm"
+
+
+@lru_cache(maxsize=1)
+def registered() -> dict[str, str]:
+    """Every registered instrumentor: ``name -> "module:Class"``, from the
+    :data:`ENTRY_POINT_GROUP` entry points of the installed distributions
+    (read with :mod:`importlib.metadata`; nothing is imported).
+
+    When they cannot be read (mmshm is not installed as a distribution, e.g.
+    run from a checkout on ``PYTHONPATH``, or its installed metadata predates
+    the entry points), mmshm's own (:data:`BUILTIN`) are added and one
+    WARNING says why and the fix. Cached per process (``registered.cache_clear()``
+    re-reads)."""
+    why = None
+    found: dict[str, str] = {}
+    try:
+        found = {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+        try:
+            own = metadata.distribution("mmshm")
+        except metadata.PackageNotFoundError:
+            why = f"mmshm is not installed as a distribution in {sys.executable}"
+        else:
+            if not any(ep.group == ENTRY_POINT_GROUP for ep in own.entry_points):
+                why = (f"the installed mmshm {own.version} declares no {ENTRY_POINT_GROUP} "
+                       f"entry points (its metadata predates them)")
+    except Exception as exc:  # noqa: BLE001 - unreadable metadata: say so, use the built-ins
+        why = f"the {ENTRY_POINT_GROUP} entry points cannot be read ({exc})"
+    if why is not None:
+        log.warning("mmshm: %s; using the built-in instrumentors (%s)%s. Fix: %s -m pip "
+                    "install %s", why, ", ".join(BUILTIN),
+                    f" and {', '.join(sorted(set(found) - set(BUILTIN)))}"
+                    if set(found) - set(BUILTIN) else "", sys.executable, install_hint())
+        found = {**BUILTIN, **found}
+    return found
+
+
+def load(name: str) -> type[Instrumentor]:
+    """The instrumentor class registered as ``name`` (imports its module).
+
+    Raises:
+        ValueError: no instrumentor is registered as ``name``, or the class
+            registered has another :attr:`Instrumentor.name`, or its server's
+            top-level package is not ``name``.
+        ImportError: its module cannot be imported.
+    """
+    known = registered()
+    try:
+        target = known[name]
+    except KeyError:
+        raise ValueError(f"unknown instrumentor {name!r}; known: {sorted(known)}") from None
+    mod, _, attr = target.partition(":")
+    obj = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if getattr(obj, "name", None) != name or str(getattr(obj, "package", "")).split(".")[0] \
+            != name:
+        raise ValueError(f"the instrumentor registered as {name!r} ({target}) has name "
+                         f"{getattr(obj, 'name', None)!r} and package "
+                         f"{getattr(obj, 'package', None)!r}: both must be {name!r} (the "
+                         f"entry point's name is the server's top-level package)")
+    return obj
 
 
 # -- the instrumentor ----------------------------------------------------------------
@@ -406,13 +503,18 @@ class Instrumentor:
 
 
 __all__ = [
+    "BUILTIN",
+    "ENTRY_POINT_GROUP",
     "Instrumentor",
     "Target",
     "UnsupportedVersionError",
     "check_version",
     "defines",
     "find_distribution",
+    "install_hint",
     "installed_version",
+    "load",
     "missing_targets",
+    "registered",
     "source_file",
 ]

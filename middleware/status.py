@@ -7,14 +7,17 @@ Read-only and safe beside running servers:
   the liveness byte (some process holds the segment) and the owner byte (its
   creating process is alive), as in :mod:`mmshm.segfile`. A segment nobody
   holds is an orphan, whatever pid its name carries (pids are reused).
-* **Processes** are found from ``/proc/<pid>/fd``: a process that has a
-  segment open holds it now (holders keep their descriptor while they hold a
-  reference or a view), and ``/proc/<pid>/fdinfo`` shows whether its
-  descriptor carries the owner lock (it created the segment). A pid is kept
-  only if its start time is the same before and after its descriptors were
-  read, so a pid reused during the scan is never reported. Processes of other
-  users are invisible unless run as root: their segments count as
-  ``unattributed`` (live by their locks, holder not visible).
+* **Processes** are found with psutil (pids, start times, command lines,
+  parents, open files): a process that has a segment open holds it now
+  (holders keep their descriptor while they hold a reference or a view), and
+  ``/proc/<pid>/fdinfo`` shows whether its descriptor carries the owner lock
+  (it created the segment). A pid is kept only if its start time is the same
+  before and after its descriptors were read, so a pid reused during the scan
+  is never reported. Processes of other users are invisible unless run as
+  root: their segments count as ``unattributed`` (live by their locks, holder
+  not visible). ``/proc`` is read directly only for what psutil does not
+  expose: the descriptors' locks, mount namespaces, and a raw environment
+  (to tell one a process title overwrote).
 * **Everything else** on the same tmpfs (NCCL's ``nccl-*``, Python
   shared memory ``psm_*`` of vLLM and SGLang, SGLang's ``sgl_shm_mq_*`` and
   ``sglang_loads_*``, DeepSpeed's ``deepspeed_allreduce_buffer_*``, POSIX
@@ -35,6 +38,7 @@ import stat
 import time
 
 import msgspec
+import psutil
 
 from . import config, node
 from .node import NodeInfo
@@ -269,11 +273,12 @@ def read_segment(path: str, now: float | None = None) -> SegmentState | None:
         os.close(fd)
 
 
-def _start_time(pid: int) -> str | None:
+def _start_time(pid: int) -> float | None:
+    """When ``pid`` started (seconds since the epoch), None if it is gone or
+    unreadable; read afresh each call (a reused pid shows a new time)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
         return None
 
 
@@ -317,18 +322,14 @@ def role_of(command: str) -> str | None:
 
 
 def _command(pid: int) -> str:
+    """The command line of ``pid`` (its process title where it set one), else
+    ``[name]`` (a kernel thread, an empty command line), else ``?``."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        cmd = ""
-    if not cmd:
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                cmd = f"[{f.read().strip()}]"
-        except OSError:
-            cmd = "?"
-    return cmd
+        proc = psutil.Process(pid)
+        cmd = " ".join(proc.cmdline()).strip()
+        return cmd or f"[{proc.name()}]"
+    except psutil.Error:
+        return "?"
 
 
 def _environ_says(pid: int) -> bool | None:
@@ -351,9 +352,8 @@ def _environ_says(pid: int) -> bool | None:
 
 def _ppid(pid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
         return None
 
 
@@ -432,8 +432,8 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
     me = os.getpid()
     my_ns = _mount_ns("self")
     try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
+        pids = psutil.pids()
+    except (OSError, psutil.Error):
         return {}, ["/proc cannot be read: no per-process view"]
     for pid in pids:
         if pid == me:
@@ -445,21 +445,17 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
         held: set[str] = set()
         cached: set[str] = set()
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except PermissionError:
+            files = psutil.Process(pid).open_files()  # regular files; unlinked ones left out
+        except psutil.AccessDenied:
             hidden += 1
-            fds = []
-        except OSError:
+            files = []
+        except psutil.Error:
             continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if os.path.dirname(target) != d or not NAME_RE.match(os.path.basename(target)):
-                continue  # elsewhere, or unlinked (" (deleted)")
-            name = os.path.basename(target)
-            owner, in_cache = lock_marks(pid, fd)
+        for f in files:
+            if os.path.dirname(f.path) != d or not NAME_RE.match(os.path.basename(f.path)):
+                continue  # elsewhere
+            name = os.path.basename(f.path)
+            owner, in_cache = lock_marks(pid, f.fd)
             (owned if owner else held).add(name)
             if in_cache:
                 cached.add(name)

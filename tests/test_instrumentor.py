@@ -6,20 +6,25 @@ distribution of its own on ``sys.path``): a client that pickles requests
 (``n`` copies for parallel sampling) and an engine that unpickles them. Its
 integration below is only targets and glue, the shape of
 ``mmshm.integrations.sglang`` and ``vllm``; the SGLang and vLLM suites run the
-same machinery in the real servers.
+same machinery in the real servers. The toy distribution registers it as
+mmshm's own are registered, through a ``mmshm.instrumentors`` entry point,
+and ``mmshm run`` finds it there with no edit of mmshm.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib
+import logging
+import os
+import subprocess
 import sys
 import textwrap
 
 import _mp
 import pytest
 import torch
-from mmshm import ShmTensor, instrumentor, receiving, sending
+from mmshm import ShmTensor, autopatch, instrumentor, integrations, receiving, sending
 from mmshm.errors import MaterializeError
 from mmshm.instrumentor import Instrumentor, Target, UnsupportedVersionError
 from mmshm.walker import transform
@@ -110,11 +115,17 @@ def toy_path(tmp_path_factory):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toyserver\nVersion: 1.2.0\n")
     (info / "top_level.txt").write_text("toyserver\n")
+    # registered as mmshm's own instrumentors are (pyproject.toml's entry points)
+    (info / "entry_points.txt").write_text(
+        f"[{instrumentor.ENTRY_POINT_GROUP}]\ntoyserver = {__name__}:ToyInstrumentor\n")
     sys.path.insert(0, str(root))
     importlib.invalidate_caches()
+    instrumentor.registered.cache_clear()
     yield root
     sys.path.remove(str(root))
     importlib.invalidate_caches()
+    instrumentor.registered.cache_clear()
+    integrations._instances.pop("toyserver", None)
 
 
 @pytest.fixture
@@ -167,6 +178,70 @@ def test_a_third_server_is_instrumented_through_the_interface_as_is(toy, shm_dir
     assert frontend.encode is original_encode and toy.patched == {}
     toy.instrument()  # idempotent across uninstrument: the hooks stay registered
     assert ("toyserver.frontend", "encode") in toy.patched
+
+
+def test_a_third_server_is_found_through_its_entry_point(toy_path):
+    """The toy distribution's ``mmshm.instrumentors`` entry point is all it
+    takes: ``MMSHM_INSTRUMENT`` accepts the name, the start-up hook waits for
+    its package, and :func:`mmshm.integrations.get` loads it."""
+    assert instrumentor.registered()["toyserver"] == f"{__name__}:ToyInstrumentor"
+    assert {"sglang", "vllm"} <= set(instrumentor.registered())
+    assert autopatch.selected("toyserver") == ["toyserver"]
+    assert "toyserver" in autopatch.selected("")
+    env, work = autopatch.prepare({"MMSHM_INSTRUMENT": "toyserver"})
+    try:
+        assert env[autopatch.ENV_ROOTS] == "toyserver=toyserver"
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    assert isinstance(integrations.get("toyserver"), ToyInstrumentor)
+
+
+@pytest.mark.timeout(240)
+def test_mmshm_run_instruments_a_third_server_from_its_entry_point(toy_path, shm_dir):
+    code = ("import wrapt, toyserver.frontend as f; "
+            "print(isinstance(f.encode, wrapt.FunctionWrapper))")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, MMSHM_INSTRUMENT="toyserver",
+               PYTHONPATH=os.pathsep.join([str(toy_path), here]))
+    r = subprocess.run([sys.executable, "-m", "mmshm.cli", "run", "--", sys.executable, "-c",
+                        code], check=False, env=env, capture_output=True, text=True,
+                       timeout=200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-1:] == ["True"], (r.stdout, r.stderr[-3000:])
+
+
+@pytest.mark.parametrize("how", ["not installed", "old metadata"])
+def test_unreadable_entry_points_fall_back_to_the_built_ins_with_a_warning(
+        monkeypatch, caplog, how):
+    from importlib import metadata
+
+    class OldDist:
+        version = "0.0.1"
+        entry_points = ()
+
+    def distribution(name):
+        if how == "not installed":
+            raise metadata.PackageNotFoundError(name)
+        return OldDist()
+
+    monkeypatch.setattr(metadata, "entry_points", lambda group=None: [])
+    monkeypatch.setattr(metadata, "distribution", distribution)
+    instrumentor.registered.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mmshm"):
+            found = instrumentor.registered()
+        assert found == instrumentor.BUILTIN
+        [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert ("not installed as a distribution" if how == "not installed"
+                else "predates them") in warning
+        assert "using the built-in instrumentors (sglang, vllm)" in warning
+        assert "Fix: " in warning and "-m pip install" in warning
+        assert autopatch.roots() == {"sglang": "sglang", "vllm": "vllm"}
+    finally:
+        monkeypatch.undo()
+        instrumentor.registered.cache_clear()
 
 
 def test_a_failed_send_gives_back_every_reference(toy, shm_dir):

@@ -125,6 +125,40 @@ def test_config_prints_values_and_sources(monkeypatch):
     assert r.exit_code == 4 and "MMSHM_HASH='x' is not valid: expected lazy or eager" in r.output
 
 
+def test_the_readme_table_matches_the_declarations():
+    """The README's "Configuration" table lists every declared variable once,
+    with the declaration's default (``mmshm.config.VARIABLES``)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Configuration (`MMSHM_*`)", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in ln.strip().strip("|").split("|")]
+            for ln in section.splitlines() if ln.startswith("| `MMSHM_")]
+    names = [r[0].strip("`") for r in rows]
+    assert sorted(names) == sorted(v.name for v in config.VARIABLES)
+    assert len(names) == len(set(names))
+    defaults = {r[0].strip("`"): r[1].replace("`", "") for r in rows}
+    assert defaults == {v.name: v.shown_default for v in config.VARIABLES}
+
+
+def test_metrics_refresh_zero_is_valid_as_the_server_uses_it(monkeypatch, caplog):
+    """``MMSHM_METRICS_REFRESH_S=0`` (refresh only on demand) was rejected by
+    the declaration (a CLI exit 4, a warning from ``mmshm run``) although
+    the server uses it."""
+    from mmshm import metrics
+
+    monkeypatch.setenv("MMSHM_METRICS_REFRESH_S", "0")
+    assert config.problems() == []
+    r = _invoke("config")
+    assert r.exit_code == 0, r.output
+    assert metrics._refresh_interval() == 0
+    monkeypatch.setenv("MMSHM_METRICS_REFRESH_S", "-1")
+    monkeypatch.setattr(config, "_warned", set())
+    with caplog.at_level("WARNING", logger="mmshm"):
+        assert metrics._refresh_interval() == 5.0  # a bad value: the default
+    [warned] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "MMSHM_METRICS_REFRESH_S='-1' is not valid" in warned
+    assert _invoke("config").exit_code == config.EXIT_BAD_SETTING
+
+
 # -- gc ------------------------------------------------------------------------------------
 def test_gc_and_status_on_a_missing_directory_exit_5(tmp_path):
     missing = str(tmp_path / "nope")

