@@ -31,6 +31,7 @@ from .errors import (
     WrongNodeError,
 )
 from .metrics import SHM_WRITTEN_BYTES
+from .segfile import HEADER_SIZE
 
 log = logging.getLogger("mmshm")
 
@@ -102,7 +103,7 @@ def _segment_digest(seg: segment.Segment, meta: HandleMeta) -> bytes:
         digest = content_hash(buf)
     finally:
         buf.release()
-        del mm  # a private mapping: unmapped now (see segfile._map)
+        del mm  # a private mapping: unmapped now (see segfile.map_fd)
     seg.digest = (meta.gen, digest)
     return digest
 
@@ -211,7 +212,7 @@ class ShmTensor:
         try:
             if nbytes:
                 dst = torch.frombuffer(seg.shared_map, dtype=torch.uint8, count=nbytes,
-                                       offset=segment.HEADER_SIZE)
+                                       offset=HEADER_SIZE)
                 write(dst)
                 if eager:
                     hash = content_hash(dst.numpy())
@@ -459,7 +460,7 @@ class ShmTensor:
                 off = 0
                 while off < meta.nbytes:
                     n = os.preadv(seg.fd, [buf[off: off + _PREAD_CHUNK]],
-                                  segment.HEADER_SIZE + off)
+                                  HEADER_SIZE + off)
                     if n <= 0:
                         raise SegmentCorruptError(errno.EINVAL, "segment ended early",
                                                   seg.path)

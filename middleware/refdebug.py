@@ -39,7 +39,7 @@ import weakref
 
 import msgspec
 
-from . import handle, segment
+from . import handle, segfile, segment
 from .errors import HandleStateError, SegmentNotFoundError
 
 log = logging.getLogger("mmshm")
@@ -164,7 +164,7 @@ def _explain_gone(h, exc: SegmentNotFoundError) -> None:
     meta = h._meta
     if meta is None or getattr(exc, "_mmshm_explained", False):
         return
-    path = os.path.join(segment.segment_dir(h._dir), meta.name)
+    path = os.path.join(segfile.segment_dir(h._dir), meta.name)
     try:
         with open(_note_path(path)) as f:
             where = f.read().rstrip()
@@ -351,15 +351,15 @@ def install() -> None:
 
     def wrap_update(orig):
         @functools.wraps(orig)
-        def _update_refcount(fd, path, delta, gen=None, owner_here=False):
+        def update_count(fd, path, delta, gen=None, owner_here=False):
             new = orig(fd, path, delta, gen, owner_here)
             if delta < 0 and new == 0:
                 _write_note(path, gen, _stack())
             return new
-        return _update_refcount
+        return update_count
 
-    _wrap(segment, "_update_refcount", wrap_update)
-    segment._exit_reporters.append(_report_at_exit)
+    _wrap(segfile, "update_count", wrap_update)
+    segment.exit_reporters.append(_report_at_exit)
 
 
 def uninstall() -> None:
@@ -367,8 +367,8 @@ def uninstall() -> None:
     for obj, attr, orig in _installed.values():
         setattr(obj, attr, orig)
     _installed.clear()
-    if _report_at_exit in segment._exit_reporters:
-        segment._exit_reporters.remove(_report_at_exit)
+    if _report_at_exit in segment.exit_reporters:
+        segment.exit_reporters.remove(_report_at_exit)
     with _lock:
         _handles.clear()
         _views.clear()

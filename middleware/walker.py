@@ -22,10 +22,11 @@ from typing import Any
 import msgspec
 import torch
 
-from . import config, segment
+from . import config
 from .errors import MmshmError, ShmSpaceError
 from .handle import ShmTensor
 from .metrics import FALLBACKS
+from .table import TABLE
 
 log = logging.getLogger("mmshm")
 
@@ -245,7 +246,7 @@ def record_fallback(exc: BaseException) -> str:
     """Count one inline fallback and log a warning once per reason."""
     reason = fallback_reason(exc)
     FALLBACKS.labels(reason=reason).inc()
-    if reason not in _warned and not segment._dir_checked.get(config.get().dir):
+    if reason not in _warned and not TABLE.dir_problem(config.get().dir):
         # (a directory that cannot hold segments was warned about once already)
         _warned.add(reason)
         log.warning("mmshm: a tensor travels inline instead of through shared memory "
