@@ -47,10 +47,12 @@ import os
 import resource
 import stat
 import sys
+from typing import NamedTuple
 
 from . import config, segfile
 from .errors import (
     DescriptorLimitError,
+    MmshmError,
     SegmentCorruptError,
     SegmentError,
     SegmentNotFoundError,
@@ -462,6 +464,48 @@ def update_refcount(name: str, delta: int, directory: str | None = None,
         return segfile.update_count(fd, path, delta, gen)
     finally:
         os.close(fd)
+
+
+class SegmentRef(NamedTuple):
+    """A segment as a handle names it: the unit references are counted in.
+    Hashable, so it keys "references added per segment".
+
+    Attributes:
+        name: the segment's file name.
+        directory: its segment directory (None: ``MMSHM_DIR`` at the time of
+            each use).
+        gen: the generation the references were made for; an update of a
+            segment reused since then is refused.
+    """
+
+    name: str
+    directory: str | None
+    gen: int
+
+    def add(self, k: int) -> int:
+        """Add ``k`` references (a negative ``k`` gives ``-k`` back) in one
+        locked update; returns the new count.
+
+        Raises:
+            SegmentNotFoundError: the segment is gone, already freed, or
+                reused since ``gen``.
+            SegmentCorruptError, DescriptorLimitError: as for :func:`attach`.
+        """
+        return update_refcount(self.name, k, self.directory, self.gen)
+
+    def release(self, k: int = 1) -> bool:
+        """Give back ``k`` references this process holds on the segment
+        (handed out for a message that never left, or held by a scope that
+        ends). Never raises: returns False if the segment could not be
+        updated (gone already: nothing to give back to), logged at DEBUG."""
+        if not k:
+            return True
+        try:
+            self.add(-k)
+        except (MmshmError, OSError) as exc:
+            log.debug("mmshm: giving back %d reference(s) of %s failed: %s", k, self.name, exc)
+            return False
+        return True
 
 
 #: called first thing at exit (mmshm.refdebug's report)

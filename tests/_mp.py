@@ -305,6 +305,7 @@ def rank_broadcast(rank: int, world: int, n_req: int, seed: int) -> dict:
 
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
     names: list[str] = []
+    handed = metric("mmshm_references_handed_total", path="broadcast")
     if rank == 0:
         reqs = [mmshm.wrap(_request(i, seed), min_bytes=1024) for i in range(n_req)]
         names = [h.name for h in mmshm.handles(reqs)]
@@ -323,7 +324,8 @@ def rank_broadcast(rank: int, world: int, n_req: int, seed: int) -> dict:
     dist.barrier()
     del out
     gc.collect()
-    return {"counts": counts, "names": names}
+    handed = metric("mmshm_references_handed_total", path="broadcast") - handed
+    return {"counts": counts, "names": names, "handed": handed}
 
 
 def rank_early_unlink(rank: int, world: int, seed: int, delay_s: float) -> dict:

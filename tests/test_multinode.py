@@ -657,7 +657,7 @@ def test_handle_carries_its_node_on_the_wire(shm_dir):
     with pytest.raises(mmshm.HandleError):
         codec.decode(msgspec.msgpack.encode([h.name, h.nbytes, 0, [50_000], h.hash, 0, 2**32]))
     again = pickle.loads(pickle.dumps(h))  # no share(): the unpickled one is not owned
-    again._disown()
+    again.disown()
     assert again.node == h.node
     h.release()
 

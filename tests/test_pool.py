@@ -114,7 +114,7 @@ def test_a_stale_handle_cannot_read_a_reused_segment(pool):
         stale.materialize()
     with pytest.raises(SegmentNotFoundError):
         stale.share(1)
-    stale._disown()
+    stale.disown()
     assert _mp.refcount(again.name) == 1  # the stale handle touched nothing
     again.release()
 
