@@ -90,7 +90,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mmshm import config, node, segment
+from mmshm import config, node
+from mmshm.segfile import NAME_RE, STATE_POOLED, iter_segment_files, state_on_disk
+from mmshm.table import TABLE
 
 from .modes import MODES, fresh_files, get_mode, remove_fresh_dirs
 
@@ -291,8 +293,8 @@ def our_segments(directory: str, pids: set[int]) -> set[str]:
     """mmshm segment files in ``directory`` created by one of ``pids``, and
     the fresh-segment mode's files made by them."""
     out = set(fresh_files(directory, pids))
-    for name in segment.iter_segment_files(directory):
-        m = segment.NAME_RE.match(name)
+    for name in iter_segment_files(directory):
+        m = NAME_RE.match(name)
         if m and int(m.group(1)) in pids:
             out.add(name)
     return out
@@ -320,18 +322,7 @@ def all_segments(directory: str, nodes: int, pids: set[int]) -> set[str]:
 def pooled_segments() -> set[str]:
     """Names of this process's idle segments in mmshm's warm pool (kept on
     purpose between requests, so not leftovers)."""
-    fn = getattr(segment, "pooled_names", None)
-    if fn is not None:
-        return set(fn())
-    state = getattr(segment, "STATE_POOLED", None)
-    if state is None:
-        return set()
-    try:
-        with segment._LOCK:
-            return {name for name, s in segment._REGISTRY.items()
-                    if getattr(s, "owned", False) and s.status() == state}
-    except Exception:  # noqa: BLE001 - a core without a pool, or a changed one
-        return set()
+    return set(TABLE.pooled_names())
 
 
 def _pooled_on_disk(path: str) -> bool:
@@ -343,19 +334,16 @@ def _pooled_on_disk(path: str) -> bool:
     except OSError:
         return False
     try:
-        raw = os.pread(fd, 4, segment._OFF_STATE)
-        return len(raw) == 4 and segment._U32.unpack(raw)[0] == segment.STATE_POOLED
-    except (OSError, AttributeError):
+        return state_on_disk(fd) == STATE_POOLED
+    except OSError:
         return False
     finally:
         os.close(fd)
 
 
 def _trim_pool() -> None:
-    trim = getattr(segment, "trim_pool", None)
-    if trim is not None:
-        trim()
-    segment.sweep()
+    TABLE.trim_pool()
+    TABLE.sweep()
 
 
 class _Session:
@@ -560,7 +548,7 @@ class _Session:
         left = mode.after_run(self.dir)
         # Unmap this producer's freed segments now, outside any measured region,
         # rather than in the next run's first segment.create() or in the sweeper.
-        segment.sweep()
+        TABLE.sweep()
         problems = [f"rank {m['rank']}: {p}" for m in res for p in m["problems"]]
         if mode_name == "inline":  # the pickled batch reaches every rank of another node
             remote = sum(1 for r in range(self.tp)
@@ -597,7 +585,7 @@ class _Session:
         while True:
             left = all_segments(self.dir, self.cfg.nodes, self.pids) - before
             if left:
-                segment.sweep()
+                TABLE.sweep()
                 pooled = pooled_segments()
                 left = {x for x in left if os.path.basename(x) not in pooled
                         and not _pooled_on_disk(os.path.join(self.dir, x))}
@@ -927,7 +915,7 @@ def _run_config(sess: _Session, cfg: BenchConfig, tp: int, res: str, n: int, k: 
     label = f"TP={tp} n={n} {res} x{k}"
     reporter.stage(label)
     gc.collect()
-    segment.sweep()
+    TABLE.sweep()
     req = build_request(f"req-{k}", pics, k, n)
     payload = payload_bytes(req)
     shape = tuple(req.mm_inputs.mm_items[0].feature.shape)

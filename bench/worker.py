@@ -123,7 +123,8 @@ class _Rank:
         return m
 
     def run(self, cmd: dict) -> dict:
-        from mmshm import node, segment
+        from mmshm import node
+        from mmshm.table import TABLE
 
         from .requests import verify
 
@@ -166,7 +167,7 @@ class _Rank:
             "t_broadcast_end": t_inner,
             "t_done": t1, "broadcast_bytes": nbytes, "internode_bytes": internode,
             "problems": problems[:10],
-            "open_segments": len(segment.open_segments()),
+            "open_segments": len(TABLE.names()),
             "peak_rss_bytes": _peak_rss_bytes(),
             "rss_growth_bytes": rss_growth,
             **h2d,

@@ -22,7 +22,8 @@ import tempfile
 import mmshm
 import pytest
 import torch
-from mmshm import config, observe, segment
+from mmshm import config, observe
+from mmshm.table import TABLE
 from mmshm.bench.modes import FRESH_PREFIX, FreshShmPointer, write_fresh_segment
 
 QWEN2VL_720P = (4784, 1176)  # pixel_values of one 720p photo, float32 (22.5 MB)
@@ -30,10 +31,8 @@ IMAGES = 32
 
 
 def _trim() -> None:
-    trim = getattr(segment, "trim_pool", None)  # the warm pool, where the core has one
-    if trim is not None:
-        trim()
-    segment.sweep()
+    TABLE.trim_pool()
+    TABLE.sweep()
 
 
 @pytest.fixture(autouse=True)
@@ -167,7 +166,7 @@ def test_wrap_32_images(benchmark, request_32, hashing):
 
     def setup():
         _release_all(state)
-        segment.sweep()
+        TABLE.sweep()
 
     def wrap():
         w = mmshm.wrap(request_32)
@@ -195,7 +194,7 @@ def test_wrap_32_images_hash_given(benchmark, request_32):
     def setup():
         while state:
             state.pop().release()
-        segment.sweep()
+        TABLE.sweep()
 
     def wrap():
         for it, h in zip(request_32["mm_items"], hashes, strict=True):

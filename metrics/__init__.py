@@ -28,13 +28,19 @@ Families (as exposed):
 ``mmshm_request_failures_total{reason}``       requests turned into per-request errors
 ``mmshm_broadcast_seconds{role}``              histogram, ``role`` = ``src`` / ``dst``
 ``mmshm_broadcast_bytes{role}``                histogram of broadcast payload bytes
-``mmshm_fanout_copies_total``                  request copies made by ``fan_out``
+``mmshm_fanout_copies_total``                  copies of a fanned-out request sharing its
+                                               segments, the first included (``fan_out(req,
+                                               n)``: n; a server's scope: each message with
+                                               handles, from the second; see
+                                               :class:`mmshm.sending.FanOut`)
 ``mmshm_pool_requests_total{result}``          segment pool lookups, ``hit`` / ``miss``
 ``mmshm_internode_bytes_total``                payload bytes sent to other nodes (multi-node
                                                TP: once per tensor and other node)
 ``mmshm_references_handed_total{path}``        references handed out before a hand-over:
                                                ``send`` (to the next process, one per
-                                               message), ``broadcast`` (one per reader)
+                                               message), ``broadcast`` (one per reader and
+                                               handle sent: vLLM's scheduler-output queue,
+                                               ``deferred_unwrap`` for SGLang)
 ``mmshm_path_enabled{server,role,path}``       1 while an instrumented transport path is on
                                                in a live process, 0 when left off
 ``mmshm_ipc_seconds{server,hop,transport}``   histogram: seconds one message spends in one hop
@@ -96,14 +102,9 @@ LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.
 # 1 KB .. 1 GB
 BYTES_BUCKETS = tuple(float(10 ** e * m) for e in range(3, 9) for m in (1, 4)) + (1e9,)
 
-#: ``reason`` label values of ``mmshm_inline_fallbacks_total`` (``group``: the
-#: TP group cannot use shared memory at all, a rank without this mmshm or two
-#: nodes with one node id; see :func:`mmshm.node.handshake`).
-FALLBACK_REASONS = ("enospc", "budget", "emfile", "other", "group")
-#: ``reason`` label values of the materialize and request failure counters
-#: (:data:`mmshm.broadcast.REASONS` without ``ok``).
-FAILURE_REASONS = ("malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
-                   "enospc", "other")
+#: ``reason`` label values of the fallback and failure counters: defined with
+#: the one mapping of an exception to a reason (:func:`mmshm.errors.failure_reason`)
+from ..errors import FAILURE_REASONS, FALLBACK_REASONS  # noqa: E402
 #: ``reason`` label values of the reaper's counters (:data:`mmshm.reaper.REASONS`).
 REAP_REASONS = ("killed", "in_flight_expired")
 #: ``role`` label values of the broadcast histograms.
@@ -136,7 +137,8 @@ _SPECS = (
      "Pickled bytes carried by the wrapped broadcast (estimate), by role (src or dst).",
      ("role",), {"buckets": BYTES_BUCKETS}),
     ("FANOUT_COPIES", "counter", "mmshm_fanout_copies",
-     "Request copies made by fan_out (parallel sampling).", (), {}),
+     "Copies of a fanned-out request sharing its segments, the first included "
+     "(parallel sampling).", (), {}),
     ("REQUEST_FAILURES", "counter", "mmshm_request_failures",
      "Requests turned into a per-request error by deferred_unwrap, by reason.",
      ("reason",), {}),

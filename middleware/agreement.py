@@ -1,9 +1,8 @@
 """Failure agreement: after a broadcast, every rank of the TP group turns the
 same requests into errors.
 
-Holds the reason codes (an index into :data:`REASONS`; 0 is ``ok``), the key of
-a segment as the broadcast paths count its references (name, directory,
-generation), :class:`_RemoteFailure` (a failure that happened on another rank
+Holds the reason codes (an index into :data:`REASONS`; 0 is ``ok``),
+:class:`_RemoteFailure` (a failure that happened on another rank
 and reached this one as a code) and :func:`_agree_max`, the element-wise MAX
 over the group.
 
@@ -28,9 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import segment
-from .errors import MmshmError, failure_reason
-from .handle import ShmTensor
+from .errors import MmshmError
 
 # wire codes of the failure reasons: REASONS[code]; 0 is "ok"
 REASONS = ("ok", "malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
@@ -41,16 +38,6 @@ _OTHER = _REASON_CODE["other"]
 AGREE_TAG = 0x6D6E
 
 
-SegKey = tuple  # (name, directory, generation)
-
-
-def _key(h: ShmTensor) -> SegKey:
-    return (h.name, h._dir, h.meta.gen)
-
-
-def _update(key: SegKey, delta: int) -> int:
-    return segment.update_refcount(key[0], delta, key[1], key[2])
-
 
 class _RemoteFailure(MmshmError):
     """A handle that failed before it reached this node (on the source rank,
@@ -59,10 +46,6 @@ class _RemoteFailure(MmshmError):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
-
-
-def _reason_of(exc: BaseException) -> str:
-    return exc.reason if isinstance(exc, _RemoteFailure) else failure_reason(exc)
 
 
 def _remote(code: int, where: str) -> _RemoteFailure:

@@ -209,17 +209,13 @@ def instrument_on_import(name: str) -> None:
 
 def reclaim_at_start(directory: str | None = None) -> None:
     """Reclaim orphaned segments of ``directory`` (default ``MMSHM_DIR``) once
-    per process and directory, at start-up (see :func:`mmshm.reaper.maybe_reap`;
-    ``MMSHM_REAP_INTERVAL_S=0`` turns it off). Never raises."""
+    per process and directory, at start-up (see
+    :meth:`mmshm.table.SegmentTable.first_use`; ``MMSHM_REAP_INTERVAL_S=0``
+    turns it off). Never raises."""
     try:
-        from mmshm import segment
-        from mmshm.reaper import maybe_reap
+        from mmshm.table import TABLE
 
-        d = segment.segment_dir(directory)
-        segment.ensure_dir(d)
-        if d not in segment._reaped_dirs:
-            segment._reaped_dirs.add(d)
-            maybe_reap(d)
+        TABLE.first_use(directory)
     except Exception as exc:  # noqa: BLE001
         import logging
 
@@ -310,9 +306,9 @@ def run(argv: list[str], env: dict | None = None) -> int:
     try:
         made = _ensure_dir_quietly(seg_dir)
         try:
-            from mmshm import segment
+            from mmshm.table import TABLE
 
-            if segment._dir_checked.get(seg_dir):
+            if TABLE.dir_problem(seg_dir):
                 env["MMSHM_DIR_PROBLEM_SAID"] = seg_dir  # the server's processes stay quiet
         except Exception:  # noqa: BLE001
             pass
@@ -364,9 +360,9 @@ def run(argv: list[str], env: dict | None = None) -> int:
 
 def _ensure_dir_quietly(d: str) -> bool:
     try:
-        from mmshm import segment
+        from mmshm.table import TABLE
 
-        return segment.ensure_dir(d)
+        return TABLE.ensure_dir(d)
     except Exception:  # noqa: BLE001 - the server's own processes warn
         return False
 

@@ -45,11 +45,7 @@ from .agreement import (  # noqa: F401 - re-exported: the wire codes and tags
     _REASON_CODE,
     AGREE_TAG,
     REASONS,
-    SegKey,
     _agree_max,
-    _key,
-    _reason_of,
-    _update,
 )
 from .codec import HandleMeta
 from .errors import (
@@ -58,6 +54,7 @@ from .errors import (
     MmshmError,
     PeerLostError,
     WrongNodeError,
+    failure_reason,
 )
 from .handle import ShmTensor
 from .metrics import (
@@ -66,10 +63,12 @@ from .metrics import (
     BROADCAST_SECONDS,
     MATERIALIZE_FAILURES,
     MATERIALIZE_SECONDS,
+    REFERENCES_HANDED,
     REQUEST_FAILURES,
 )
 from .multinode import P2P_TAG, HandleIndex, _NodePlan  # noqa: F401 - P2P_TAG re-exported
 from .receiving import unwrap_each
+from .segment import SegmentRef
 from .walker import handles, transform
 
 log = logging.getLogger("mmshm")
@@ -134,20 +133,15 @@ def _poison(req, exc: BaseException):
     return transform(req, leaf)
 
 
-
-
-def _take_back(added: dict[SegKey, int]) -> None:
+def _take_back(added: dict[SegmentRef, int]) -> None:
     """Undo ``{segment: references added}`` (best effort: a segment that is
     gone has nothing to give back to)."""
     for key, refs in added.items():
-        try:
-            _update(key, -refs)
-        except MmshmError:
-            pass
+        key.release(refs)
 
 
 def _share_for_broadcast(data: list, k: int
-                         ) -> tuple[list, dict[SegKey, int], list[ShmTensor]]:
+                         ) -> tuple[list, dict[SegmentRef, int], list[ShmTensor]]:
     """Hand out ``k`` references per segment of the batch for the other
     ranks, sending one handle per segment.
 
@@ -169,8 +163,8 @@ def _share_for_broadcast(data: list, k: int
     canon: dict[tuple, ShmTensor] = {}
     dups: list[ShmTensor] = []
     seen: set[int] = set()
-    sent: dict[SegKey, int] = {}   # handle objects sent, per segment
-    spent: dict[SegKey, int] = {}  # replaced handle objects, per segment
+    sent: dict[SegmentRef, int] = {}   # handle objects sent, per segment
+    spent: dict[SegmentRef, int] = {}  # replaced handle objects, per segment
     usable = True
 
     def leaf(x):
@@ -180,10 +174,10 @@ def _share_for_broadcast(data: list, k: int
         if not x.owns_reference:  # released, handed over, or broken
             usable = False
             return x
-        c = canon.setdefault((x._meta, x._dir), x)
+        c = canon.setdefault(x.identity, x)
         if id(x) not in seen:
             seen.add(id(x))
-            key = _key(x)
+            key = x.ref
             if c is x:
                 sent[key] = sent.get(key, 0) + 1
             else:
@@ -194,23 +188,25 @@ def _share_for_broadcast(data: list, k: int
     out = [transform(req, leaf) for req in data]
     if not usable:
         return (*_share_each(data, k), [])
-    added: dict[SegKey, int] = {}
+    added: dict[SegmentRef, int] = {}
     for key, n_sent in sent.items():
         delta = k * n_sent - spent.get(key, 0)
         if not delta:
             continue
         try:
-            _update(key, delta)
+            key.add(delta)
         except MmshmError:
             _take_back(added)
             return (*_share_each(data, k), [])
         added[key] = delta
     for h in dups:
-        h._disown()  # its reference now stands for another rank's
+        h.disown()  # its reference now stands for another rank's
+    # one reference per handle sent and reader, as vLLM's broadcast counts them
+    REFERENCES_HANDED.labels(path="broadcast").inc(k * sum(sent.values()))
     return out, added, dups
 
 
-def _share_each(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
+def _share_each(data: list, k: int) -> tuple[list, dict[SegmentRef, int]]:
     """Add ``k`` references per handle object of the batch, in one locked
     update per segment for the whole batch (fan-out copies share segments). A
     handle object that appears in several requests (``copy.copy``'d requests
@@ -221,7 +217,7 @@ def _share_each(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
     references added}, for rollback."""
     out = list(data)
     owner: dict[int, int] = {}                # handle object -> first request holding it
-    per_req: dict[int, dict[SegKey, int]] = {}
+    per_req: dict[int, dict[SegmentRef, int]] = {}
     hs_of: dict[int, list[ShmTensor]] = {}
     poison: dict[int, Exception] = {}
     for i, req in enumerate(data):
@@ -229,25 +225,25 @@ def _share_each(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
         if not hs:
             continue
         hs_of[i] = hs
-        counts: dict[SegKey, int] = {}
+        counts: dict[SegmentRef, int] = {}
         for h in hs:
             if owner.setdefault(id(h), i) != i:
                 continue
             if not h.owns_reference:
                 poison[i] = HandleStateError(f"handle {h.name} no longer owns a reference")
                 break
-            key = _key(h)
+            key = h.ref
             counts[key] = counts.get(key, 0) + k
         per_req[i] = counts
-    batch: dict[SegKey, int] = {}
+    batch: dict[SegmentRef, int] = {}
     for i, counts in per_req.items():
         if i not in poison:
             for key, refs in counts.items():
                 batch[key] = batch.get(key, 0) + refs
-    failed: dict[SegKey, Exception] = {}
+    failed: dict[SegmentRef, Exception] = {}
     for key, refs in batch.items():
         try:
-            _update(key, refs)
+            key.add(refs)
         except MmshmError as exc:
             failed[key] = exc
     for i, counts in per_req.items():
@@ -268,22 +264,21 @@ def _share_each(data: list, k: int) -> tuple[list, dict[SegKey, int]]:
         for key, refs in per_req.get(i, {}).items():
             if key in added:  # give back what was added for the poisoned request
                 added[key] -= refs
-                try:
-                    _update(key, -refs)
-                except MmshmError:
-                    pass
+                key.release(refs)
     for i, exc in poison.items():
         out[i] = _poison(data[i], exc)
-    return out, {key: refs for key, refs in added.items() if refs}
+    added = {key: refs for key, refs in added.items() if refs}
+    REFERENCES_HANDED.labels(path="broadcast").inc(sum(added.values()))
+    return out, added
 
 
 def _foreign_error(req) -> WrongNodeError | None:
     """A WrongNodeError if ``req`` holds a handle of another node (only
     looked at once sharing failed: the happy path pays nothing for it)."""
     for h in handles(req):
-        if h._error is None and not h.is_local():
+        if h.error is None and not h.is_local():
             return WrongNodeError(f"handle {h.name} names a segment on node {h.node}, "
-                                  f"not on the source rank's node {node.node_id(h._dir)}")
+                                  f"not on the source rank's node {node.node_id(h.directory)}")
     return None
 
 
@@ -333,7 +328,7 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
             if not lay.single and src_group_rank is not None:
                 plan = _NodePlan(lay, dist_group, group_rank, src_group_rank)
                 receivers = len(lay.ranks_on_node_of(src_group_rank)) - 1
-        added: dict[SegKey, int] = {}
+        added: dict[SegmentRef, int] = {}
         collapsed: list[ShmTensor] = []
         t0 = time.perf_counter()
         if is_src and world > 1 and data:
@@ -343,7 +338,7 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
         except BaseException:
             _take_back(added)
             for h in collapsed:  # their references are back in the count
-                h._owns = True
+                h.reclaim()
             raise
         BROADCAST_SECONDS.labels(role=role).observe(time.perf_counter() - t0)
         try:
@@ -414,7 +409,7 @@ class _Unwrapper(HandleIndex):
         self.wire_bytes = 0
         # zero-copy: the first view of each segment, by (metadata, directory)
         self.mapped: dict[tuple[HandleMeta, str | None], torch.Tensor] = {}
-        self.duplicates: dict[SegKey, int] = {}  # references to give back per segment
+        self.duplicates: dict[SegmentRef, int] = {}  # references to give back per segment
 
     def index(self, h: ShmTensor) -> int:
         idx = self._positions.get(id(h))
@@ -439,10 +434,10 @@ class _Unwrapper(HandleIndex):
             # for all the copies of a fan-out, and each copy gets its own tensor
             return st.view(st.shape)
         h = self.order[idx]  # x, or (multi-node) the copy on this node
-        first = None if self.copy else self.mapped.get((h._meta, h._dir))
+        first = None if self.copy else self.mapped.get(h.identity)
         if first is not None and h.owns_reference:
-            h._disown()  # its reference goes back in give_back_duplicates
-            key = _key(h)
+            h.disown()  # its reference goes back in give_back_duplicates
+            key = h.ref
             self.duplicates[key] = self.duplicates.get(key, 0) + 1
             st = self.state[idx] = first.view(first.shape)
             return st
@@ -452,7 +447,7 @@ class _Unwrapper(HandleIndex):
             self.state[idx] = exc
             raise
         if not self.copy:
-            self.mapped[(h._meta, h._dir)] = st
+            self.mapped[h.identity] = st
         return st
 
     def give_back_duplicates(self) -> None:
@@ -460,12 +455,12 @@ class _Unwrapper(HandleIndex):
         mapping (the mapping holds one reference for all of them)."""
         for key, refs in self.duplicates.items():
             try:
-                _update(key, -refs)
+                key.add(-refs)
             except (MmshmError, OSError) as exc:
                 # cannot happen while the mapping holds a reference, unless a
                 # third party removed the file: the reaper reclaims it then
                 log.warning("mmshm: giving back %d reference(s) of %s failed: %s",
-                            refs, key[0], exc)
+                            refs, key.name, exc)
         self.duplicates = {}
         self.mapped = {}
 
@@ -482,9 +477,9 @@ def _give_back(unw: _Unwrapper, idxs: list[int], stranded: np.ndarray, col: int)
         h = unw.order[idx]
         if not h.owns_reference:
             continue  # materialized (the view holds it) or already given back
-        h._disown()
+        h.disown()
         try:
-            _update(_key(h), -1)
+            h.ref.add(-1)
         except (MmshmError, OSError):
             stranded[idx, col] = 1
 
@@ -513,7 +508,7 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
         except Exception as exc:  # noqa: BLE001 - any failure must reach the agreement
             # (a rank that raised here would leave the others waiting in it)
             req_idxs.append(unw.request_handles(req))
-            reason = _reason_of(exc)
+            reason = failure_reason(exc)
             MATERIALIZE_FAILURES.labels(reason=reason).inc()
             reasons[i] = _REASON_CODE.get(reason, _OTHER)
             failed[i, group_rank] = 1
@@ -548,7 +543,7 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
         for idx in np.nonzero(stranded.sum(axis=1))[0].tolist():
             h = unw.order[idx]
             try:
-                _update(_key(h), -int(stranded[idx].sum()))
+                h.ref.add(-int(stranded[idx].sum()))
             except (MmshmError, OSError):
                 pass
     for i in np.nonzero(reasons)[0].tolist():

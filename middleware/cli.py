@@ -121,7 +121,7 @@ def _check_settings(command: str) -> None:
 def _dir_error(command: str, directory: str | None) -> None:
     """Exit with :data:`EXIT_BAD_DIR` and one line if the segment directory
     cannot be listed."""
-    from .segment import segment_dir
+    from .segfile import segment_dir
 
     d = segment_dir(directory)
     where = "--dir" if directory is not None else "MMSHM_DIR or the default"

@@ -26,7 +26,7 @@ import torch
 
 from . import node as _node
 from .errors import HandleError
-from .segfile import NAME_RE, PREFIX
+from .segfile import PREFIX
 
 # Append-only: the position is the wire code. Names missing from this torch
 # build are kept as placeholders so codes never shift.
@@ -106,30 +106,6 @@ def dtype_code(dtype: torch.dtype) -> int:
         return DTYPE_CODES[dtype]
     except KeyError:
         raise HandleError(f"dtype {dtype} cannot travel through shared memory") from None
-
-
-def validate(meta: HandleMeta) -> HandleMeta:
-    """Check a decoded :class:`HandleMeta`; raise :class:`HandleError` on
-    a name outside the naming scheme (``/``, ``..``), an unknown dtype, a bad
-    shape, ``prod(shape) * itemsize != nbytes`` or a bad hash length."""
-    if not NAME_RE.match(meta.name):
-        raise HandleError(f"segment name {meta.name!r} is outside the naming scheme")
-    if not 0 <= meta.dtype < len(DTYPES) or DTYPES[meta.dtype] is None:
-        raise HandleError(f"unknown dtype code {meta.dtype}")
-    if len(meta.shape) > MAX_NDIM or any(d < 0 for d in meta.shape):
-        raise HandleError(f"invalid shape {meta.shape}")
-    itemsize = DTYPES[meta.dtype].itemsize  # type: ignore[union-attr]
-    if meta.nbytes < 0 or math.prod(meta.shape) * itemsize != meta.nbytes:
-        raise HandleError(
-            f"shape {meta.shape} x itemsize {itemsize} != nbytes {meta.nbytes}"
-        )
-    if meta.gen < 0:
-        raise HandleError(f"invalid generation {meta.gen}")
-    if not 0 <= meta.node < _NODE_LIMIT:
-        raise HandleError(f"invalid node id {meta.node}")
-    if 0 < len(meta.hash) < HASH_BYTES or len(meta.hash) > 32:
-        raise HandleError(f"hash must be empty or 16..32 bytes, got {len(meta.hash)}")
-    return meta
 
 
 def encode(meta: HandleMeta) -> bytes:

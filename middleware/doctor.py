@@ -31,7 +31,7 @@ import msgspec
 
 from . import config, node, reaper
 from .node import NodeInfo
-from .segment import segment_dir
+from .segfile import segment_dir
 from .status import OtherGroup, mount_of, scan_processes, survey
 
 MiB = 1 << 20

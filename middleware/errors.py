@@ -149,20 +149,48 @@ class MaterializeError(MmshmError):
         return state
 
 
-def failure_reason(exc: BaseException) -> str:
-    """Map an exception to the ``reason`` label used in metrics and errors."""
-    if isinstance(exc, WrongNodeError):
-        return "wrong_node"
-    if isinstance(exc, HandleError):
-        return "malformed"
-    if isinstance(exc, SegmentNotFoundError):
-        return "not_found"
-    if isinstance(exc, SegmentCorruptError):
-        return "corrupt"
-    if isinstance(exc, HandleStateError):
-        return "released"
-    if isinstance(exc, OSError) and exc.errno in (_errno.EMFILE, _errno.ENFILE):
-        return "emfile"
-    if isinstance(exc, OSError) and exc.errno == _errno.ENOSPC:
-        return "enospc"
-    return "other"
+#: ``reason`` label values of the materialize and request failure counters and
+#: of :class:`MaterializeError` (:data:`mmshm.broadcast.REASONS` without ``ok``).
+FAILURE_REASONS = ("malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
+                   "enospc", "other")
+#: ``reason`` label values of ``mmshm_inline_fallbacks_total`` (``group``: the
+#: TP group cannot use shared memory at all, a rank without this mmshm or two
+#: nodes with one node id; see :func:`mmshm.node.handshake`).
+FALLBACK_REASONS = ("enospc", "budget", "emfile", "other", "group")
+# a reason missing from a label set is said as its more general one there
+_GENERAL = {"budget": "enospc"}
+
+
+def failure_reason(exc: BaseException, labels: tuple[str, ...] = FAILURE_REASONS) -> str:
+    """Map an exception to a ``reason`` label of ``labels`` (default
+    :data:`FAILURE_REASONS`; :data:`FALLBACK_REASONS` for an inline fallback),
+    the one mapping of every path.
+
+    The most specific reason first: the one an mmshm error carries itself (a
+    :class:`ShmSpaceError`'s ``enospc`` or ``budget``, a failure that
+    happened on another rank); else by type (``wrong_node``, ``malformed``,
+    ``not_found``, ``corrupt``, ``released``); else by errno (``emfile`` for
+    EMFILE/ENFILE, ``enospc``). A reason not in ``labels`` becomes its more
+    general one there (``budget`` -> ``enospc``), else ``other``.
+    """
+    if isinstance(exc, MmshmError) and isinstance(getattr(exc, "reason", None), str):
+        reason = exc.reason
+    elif isinstance(exc, WrongNodeError):
+        reason = "wrong_node"
+    elif isinstance(exc, HandleError):
+        reason = "malformed"
+    elif isinstance(exc, SegmentNotFoundError):
+        reason = "not_found"
+    elif isinstance(exc, SegmentCorruptError):
+        reason = "corrupt"
+    elif isinstance(exc, HandleStateError):
+        reason = "released"
+    elif isinstance(exc, OSError) and exc.errno in (_errno.EMFILE, _errno.ENFILE):
+        reason = "emfile"
+    elif isinstance(exc, OSError) and exc.errno == _errno.ENOSPC:
+        reason = "enospc"
+    else:
+        reason = "other"
+    while reason not in labels and reason != "other":
+        reason = _GENERAL.get(reason, "other")
+    return reason

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .errors import MmshmError
 from .handle import ShmTensor
-from .metrics import FANOUT_COPIES
+from .sending import FanOut
 from .walker import handles, transform, wrap
 
 
@@ -17,7 +17,9 @@ def fan_out(obj, n: int, min_bytes: int | None = None, directory: str | None = N
     own :class:`ShmTensor` objects over the same segments. Exactly ``n - 1``
     references are added per segment (one locked update each) and no payload
     byte is copied. The original handles give their reference to copy 0 and
-    are left released: use the copies, not ``obj``.
+    are left released: use the copies, not ``obj``. The ``n`` copies count
+    in ``mmshm_fanout_copies_total`` (one :class:`~mmshm.sending.FanOut`,
+    the fan-out of the instrumentors' scopes too).
 
     This replaces ``copy.copy(req)`` in SGLang's ``_handle_batch_request``,
     whose copies share one ``mm_items`` list.
@@ -36,16 +38,15 @@ def fan_out(obj, n: int, min_bytes: int | None = None, directory: str | None = N
             h.share(n - 1)
             done.append(h)
     except MmshmError:
-        from . import segment
         for h in done:  # roll back: nothing was handed out yet
-            segment.update_refcount(h.name, -(n - 1), h._dir, h.meta.gen)
+            h.ref.add(-(n - 1))
         raise
 
     def leaf(x):
-        return x._spawn() if isinstance(x, ShmTensor) else x
+        return x.twin() if isinstance(x, ShmTensor) else x
 
     copies = [transform(obj, leaf, copy_all=True) for _ in range(n)]
     for h in hs:
-        h._disown()
-    FANOUT_COPIES.inc(n)
+        h.disown()
+    FanOut(declared=True).count_copies(n)
     return copies

@@ -31,6 +31,8 @@ from .errors import (
     WrongNodeError,
 )
 from .metrics import SHM_WRITTEN_BYTES
+from .segfile import HEADER_SIZE
+from .segment import SegmentRef
 
 log = logging.getLogger("mmshm")
 
@@ -102,7 +104,7 @@ def _segment_digest(seg: segment.Segment, meta: HandleMeta) -> bytes:
         digest = content_hash(buf)
     finally:
         buf.release()
-        del mm  # a private mapping: unmapped now (see segfile._map)
+        del mm  # a private mapping: unmapped now (see segfile.map_fd)
     seg.digest = (meta.gen, digest)
     return digest
 
@@ -211,7 +213,7 @@ class ShmTensor:
         try:
             if nbytes:
                 dst = torch.frombuffer(seg.shared_map, dtype=torch.uint8, count=nbytes,
-                                       offset=segment.HEADER_SIZE)
+                                       offset=HEADER_SIZE)
                 write(dst)
                 if eager:
                     hash = content_hash(dst.numpy())
@@ -219,7 +221,7 @@ class ShmTensor:
             elif hash is None:
                 hash = _EMPTY_DIGEST
         except BaseException:
-            segment.update_refcount(seg.name, -1, directory, seg.gen)
+            SegmentRef(seg.name, directory, seg.gen).add(-1)
             raise
         SHM_WRITTEN_BYTES.inc(nbytes)
         meta = HandleMeta(seg.name, nbytes, code, shape, hash or b"", seg.gen,
@@ -266,6 +268,28 @@ class ShmTensor:
     @property
     def name(self) -> str:
         return self._usable_meta().name
+
+    @property
+    def ref(self) -> SegmentRef:
+        """The segment this handle stands for a reference on (name,
+        directory, generation): references are added and given back
+        through it. Raises the typed error of a broken handle."""
+        meta = self._usable_meta()
+        return SegmentRef(meta.name, self._dir, meta.gen)
+
+    @property
+    def identity(self) -> tuple:
+        """``(metadata, directory)``: equal for handle objects over the same
+        segment generation with the same shape, dtype and hash (the copies of
+        a fan-out), whose views are interchangeable. ``(None, None)`` for a
+        broken handle. Never raises."""
+        return (self._meta, self._dir)
+
+    @property
+    def error(self) -> Exception | None:
+        """The typed error of a broken handle (its metadata failed
+        validation when it was unpickled), else None. Never raises."""
+        return self._error
 
     @property
     def shape(self) -> torch.Size:
@@ -367,16 +391,18 @@ class ShmTensor:
             raise ValueError("k must be >= 0")
         if k:
             self._check_node(meta)
-            segment.update_refcount(meta.name, k, self._dir, meta.gen)
+            SegmentRef(meta.name, self._dir, meta.gen).add(k)
 
     def clone(self) -> ShmTensor:
         """A new, independent handle object on the same segment (adds one
         reference; no bytes are copied)."""
         self.share(1)
-        return self._spawn()
+        return self.twin()
 
-    def _spawn(self) -> ShmTensor:
-        """A new handle object owning a reference already added by share()."""
+    def twin(self) -> ShmTensor:
+        """A new handle object on the same segment that owns one of the
+        references already added with :meth:`share` (no count change: the
+        caller hands that reference to it)."""
         return _adopt(type(self), self._meta, self._dir)
 
     def hand_over(self) -> None:
@@ -388,9 +414,17 @@ class ShmTensor:
         self._require_owned()
         self._owns = False
 
-    def _disown(self) -> None:
-        """Give up ownership without touching the count (the reference moved)."""
+    def disown(self) -> None:
+        """Give up ownership without touching the count: the reference moved
+        to another holder (a message that left, a twin, another rank's
+        copy), which gives it back. Idempotent."""
         self._owns = False
+
+    def reclaim(self) -> None:
+        """Own the reference again after :meth:`disown`, when the move did
+        not happen (a broadcast that failed put the reference back in the
+        count for this object). Not for a broken handle."""
+        self._owns = self._meta is not None
 
     def release(self) -> None:
         """Give back this handle's reference. Idempotent; a segment that has
@@ -406,8 +440,7 @@ class ShmTensor:
                         self._meta.node)  # type: ignore[union-attr]
             return
         try:
-            segment.update_refcount(self._meta.name, -1, self._dir,  # type: ignore[union-attr]
-                                    self._meta.gen)  # type: ignore[union-attr]
+            SegmentRef(self._meta.name, self._dir, self._meta.gen).add(-1)  # type: ignore
         except SegmentNotFoundError:
             pass
         except SegmentError as exc:
@@ -459,7 +492,7 @@ class ShmTensor:
                 off = 0
                 while off < meta.nbytes:
                     n = os.preadv(seg.fd, [buf[off: off + _PREAD_CHUNK]],
-                                  segment.HEADER_SIZE + off)
+                                  HEADER_SIZE + off)
                     if n <= 0:
                         raise SegmentCorruptError(errno.EINVAL, "segment ended early",
                                                   seg.path)

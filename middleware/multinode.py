@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import codec, node
-from .agreement import _OTHER, _REASON_CODE, _key, _reason_of, _remote, _update
+from .agreement import _OTHER, _REASON_CODE, _remote
 from .errors import DescriptorLimitError, MmshmError, ShmSpaceError, failure_reason
 from .handle import ShmTensor
 from .walker import handles, record_fallback
@@ -139,7 +139,7 @@ class _NodePlan:
         if self.on_src_node or not unw.order:
             return
         for h in unw.order:
-            h._disown()  # the source rank handed out no reference for this node
+            h.disown()  # the source rank handed out no reference for this node
         if self.me == self.leader:
             self._lead(unw)
         else:
@@ -233,7 +233,7 @@ class _NodePlan:
             if not posted:
                 for h in shared:
                     try:
-                        _update(_key(h), -len(members))
+                        h.ref.add(-len(members))
                     except (MmshmError, OSError):
                         pass
             for h in made:
@@ -276,7 +276,7 @@ class _NodePlan:
                     head[nh + idx] = flat.numel()
                     tensors.append(flat)
             elif isinstance(st, BaseException):
-                codes[idx] = _REASON_CODE.get(_reason_of(st), _OTHER)
+                codes[idx] = _REASON_CODE.get(failure_reason(st), _OTHER)
             else:
                 # never reached: every request holding it failed earlier in the walk,
                 # on every rank (the walk order and the failures sent are the same)
@@ -301,9 +301,9 @@ class _NodePlan:
         counts = stranded[:, mine].sum(axis=1)
         for idx in np.nonzero(counts)[0].tolist():
             h = unw.order[idx]
-            if h._error is not None or not h.is_local():
+            if h.error is not None or not h.is_local():
                 continue
             try:
-                _update(_key(h), -int(counts[idx]))
+                h.ref.add(-int(counts[idx]))
             except (MmshmError, OSError):
                 pass

@@ -278,13 +278,6 @@ def _group_key(group):
     return group if group is not None else dist.group.WORLD
 
 
-def cached_layout(group=None) -> Layout | None:
-    """The layout of ``group`` if already known (no collective)."""
-    pg = _group_key(group)
-    hit = _LAYOUTS.get(id(pg))
-    return hit[1] if hit is not None and hit[0] is pg else None
-
-
 def layout(group=None) -> Layout:
     """The node layout of ``group`` (default: the default process group).
 

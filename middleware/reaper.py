@@ -42,8 +42,9 @@ process that no longer runs are dropped from ``PROMETHEUS_MULTIPROC_DIR``
 The reaper reads segment files only through the public interface of the
 file layer (:func:`~mmshm.segfile.try_lock_unheld`,
 :func:`~mmshm.segfile.read_state`, :func:`~mmshm.segfile.iter_segment_files`);
-the segment layer calls it (on a directory's first segment, then from the
-sweeper thread, :mod:`mmshm.sweeper`) and it never calls back.
+the segment table calls it (:meth:`mmshm.table.SegmentTable.maybe_reap`: on
+a directory's first segment, then from the sweeper thread) and it never
+calls back.
 """
 
 from __future__ import annotations
@@ -262,28 +263,6 @@ def reap(directory: str | None = None, dry_run: bool = False,
     """
     return _pass(segment_dir(directory), dry_run, _grace(grace_s),
                  level=logging.DEBUG if quiet else logging.WARNING)
-
-
-_last_run: dict[str, float] = {}
-
-
-def maybe_reap(directory: str | None = None) -> ReapReport | None:
-    """Run :func:`reap` unless this process ran it on ``directory`` less than
-    ``MMSHM_REAP_INTERVAL_S`` ago (0 disables). Called on a process's first
-    segment creation (start-up) and by the producer's sweeper thread."""
-    interval = config.get().reap_interval_s
-    if interval <= 0:
-        return None
-    d = segment_dir(directory)
-    now = time.monotonic()
-    if now - _last_run.get(d, -interval) < interval:
-        return None
-    _last_run[d] = now
-    try:
-        return reap(d)
-    except OSError as exc:
-        log.warning("mmshm: reaper pass over %s failed: %s", d, exc)
-        return None
 
 
 def reclaim_left_by(pids: set[int] | frozenset[int], directory: str | None = None

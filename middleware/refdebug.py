@@ -39,7 +39,7 @@ import weakref
 
 import msgspec
 
-from . import handle, segment
+from . import handle, segfile, segment
 from .errors import HandleStateError, SegmentNotFoundError
 
 log = logging.getLogger("mmshm")
@@ -96,7 +96,7 @@ def held() -> list[HeldRef]:
     with _lock:
         for h, rec in list(_handles.items()):
             if h.owns_reference:
-                m = h._meta
+                m = h.meta
                 out.append(HeldRef(m.name, m.gen, "handle", rec.taken))
         for refs in _views.values():
             out.extend(refs)
@@ -161,10 +161,10 @@ def _write_note(path: str, gen: int | None, stack: str) -> None:
 
 def _explain_gone(h, exc: SegmentNotFoundError) -> None:
     """Append to ``exc`` the call that gave back the segment's last reference."""
-    meta = h._meta
-    if meta is None or getattr(exc, "_mmshm_explained", False):
+    if h.error is not None or getattr(exc, "_mmshm_explained", False):
         return
-    path = os.path.join(segment.segment_dir(h._dir), meta.name)
+    meta = h.meta
+    path = os.path.join(segfile.segment_dir(h.directory), meta.name)
     try:
         with open(_note_path(path)) as f:
             where = f.read().rstrip()
@@ -286,7 +286,7 @@ def install() -> None:
             extra = shared + 1 - rec.pickles
             if shared and extra > 0:
                 where = "\n".join(f"share({k}) at:\n{s}" for k, s in rec.shared)
-                leak = (f"{extra} reference(s) to {self._meta.name} leak: hand_over() gives this "
+                leak = (f"{extra} reference(s) to {self.name} leak: hand_over() gives this "
                         f"handle's reference to the copy just pickled, but share() already "
                         f"handed out {shared} for {rec.pickles} pickled copies; use one or the "
                         f"other.\n{where}\nhand_over() at:\n{_stack()}")
@@ -309,12 +309,12 @@ def install() -> None:
 
     def wrap_disown(orig):
         @functools.wraps(orig)
-        def _disown(self):
-            give_back(self, "moved to another holder (mmshm internals)")
+        def disown(self):
+            give_back(self, "moved to another holder (disown())")
             orig(self)
-        return _disown
+        return disown
 
-    _wrap(cls, "_disown", wrap_disown)
+    _wrap(cls, "disown", wrap_disown)
 
     def wrap_materialize(orig):
         orig = _explaining(orig)
@@ -322,7 +322,7 @@ def install() -> None:
         @functools.wraps(orig)
         def materialize(self, copy=False):
             out = orig(self, copy)
-            m = self._meta
+            m = self.meta
             if copy or m.nbytes == 0:
                 give_back(self, f"materialize(copy={copy})")
             else:
@@ -351,15 +351,15 @@ def install() -> None:
 
     def wrap_update(orig):
         @functools.wraps(orig)
-        def _update_refcount(fd, path, delta, gen=None, owner_here=False):
+        def update_count(fd, path, delta, gen=None, owner_here=False):
             new = orig(fd, path, delta, gen, owner_here)
             if delta < 0 and new == 0:
                 _write_note(path, gen, _stack())
             return new
-        return _update_refcount
+        return update_count
 
-    _wrap(segment, "_update_refcount", wrap_update)
-    segment._exit_reporters.append(_report_at_exit)
+    _wrap(segfile, "update_count", wrap_update)
+    segment.exit_reporters.append(_report_at_exit)
 
 
 def uninstall() -> None:
@@ -367,8 +367,8 @@ def uninstall() -> None:
     for obj, attr, orig in _installed.values():
         setattr(obj, attr, orig)
     _installed.clear()
-    if _report_at_exit in segment._exit_reporters:
-        segment._exit_reporters.remove(_report_at_exit)
+    if _report_at_exit in segment.exit_reporters:
+        segment.exit_reporters.remove(_report_at_exit)
     with _lock:
         _handles.clear()
         _views.clear()

@@ -3,8 +3,10 @@
 The lowest layer of the segment code: functions of one open descriptor and
 path, with no process-local state (no registry, no pool, no thread). The
 reaper (:mod:`mmshm.reaper`) and ``mmshm status`` read files through it; the
-registry, the pool and :mod:`mmshm.segment` build on it. It imports nothing of
-mmshm but the configuration and the errors.
+segment table (:mod:`mmshm.table`) and :mod:`mmshm.segment` build on it. It
+imports nothing of mmshm but the configuration and the errors. Every
+read-modify-write of a header runs inside :func:`mutex`, and reads its fields
+through :class:`Header`.
 
 A segment is one file in the segment directory (``MMSHM_DIR``, default
 ``/dev/shm``), named ``mmshm-<creator pid>-<64 random bits as 16 hex>``. It is
@@ -39,7 +41,7 @@ on the segment file, one byte each:
 
 **One descriptor per segment.** Python's ``mmap`` duplicates the descriptor
 it maps (two per mapped segment, three with a second view); segments are
-mapped with libc's ``mmap`` through ctypes instead (:func:`_map`), which
+mapped with libc's ``mmap`` through ctypes instead (:func:`map_fd`), which
 takes no descriptor. A process holds exactly one descriptor per segment it
 has open, however many views it has of it: a producer with 1000 segments
 holds 1000, and a reader under ``ulimit -n 256`` holds about twice as many
@@ -79,6 +81,8 @@ import struct
 import time
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
 
 from . import config
 from .errors import (
@@ -101,6 +105,29 @@ FLAG_POOLABLE = 1  # the owner's pool takes the segment back at count 0
 # magic, version, state, capacity (payload bytes), refcount, creator pid,
 # created ns, generation (bumped on every reuse), flags
 _HDR = struct.Struct("<8sIIQqQQQI")
+
+
+class Header(NamedTuple):
+    """The fixed fields of a segment's header (the first 60 bytes), as
+    :func:`read_header` decodes them."""
+
+    magic: bytes
+    version: int
+    #: ``STATE_LIVE``, ``STATE_FREED`` or ``STATE_POOLED``
+    state: int
+    #: payload capacity in bytes (the file is ``HEADER_SIZE + size`` long)
+    size: int
+    #: references counted on the segment
+    refcount: int
+    creator_pid: int
+    #: creation time, ``time.time_ns()`` (ns since the epoch)
+    created_ns: int
+    #: bumped by every reuse from the pool; a handle carries the one it was made for
+    gen: int
+    #: ``FLAG_POOLABLE`` or 0
+    flags: int
+
+
 _OFF_STATE = 12
 _OFF_REFCOUNT = 24
 _OFF_GEN = 48
@@ -125,10 +152,10 @@ _U32 = struct.Struct("<I")
 PREFIX = "mmshm-"
 NAME_RE = re.compile(r"mmshm-([0-9]{1,10})-([0-9a-f]{16})\Z")
 
-_MUTEX_BYTE, _LIVE_BYTE, _OWNER_BYTE, _CACHE_BYTE = 0, 1, 2, 3
+MUTEX_BYTE, LIVE_BYTE, OWNER_BYTE, CACHE_BYTE = 0, 1, 2, 3
 # struct flock on Linux (x86_64, aarch64): short, short, off_t, off_t, pid_t
 _FLOCK = struct.Struct("hhqqi4x")
-_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _lock(fd: int, kind: int, byte: int, wait: bool = True) -> None:
@@ -136,7 +163,7 @@ def _lock(fd: int, kind: int, byte: int, wait: bool = True) -> None:
     fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0))
 
 
-def lock_holders_present(fd: int, byte: int = _LIVE_BYTE) -> bool:
+def lock_holders_present(fd: int, byte: int = LIVE_BYTE) -> bool:
     """True if another open file description holds a lock on ``byte``."""
     out = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
     return _FLOCK.unpack(out)[0] != fcntl.F_UNLCK
@@ -146,57 +173,12 @@ def segment_dir(directory: str | None = None) -> str:
     return directory if directory is not None else config.get().dir
 
 
-_dir_checked: dict[str, str | None] = {}
-
-
-def ensure_dir(directory: str) -> bool:
-    """Make the segment directory usable, once per process and directory.
-
-    A missing directory whose parent exists is created with mode 0700 (the
-    example launch scripts point ``MMSHM_DIR`` at one that does not exist
-    yet). A directory that cannot hold segments (parent missing, not a
-    directory, not writable, read-only) gets one WARNING naming it, the
-    reason and the fix; tensors then travel inline, each fallback counted.
-    Returns whether the directory was created now. Never raises.
-    """
-    if directory in _dir_checked:
-        return False
-    made = False
-    problem = None
-    try:
-        os.mkdir(directory, 0o700)
-        made = True
-        log.info("mmshm: created the segment directory %s (mode 0700)", directory)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        problem = f"its parent {os.path.dirname(directory.rstrip('/')) or '/'} does not exist"
-    except OSError as exc:
-        problem = f"it cannot be created ({exc.strerror})"
-    if problem is None:
-        if not os.path.isdir(directory):
-            problem = "it is not a directory"
-        elif not os.access(directory, os.W_OK | os.X_OK):
-            problem = "this process cannot write to it (permissions or a read-only mount)"
-    _dir_checked[directory] = problem
-    if problem is not None and os.environ.get("MMSHM_DIR_PROBLEM_SAID") == directory:
-        # ``mmshm run`` said it once for every process of the server
-        log.info("mmshm: MMSHM_DIR=%s is unusable (%s); tensors travel inline, as "
-                 "mmshm run said", directory, problem)
-    elif problem is not None:
-        log.warning("mmshm: the segment directory MMSHM_DIR=%s cannot hold segments: %s; "
-                    "every tensor travels inline (correct, but without shared memory). Fix: "
-                    "point MMSHM_DIR at a writable directory on a tmpfs, e.g. /dev/shm or "
-                    "a directory under it", directory, problem)
-    return made
-
-
 def new_name() -> str:
     """A fresh segment name: creator pid plus 64 random bits."""
     return f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
 
 
-def _os_error(exc: OSError, what: str, path: str) -> SegmentError:
+def os_error(exc: OSError, what: str, path: str) -> SegmentError:
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         e: SegmentError = DescriptorLimitError(exc.errno, f"{what}: out of file descriptors", path)
     elif exc.errno == errno.ENOENT:
@@ -221,7 +203,7 @@ _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _map(fd: int, length: int, offset: int, shared: bool) -> ctypes.Array:
+def map_fd(fd: int, length: int, offset: int, shared: bool) -> ctypes.Array:
     """Map ``length`` bytes of ``fd`` from ``offset`` (a page multiple),
     read-write, ``MAP_SHARED`` or copy-on-write ``MAP_PRIVATE``, without
     duplicating the descriptor (Python's ``mmap`` would). Returns a ctypes
@@ -243,16 +225,81 @@ def _map(fd: int, length: int, offset: int, shared: bool) -> ctypes.Array:
     return buf
 
 
-def _read_header(fd: int, path: str) -> tuple:
+def peek_header(fd: int) -> Header | None:
+    """The header of the file open on ``fd`` (a racy read, any version),
+    None if it is too short or not an mmshm header (bad magic). Raises
+    :class:`OSError` if ``pread`` fails."""
+    raw = os.pread(fd, _HDR.size, 0)
+    if len(raw) < _HDR.size or raw[:8] != MAGIC:
+        return None
+    return Header._make(_HDR.unpack(raw))
+
+
+def read_header(fd: int, path: str) -> Header:
+    """The header of the segment open on ``fd`` (a racy read unless the
+    caller holds :func:`mutex`). Raises :class:`SegmentCorruptError` for a
+    truncated header, a bad magic or an unsupported version, and
+    :class:`OSError` if ``pread`` fails."""
     raw = os.pread(fd, _HDR.size, 0)
     if len(raw) < _HDR.size:
         raise SegmentCorruptError(errno.EINVAL, "segment header is truncated", path)
-    hdr = _HDR.unpack(raw)
-    if hdr[0] != MAGIC:
+    hdr = Header._make(_HDR.unpack(raw))
+    if hdr.magic != MAGIC:
         raise SegmentCorruptError(errno.EINVAL, "not an mmshm segment (bad magic)", path)
-    if hdr[1] != VERSION:
-        raise SegmentCorruptError(errno.EINVAL, f"unsupported segment version {hdr[1]}", path)
+    if hdr.version != VERSION:
+        raise SegmentCorruptError(errno.EINVAL, f"unsupported segment version {hdr.version}",
+                                  path)
     return hdr
+
+
+def write_new_header(buf, size: int, poolable: bool) -> None:
+    """Write the header of a segment just created by this process into its
+    mapping ``buf``: live, ``size`` payload bytes, one reference (the
+    creator's), generation 0, one holder."""
+    _HDR.pack_into(buf, 0, MAGIC, VERSION, STATE_LIVE, size, 1, os.getpid(), time.time_ns(), 0,
+                   FLAG_POOLABLE if poolable else 0)
+    _I64.pack_into(buf, _OFF_HOLDERS, 1)
+
+
+def mapped_state(buf) -> int:
+    """The state word of a segment from its creator's mapping ``buf`` (a
+    racy read; the file must be at least ``HEADER_SIZE`` long)."""
+    return _U32.unpack_from(buf, _OFF_STATE)[0]
+
+
+def state_on_disk(fd: int) -> int | None:
+    """The state word of the segment open on ``fd`` (a racy read), None if
+    the file is too short to hold one. Raises :class:`OSError`."""
+    raw = os.pread(fd, 4, _OFF_STATE)
+    return _U32.unpack(raw)[0] if len(raw) == 4 else None
+
+
+@contextmanager
+def mutex(fd: int) -> Iterator[None]:
+    """Hold the segment's mutex (byte 0, exclusive, waiting for it) for the
+    block: every read-modify-write of the count, the state, the generation,
+    the holders and the hand-out record runs inside one. OFD locks do not
+    exclude threads sharing ``fd``: the caller serialises those. Raises
+    :class:`OSError` if the lock cannot be taken."""
+    _lock(fd, fcntl.F_WRLCK, MUTEX_BYTE)
+    try:
+        yield
+    finally:
+        _lock(fd, fcntl.F_UNLCK, MUTEX_BYTE)
+
+
+def hold_live(fd: int, wait: bool = True) -> None:
+    """Take the shared liveness lock (byte 1) on ``fd``: this process holds
+    the segment until the descriptor and every mapping of it are gone. With
+    ``wait``, blocks while a reaper holds the exclusive one. Raises
+    :class:`OSError` (EAGAIN/EACCES without ``wait`` if it is taken)."""
+    _lock(fd, fcntl.F_RDLCK, LIVE_BYTE, wait=wait)
+
+
+def take_owner(fd: int) -> None:
+    """Take the exclusive owner lock (byte 2) on ``fd`` of a segment this
+    process just created, without waiting. Raises :class:`OSError`."""
+    _lock(fd, fcntl.F_WRLCK, OWNER_BYTE, wait=False)
 
 
 def boottime_ns() -> int:
@@ -290,23 +337,94 @@ def delivered(handed: int, attached: int) -> bool:
     return attached >= max(handed, 1)
 
 
-def _record_hand_out(fd: int, k: int) -> None:
-    """``k`` references were just added by this process (under the mutex):
-    a new hand-out, attached by nobody yet."""
-    os.pwrite(fd, _HAND_OUT.pack(min(k, 0xFFFFFFFF), 0, os.getpid() & 0xFFFFFFFF), _OFF_HANDED)
+def update_count(fd: int, path: str, delta: int, gen: int | None = None,
+                 owner_here: bool = False) -> int:
+    """Add ``delta`` to the reference count of the segment open on ``fd``
+    (at ``path``) under its mutex and return the new count. A positive
+    ``delta`` is recorded as the last hand-out. At zero the segment goes
+    back to its owner's pool (``FLAG_POOLABLE`` and the owner alive: this
+    process, ``owner_here``, or another that holds the owner lock), or is
+    marked freed and unlinked while the mutex is still held, so no later
+    ``share`` can resurrect it. A count that would go negative is logged
+    and kept at 0.
+
+    Raises:
+        SegmentNotFoundError: the segment was already freed, or reused
+            (``gen`` given and different).
+        SegmentCorruptError, OSError: the header cannot be read.
+    """
+    with mutex(fd):
+        hdr = read_header(fd, path)
+        if hdr.state != STATE_LIVE:
+            raise SegmentNotFoundError(errno.ENOENT, "segment was already freed", path)
+        if gen is not None and hdr.gen != gen:
+            raise SegmentNotFoundError(
+                errno.ENOENT, f"segment was reused (generation {hdr.gen}, handle {gen})", path)
+        new = hdr.refcount + delta
+        if new < 0:
+            log.error("mmshm: reference count of %s would go negative (%d); "
+                      "a handle was pickled without share()", path, new)
+            new = 0
+        os.pwrite(fd, _I64.pack(new), _OFF_REFCOUNT)
+        if delta > 0:
+            # a new hand-out, attached by nobody yet
+            os.pwrite(fd, _HAND_OUT.pack(min(delta, 0xFFFFFFFF), 0, os.getpid() & 0xFFFFFFFF),
+                      _OFF_HANDED)
+        if new == 0:
+            if hdr.flags & FLAG_POOLABLE and (owner_here or lock_holders_present(fd, OWNER_BYTE)):
+                os.pwrite(fd, _U32.pack(STATE_POOLED), _OFF_STATE)
+            else:
+                os.pwrite(fd, _U32.pack(STATE_FREED), _OFF_STATE)
+                _unlink(path)
+        return new
 
 
-def _clear_hand_out(fd: int) -> None:
-    """No hand-out yet (a segment reused from the pool; under the mutex)."""
-    os.pwrite(fd, _HAND_OUT.pack(0, 0, 0), _OFF_HANDED)
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
-def _add_holder(fd: int, path: str) -> None:
+def revive(fd: int, path: str) -> int | None:
+    """Take a pooled segment back into use (its owner only): count 1, the
+    next generation, no hand-out yet, in one locked update. Returns the new
+    generation, or None if the segment is not idle in the pool (state
+    ``POOLED`` at count 0, still linked) or cannot be read."""
+    try:
+        with mutex(fd):
+            hdr = read_header(fd, path)
+            if hdr.state != STATE_POOLED or hdr.refcount != 0 or os.fstat(fd).st_nlink == 0:
+                return None
+            gen = hdr.gen + 1
+            os.pwrite(fd, _U64.pack(gen), _OFF_GEN)
+            os.pwrite(fd, _I64.pack(1), _OFF_REFCOUNT)
+            os.pwrite(fd, _U32.pack(STATE_LIVE), _OFF_STATE)
+            os.pwrite(fd, _HAND_OUT.pack(0, 0, 0), _OFF_HANDED)  # a new life
+    except OSError:
+        return None
+    return gen
+
+
+def unlink_pooled(fd: int, path: str) -> None:
+    """Mark an idle pooled segment (count 0) freed and unlink it, under its
+    mutex (the owner's decision). A live one is left alone (only the owner
+    revives it, so that cannot happen). Never raises."""
+    try:
+        with mutex(fd):
+            hdr = read_header(fd, path)
+            if hdr.state == STATE_POOLED and hdr.refcount == 0:
+                os.pwrite(fd, _U32.pack(STATE_FREED), _OFF_STATE)
+                _unlink(path)
+    except OSError:
+        pass
+
+
+def add_holder(fd: int) -> None:
     """This process now has the segment open (after the liveness lock): one
     holder more and, unless it made the last hand-out itself, one attach of
-    that hand-out's references."""
-    _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)
-    try:
+    that hand-out's references. Raises :class:`OSError`."""
+    with mutex(fd):
         n = _I64.unpack(os.pread(fd, 8, _OFF_HOLDERS))[0]
         os.pwrite(fd, _I64.pack(max(n, 0) + 1), _OFF_HOLDERS)
         raw = os.pread(fd, _HAND_OUT.size, _OFF_HANDED)
@@ -314,41 +432,43 @@ def _add_holder(fd: int, path: str) -> None:
             handed, attached, pid = _HAND_OUT.unpack(raw)
             if pid != os.getpid() & 0xFFFFFFFF and attached < 0xFFFFFFFF:
                 os.pwrite(fd, _HAND_OUT.pack(handed, attached + 1, pid), _OFF_HANDED)
-    finally:
-        _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
 
 
-def _detach(fd: int) -> None:
+def detach(fd: int) -> None:
     """This process closes the segment cleanly: one holder fewer, and the
     time, from which references still in flight get their grace period
     (``MMSHM_IN_FLIGHT_GRACE_S``, see :mod:`mmshm.reaper`). A file already
-    unlinked or truncated is left alone."""
+    unlinked or truncated, or ``fd`` < 0, is left alone. Never raises."""
     if fd < 0:
         return
     try:
         st = os.fstat(fd)
         if st.st_nlink == 0 or st.st_size < HEADER_SIZE:
             return
-        _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)
-        try:
+        with mutex(fd):
             n = _I64.unpack(os.pread(fd, 8, _OFF_HOLDERS))[0]
             os.pwrite(fd, _I64.pack(max(n - 1, 0)) + _U64.pack(boottime_ns()), _OFF_HOLDERS)
-        finally:
-            _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
     except OSError as exc:
         log.debug("mmshm: detach failed: %s", exc)
+
+
+def disown_for_exit(fd: int, path: str) -> None:
+    """The owner is leaving: a segment still in use elsewhere must be unlinked
+    by its last release instead of going back to a pool nobody will empty
+    (clears ``FLAG_POOLABLE`` under the mutex). Never raises."""
+    try:
+        with mutex(fd):
+            hdr = read_header(fd, path)
+            os.pwrite(fd, _U32.pack(hdr.flags & ~FLAG_POOLABLE), _OFF_FLAGS)
+    except OSError:
+        pass
 
 
 def mark_cached(fd: int) -> None:
     """Record that a cache of this process keeps views of the segment open
     on ``fd``: the shared lock on byte 3, held until the descriptor closes.
     Raises :class:`OSError` if ``fcntl`` fails."""
-    _lock(fd, fcntl.F_RDLCK, _CACHE_BYTE, wait=False)
-
-
-def _owner_alive(fd: int) -> bool:
-    """Whether another open file description holds the owner lock."""
-    return lock_holders_present(fd, _OWNER_BYTE)
+    _lock(fd, fcntl.F_RDLCK, CACHE_BYTE, wait=False)
 
 
 def iter_segment_files(directory: str | None = None) -> Iterator[str]:
@@ -361,22 +481,6 @@ def iter_segment_files(directory: str | None = None) -> Iterator[str]:
     return (n for n in names if NAME_RE.match(n))
 
 
-def _disown_for_exit(seg) -> None:
-    """The owner is leaving: a segment still in use elsewhere must be unlinked
-    by its last release instead of going back to a pool nobody will empty
-    (clears ``FLAG_POOLABLE`` of ``seg``, a :class:`mmshm.segment.Segment`,
-    under its mutex; never raises)."""
-    try:
-        _lock(seg.fd, fcntl.F_WRLCK, _MUTEX_BYTE)
-        try:
-            hdr = _read_header(seg.fd, seg.path)
-            os.pwrite(seg.fd, _U32.pack(hdr[8] & ~FLAG_POOLABLE), _OFF_FLAGS)
-        finally:
-            _lock(seg.fd, fcntl.F_UNLCK, _MUTEX_BYTE)
-    except OSError:
-        pass
-
-
 # -- the reaper's interface --------------------------------------------------
 def try_lock_unheld(fd: int) -> bool:
     """Take the exclusive liveness lock (byte 1) of the segment open on
@@ -385,7 +489,7 @@ def try_lock_unheld(fd: int) -> bool:
     on it, then sees the file unlinked). False: some process holds it. Raises
     :class:`OSError` for any other failure of ``fcntl``."""
     try:
-        _lock(fd, fcntl.F_WRLCK, _LIVE_BYTE, wait=False)
+        _lock(fd, fcntl.F_WRLCK, LIVE_BYTE, wait=False)
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             return False
@@ -400,14 +504,11 @@ def read_state(fd: int, path: str) -> tuple[int, int, int, int, bool] | None:
     hand-out (:func:`delivered`). None if its header cannot be read (a
     process died before writing it, a bad magic or version, a short file).
     Raises :class:`OSError` if the mutex cannot be taken."""
-    _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)  # only brief updates by path can hold it
-    try:
+    with mutex(fd):  # only brief updates by path can hold it
         try:
-            hdr = _read_header(fd, path)
+            hdr = read_header(fd, path)
         except OSError:
             return None
         n, detached = holders(fd)
         handed, attached = hand_out(fd)
-    finally:
-        _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
-    return hdr[2], hdr[4], n, detached, delivered(handed, attached)
+    return hdr.state, hdr.refcount, n, detached, delivered(handed, attached)

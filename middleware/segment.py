@@ -11,20 +11,19 @@ one direction (each uses only those below it):
 
 - :mod:`mmshm.segfile`: the file format, the OFD locks (mutex, liveness,
   owner), header fields, the descriptor-free mapping;
-- :mod:`mmshm.registry`: this process's open segments and the bytes it owns;
-- :mod:`mmshm.pool`: the warm pool (size classes, reuse with a new
-  generation);
 - :mod:`mmshm.reaper`: reclaiming segments no live process holds (it uses
   :mod:`mmshm.segfile` only);
-- :mod:`mmshm.sweeper`: letting go of segments freed elsewhere, trimming the
-  pool, the periodic reaper.
+- :mod:`mmshm.table`: this process's segment table (:data:`~mmshm.table.TABLE`):
+  its open segments and the bytes it owns, the warm pool, the sweeper, what
+  it knows of each directory.
 
-Their names used elsewhere stay importable from here.
+Callers import a name from the module that defines it.
 
 Invariants:
 
 - every reference count change is one read-modify-write under the segment
-  mutex, serialised across threads by the registry lock as well (OFD locks do
+  mutex (:func:`mmshm.segfile.update_count`), serialised across threads by
+  the table's lock as well (OFD locks do
   not exclude threads sharing a descriptor); at zero the segment goes back to
   its owner's pool or is marked freed and unlinked before the mutex is let go,
   so no later ``share`` can resurrect it;
@@ -42,18 +41,18 @@ from __future__ import annotations
 import atexit
 import ctypes
 import errno
-import fcntl
 import logging
 import multiprocessing.util  # noqa: F401 - its Finalize runs at a child's exit
 import os
 import resource
 import stat
 import sys
-import time
+from typing import NamedTuple
 
-from . import config
+from . import config, segfile
 from .errors import (
     DescriptorLimitError,
+    MmshmError,
     SegmentCorruptError,
     SegmentError,
     SegmentNotFoundError,
@@ -66,54 +65,25 @@ from .metrics import (
     SEGMENTS_CREATED,
     SEGMENTS_IN_USE,
 )
-from .pool import _pool_take, _revive, _unlink_pooled, size_class, trim_pool  # noqa: F401
-from .reaper import maybe_reap
-from .registry import _LOCK, _REGISTRY, _forget, add_owned, open_segments, owned_bytes  # noqa: F401
-from .segfile import (  # noqa: F401 - the file format, importable from here as before
-    _FLOCK,
-    _HDR,
-    _I64,
-    _LIVE_BYTE,
-    _MUTEX_BYTE,
-    _OFF_DETACHED,
-    _OFF_FLAGS,
-    _OFF_GEN,
-    _OFF_HOLDERS,
-    _OFF_REFCOUNT,
-    _OFF_STATE,
-    _OPEN_FLAGS,
-    _OWNER_BYTE,
-    _U32,
-    _U64,
-    FLAG_POOLABLE,
+from .segfile import (
     HEADER_SIZE,
-    MAGIC,
-    NAME_RE,
-    PREFIX,
+    OPEN_FLAGS,
     STATE_FREED,
     STATE_LIVE,
     STATE_POOLED,
-    VERSION,
-    _add_holder,
-    _detach,
-    _dir_checked,
-    _disown_for_exit,
-    _lock,
-    _map,
-    _os_error,
-    _owner_alive,
-    _read_header,
-    _record_hand_out,
-    boottime_ns,
-    ensure_dir,
-    holders,
-    iter_segment_files,
-    lock_holders_present,
+    add_holder,
+    disown_for_exit,
+    hold_live,
+    map_fd,
+    mapped_state,
     new_name,
+    os_error,
+    read_header,
     segment_dir,
+    take_owner,
+    write_new_header,
 )
-from .segfile import mark_cached as _mark_cached
-from .sweeper import _ensure_sweeper, _fs_size, _reaped_dirs, sweep  # noqa: F401
+from .table import TABLE, size_class
 
 log = logging.getLogger("mmshm")
 
@@ -140,7 +110,7 @@ class Segment:
         self.gen = gen
         self.pins = 0
         self.idle_since: float | None = None
-        self.shared_map: ctypes.Array | None = None  # the creator's (see _map)
+        self.shared_map: ctypes.Array | None = None  # the creator's (see segfile.map_fd)
         # (generation, content hash) once computed in this process (lazy hashing)
         self.digest: tuple[int, bytes] | None = None
 
@@ -154,15 +124,15 @@ class Segment:
         reused (``gen`` given and different)."""
         # OFD locks do not exclude threads sharing this descriptor: the
         # process lock serialises them; the file lock serialises processes.
-        with _LOCK:
+        with TABLE.lock:
             if self.fd < 0:
                 raise SegmentNotFoundError(
                     errno.EBADF, "segment was closed in this process", self.path)
-            return _update_refcount(self.fd, self.path, delta, gen, owner_here=self.owned)
+            return segfile.update_count(self.fd, self.path, delta, gen, owner_here=self.owned)
 
     def refcount(self) -> int:
         """Current reference count (a racy read without the mutex)."""
-        return _read_header(self.fd, self.path)[4]
+        return read_header(self.fd, self.path).refcount
 
     def close(self) -> None:
         # unmapped once no view exported from it is left (see _map)
@@ -190,9 +160,9 @@ class Segment:
         if st.st_nlink == 0 or st.st_size < HEADER_SIZE:
             return STATE_FREED
         if self.shared_map is not None:
-            return _U32.unpack_from(self.shared_map, _OFF_STATE)[0]
+            return mapped_state(self.shared_map)
         try:
-            return _read_header(self.fd, self.path)[2]
+            return read_header(self.fd, self.path).state
         except SegmentError:
             return STATE_FREED
 
@@ -224,45 +194,13 @@ class Segment:
         file would SIGBUS on access). Raises :class:`SegmentCorruptError`."""
         try:
             self.check_size()
-            return _map(self.fd, self.payload_size if nbytes is None else nbytes,
+            return map_fd(self.fd, self.payload_size if nbytes is None else nbytes,
                         HEADER_SIZE, shared=False)
         except SegmentError:
             raise
         except (OSError, ValueError) as exc:
             raise SegmentCorruptError(errno.EINVAL, f"cannot map segment: {exc}",
                                       self.path) from exc
-
-
-def _update_refcount(fd: int, path: str, delta: int, gen: int | None = None,
-                     owner_here: bool = False) -> int:
-    _lock(fd, fcntl.F_WRLCK, _MUTEX_BYTE)
-    try:
-        hdr = _read_header(fd, path)
-        if hdr[2] != STATE_LIVE:
-            raise SegmentNotFoundError(errno.ENOENT, "segment was already freed", path)
-        if gen is not None and hdr[7] != gen:
-            raise SegmentNotFoundError(
-                errno.ENOENT, f"segment was reused (generation {hdr[7]}, handle {gen})", path)
-        new = hdr[4] + delta
-        if new < 0:
-            log.error("mmshm: reference count of %s would go negative (%d); "
-                      "a handle was pickled without share()", path, new)
-            new = 0
-        os.pwrite(fd, _I64.pack(new), _OFF_REFCOUNT)
-        if delta > 0:
-            _record_hand_out(fd, delta)
-        if new == 0:
-            if hdr[8] & FLAG_POOLABLE and (owner_here or _owner_alive(fd)):
-                os.pwrite(fd, _U32.pack(STATE_POOLED), _OFF_STATE)
-            else:
-                os.pwrite(fd, _U32.pack(STATE_FREED), _OFF_STATE)
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-        return new
-    finally:
-        _lock(fd, fcntl.F_UNLCK, _MUTEX_BYTE)
 
 
 def check_budget(directory: str, total: int) -> None:
@@ -283,7 +221,7 @@ def check_budget(directory: str, total: int) -> None:
             f"{directory}, below the reserve of {reserve} bytes (MMSHM_MIN_FREE_BYTES)",
             reason="budget")
     cap = config.get().max_bytes
-    owned = owned_bytes()
+    owned = TABLE.owned_bytes
     if cap and owned + total > cap:
         raise ShmSpaceError(
             f"budget: this process would hold {owned + total} bytes of shared memory, "
@@ -322,44 +260,41 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     d = segment_dir(directory)
     cfg = config.get()
     total = size_class(HEADER_SIZE + nbytes) if cfg.pool else HEADER_SIZE + nbytes
-    if d not in _reaped_dirs:
-        _reaped_dirs.add(d)
-        ensure_dir(d)
-        maybe_reap(d)
+    TABLE.first_use(d)
     _ensure_exit_hook()
-    with _LOCK:
+    with TABLE.lock:
         if cfg.pool:
             # a hit needs no sweep: the segment's state is read from its header,
             # and the background sweeper trims the pool
-            seg = _pool_take(d, total)
+            seg = TABLE.pool_take(d, total)
             if seg is not None:
                 POOL_REQUESTS.labels(result="hit").inc()
                 return seg
             POOL_REQUESTS.labels(result="miss").inc()
-        sweep()  # let go of segments freed elsewhere before counting what is in use
+        TABLE.sweep()  # let go of segments freed elsewhere before counting what is in use
     try:
         check_budget(d, total)
     except ShmSpaceError:
-        if not trim_pool(d):
+        if not TABLE.trim_pool(d):
             raise
         check_budget(d, total)
     for _ in range(8):
         name = new_name()
         path = os.path.join(d, name)
         try:
-            fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             continue
         except OSError as exc:
-            raise _os_error(exc, "create", path) from None
+            raise os_error(exc, "create", path) from None
         try:
             _check_fd(fd, path)
         except DescriptorLimitError:
             os.unlink(path)
             raise
         try:
-            _lock(fd, fcntl.F_RDLCK, _LIVE_BYTE, wait=False)
-            _lock(fd, fcntl.F_WRLCK, _OWNER_BYTE, wait=False)
+            hold_live(fd, wait=False)
+            take_owner(fd)
             if os.fstat(fd).st_nlink > 0:
                 break
         except OSError:
@@ -375,17 +310,15 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     try:
         os.ftruncate(fd, total)
         os.posix_fallocate(fd, 0, total)
-        mm = _map(fd, total, 0, shared=True)
-        _HDR.pack_into(mm, 0, MAGIC, VERSION, STATE_LIVE, total - HEADER_SIZE, 1, os.getpid(),
-                       time.time_ns(), 0, FLAG_POOLABLE if cfg.pool else 0)
-        _I64.pack_into(mm, _OFF_HOLDERS, 1)
+        mm = map_fd(fd, total, 0, shared=True)
+        write_new_header(mm, total - HEADER_SIZE, poolable=cfg.pool)
     except OSError as exc:
         try:
             os.unlink(path)
         except OSError:
             pass
         os.close(fd)
-        raise _os_error(exc, "create", path) from None
+        raise os_error(exc, "create", path) from None
     except BaseException:
         try:
             os.unlink(path)
@@ -398,11 +331,9 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     SEGMENTS_CREATED.inc()
     SEGMENTS_IN_USE.inc()
     BYTES_IN_USE.inc(total)
-    with _LOCK:
-        sweep()
-        _REGISTRY[name] = seg
-        add_owned(total)
-        _ensure_sweeper()
+    with TABLE.lock:
+        TABLE.sweep()
+        TABLE.register(seg)
     return seg
 
 
@@ -417,37 +348,37 @@ def attach(name: str, directory: str | None = None, gen: int | None = None) -> S
             link, or a file owned by another user.
         DescriptorLimitError: EMFILE/ENFILE.
     """
-    with _LOCK:
-        seg = _REGISTRY.get(name)
+    with TABLE.lock:
+        seg = TABLE.get(name)
         if seg is not None:
-            if gen is not None and gen != (seg.gen if seg.owned else _read_header(
-                    seg.fd, seg.path)[7]):
+            if gen is not None and gen != (seg.gen if seg.owned else read_header(
+                    seg.fd, seg.path).gen):
                 raise SegmentNotFoundError(errno.ENOENT, "segment was reused", seg.path)
             # its last reference is gone (a third party's unlink alone does not
             # stop holders that have it open); pread: a truncated file cannot SIGBUS
-            if _read_header(seg.fd, seg.path)[2] != STATE_LIVE:
+            if read_header(seg.fd, seg.path).state != STATE_LIVE:
                 raise SegmentNotFoundError(errno.ENOENT, "segment was already freed", seg.path)
             return seg
         path = os.path.join(segment_dir(directory), name)
         try:
-            fd = os.open(path, _OPEN_FLAGS)
+            fd = os.open(path, OPEN_FLAGS)
         except OSError as exc:
-            raise _os_error(exc, "attach", path) from None
+            raise os_error(exc, "attach", path) from None
         _check_fd(fd, path)
         try:
             # Blocks only while a reaper holds the exclusive liveness lock.
-            _lock(fd, fcntl.F_RDLCK, _LIVE_BYTE)
+            hold_live(fd)
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_nlink == 0:
                 raise SegmentNotFoundError(errno.ENOENT, "segment was unlinked", path)
             if st.st_uid != os.geteuid():
                 raise SegmentCorruptError(errno.EPERM, "segment belongs to another user", path)
-            hdr = _read_header(fd, path)
-            if hdr[2] != STATE_LIVE or hdr[4] <= 0:
+            hdr = read_header(fd, path)
+            if hdr.state != STATE_LIVE or hdr.refcount <= 0:
                 raise SegmentNotFoundError(errno.ENOENT, "segment was already freed", path)
-            if gen is not None and hdr[7] != gen:
+            if gen is not None and hdr.gen != gen:
                 raise SegmentNotFoundError(errno.ENOENT, "segment was reused", path)
-            size = hdr[3]
+            size = hdr.size
             if st.st_size < HEADER_SIZE + size:
                 raise SegmentCorruptError(
                     errno.EINVAL,
@@ -455,27 +386,27 @@ def attach(name: str, directory: str | None = None, gen: int | None = None) -> S
                     f"{HEADER_SIZE + size}",
                     path,
                 )
-            _add_holder(fd, path)
+            add_holder(fd)
         except OSError as exc:
             os.close(fd)
             if isinstance(exc, SegmentError):
                 raise
-            raise _os_error(exc, "attach", path) from None
-        seg = Segment(name, path, fd, size, owned=False, gen=hdr[7])
-        _REGISTRY[name] = seg
+            raise os_error(exc, "attach", path) from None
+        seg = Segment(name, path, fd, size, owned=False, gen=hdr.gen)
+        TABLE.register(seg)
         _ensure_exit_hook()
         return seg
 
 
 def pin(seg: Segment) -> None:
     """Record that a view in this process depends on ``seg``'s descriptor."""
-    with _LOCK:
+    with TABLE.lock:
         seg.pins += 1
 
 
 def unpin(seg: Segment) -> None:
     """Drop a pin; closes the descriptor once nothing in this process needs it."""
-    with _LOCK:
+    with TABLE.lock:
         seg.pins -= 1
         _maybe_close(seg)
 
@@ -485,7 +416,7 @@ def _maybe_close(seg: Segment) -> None:
         return
     if seg.owned and not seg.freed():
         return  # creator keeps it: in use elsewhere (liveness lock) or pooled
-    _forget(seg)
+    TABLE.forget(seg)
 
 
 def mark_cached(name: str) -> bool:
@@ -495,12 +426,12 @@ def mark_cached(name: str) -> bool:
     the shared lock on the segment's byte 3 (:func:`mmshm.segfile.mark_cached`),
     which lasts until this process closes the segment. Returns False when
     this process does not have the segment open. Never raises."""
-    with _LOCK:
-        seg = _REGISTRY.get(name)
+    with TABLE.lock:
+        seg = TABLE.get(name)
         if seg is None or seg.fd < 0:
             return False
         try:
-            _mark_cached(seg.fd)
+            segfile.mark_cached(seg.fd)
         except OSError as exc:
             log.debug("mmshm: marking %s as cached failed: %s", name, exc)
             return False
@@ -517,8 +448,8 @@ def update_refcount(name: str, delta: int, directory: str | None = None,
             (``gen`` given and different).
         SegmentCorruptError, DescriptorLimitError: as for :func:`attach`.
     """
-    with _LOCK:
-        seg = _REGISTRY.get(name)
+    with TABLE.lock:
+        seg = TABLE.get(name)
         if seg is not None:
             new = seg.update_refcount(delta, gen)
             if new == 0:
@@ -526,38 +457,80 @@ def update_refcount(name: str, delta: int, directory: str | None = None,
             return new
     path = os.path.join(segment_dir(directory), name)
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = os.open(path, OPEN_FLAGS)
     except OSError as exc:
-        raise _os_error(exc, "update", path) from None
+        raise os_error(exc, "update", path) from None
     try:
-        return _update_refcount(fd, path, delta, gen)
+        return segfile.update_count(fd, path, delta, gen)
     finally:
         os.close(fd)
 
 
+class SegmentRef(NamedTuple):
+    """A segment as a handle names it: the unit references are counted in.
+    Hashable, so it keys "references added per segment".
+
+    Attributes:
+        name: the segment's file name.
+        directory: its segment directory (None: ``MMSHM_DIR`` at the time of
+            each use).
+        gen: the generation the references were made for; an update of a
+            segment reused since then is refused.
+    """
+
+    name: str
+    directory: str | None
+    gen: int
+
+    def add(self, k: int) -> int:
+        """Add ``k`` references (a negative ``k`` gives ``-k`` back) in one
+        locked update; returns the new count.
+
+        Raises:
+            SegmentNotFoundError: the segment is gone, already freed, or
+                reused since ``gen``.
+            SegmentCorruptError, DescriptorLimitError: as for :func:`attach`.
+        """
+        return update_refcount(self.name, k, self.directory, self.gen)
+
+    def release(self, k: int = 1) -> bool:
+        """Give back ``k`` references this process holds on the segment
+        (handed out for a message that never left, or held by a scope that
+        ends). Never raises: returns False if the segment could not be
+        updated (gone already: nothing to give back to), logged at DEBUG."""
+        if not k:
+            return True
+        try:
+            self.add(-k)
+        except (MmshmError, OSError) as exc:
+            log.debug("mmshm: giving back %d reference(s) of %s failed: %s", k, self.name, exc)
+            return False
+        return True
+
+
 #: called first thing at exit (mmshm.refdebug's report)
-_exit_reporters: list = []
+exit_reporters: list = []
 
 
 def _close_all() -> None:
     # Segments pinned by live views are left to the views' finalizers, which
     # weakref runs at exit too and which give their references back.
-    for report in list(_exit_reporters):
+    for report in list(exit_reporters):
         try:
             report()
         except Exception as exc:  # noqa: BLE001 - never stop the exit path
             log.debug("mmshm: exit report failed: %s", exc)
-    with _LOCK:
-        for seg in list(_REGISTRY.values()):
+    with TABLE.lock:
+        for seg in list(TABLE.segments.values()):
             if seg.owned:
                 st = seg.status()
                 if st == STATE_POOLED:
-                    _unlink_pooled(seg)
+                    TABLE.unlink_pooled(seg)
                     continue
                 if st == STATE_LIVE:
-                    _disown_for_exit(seg)
+                    disown_for_exit(seg.fd, seg.path)
             if seg.pins == 0:
-                _forget(seg)
+                TABLE.forget(seg)
 
 
 _exit_hook_pid = 0
@@ -589,4 +562,4 @@ def _ensure_exit_hook() -> None:
 
 
 atexit.register(_close_all)
-# a forked child's registry and sweeper are reset by mmshm.registry and mmshm.sweeper
+# a forked child's table is reset by mmshm.table

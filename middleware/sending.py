@@ -47,11 +47,13 @@ from collections.abc import AsyncIterator, Iterator
 
 import torch
 
-from . import codec, config, segment
+from . import codec, config
 from .codec import HandleMeta
 from .errors import MmshmError
 from .handle import ShmTensor, content_hash
 from .metrics import FANOUT_COPIES, REFERENCES_HANDED
+from .segfile import segment_dir
+from .segment import SegmentRef
 from . import walker
 
 log = logging.getLogger("mmshm")
@@ -114,7 +116,7 @@ def remember_segment(t: torch.Tensor, meta: HandleMeta, wire: bytes | None = Non
     it is now) holds ``t``'s bytes: ``t`` was copied into it, or is a
     zero-copy view of it."""
     SEGMENTS.put(t, (codec.encode(meta) if wire is None else wire, meta,
-                     segment.segment_dir(directory)))
+                     segment_dir(directory)))
 
 
 def share_segment(t: torch.Tensor) -> ShmTensor | None:
@@ -128,23 +130,11 @@ def share_segment(t: torch.Tensor) -> ShmTensor | None:
     _wire, meta, directory = entry
     try:
         # the generation check refuses a segment the pool has since reused
-        segment.update_refcount(meta.name, 1, directory, meta.gen)
+        SegmentRef(meta.name, directory, meta.gen).add(1)
     except (MmshmError, OSError):
         SEGMENTS.drop(t)
         return None
     return ShmTensor(meta, owns=True, directory=directory)
-
-
-def give_back(name: str, k: int, gen: int, directory: str | None = None) -> None:
-    """Give back ``k`` references of segment ``name`` (generation ``gen``) in
-    ``directory`` (default ``MMSHM_DIR``) that were handed out for a message
-    that never left. Never raises."""
-    if not k:
-        return
-    try:
-        segment.update_refcount(name, -k, directory, gen)
-    except (MmshmError, OSError) as exc:
-        log.debug("mmshm: giving back %d reference(s) of %s failed: %s", k, name, exc)
 
 
 def _flatten(xs):
@@ -200,21 +190,37 @@ def eligible(t, min_bytes: int | None = None) -> bool:
 
 # -- parallel sampling -----------------------------------------------------------
 class FanOut:
-    """The ``n`` copies of one request (parallel sampling): one reference of
-    the scope's own per tensor it put in shared memory, released by
-    :meth:`close`. The segment therefore outlives any copy's receiver, and
-    every later copy shares it through :data:`SEGMENTS` (the tensor is kept
-    here too, so its memo entry lives as long as the scope).
+    """One request fanned out to copies over the same segments (parallel
+    sampling): the one fan-out concept of :func:`mmshm.fan_out`, of the
+    instrumentors' scopes (:func:`fanning_out`, :func:`fanned_out`) and of
+    the bench.
 
-    ``mmshm_fanout_copies_total`` counts the messages of the scope that
-    carried handles, once there are two (a single message fanned out to
-    nothing)."""
+    A scope holds one reference of its own per tensor it put in shared
+    memory, released by :meth:`close`. The segment therefore outlives any
+    copy's receiver, and every later copy shares it through :data:`SEGMENTS`
+    (the tensor is kept here too, so its memo entry lives as long as the
+    scope).
 
-    __slots__ = ("closed", "held", "messages")
+    ``mmshm_fanout_copies_total`` counts the copies of a fanned-out request
+    that share its segments, each once, the first included
+    (:meth:`count_copies`). A request is fanned out when it is known to be:
+    at once for :func:`mmshm.fan_out` (the caller asks for ``n`` copies,
+    ``n`` counted), from its second message carrying handles for a scope (2,
+    then 1 per further message; a scope that sends one message fanned out
+    nothing: vLLM opens one around every request).
 
-    def __init__(self):
+    Args:
+        declared: the caller asks for the copies (:func:`mmshm.fan_out`):
+            every copy counts, the first included, even if it is the only one.
+    """
+
+    __slots__ = ("closed", "copies", "counted", "declared", "held")
+
+    def __init__(self, declared: bool = False):
         self.held: dict[int, tuple[torch.Tensor, ShmTensor]] = {}
-        self.messages = 0
+        self.copies = 0
+        self.counted = 0
+        self.declared = declared
         self.closed = False
 
     def hold(self, t: torch.Tensor, h: ShmTensor) -> None:
@@ -226,12 +232,16 @@ class FanOut:
         except (MmshmError, OSError):  # gone already: later copies write it again
             pass
 
-    def count_message(self) -> None:
-        self.messages += 1
-        if self.messages == 2:
-            FANOUT_COPIES.inc(2)
-        elif self.messages > 2:
-            FANOUT_COPIES.inc()
+    def count_copies(self, k: int = 1) -> None:
+        """``k`` more copies of the request left (a message sent with
+        handles, or ``n`` copies made at once), counted in
+        ``mmshm_fanout_copies_total`` once the request is fanned out (see
+        the class docstring)."""
+        self.copies += k
+        due = self.copies if self.declared or self.copies >= 2 else 0
+        if due > self.counted:
+            FANOUT_COPIES.inc(due - self.counted)
+            self.counted = due
 
     def close(self) -> None:
         """Release the scope's references. Idempotent."""
@@ -351,16 +361,16 @@ class Outbox:
         ownership). Counts one copy of the open fan-out if it carried any."""
         handles, self.handles = self.handles, []
         for h in handles:
-            h._disown()
+            h.disown()
         if handles and self.fan is not None and not self.fan.closed:
-            self.fan.count_message()
+            self.fan.count_copies()
 
     def abandon(self) -> None:
         """The message never left: give back every reference made for it."""
         handles, self.handles = self.handles, []
         for h in handles:
             if h.owns_reference:
-                give_back(h.name, self.hops, h.meta.gen, h.directory)
+                h.ref.release(self.hops)
             h.release()
 
 
@@ -413,7 +423,6 @@ __all__ = [
     "eligible",
     "fanned_out",
     "fanning_out",
-    "give_back",
     "not_sending",
     "remember_segment",
     "share_segment",

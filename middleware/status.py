@@ -43,12 +43,10 @@ import psutil
 from . import config, node
 from .node import NodeInfo
 from .segfile import (
-    _CACHE_BYTE,
-    _HDR,
-    _LIVE_BYTE,
-    _OWNER_BYTE,
-    MAGIC,
+    CACHE_BYTE,
+    LIVE_BYTE,
     NAME_RE,
+    OWNER_BYTE,
     STATE_LIVE,
     STATE_POOLED,
     boottime_ns,
@@ -56,6 +54,7 @@ from .segfile import (
     hand_out,
     holders,
     lock_holders_present,
+    peek_header,
     segment_dir,
 )
 
@@ -252,21 +251,20 @@ def read_segment(path: str, now: float | None = None) -> SegmentState | None:
             return None
         size = st.st_blocks * 512
         age = max(0.0, now - st.st_mtime)
-        raw = os.pread(fd, _HDR.size, 0)
-        if len(raw) < _HDR.size or raw[:8] != MAGIC:
+        hdr = peek_header(fd)
+        if hdr is None:
             return SegmentState(name, size, "unreadable", 0, age, True, False)
-        hdr = _HDR.unpack(raw)
-        state = {STATE_LIVE: "live", STATE_POOLED: "pooled"}.get(hdr[2], "freed")
-        if hdr[6]:
-            age = max(0.0, now - hdr[6] / 1e9)
-        held = lock_holders_present(fd, _LIVE_BYTE)
+        state = {STATE_LIVE: "live", STATE_POOLED: "pooled"}.get(hdr.state, "freed")
+        if hdr.created_ns:
+            age = max(0.0, now - hdr.created_ns / 1e9)
+        held = lock_holders_present(fd, LIVE_BYTE)
         in_flight = False
-        if not held and hdr[2] == STATE_LIVE and hdr[4] > 0:
+        if not held and hdr.state == STATE_LIVE and hdr.refcount > 0:
             n, detached = holders(fd)  # as the reaper judges it (mmshm.reaper._why)
             in_flight = n <= 0 and detached != 0 and not delivered(*hand_out(fd)) and \
                 boottime_ns() - detached < config.get().in_flight_grace_s * 1e9
-        return SegmentState(name, size, state, hdr[4], age, held,
-                            lock_holders_present(fd, _OWNER_BYTE), in_flight)
+        return SegmentState(name, size, state, hdr.refcount, age, held,
+                            lock_holders_present(fd, OWNER_BYTE), in_flight)
     except OSError:
         return None
     finally:
@@ -407,9 +405,9 @@ def lock_marks(pid: int, fd: int | str) -> tuple[bool, bool]:
             for line in f:
                 if line.startswith("lock:"):
                     parts = line.split()
-                    if "WRITE" in parts and parts[-2:] == [str(_OWNER_BYTE)] * 2:
+                    if "WRITE" in parts and parts[-2:] == [str(OWNER_BYTE)] * 2:
                         owner = True
-                    elif "READ" in parts and parts[-2:] == [str(_CACHE_BYTE)] * 2:
+                    elif "READ" in parts and parts[-2:] == [str(CACHE_BYTE)] * 2:
                         cached = True
     except OSError:
         pass

@@ -22,10 +22,11 @@ from typing import Any
 import msgspec
 import torch
 
-from . import config, segment
-from .errors import MmshmError, ShmSpaceError
+from . import config
+from .errors import FALLBACK_REASONS, MmshmError, failure_reason
 from .handle import ShmTensor
 from .metrics import FALLBACKS
+from .table import TABLE
 
 log = logging.getLogger("mmshm")
 
@@ -202,34 +203,6 @@ def handles(obj) -> list[ShmTensor]:
     return found
 
 
-def inline_tensor_bytes(obj) -> int:
-    """Total bytes of the plain tensors reachable from ``obj``."""
-    total = 0
-
-    def leaf(x):
-        nonlocal total
-        if isinstance(x, torch.Tensor):
-            total += x.numel() * x.element_size()
-        return x
-
-    transform(obj, leaf)
-    return total
-
-
-def fallback_reason(exc: BaseException) -> str:
-    """The ``reason`` label of an inline fallback: ``enospc``, ``budget``,
-    ``emfile`` or ``other``."""
-    if isinstance(exc, ShmSpaceError):
-        return exc.reason
-    if isinstance(exc, OSError):
-        import errno
-        if exc.errno == errno.ENOSPC:
-            return "enospc"
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            return "emfile"
-    return "other"
-
-
 _ADVICE = {
     "enospc": "the segment directory is full: give the container more shared memory "
               "(docker run --shm-size=2g or --ipc=host; a larger Kubernetes emptyDir "
@@ -243,9 +216,9 @@ _ADVICE = {
 
 def record_fallback(exc: BaseException) -> str:
     """Count one inline fallback and log a warning once per reason."""
-    reason = fallback_reason(exc)
+    reason = failure_reason(exc, FALLBACK_REASONS)
     FALLBACKS.labels(reason=reason).inc()
-    if reason not in _warned and not segment._dir_checked.get(config.get().dir):
+    if reason not in _warned and not TABLE.dir_problem(config.get().dir):
         # (a directory that cannot hold segments was warned about once already)
         _warned.add(reason)
         log.warning("mmshm: a tensor travels inline instead of through shared memory "

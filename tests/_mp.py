@@ -42,12 +42,12 @@ def seg_files(directory: str | None = None) -> list[str]:
 def header(name: str, directory: str | None = None) -> tuple:
     """The decoded header of segment ``name``: (magic, version, state,
     payload size, refcount, creator pid, created ns, reserved)."""
-    from mmshm import segment
+    from mmshm import segfile
 
     path = os.path.join(directory or seg_dir(), name)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        return segment._read_header(fd, path)
+        return segfile.read_header(fd, path)
     finally:
         os.close(fd)  # OFD locks: closing this descriptor drops nobody's lock
 
@@ -305,6 +305,7 @@ def rank_broadcast(rank: int, world: int, n_req: int, seed: int) -> dict:
 
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
     names: list[str] = []
+    handed = metric("mmshm_references_handed_total", path="broadcast")
     if rank == 0:
         reqs = [mmshm.wrap(_request(i, seed), min_bytes=1024) for i in range(n_req)]
         names = [h.name for h in mmshm.handles(reqs)]
@@ -323,7 +324,8 @@ def rank_broadcast(rank: int, world: int, n_req: int, seed: int) -> dict:
     dist.barrier()
     del out
     gc.collect()
-    return {"counts": counts, "names": names}
+    handed = metric("mmshm_references_handed_total", path="broadcast") - handed
+    return {"counts": counts, "names": names, "handed": handed}
 
 
 def rank_early_unlink(rank: int, world: int, seed: int, delay_s: float) -> dict:
@@ -545,13 +547,13 @@ def truncate_in_creator(keep_bytes: int) -> dict:
     """The creating process materializes its own, truncated segment."""
     import mmshm
     import torch
-    from mmshm import segment
+    from mmshm import segfile
 
     t = torch.arange(100_000, dtype=torch.float32)
     out = {}
     for copy in (False, True):
         h = mmshm.ShmTensor.from_tensor(t)
-        os.truncate(os.path.join(seg_dir(), h.name), segment.HEADER_SIZE + keep_bytes)
+        os.truncate(os.path.join(seg_dir(), h.name), segfile.HEADER_SIZE + keep_bytes)
         try:
             v = h.materialize(copy=copy)
             out[copy] = f"no error: equal={torch.equal(v, t)}"
@@ -569,12 +571,12 @@ def truncate_header_then_sweep() -> dict:
     runs its periodic sweep and creates another segment. Must not SIGBUS."""
     import mmshm
     import torch
-    from mmshm import segment
+    from mmshm.table import TABLE
 
     t = torch.arange(100_000, dtype=torch.float32)
     h = mmshm.ShmTensor.from_tensor(t)
     os.truncate(os.path.join(seg_dir(), h.name), 0)
-    segment.sweep()
+    TABLE.sweep()
     h2 = mmshm.ShmTensor.from_tensor(t)  # create() sweeps too
     back = h2.materialize(copy=True)
     h.release()

@@ -26,14 +26,15 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 import _mp
-from mmshm import config, segment
+from mmshm import config, segfile
+from mmshm.table import TABLE
 
 
 def _our_shm_files() -> set[str]:
     ours = {os.getpid()} | _mp.SPAWNED_PIDS
     out = set()
     for n in _mp.seg_files(_mp.SHM_ROOT):
-        m = segment.NAME_RE.match(n)
+        m = segfile.NAME_RE.match(n)
         if m is not None and int(m.group(1)) in ours:
             out.add(n)
     return out
@@ -60,22 +61,22 @@ def shm_dir(monkeypatch):
         yield d
     finally:
         gc.collect()
-        segment.sweep()
-        segment.trim_pool()
+        TABLE.sweep()
+        TABLE.trim_pool()
         problems = []
         left = _mp.seg_files(d)
         if left:
             problems.append(f"segments left in MMSHM_DIR: {left}")
-        still_open = [n for n in segment.open_segments()]
+        still_open = [n for n in TABLE.names()]
         if still_open:
             problems.append(f"segments still open in this process: {still_open}")
         new_in_shm = _our_shm_files() - before
         if new_in_shm:
             problems.append(f"new segments in /dev/shm: {sorted(new_in_shm)}")
         # clean up whatever is left so that one failure does not cascade
-        with segment._LOCK:
-            for seg in list(segment._REGISTRY.values()):
-                segment._forget(seg)
+        with TABLE.lock:
+            for seg in list(TABLE.segments.values()):
+                TABLE.forget(seg)
         shutil.rmtree(d, ignore_errors=True)
         for n in new_in_shm:
             try:

@@ -25,6 +25,8 @@ def test_tp_broadcast_bytes_correct_on_every_rank(shm_dir, world):
     assert len(names) == 6  # requests 0..3 carry 1, 2, 1, 2 items
     # while every rank held its views, each segment had one reference per rank
     assert res[0]["counts"] == [world] * len(names)
+    # the source rank counts the references it handed out, one per segment and reader
+    assert res[0]["handed"] == (world - 1) * len(names)
     assert _mp.seg_files() == []
 
 

@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 import mmshm
 import mmshm_faults as F
-from mmshm import reaper, segment
+from mmshm import reaper, segfile
+from mmshm.table import TABLE
 
 
 def _fds() -> int:
@@ -73,12 +74,12 @@ def test_the_liveness_lock_lasts_while_a_mapping_does_without_any_descriptor(shm
     h = mmshm.ShmTensor.from_tensor(t)
     h.share(1)  # the reference the mapping below stands for
     fd = os.open(os.path.join(shm_dir, h.name), os.O_RDWR)
-    segment._lock(fd, fcntl.F_RDLCK, segment._LIVE_BYTE)
-    buf = segment._map(fd, 1 << 16, segment.HEADER_SIZE, shared=False)
+    segfile._lock(fd, fcntl.F_RDLCK, segfile.LIVE_BYTE)
+    buf = segfile.map_fd(fd, 1 << 16, segfile.HEADER_SIZE, shared=False)
     os.close(fd)
     h.release()
-    with segment._LOCK:  # the creator lets go of its descriptor and mapping
-        segment._forget(segment._REGISTRY[h.name])
+    with TABLE.lock:  # the creator lets go of its descriptor and mapping
+        TABLE.forget(TABLE.segments[h.name])
     gc.collect()
     (info,) = reaper.scan(shm_dir, grace_s=0)
     assert (info.orphan, info.reason) == (False, "")  # held by the mapping alone

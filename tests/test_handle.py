@@ -12,7 +12,8 @@ import _mp
 import mmshm
 import pytest
 import torch
-from mmshm import codec, segment
+from mmshm import codec, segfile
+from mmshm.table import TABLE
 
 # the dtypes the issue names; each must be supported
 REQUIRED_DTYPES = (
@@ -131,7 +132,7 @@ def test_dropped_unmaterialized_handle_releases(shm_dir):
     del h
     gc.collect()
     assert _mp.seg_files() == []
-    assert segment.open_segments() == []
+    assert TABLE.names() == []
 
 
 def test_materialize_moves_reference_to_tensor_and_views(shm_dir):
@@ -287,7 +288,7 @@ def test_copy_on_write(shm_dir):
     # and the segment's bytes are untouched
     fd = os.open(os.path.join(_mp.seg_dir(), name), os.O_RDONLY)
     try:
-        raw = os.pread(fd, t.numel() * 4, segment.HEADER_SIZE)
+        raw = os.pread(fd, t.numel() * 4, segfile.HEADER_SIZE)
     finally:
         os.close(fd)
     assert raw == t.numpy().tobytes()
@@ -360,14 +361,14 @@ def test_threads_sharing_one_descriptor_are_serialized(shm_dir, monkeypatch):
     import threading
     import time
 
-    read_header = segment._read_header
+    read_header = segfile.read_header
 
     def slow_read_header(fd, path):
         hdr = read_header(fd, path)
         time.sleep(0.0005)
         return hdr
 
-    monkeypatch.setattr(segment, "_read_header", slow_read_header)
+    monkeypatch.setattr(segfile, "read_header", slow_read_header)
     h = mmshm.ShmTensor.from_tensor(torch.ones(1000))
     errors = []
 

@@ -347,7 +347,7 @@ def test_a_broken_wire_handle_becomes_a_placeholder_and_a_typed_error(shm_dir):
     t = _pixels()
     h = ShmTensor.from_tensor(t)
     wire = h.encode()
-    h._disown()  # its reference rides in "wire"
+    h.disown()  # its reference rides in "wire"
     view = receiving.materialize_wire(wire, "float32", tuple(t.shape))
     assert torch.equal(view, t) and sending.SEGMENTS.get(view)[0] == wire
     mismatch = receiving.materialize_wire(ShmTensor.from_tensor(t).encode(), "float16",
@@ -365,7 +365,7 @@ def test_rebuild_collects_failures_inside_a_scope_and_raises_outside(shm_dir):
     t = _pixels()
     h = ShmTensor.from_tensor(t)
     wire = h.encode()
-    h._disown()  # its reference rides in "wire"
+    h.disown()  # its reference rides in "wire"
     with receiving.collecting() as got:
         x = receiving.rebuild(wire, 5.0)
         y = receiving.rebuild(b"\x00not a handle", 3.0)

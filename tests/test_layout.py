@@ -56,7 +56,7 @@ def test_the_check_sees_each_kind_of_import(tmp_path):
 
 
 def _mmshm_imports(path: Path) -> set[str]:
-    """The core modules (``segment``, ``pool``...) that ``path`` imports,
+    """The core modules (``segment``, ``table``...) that ``path`` imports,
     at the top level or in a function."""
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -75,21 +75,21 @@ def _mmshm_imports(path: Path) -> set[str]:
 
 # module -> the core modules above it, which it must never import (nothing below calls back up)
 ABOVE = {
-    "segfile": {"registry", "pool", "reaper", "sweeper", "segment"},
-    "registry": {"pool", "reaper", "sweeper", "segment"},
-    "pool": {"reaper", "sweeper", "segment"},
-    "reaper": {"registry", "pool", "sweeper", "segment"},
-    "sweeper": {"segment"},
+    # the segment layer: segfile -> reaper -> table -> segment
+    "segfile": {"reaper", "table", "segment"},
+    "reaper": {"table", "segment"},
+    "table": {"segment"},
     "agreement": {"multinode", "broadcast"},
     "multinode": {"broadcast"},
     # the integrations' shared machinery: the instrumentor knows no transport,
     # the sending side nothing of the receiving side
-    "instrumentor": {"sending", "receiving", "segment", "handle", "walker", "broadcast"},
+    "instrumentor": {"sending", "receiving", "segment", "table", "handle", "walker",
+                     "broadcast"},
     "sending": {"receiving", "instrumentor", "broadcast"},
     "receiving": {"instrumentor", "broadcast"},
     # per-hop timing knows no transport: it only counts what the hops report
     "observe": {"segment", "handle", "walker", "sending", "receiving", "broadcast",
-                "instrumentor", "registry", "pool"},
+                "instrumentor", "table"},
 }
 
 

@@ -26,7 +26,8 @@ import mmshm.segment
 import pytest
 import torch
 from mmshm import config, metrics
-from mmshm.segment import HEADER_SIZE
+from mmshm.segfile import HEADER_SIZE
+from mmshm.table import TABLE
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
@@ -70,7 +71,7 @@ def segment_files(d) -> list[str]:
 
 def assert_no_segments(d) -> None:
     gc.collect()
-    mmshm.segment.sweep()
+    TABLE.sweep()
     assert segment_files(d) == []
 
 

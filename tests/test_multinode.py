@@ -20,7 +20,7 @@ import mmshm
 import msgspec
 import pytest
 import torch
-from mmshm import codec, config, node, segment
+from mmshm import codec, config, node, segfile
 from mmshm.codec import HandleMeta
 
 NODES = 2
@@ -43,7 +43,7 @@ def _live_files(directory: str | None = None) -> list[str]:
     out = []
     for n in _mp.seg_files(d):
         try:
-            if _mp.header(n, d)[2] == segment.STATE_LIVE:
+            if _mp.header(n, d)[2] == segfile.STATE_LIVE:
                 out.append(n)
         except OSError:
             pass
@@ -657,7 +657,7 @@ def test_handle_carries_its_node_on_the_wire(shm_dir):
     with pytest.raises(mmshm.HandleError):
         codec.decode(msgspec.msgpack.encode([h.name, h.nbytes, 0, [50_000], h.hash, 0, 2**32]))
     again = pickle.loads(pickle.dumps(h))  # no share(): the unpickled one is not owned
-    again._disown()
+    again.disown()
     assert again.node == h.node
     h.release()
 

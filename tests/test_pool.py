@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 import _mp
 import mmshm_faults as F
 import mmshm
-from mmshm import config, reaper, segment
+from mmshm import config, reaper, segfile, table
+from mmshm.table import TABLE
 from mmshm.errors import SegmentNotFoundError
 
 MiB = 1 << 20
@@ -33,7 +34,7 @@ def test_released_segment_returns_to_the_pool_and_is_reused(pool):
     name = a.name
     a.release()
     assert _mp.seg_files() == [name]  # pooled, not unlinked
-    assert _mp.header(name)[2] == segment.STATE_POOLED
+    assert _mp.header(name)[2] == segfile.STATE_POOLED
     hits = _hits()
     b = mmshm.ShmTensor.from_tensor(torch.full((MiB,), 2.0))
     assert b.name == name and b.meta.gen == 1
@@ -44,23 +45,23 @@ def test_released_segment_returns_to_the_pool_and_is_reused(pool):
 
 def test_size_classes_bound_the_slack():
     for n in (1, 4096, 65536, 22503936, 4784 * 1176 * 4 + 4096, 3 << 30):
-        c = segment.size_class(n)
+        c = table.size_class(n)
         assert c >= n and (c - n) <= max(4095, n // 8)
 
 
 def test_size_classes_keep_the_slack_below_an_eighth_as_documented():
     """Issue 14: an 8 MiB tensor took a 10 MiB segment (25% slack)."""
-    hdr = segment.HEADER_SIZE
-    assert segment.size_class(8 * MiB + hdr) == 9 * MiB
-    assert segment.size_class(90_000_000 + hdr) == 88 * MiB
+    hdr = segfile.HEADER_SIZE
+    assert table.size_class(8 * MiB + hdr) == 9 * MiB
+    assert table.size_class(90_000_000 + hdr) == 88 * MiB
     worst = 0.0
     for k in range(17, 33):  # every class boundary from 64 KiB to 4 GiB, and around it
         for n in (1 << k, (1 << k) + 1, (1 << k) + hdr, (3 << k) // 2 + 1, (2 << k) - 1):
-            c = segment.size_class(n)
+            c = table.size_class(n)
             assert c >= n and c % 4096 == 0
             worst = max(worst, (c - n) / n)
     assert 0.12 < worst < 0.125
-    assert len({segment.size_class(n) for n in range((1 << 24) + 1, (1 << 25) + 1, 4096)}) == 8
+    assert len({table.size_class(n) for n in range((1 << 24) + 1, (1 << 25) + 1, 4096)}) == 8
 
 
 @pytest.mark.fault
@@ -113,7 +114,7 @@ def test_a_stale_handle_cannot_read_a_reused_segment(pool):
         stale.materialize()
     with pytest.raises(SegmentNotFoundError):
         stale.share(1)
-    stale._disown()
+    stale.disown()
     assert _mp.refcount(again.name) == 1  # the stale handle touched nothing
     again.release()
 
@@ -124,9 +125,9 @@ def test_idle_segments_are_trimmed(pool, monkeypatch):
     assert len(_mp.seg_files()) == 1
     monkeypatch.setenv("MMSHM_POOL_IDLE_S", "0")
     config.reload()
-    segment.sweep()  # first sweep stamps idle_since, idle 0 s: gone
+    TABLE.sweep()  # first sweep stamps idle_since, idle 0 s: gone
     assert _mp.seg_files() == []
-    assert segment.open_segments() == []
+    assert TABLE.names() == []
 
 
 def test_pool_respects_its_byte_cap(pool, monkeypatch):
@@ -135,7 +136,7 @@ def test_pool_respects_its_byte_cap(pool, monkeypatch):
     hs = [mmshm.ShmTensor.from_tensor(torch.ones(MiB // 16 * 3)) for _ in range(4)]  # 0.75 MiB
     for h in hs:
         h.release()
-    segment.sweep()
+    TABLE.sweep()
     kept = _mp.seg_files()
     assert 1 <= len(kept) <= 3
     assert sum(os.path.getsize(os.path.join(pool, n)) for n in kept) <= 3 * MiB

@@ -26,9 +26,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 import mmshm
 import mmshm_faults as F
 from mmshm import config, reaper, segment
+from mmshm.table import TABLE
+from mmshm import segfile
 
 KILLED = -signal.SIGKILL
-HDR = segment.HEADER_SIZE
+HDR = segfile.HEADER_SIZE
 
 
 @pytest.fixture
@@ -204,13 +206,13 @@ def test_a_new_process_reaps_on_start_up_and_keeps_live_segments(segdir):
 def test_maybe_reap_is_throttled_and_can_be_disabled(segdir, monkeypatch):
     monkeypatch.setenv("MMSHM_REAP_INTERVAL_S", "0")
     config.reload()
-    assert reaper.maybe_reap(segdir) is None
+    assert TABLE.maybe_reap(segdir) is None
     monkeypatch.setenv("MMSHM_REAP_INTERVAL_S", "3600")
     config.reload()
-    first = reaper.maybe_reap(segdir)
+    first = TABLE.maybe_reap(segdir)
     assert first is not None and first.directory == segdir
     _orphans(segdir, [1 << 16])
-    assert reaper.maybe_reap(segdir) is None  # within the interval: no pass
+    assert TABLE.maybe_reap(segdir) is None  # within the interval: no pass
     assert len(F.segment_files(segdir)) == 1
     assert reaper.reap(segdir).reclaimed == 1
 

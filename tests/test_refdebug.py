@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 import mmshm
 import mmshm_faults as F
-from mmshm import handle, reaper, refdebug, segment, sweeper
+from mmshm import handle, reaper, refdebug, segfile, segment
+from mmshm.table import TABLE
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def test_off_by_default_nothing_is_wrapped(shm_dir):
     for attr in ("share", "release", "hand_over", "materialize", "__reduce__"):
         assert not hasattr(vars(handle.ShmTensor)[attr], "__wrapped__")
     assert not hasattr(handle._adopt, "__wrapped__")
-    assert not hasattr(segment._update_refcount, "__wrapped__")
+    assert not hasattr(segfile.update_count, "__wrapped__")
 
 
 def test_hand_over_after_share_is_reported_as_a_leak(shm_dir, debug_refs, caplog):
@@ -149,13 +150,13 @@ def test_the_creator_cannot_read_a_segment_freed_in_another_process(shm_dir, mon
     not read a freed segment. The background sweeper is held off meanwhile
     (on a loaded host it could run while the receiver does)."""
     with monkeypatch.context() as mp:
-        mp.setattr(sweeper, "sweep", lambda: 0)  # the background thread's
+        mp.setattr(TABLE, "sweep", lambda: 0)  # the background thread's
         h = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 6))
         first, second = pickle.dumps(h), pickle.dumps(h)  # share(1) forgotten
         h.hand_over()
         r = _run(_RECEIVER, shm_dir, first, debug="0")
         assert r.returncode == 0, r.stderr.decode()[-3000:]
-        assert h.name in segment.open_segments()  # not swept yet
+        assert h.name in TABLE.names()  # not swept yet
         late = pickle.loads(second)
         with pytest.raises(mmshm.SegmentNotFoundError, match="already freed"):
             late.materialize()

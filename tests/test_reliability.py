@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 import mmshm
 import mmshm_faults as F
-from mmshm import config, segment
+from mmshm import config, segfile, segment
+from mmshm.table import TABLE
 
 log = logging.getLogger("tests.figures")
 
@@ -212,7 +213,7 @@ def test_budget_ignores_segments_freed_by_another_process(segdir, monkeypatch):
         assert sum(d.values()) == 0
     finally:
         mmshm.release(w)
-        segment.sweep()
+        TABLE.sweep()
 
 
 # -- resource tracker ------------------------------------------------------------------
@@ -278,8 +279,8 @@ def test_unlinked_while_mapped_views_survive_and_release_tolerates_enoent(segdir
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     # the other process's reference could not be given back (the file is gone);
     # the creator must still let go of it, or its tmpfs pages stay allocated
-    segment.sweep()
-    assert h.name not in segment.open_segments()
+    TABLE.sweep()
+    assert h.name not in TABLE.names()
 
 
 @pytest.mark.timeout(60)
@@ -295,8 +296,8 @@ def test_creator_lets_go_of_a_segment_unlinked_by_a_third_party(segdir):
     assert F.recv(a, 30)[0] is None
     assert F.join(other) == 0
     h.release()
-    segment.sweep()
-    assert h.name not in segment.open_segments()
+    TABLE.sweep()
+    assert h.name not in TABLE.names()
 
 
 @pytest.mark.timeout(60)
@@ -304,7 +305,7 @@ def test_truncated_before_attach_is_a_typed_error_not_sigbus(segdir):
     t = F.pattern(4 * MiB, 31)
     h = mmshm.ShmTensor.from_tensor(t, directory=segdir)
     h.share(2)  # the worker unpickles the handle twice
-    os.truncate(os.path.join(segdir, h.name), segment.HEADER_SIZE + 100)
+    os.truncate(os.path.join(segdir, h.name), segfile.HEADER_SIZE + 100)
     a, b = F.ctx().Pipe()
     p = F.start(F.w_truncated_attach, segdir, pickle.dumps(h), b)
     res = F.recv(a, 30)

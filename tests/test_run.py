@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 from mmshm import autopatch, config, integrations, report, segment
+from mmshm.table import TABLE
 from mmshm.reaper import reclaim_left_by
 
 MMSHM = [sys.executable, "-m", "mmshm.cli"]
@@ -76,16 +77,16 @@ def test_wrapper_imports_neither_torch_nor_a_server():
 
 def test_missing_directory_is_created_0700_and_a_bad_one_warned_once(tmp_path, caplog):
     d = tmp_path / "segs"
-    assert segment.ensure_dir(str(d)) is True
+    assert TABLE.ensure_dir(str(d)) is True
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
-    assert segment.ensure_dir(str(d)) is False  # once per process and directory
+    assert TABLE.ensure_dir(str(d)) is False  # once per process and directory
     bad = tmp_path / "no-parent" / "segs"
     f = tmp_path / "a-file"
     f.write_text("")
     with caplog.at_level(logging.WARNING, logger="mmshm"):
-        assert segment.ensure_dir(str(bad)) is False
-        assert segment.ensure_dir(str(bad)) is False
-        segment.ensure_dir(str(f))
+        assert TABLE.ensure_dir(str(bad)) is False
+        assert TABLE.ensure_dir(str(bad)) is False
+        TABLE.ensure_dir(str(f))
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 2, msgs
     assert "MMSHM_DIR=" in msgs[0] and "does not exist" in msgs[0] and "Fix:" in msgs[0]

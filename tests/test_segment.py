@@ -14,7 +14,8 @@ import _mp
 import mmshm
 import pytest
 import torch
-from mmshm import segment
+from mmshm import segfile, segment
+from mmshm.table import TABLE
 from mmshm.codec import HandleMeta
 
 
@@ -29,7 +30,7 @@ def test_created_with_mode_0600_and_naming_scheme(shm_dir):
     finally:
         os.umask(old)
     assert re.fullmatch(rf"mmshm-{os.getpid()}-[0-9a-f]{{16}}", h.name), h.name
-    assert segment.NAME_RE.match(h.name)
+    assert segfile.NAME_RE.match(h.name)
     st = os.lstat(_path(h.name))
     assert stat.S_ISREG(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o600
@@ -44,13 +45,13 @@ def test_header_size_and_space_reserved(shm_dir):
     seg = segment.create(nbytes)
     try:
         st = os.stat(seg.path)
-        assert st.st_size == segment.HEADER_SIZE + nbytes
+        assert st.st_size == segfile.HEADER_SIZE + nbytes
         # posix_fallocate reserved every page before anything was written
-        assert st.st_blocks * 512 >= segment.HEADER_SIZE + nbytes
+        assert st.st_blocks * 512 >= segfile.HEADER_SIZE + nbytes
         magic, version, state, size, count, pid, created_ns, gen, flags = _mp.header(seg.name)
-        assert magic == segment.MAGIC
-        assert version == segment.VERSION
-        assert state == segment.STATE_LIVE
+        assert magic == segfile.MAGIC
+        assert version == segfile.VERSION
+        assert state == segfile.STATE_LIVE
         assert size == nbytes
         assert count == 1
         assert pid == os.getpid()
@@ -148,11 +149,11 @@ def test_refcount_updates_and_last_release_unlinks(shm_dir):
 def test_creator_keeps_descriptor_until_last_release(shm_dir):
     seg = segment.create(100)
     segment.update_refcount(seg.name, 1)
-    assert seg.name in segment.open_segments()
+    assert seg.name in TABLE.names()
     segment.update_refcount(seg.name, -1)
-    assert seg.name in segment.open_segments()  # one reference still out
+    assert seg.name in TABLE.names()  # one reference still out
     segment.update_refcount(seg.name, -1)
-    assert seg.name not in segment.open_segments()
+    assert seg.name not in TABLE.names()
     assert seg.fd == -1
 
 
@@ -164,7 +165,7 @@ def test_truncated_segment_gives_corrupt_error_in_consumer(shm_dir):
     h = mmshm.ShmTensor.from_tensor(t)
     h.share(1)
     blob = pickle.dumps(h)
-    os.truncate(_path(h.name), segment.HEADER_SIZE + 100)
+    os.truncate(_path(h.name), segfile.HEADER_SIZE + 100)
     res, code = _mp.run_child(_mp.consume_truncated, blob)
     assert code == 0, _mp.signal_name(code)
     assert res[False] == "SegmentCorruptError" and res["False-is-corrupt"], res
@@ -195,7 +196,7 @@ def test_unlinked_by_third_party_while_view_is_mapped(shm_dir, copy):
     gc.collect()
     other.release()
     h.release()
-    assert segment.open_segments() == []
+    assert TABLE.names() == []
 
 
 def test_release_tolerates_enoent(shm_dir, caplog):
@@ -237,14 +238,14 @@ def test_symlink_in_place_of_a_segment_is_refused(shm_dir):
 def test_foreign_file_with_a_valid_name_is_corrupt(shm_dir):
     name = f"mmshm-{os.getpid()}-{'1' * 16}"
     with open(_path(name), "wb") as f:
-        f.write(b"\0" * (segment.HEADER_SIZE + 64))
+        f.write(b"\0" * (segfile.HEADER_SIZE + 64))
     try:
         h = mmshm.ShmTensor(HandleMeta(name, 64, 4, (64,), b"\0" * 16))
         with pytest.raises(mmshm.SegmentCorruptError):
             h.materialize()
         h.release()
         with open(_path(name), "rb") as f:
-            assert f.read() == b"\0" * (segment.HEADER_SIZE + 64)
+            assert f.read() == b"\0" * (segfile.HEADER_SIZE + 64)
     finally:
         os.unlink(_path(name))
 
@@ -252,7 +253,7 @@ def test_foreign_file_with_a_valid_name_is_corrupt(shm_dir):
 def test_short_header_is_corrupt(shm_dir):
     name = f"mmshm-{os.getpid()}-{'2' * 16}"
     with open(_path(name), "wb") as f:
-        f.write(segment.MAGIC)
+        f.write(segfile.MAGIC)
     try:
         with pytest.raises(mmshm.SegmentCorruptError):
             segment.attach(name)

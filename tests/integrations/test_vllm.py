@@ -42,6 +42,7 @@ import vllm.v1.serial_utils as su
 import vllm_procs
 import wrapt
 from mmshm import codec, config, instrumentor, integrations, segment
+from mmshm.table import TABLE
 from mmshm.integrations import UnsupportedVersionError
 from mmshm.integrations import vllm as mv
 from prometheus_client import REGISTRY
@@ -576,8 +577,8 @@ def test_unopenable_handle_fails_only_its_request(eng, shm_dir):
     # The EngineCore could not take or give back its reference (the file is
     # gone). The frontend lets go of the unlinked file at its next sweep (the
     # background sweeper may already have done so): no descriptor pins its pages.
-    segment.sweep()
-    assert name not in segment.open_segments()
+    TABLE.sweep()
+    assert name not in TABLE.names()
     # the input thread lives on
     client.input_socket.forward = True
     ok = make_request("after", [{"pixel_values": torch.randn(512, 1024)}])
@@ -826,7 +827,7 @@ def test_message_queue_three_way(rdr, shm_dir, monkeypatch):
         "default", [lambda: image] * (REPS + 1))[1:]  # the first one fills the pool
     monkeypatch.setenv("MMSHM_POOL", "0")
     config.reload()
-    segment.trim_pool()
+    TABLE.trim_pool()
     mv._QUEUES.clear()
     for mode, rows in results.items():
         for row in rows:
@@ -1084,7 +1085,7 @@ def test_views_the_engine_cores_mm_cache_keeps_are_marked_for_status(instrumente
     core.request_block_hasher = None
     core.structured_output_manager = None
     req = make_request("cached", [{"pixel_values": view}])
-    seg = segment._REGISTRY[h.name]
+    seg = TABLE.segments[h.name]
     assert status.lock_marks(os.getpid(), seg.fd)[1] is False
     out = core.preprocess_add_request(req)
     assert status.lock_marks(os.getpid(), seg.fd)[1] is True

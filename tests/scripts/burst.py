@@ -234,10 +234,10 @@ def main() -> int:
             rank_stats.append(None)
     # a segment freed by its last (remote) release may stay mapped (or pooled)
     # here until the next sweep; the owner empties its pool on the way out
-    from mmshm import segment
+    from mmshm.table import TABLE
 
-    segment.sweep()
-    segment.trim_pool()
+    TABLE.sweep()
+    TABLE.trim_pool()
     leftovers = sorted(n for n in os.listdir(args.dir) if NAME_RE.match(n))
     fb = {r: int(after[r] - before[r]) for r in REASONS}
     # 64 MiB, 16 MiB reserve: two 21.5 MiB segments fit at once, a third does not

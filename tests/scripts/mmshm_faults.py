@@ -25,6 +25,7 @@ import time
 import mmshm
 import torch
 from mmshm import segment
+from mmshm.table import TABLE
 from prometheus_client import REGISTRY
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -367,7 +368,7 @@ def w_pool_owner(directory: str, conn) -> None:
     conn.recv()
     segment.update_refcount(live.name, -1)
     live.release()
-    segment.trim_pool()
+    TABLE.trim_pool()
     conn.send("bye")
 
 
@@ -480,7 +481,7 @@ def w_emfile(directory: str, ntensors: int, nbytes: int, foreign: bytes, conn) -
     res["handles_materialize"] = ok
     del w1, w2, out, req
     res["left"] = segment_files(directory)
-    res["open_segments"] = segment.open_segments()
+    res["open_segments"] = TABLE.names()
     conn.send(res)
 
 

@@ -26,7 +26,8 @@ def main() -> int:
         os.environ["MMSHM_MIN_FREE_BYTES"] = reserve
     import mmshm
     import torch
-    from mmshm import config, segment
+    from mmshm import config, segfile, table
+    from mmshm.table import TABLE
     from mmshm_faults import delta, fallbacks, pattern, segment_files
 
     config.reload()
@@ -36,13 +37,13 @@ def main() -> int:
     handles = [w for w in wrapped if isinstance(w, mmshm.ShmTensor)]
     out = {"shm": len(handles), "inline": count - len(handles),
            "fallbacks": delta(before, fallbacks()),
-           "class_bytes": segment.size_class(segment.HEADER_SIZE + nbytes),
+           "class_bytes": table.size_class(segfile.HEADER_SIZE + nbytes),
            "bytes_equal": all(torch.equal(w.clone().materialize(copy=True)
                                           if isinstance(w, mmshm.ShmTensor) else w, t)
                               for w, t in zip(wrapped, tensors))}
     for h in handles:
         h.release()
-    segment.trim_pool()
+    TABLE.trim_pool()
     out["left"] = segment_files("/dev/shm")
     print(json.dumps(out))
     return 0

@@ -32,7 +32,8 @@ def main() -> int:
     os.environ.pop("MMSHM_MAX_BYTES", None)
     import mmshm
     import torch
-    from mmshm import config, reaper, segment
+    from mmshm import config, reaper
+    from mmshm.table import TABLE
     from mmshm_faults import delta, fallbacks, pattern, segment_files
 
     config.reload()
@@ -111,8 +112,8 @@ def main() -> int:
     del w, feats
     os.environ.pop("MMSHM_MIN_FREE_BYTES")
     config.reload()
-    segment.sweep()
-    segment.trim_pool()  # what the owner does on its way out
+    TABLE.sweep()
+    TABLE.trim_pool()  # what the owner does on its way out
     out["leftovers"] = segment_files(d)
     out["other_files"] = sorted(n for n in os.listdir(d) if n not in out["leftovers"])
     print(json.dumps(out), flush=True)

@@ -1,0 +1,346 @@
+"""This process's segment table: its open segments, its warm pool, its sweeper.
+
+One object, :data:`TABLE` (a :class:`SegmentTable`), holds all the segment
+layer's process-local state: the open segments by name (a process holds one
+descriptor per segment whatever number of handles and views it has of it),
+the bytes it created, the warm pool, the sweeper thread and what it knows of
+each segment directory (checked, reaped, its size). A forked child resets it
+in one place (:meth:`SegmentTable.reset_after_fork`): the parent's segments
+are closed, not released (their references are the parent's).
+
+**The warm pool.** Copying into a fresh tmpfs segment runs at page-fault
+speed (about 1.3 GB/s here: allocation and zeroing); into warm pages at
+memcpy speed. So a producing process keeps the segments it created, in size
+classes (:func:`size_class`: eight per power of two, at most 12.5% slack),
+and reuses one whose count came back to zero instead of creating a file.
+Every reuse bumps the segment's *generation* (:func:`mmshm.segfile.revive`);
+a handle carries the generation it was made for, and attach and every
+reference update check it, so a stale handle can never read a reused
+segment's new bytes. Idle pooled segments are unlinked after
+``MMSHM_POOL_IDLE_S``, beyond ``MMSHM_POOL_MAX_BYTES``, when the budget guard
+needs the room, and when the owner exits; after a SIGKILL the reaper
+reclaims them (nobody holds them).
+
+**The sweeper.** :meth:`SegmentTable.sweep` runs on every creation (before
+the budget is counted) and every ``MMSHM_SWEEP_INTERVAL_S`` on a daemon
+thread (``mmshm-sweep``), started with the process's first created segment
+and ended once it owns none. The thread also runs the automatic reaper
+(:meth:`SegmentTable.maybe_reap`) on every directory this process has
+created segments in.
+
+Invariants:
+
+- the table is read and changed only under :attr:`SegmentTable.lock`
+  (re-entrant; a forked child gets a fresh one, since another thread of the
+  parent may have held it at the fork);
+- :attr:`SegmentTable.owned_bytes` is the sum of ``HEADER_SIZE + payload
+  size`` of the created segments in the table;
+- a segment leaves the table only through :meth:`SegmentTable.forget`, which
+  records a clean detach in its header and closes it;
+- only the creating process takes a pooled segment back, and only at count
+  0 in state ``POOLED``; a pinned segment (a view of this process depends on
+  it) is never taken or unlinked;
+- the sweeper thread never dies of an exception of the reaper (logged).
+
+Depends on :mod:`mmshm.segfile`, :mod:`mmshm.reaper` and the metrics; called
+from :mod:`mmshm.segment`, never calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from . import config
+from .metrics import BYTES_IN_USE, SEGMENTS_IN_USE
+from .reaper import ReapReport, reap
+from .segfile import (
+    HEADER_SIZE,
+    STATE_FREED,
+    STATE_POOLED,
+    detach,
+    revive,
+    segment_dir,
+    unlink_pooled,
+)
+
+#: a :class:`mmshm.segment.Segment` (that module sits above this one: never imported)
+Segment = Any
+
+log = logging.getLogger("mmshm")
+
+
+def size_class(total: int) -> int:
+    """Round a segment size (bytes, header included) up to its pool class:
+    whole pages up to 64 KiB, then eight classes per power of two: a size in
+    [2**k, 2**(k+1)) rounds up to a multiple of 2**(k-3), so the slack is
+    below 12.5% of the size (an 8 MiB tensor plus its header takes 9 MiB)."""
+    if total <= 1 << 16:
+        return -(-total // 4096) * 4096
+    step = (1 << (total.bit_length() - 1)) // 8
+    return -(-total // step) * step
+
+
+class SegmentTable:
+    """The segment layer's state in one process (see the module docstring).
+
+    Attributes:
+        lock: re-entrant; guards everything below.
+        segments: name -> :class:`mmshm.segment.Segment`, in the order they
+            were registered or last taken from the pool.
+        owned_bytes: bytes (header included) of this process's created, not
+            yet closed segments.
+    """
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.segments: dict[str, Segment] = {}
+        self.owned_bytes = 0
+        self._sweeper: threading.Thread | None = None
+        #: directory -> why it cannot hold segments (None: it can), once checked
+        self._dir_problems: dict[str, str | None] = {}
+        #: directories this process created segments in (reaped at the first
+        #: segment, then by the sweeper thread)
+        self._reaped_dirs: set[str] = set()
+        self._last_reap: dict[str, float] = {}
+        self._fs_size: dict[str, int] = {}
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: a fresh lock, no sweeper, and the parent's
+        segments closed (not released) and forgotten."""
+        self.lock = threading.RLock()
+        self._sweeper = None
+        self.owned_bytes = 0
+        for seg in list(self.segments.values()):
+            seg.close()
+        self.segments.clear()
+
+    # -- open segments -----------------------------------------------------
+    def get(self, name: str) -> Segment | None:
+        """This process's open segment ``name``, or None (call under :attr:`lock`)."""
+        return self.segments.get(name)
+
+    def register(self, seg: Segment) -> None:
+        """Add a segment just created or attached (call under :attr:`lock`);
+        a created one counts in :attr:`owned_bytes` and starts the sweeper."""
+        self.segments[seg.name] = seg
+        if seg.owned:
+            self.owned_bytes += HEADER_SIZE + seg.payload_size
+            self._ensure_sweeper()
+
+    def forget(self, seg: Segment) -> None:
+        """Let go of ``seg``: a clean detach in its header, out of the table,
+        closed (call under :attr:`lock`)."""
+        if self.segments.get(seg.name) is seg:
+            del self.segments[seg.name]
+            detach(seg.fd)
+            if seg.owned:
+                self.owned_bytes -= HEADER_SIZE + seg.payload_size
+                SEGMENTS_IN_USE.dec()
+                BYTES_IN_USE.dec(HEADER_SIZE + seg.payload_size)
+        seg.close()
+
+    def names(self) -> list[str]:
+        """Names of the segments this process currently has open."""
+        with self.lock:
+            return list(self.segments)
+
+    def pooled_names(self) -> list[str]:
+        """Names of this process's idle segments in its warm pool."""
+        with self.lock:
+            return [n for n, s in self.segments.items()
+                    if s.owned and s.status() == STATE_POOLED]
+
+    # -- segment directories -----------------------------------------------
+    def ensure_dir(self, directory: str) -> bool:
+        """Make the segment directory usable, once per process and directory.
+
+        A missing directory whose parent exists is created with mode 0700 (the
+        example launch scripts point ``MMSHM_DIR`` at one that does not exist
+        yet). A directory that cannot hold segments (parent missing, not a
+        directory, not writable, read-only) gets one WARNING naming it, the
+        reason and the fix; tensors then travel inline, each fallback counted.
+        Returns whether the directory was created now. Never raises.
+        """
+        if directory in self._dir_problems:
+            return False
+        made = False
+        problem = None
+        try:
+            os.mkdir(directory, 0o700)
+            made = True
+            log.info("mmshm: created the segment directory %s (mode 0700)", directory)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            problem = f"its parent {os.path.dirname(directory.rstrip('/')) or '/'} does not exist"
+        except OSError as exc:
+            problem = f"it cannot be created ({exc.strerror})"
+        if problem is None:
+            if not os.path.isdir(directory):
+                problem = "it is not a directory"
+            elif not os.access(directory, os.W_OK | os.X_OK):
+                problem = "this process cannot write to it (permissions or a read-only mount)"
+        self._dir_problems[directory] = problem
+        if problem is not None and os.environ.get("MMSHM_DIR_PROBLEM_SAID") == directory:
+            # ``mmshm run`` said it once for every process of the server
+            log.info("mmshm: MMSHM_DIR=%s is unusable (%s); tensors travel inline, as "
+                     "mmshm run said", directory, problem)
+        elif problem is not None:
+            log.warning("mmshm: the segment directory MMSHM_DIR=%s cannot hold segments: %s; "
+                        "every tensor travels inline (correct, but without shared memory). "
+                        "Fix: point MMSHM_DIR at a writable directory on a tmpfs, e.g. "
+                        "/dev/shm or a directory under it", directory, problem)
+        return made
+
+    def dir_problem(self, directory: str) -> str | None:
+        """Why ``directory`` cannot hold segments, as :meth:`ensure_dir`
+        found it; None if it can or was not checked yet."""
+        return self._dir_problems.get(directory)
+
+    def first_use(self, directory: str | None = None) -> None:
+        """On this process's first segment in ``directory`` (default
+        ``MMSHM_DIR``): make it usable (:meth:`ensure_dir`) and reclaim its
+        orphans (:meth:`maybe_reap`); later calls do nothing."""
+        d = segment_dir(directory)
+        if d in self._reaped_dirs:
+            return
+        self._reaped_dirs.add(d)
+        self.ensure_dir(d)
+        self.maybe_reap(d)
+
+    def maybe_reap(self, directory: str | None = None) -> ReapReport | None:
+        """Run :func:`mmshm.reaper.reap` unless this process ran it on
+        ``directory`` less than ``MMSHM_REAP_INTERVAL_S`` ago (0 disables).
+        Called on a process's first segment in a directory (start-up) and by
+        the sweeper thread. Logs and returns None if the pass fails."""
+        interval = config.get().reap_interval_s
+        if interval <= 0:
+            return None
+        d = segment_dir(directory)
+        now = time.monotonic()
+        if now - self._last_reap.get(d, -interval) < interval:
+            return None
+        self._last_reap[d] = now
+        try:
+            return reap(d)
+        except OSError as exc:
+            log.warning("mmshm: reaper pass over %s failed: %s", d, exc)
+            return None
+
+    def fs_size(self, directory: str) -> int:
+        """Size in bytes of the filesystem holding ``directory`` (0 if unknown)."""
+        size = self._fs_size.get(directory)
+        if size is None:
+            try:
+                st = os.statvfs(directory)
+                size = self._fs_size[directory] = st.f_blocks * st.f_frsize
+            except OSError:
+                return 0
+        return size
+
+    # -- the warm pool -----------------------------------------------------
+    def pool_take(self, directory: str, total: int) -> Segment | None:
+        """An idle pooled segment of ``total`` bytes (a size class) in
+        ``directory``, revived (count 1, next generation); None if there is
+        none (call under :attr:`lock`). A segment taken moves to the end of
+        the table, so the scan meets the longest-idle segments first and under
+        steady traffic stops at the first candidate (one ``fstat``)."""
+        for seg in list(self.segments.values()):
+            if (seg.owned and seg.pins == 0 and seg.directory == directory
+                    and HEADER_SIZE + seg.payload_size == total
+                    and seg.status() == STATE_POOLED):
+                gen = revive(seg.fd, seg.path)
+                if gen is None:
+                    continue
+                seg.gen = gen
+                seg.idle_since = None
+                del self.segments[seg.name]
+                self.segments[seg.name] = seg
+                return seg
+        return None
+
+    def unlink_pooled(self, seg: Segment) -> None:
+        """Unlink an idle pooled segment (the owner's decision) and let go of it."""
+        unlink_pooled(seg.fd, seg.path)
+        self.forget(seg)
+
+    def trim_pool(self, directory: str | None = None) -> int:
+        """Unlink every idle pooled segment of this process (in ``directory``,
+        or all). Returns the bytes given back."""
+        freed = 0
+        with self.lock:
+            for seg in list(self.segments.values()):
+                if (seg.owned and seg.pins == 0
+                        and (directory is None or seg.directory == directory)
+                        and seg.status() == STATE_POOLED):
+                    freed += HEADER_SIZE + seg.payload_size
+                    self.unlink_pooled(seg)
+        return freed
+
+    # -- the sweeper -------------------------------------------------------
+    def sweep(self) -> int:
+        """Let go of this process's created segments whose last reference is
+        gone (closing them, or keeping them pooled), and trim the pool: idle
+        segments older than ``MMSHM_POOL_IDLE_S``, or beyond
+        ``MMSHM_POOL_MAX_BYTES`` (longest idle first), are unlinked. Returns
+        how many segments were closed. Cheap: an ``fstat`` and a memory read
+        per segment."""
+        n = 0
+        cfg = config.get()
+        now = time.monotonic()
+        idle: list[Segment] = []
+        with self.lock:
+            for seg in list(self.segments.values()):
+                if not seg.owned or seg.pins:
+                    continue
+                st = seg.status()
+                if st == STATE_FREED:
+                    self.forget(seg)
+                    n += 1
+                elif st == STATE_POOLED:
+                    if seg.idle_since is None:
+                        seg.idle_since = now
+                    if not cfg.pool or now - seg.idle_since >= cfg.pool_idle_s:
+                        self.unlink_pooled(seg)
+                        n += 1
+                    else:
+                        idle.append(seg)
+            if idle:
+                cap = config.pool_max_bytes(self.fs_size(idle[0].directory))
+                total = sum(HEADER_SIZE + s.payload_size for s in idle)
+                for seg in sorted(idle, key=lambda s: s.idle_since or 0.0):
+                    if total <= cap:
+                        break
+                    total -= HEADER_SIZE + seg.payload_size
+                    self.unlink_pooled(seg)
+                    n += 1
+        return n
+
+    def _sweep_loop(self) -> None:
+        while True:
+            time.sleep(config.get().sweep_interval_s)
+            for d in list(self._reaped_dirs):
+                try:
+                    self.maybe_reap(d)
+                except Exception as exc:  # noqa: BLE001 - never kill the sweeper
+                    log.warning("mmshm: periodic reap of %s failed: %s", d, exc)
+            with self.lock:
+                self.sweep()
+                if not any(s.owned for s in self.segments.values()):
+                    self._sweeper = None
+                    return
+
+    def _ensure_sweeper(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = threading.Thread(target=self._sweep_loop, name="mmshm-sweep",
+                                             daemon=True)
+            self._sweeper.start()
+
+
+#: This process's segment table.
+TABLE = SegmentTable()
+os.register_at_fork(after_in_child=TABLE.reset_after_fork)
