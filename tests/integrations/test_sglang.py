@@ -413,7 +413,7 @@ def test_item_whose_segment_vanished_before_hashing_stays_unhashed(ns, caplog):
         glue._set_item_hashes(mm_inputs)
     assert item.hash is None
     assert any("could not hash" in r.getMessage() for r in caplog.records)
-    orphan._disown()  # it never owned a live reference
+    orphan.disown()  # it never owned a live reference
 
 
 # -- instrumentor behaviour --------------------------------------------------------------
