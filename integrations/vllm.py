@@ -213,11 +213,6 @@ class ShmTensorConsumer:
         box = sending.current_outbox()
         if box is not None and box.path == "send" and not config.get().disable \
                 and sending.eligible(tensor):
-            withheld = _WITHHOLDING.get()
-            if withheld is not None:  # a decode instance's request: no payload
-                withheld[0] += 1
-                withheld[1] += tensor.nbytes
-                return {WITHHELD_KEY: tensor.nbytes}
             h = box.put(tensor)
             if h is not None:
                 return {WIRE_KEY: h.encode()}
@@ -235,8 +230,6 @@ class ShmTensorProvider:
 
     def __call__(self, dtype, shape, meta):
         wire = meta.get(WIRE_KEY) if isinstance(meta, dict) else None
-        if wire is None and isinstance(meta, dict) and WITHHELD_KEY in meta:
-            return withheld_tensor(dtype, shape)
         if wire is None:
             if self.inner is None:
                 raise ValueError("received an out-of-band tensor but no tensor provider is set")
