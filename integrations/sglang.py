@@ -43,6 +43,19 @@ Scheduler process
     (patched on the class: ``SchedulerRequestReceiver`` is a frozen, slotted
     dataclass) unwraps what no broadcast unwrapped (TP size 1).
 
+PD decode instance (``--disaggregation-mode decode``)
+    Its scheduler takes each request's KV from the prefill instance and
+    never runs the vision encoder, so the tokenizer withholds the items'
+    pixels (:func:`decode_payload_policy`): each item is hashed first
+    (the BLAKE3 value mmshm gives the same pixels anywhere), its
+    ``feature`` / ``precomputed_embeddings`` travel as
+    :class:`WithheldPayload` (shape, dtype, size) and nothing is written
+    into shared memory; the schedulers hand SGLang ``None`` for them, as
+    upstream's open ``--enable-clear-mm-features-for-decode`` (PR 14832)
+    does. A scheduler not in decode mode fails such a request with
+    :class:`PayloadWithheldError`. With ``--enable-pd-role-switch`` the
+    pixels are kept. The tokenizer's "on:" line says which.
+
 Observe mode (``MMSHM_MODE=observe``, ``mmshm run --observe``)
     The same boundaries are patched, but only timed (:mod:`mmshm.observe`):
     SGLang's own functions run with the same arguments and its own transport
@@ -89,6 +102,7 @@ import logging
 import sys
 
 from mmshm import observe, sending
+from mmshm.errors import MmshmError
 from mmshm.instrumentor import Instrumentor, Target, source_file
 from mmshm.receiving import unwrap_each
 from mmshm.sending import digest_of
@@ -109,6 +123,11 @@ PATH_FANOUT = "parallel sampling (n>1) writes each tensor once"
 PATH_SCHED_IN = "requests materialized zero-copy on every TP rank"
 PATH_BROADCAST = "TP broadcast carries metadata only"
 PATH_MULTINODE = "multi-node: payload once per node"
+PATH_DECODE_WITHHOLD = (
+    "PD decode instance (--disaggregation-mode decode): multimodal items reach the "
+    "scheduler without their pixels (hashes, pad values and token layout kept; the KV "
+    "comes from the prefill instance, the vision encoder never runs here)")
+PATH_DECODE_KEEP = "PD decode instance: pixels kept ({})"
 PATH_OBSERVE = ("observe mode: SGLang's own transport carries the tensors; timing each hop "
                 "(mmshm_ipc_seconds, transport=\"server\")")
 
@@ -243,8 +262,11 @@ def _wrap_shm_features(wrapped, instance, args, kwargs):
         return x if h is None else h
 
     # the hash is left to _set_item_hashes, for items SGLang's processor did
-    # not hash (MMSHM_HASH=lazy: computed only if needed)
-    new_mm = transform(mm_inputs, leaf)
+    # not hash (MMSHM_HASH=lazy: computed only if needed); a PD decode
+    # instance's items lose their pixels first (what is left: items whose
+    # content could not be hashed)
+    new_mm = transform(_withhold_payloads(mm_inputs) if _DECODE_WITHHOLDS else mm_inputs,
+                       leaf)
     _warn_numpy_features(new_mm, min_bytes)
     _set_item_hashes(new_mm)
     if new_mm is mm_inputs:
@@ -290,6 +312,141 @@ def _hash_feature(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs) if d is None else hash_int(d)
 
 
+# -- PD decode instances (--disaggregation-mode decode) ---------------------------------
+#: This tokenizer's decision (set by :func:`_tokenizer_ready` from
+#: :func:`decode_payload_policy`): True withholds the items' pixels.
+_DECODE_WITHHOLDS = False
+#: This process's ``Scheduler`` (weak), whose ``disaggregation_mode`` says
+#: whether an item without its pixels may be handed to SGLang.
+_SCHEDULER = None
+#: Item fields that hold a payload only the vision (or audio) encoder reads.
+PAYLOAD_FIELDS = ("feature", "precomputed_embeddings")
+
+
+class PayloadWithheldError(MmshmError, RuntimeError):
+    """A request whose multimodal pixels a PD decode instance's tokenizer
+    did not send (:func:`decode_payload_policy`) reached a scheduler that is
+    not in decode mode, where the vision encoder could need them. The
+    request fails with this message (SGLang's ``MMInputsProcessError``, or
+    its abort path on older releases) and never runs on missing pixels.
+    Fix: send it to a decode instance, or start the instance without
+    ``--disaggregation-mode decode``."""
+
+
+class WithheldPayload:
+    """What travels to a PD decode instance's scheduler in place of an
+    item's tensor (``feature``, ``precomputed_embeddings``): its ``shape``
+    (tuple of ints), ``dtype`` (torch's name, e.g. ``"float32"``) and
+    ``nbytes``, no data. A decode scheduler receives ``None`` instead, as
+    upstream's ``--enable-clear-mm-features-for-decode`` (PR 14832, open)
+    gives it; any other scheduler fails the request with
+    :class:`PayloadWithheldError`."""
+
+    __slots__ = ("shape", "dtype", "nbytes")
+
+    def __init__(self, shape: tuple, dtype: str, nbytes: int):
+        self.shape, self.dtype, self.nbytes = tuple(shape), dtype, int(nbytes)
+
+    @classmethod
+    def of(cls, t) -> WithheldPayload:
+        return cls(tuple(t.shape), str(t.dtype).removeprefix("torch."), t.nbytes)
+
+    def __repr__(self) -> str:
+        return f"WithheldPayload({self.dtype}{list(self.shape)}, {self.nbytes} bytes)"
+
+
+def decode_payload_policy(tokenizer_manager) -> tuple[bool, str] | None:
+    """What this tokenizer does with the pixels of its requests: ``(True,
+    line)`` withholds them, ``(False, line)`` keeps them (the line says
+    why), None: not a PD decode instance.
+
+    SGLang's decode scheduler takes each request's KV from the prefill
+    instance (a retraction keeps it in host memory, or bootstraps it again)
+    and never runs the vision encoder; it needs each item's hash (its pad
+    value, hence the prefix-cache key and ``input_ids``), the token layout
+    (offsets, mrope positions) and the grids, all of which stay. Pixels are
+    kept where the instance may turn into a prefill instance
+    (``--enable-pd-role-switch``)."""
+    mode = getattr(getattr(tokenizer_manager, "disaggregation_mode", None), "value", None)
+    if mode != "decode":
+        return None
+    if getattr(getattr(tokenizer_manager, "server_args", None), "enable_pd_role_switch",
+               False):
+        return False, PATH_DECODE_KEEP.format(
+            "--enable-pd-role-switch: this instance may become a prefill instance, "
+            "which needs them")
+    return True, PATH_DECODE_WITHHOLD
+
+
+def _tensors(value) -> list:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _withhold_payloads(mm_inputs):
+    """A copy of ``mm_inputs`` whose items' payload tensors
+    (:data:`PAYLOAD_FIELDS`) are :class:`WithheldPayload` stand-ins, each
+    item's hash set first from the content (:func:`_set_item_hashes`:
+    the BLAKE3 value a prefill instance under mmshm gives the same pixels).
+    An item whose content cannot be hashed keeps its tensors: the scheduler
+    would hash them. The input, and the items fan-out copies share, are not
+    modified (the hash aside, which is deterministic)."""
+    from mmshm.walker import transform
+
+    _set_item_hashes(mm_inputs)
+    withheld = {id(t): t for item in _items(mm_inputs) if getattr(item, "hash", None)
+                is not None for name in PAYLOAD_FIELDS
+                for t in _tensors(getattr(item, name, None))}
+    if not withheld:
+        return mm_inputs
+    return transform(mm_inputs, lambda x: WithheldPayload.of(x) if id(x) in withheld else x)
+
+
+def _has_withheld(value) -> bool:
+    if isinstance(value, WithheldPayload):
+        return True
+    return isinstance(value, (list, tuple)) and any(_has_withheld(v) for v in value)
+
+
+def _settle_withheld(reqs):
+    """On a scheduler: hand SGLang ``None`` for each withheld payload in
+    ``reqs`` (decode mode), or fail each request that has one with
+    :class:`PayloadWithheldError` (any other mode, judged when the request
+    arrives: ``--enable-pd-role-switch`` may change it). Identical on every
+    TP rank. ``reqs`` (a list) is updated in place and returned."""
+    if not reqs:
+        return reqs
+    scheduler = _SCHEDULER() if _SCHEDULER is not None else None
+    mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", None)
+    for i, req in enumerate(reqs):
+        for r in (getattr(req, "batch", None) or [req]):
+            mm = getattr(r, "mm_inputs", None)
+            found = [(item, name) for item in (_items(mm) if mm else ())
+                     for name in PAYLOAD_FIELDS if _has_withheld(getattr(item, name, None))]
+            if not found:
+                continue
+            if mode == "decode":
+                for item, name in found:
+                    setattr(item, name, None)
+                continue
+            from mmshm.metrics import REQUEST_FAILURES
+
+            REQUEST_FAILURES.labels(reason="other").inc()
+            err = PayloadWithheldError(
+                f"request {getattr(r, 'rid', '?')}: {len(found)} multimodal tensor(s) were "
+                "withheld by a PD decode instance's tokenizer, and this scheduler is "
+                f"in {mode or 'unknown'} mode, where the vision encoder may need them")
+            out = on_failure(r, err)
+            if r is req and out is not r and isinstance(reqs, list):
+                reqs[i] = out
+    return reqs
+
+
 # -- scheduler side ------------------------------------------------------------
 def on_failure(req, err):
     """What a request whose handles could not be materialized becomes, on
@@ -318,7 +475,7 @@ _local_unwrap = functools.partial(unwrap_each, on_failure=on_failure)
 
 
 def _recv_requests(wrapped, instance, args, kwargs):
-    return _local_unwrap(wrapped(*args, **kwargs))
+    return _settle_withheld(_local_unwrap(wrapped(*args, **kwargs)))
 
 
 def _make_broadcast(original):
@@ -535,10 +692,15 @@ def _say(role: str, on: list[str], offs: list[str], hops: tuple[str, ...] = ()) 
 
 def _tokenizer_ready(wrapped, instance, args, kwargs):
     """``TokenizerManager.__init__``: say what this tokenizer process does."""
+    global _DECODE_WITHHOLDS
     result = wrapped(*args, **kwargs)
     dp = _dp_hops(instance)
     paths = [PATH_REQUESTS + (" (via the data-parallel controller)" if dp else ""),
              PATH_FANOUT]
+    decode = decode_payload_policy(instance)
+    _DECODE_WITHHOLDS = decode is not None and decode[0]
+    if decode is not None:
+        paths.append(decode[1])
     _say("tokenizer", paths, [PATH_REQUESTS, PATH_FANOUT],
          ("tokenizer_wrap", "tokenizer_send"))
     return result
@@ -606,7 +768,11 @@ def _nnodes(scheduler) -> int:
 
 def _scheduler_ready(wrapped, instance, args, kwargs):
     """``Scheduler.__init__``: say what this scheduler (DP rank, TP rank) does."""
+    global _SCHEDULER
+    import weakref
+
     result = wrapped(*args, **kwargs)
+    _SCHEDULER = weakref.ref(instance)
     rank, size = _tp_rank_size(instance)
     on = [PATH_SCHED_IN] + ([f"{PATH_BROADCAST} ({size} ranks)"] if size > 1 else [])
     nnodes = _nnodes(instance)

@@ -84,15 +84,20 @@ SERVER_NO_DEPS: dict[str, list[str]] = {"0.5.9": [], "0.5.23": ["xgrammar==0.2.7
 #: build for this exact torch; decord2 bundles FFmpeg).
 SERVER_ADD: dict[str, list[str]] = {"0.5.9": [], "0.5.23": ["decord2==3.4.0"]}
 STUBS = ROOT / "tests" / "integrations" / "stubs"
-#: Stub packages copied into every server environment (see :func:`_install_stubs`).
-STUB_PACKAGES = ("_anything.py", "triton", "torchvision", "sgl_kernel", "torchaudio")
+#: Stub packages copied into every server environment (see :func:`_install_stubs`),
+#: and cpu_stubs.py with the .pth that installs its post-import hooks at start-up
+#: (SGLang's host KV pool without CUDA, for a PD decode instance).
+STUB_PACKAGES = ("_anything.py", "triton", "torchvision", "sgl_kernel", "torchaudio",
+                 "cpu_stubs.py", "zzz_cpu_stubs.pth")
 #: One node (test_sglang_e2e.py), then two simulated nodes (--nnodes 2).
 E2E_TESTS = [ROOT / "tests" / "e2e" / "test_sglang_e2e.py",
              ROOT / "tests" / "e2e" / "test_sglang_multinode_e2e.py"]
 #: Real-server tests of one release only, after :data:`E2E_TESTS`: the model
-#: matrix (LLaVA-NeXT, Qwen2.5-VL images and video, Qwen2-Audio) on 0.5.23.
+#: matrix (LLaVA-NeXT, Qwen2.5-VL images and video, Qwen2-Audio) on 0.5.23,
+#: and a PD decode instance (--disaggregation-mode decode, one start).
 E2E_TESTS_BY_RELEASE: dict[str, list[Path]] = {
-    "0.5.23": [ROOT / "tests" / "e2e" / "test_sglang_matrix.py"],
+    "0.5.23": [ROOT / "tests" / "e2e" / "test_sglang_matrix.py",
+               ROOT / "tests" / "e2e" / "test_sglang_pd_e2e.py"],
 }
 
 
@@ -147,7 +152,9 @@ def setup(release: str, log) -> Path:
 
 def _install_stubs(venv: Path) -> None:
     """Copy the stub packages (triton, torchvision, sgl_kernel, torchaudio)
-    into a server environment, where no PYTHONPATH is needed (``mmshm run``
+    and ``cpu_stubs``' start-up hooks (``zzz_cpu_stubs.pth``, read after
+    ``zz_mmshm_layers.pth`` has put wrapt on the path) into a server
+    environment, where no PYTHONPATH is needed (``mmshm run``
     sets its own), with distribution metadata for torchvision: transformers'
     Qwen2-VL processor insists on finding it (PyPI's build is CUDA-only:
     ``operator torchvision::nms does not exist``). torchaudio gets none:
