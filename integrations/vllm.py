@@ -97,6 +97,25 @@ pre-processing fails, the features whose data holds mmshm views drop that
 data (:func:`drop_views`; vLLM's own ``MultiModalFeatureSpec.data`` may be
 None): the stale locals then hold no view. The receiver cache keeps its own
 items.
+
+**A decode instance writes no pixels** (prefill/decode disaggregation). On
+an instance whose ``--kv-transfer-config`` makes it a pure ``kv_consumer``
+with ``kv_load_failure_policy`` ``fail`` (and no multimodal processor
+cache), a request that says its KV was prefilled elsewhere
+(``kv_transfer_params.do_remote_prefill``, as vLLM's disaggregation proxies
+send it) gets no payload: each tensor mmshm would put in a segment becomes a
+``{"mmshm_withheld": nbytes}`` placeholder, and the EngineCore an empty
+stand-in (:func:`withheld_tensor`). What the scheduler and the workers need
+stays as it is: the items' hashes and placeholder ranges, the token layout,
+the small tensors (``image_grid_thw``, for M-RoPE). vLLM schedules encoder
+inputs only for the tokens it computes, and a decode instance computes only
+the prompt's tail after the loaded KV; if that ever covers an image (a KV
+miss, or a load short of it), ``Scheduler._try_schedule_encoder_inputs``
+fails the request with :class:`PayloadWithheldError` through vLLM's own
+per-request error path, never the encoder on a stand-in. Elsewhere (a
+``kv_both`` instance, ``kv_load_failure_policy`` ``recompute``, the
+processor cache on) the pixels are kept; the frontend's "on:" line says
+which (:func:`decode_payload_policy`).
 """
 
 from __future__ import annotations
@@ -111,12 +130,17 @@ import weakref
 import torch
 from mmshm import config, observe, receiving, sending
 from mmshm.instrumentor import Instrumentor, Target
-from mmshm.metrics import BROADCAST_SECONDS, INTERNODE_BYTES
+from mmshm.errors import MmshmError
+from mmshm.metrics import BROADCAST_SECONDS, INTERNODE_BYTES, REQUEST_FAILURES
+from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger("mmshm")
 
 #: Key of the placeholder dict that the consumer puts in a message.
 WIRE_KEY = "mmshm"
+#: Key of the placeholder dict that stands for a tensor a decode instance's
+#: frontend withholds (its byte count, for the record).
+WITHHELD_KEY = "mmshm_withheld"
 
 _SERIAL = "vllm.v1.serial_utils"
 _CLIENT = "vllm.v1.engine.core_client"
@@ -213,6 +237,11 @@ class ShmTensorConsumer:
         box = sending.current_outbox()
         if box is not None and box.path == "send" and not config.get().disable \
                 and sending.eligible(tensor):
+            withheld = _WITHHOLDING.get()
+            if withheld is not None:  # a decode instance's request: no payload
+                withheld[0] += 1
+                withheld[1] += tensor.nbytes
+                return {WITHHELD_KEY: tensor.nbytes}
             h = box.put(tensor)
             if h is not None:
                 return {WIRE_KEY: h.encode()}
@@ -230,6 +259,8 @@ class ShmTensorProvider:
 
     def __call__(self, dtype, shape, meta):
         wire = meta.get(WIRE_KEY) if isinstance(meta, dict) else None
+        if wire is None and isinstance(meta, dict) and WITHHELD_KEY in meta:
+            return withheld_tensor(dtype, shape)
         if wire is None:
             if self.inner is None:
                 raise ValueError("received an out-of-band tensor but no tensor provider is set")
@@ -293,7 +324,11 @@ def attach_encoder(client) -> bool:
         return False
     enc.oob_tensor_consumer = ShmTensorConsumer(enc.oob_tensor_consumer)
     _ATTACHED.add(enc)
-    _INSTRUMENTOR.say("frontend", [f"{PATH_REQUESTS} ({addr})", PATH_FANOUT])
+    global _DECODE_WITHHOLDS
+    decode = decode_payload_policy(getattr(client, "vllm_config", None))
+    _DECODE_WITHHOLDS = None if decode is None else decode[0]
+    _INSTRUMENTOR.say("frontend", [f"{PATH_REQUESTS} ({addr})", PATH_FANOUT]
+                      + ([] if decode is None else [decode[1]]))
     return True
 
 
@@ -304,6 +339,138 @@ def attach_provider(engine) -> None:
         engine.tensor_ipc_receiver = ShmTensorProvider(inner)
         with contextlib.suppress(TypeError):
             _PROVIDED.add(engine)
+
+
+# -- decode instances (prefill/decode disaggregation) ----------------------------------
+#: Inside the ``ADD`` of a request whose payload is withheld: [tensors, bytes].
+_WITHHOLDING: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "mmshm_vllm_withholding", default=None)
+#: This frontend's decision for requests prefilled elsewhere (set by
+#: :func:`attach_encoder`): True withholds, False keeps, None: no KV consumer.
+_DECODE_WITHHOLDS: bool | None = None
+#: The EngineCore's stand-ins for withheld tensors (empty, of their dtype).
+_WITHHELD = WeakIdKeyDictionary()
+PATH_DECODE_WITHHOLD = (
+    "decode instance (kv_consumer, kv_load_failure_policy=fail): requests prefilled "
+    "elsewhere (kv_transfer_params.do_remote_prefill) carry no pixel payload; the "
+    "EngineCore keeps their hashes, placeholder ranges and grids, and a request that would "
+    "still run its encoder fails with PayloadWithheldError")
+PATH_DECODE_KEEP = "decode instance: pixels kept for requests prefilled elsewhere ({})"
+
+
+class PayloadWithheldError(MmshmError, RuntimeError):
+    """A decode instance's request whose pixel payload mmshm did not send
+    (:func:`decode_payload_policy`) reached a step that would run its vision
+    encoder: its KV did not load (a miss: the prefill instance never stored
+    it) or stopped short of an image's placeholder tokens. vLLM finishes
+    the request with an error (``finish_reason`` ``error``, as for its own
+    failed KV loads under ``kv_load_failure_policy=fail``); the encoder never
+    runs on a stand-in. Fix: prefill the request on the prefill instance
+    first, or run the decode instance with ``kv_load_failure_policy=recompute``
+    (mmshm then keeps the pixels)."""
+
+
+def decode_payload_policy(vllm_config) -> tuple[bool, str] | None:
+    """What a frontend does with the pixels of requests whose KV is prefilled
+    elsewhere (``kv_transfer_params.do_remote_prefill``): ``(True, line)``
+    withholds them, ``(False, line)`` keeps them (the line says why), None:
+    not a decode instance (no KV consumer in ``--kv-transfer-config``).
+
+    Withheld only where vLLM itself fails such a request rather than compute
+    its prompt: a pure ``kv_consumer`` with ``kv_load_failure_policy`` ``fail``
+    (vLLM 0.32's default; ``recompute`` recomputes failed blocks, which needs
+    the pixels), without the multimodal processor cache (its receiver side
+    would keep an item with no payload for later requests), where mmshm can
+    guard the scheduler (:func:`_w_try_schedule_encoder_inputs`)."""
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None or not getattr(kv, "is_kv_consumer", False):
+        return None
+    policy = getattr(kv, "kv_load_failure_policy", "recompute")
+    mm = getattr(getattr(vllm_config, "model_config", None), "multimodal_config", None)
+    if getattr(kv, "kv_role", None) != "kv_consumer":
+        why = f"kv_role={kv.kv_role}: this instance prefills too"
+    elif policy != "fail":
+        why = (f"kv_load_failure_policy={policy}: a KV load that fails is recomputed here, "
+               f"which needs them")
+    elif (getattr(mm, "mm_processor_cache_gb", 0) or 0) > 0:
+        why = ("the multimodal processor cache is on; --mm-processor-cache-gb 0 lets mmshm "
+               "withhold them")
+    elif not _SCHEDULER_GUARDED():
+        why = "this vLLM's scheduler has no _try_schedule_encoder_inputs to guard"
+    else:
+        return True, PATH_DECODE_WITHHOLD
+    return False, PATH_DECODE_KEEP.format(why)
+
+
+def _SCHEDULER_GUARDED() -> bool:  # noqa: N802 - a check, read once at start-up
+    try:
+        import importlib
+
+        sched = importlib.import_module(_SCHED).Scheduler
+    except Exception:  # noqa: BLE001 - no scheduler: nothing to guard with
+        return False
+    return hasattr(sched, "_try_schedule_encoder_inputs")
+
+
+def remote_prefilled(request) -> bool:
+    """Whether ``request`` (an ``EngineCoreRequest``) says its KV is prefilled
+    on another instance: ``kv_transfer_params`` (in its sampling params'
+    ``extra_args``, where vLLM's OpenAI server puts the request's field) with
+    ``do_remote_prefill`` true, as vLLM's disaggregated-serving proxies send."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
+    params = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
+    return isinstance(params, dict) and bool(params.get("do_remote_prefill"))
+
+
+def withheld_tensor(dtype: str, shape) -> torch.Tensor:
+    """The EngineCore's stand-in for a withheld tensor of ``dtype`` (vLLM's
+    name without ``torch.``) and ``shape``: empty, so that nothing can read
+    pixels from it, and known to :func:`withheld_in`."""
+    dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    t = torch.empty(0, dtype=dt if isinstance(dt, torch.dtype) else torch.uint8)
+    _WITHHELD[t] = tuple(shape)
+    return t
+
+
+def withheld_in(feature) -> bool:
+    """Whether a ``MultiModalFeatureSpec``'s data holds a withheld stand-in."""
+    data = getattr(feature, "data", None)
+    if data is None or not _WITHHELD:
+        return False
+    return any(t in _WITHHELD for elem in data.values()
+               for t in _tensors(getattr(elem, "data", None)))
+
+
+def _w_try_schedule_encoder_inputs(wrapped, instance, args, kwargs):
+    """``Scheduler._try_schedule_encoder_inputs``: an encoder input to run
+    whose pixels were withheld fails its request (vLLM's own per-request
+    error path: the set it finishes with ``FINISHED_ERROR`` after the step)
+    and schedules nothing of it, never the encoder on a stand-in."""
+    out = wrapped(*args, **kwargs)
+    if not _WITHHELD:
+        return out
+    request = args[0] if args else kwargs.get("request")
+    features = getattr(request, "mm_features", None) or ()
+    # (to schedule, num_new_tokens, budget[, loaded from the EC connector[, duplicates]])
+    duplicates = out[4] if len(out) > 4 else ()
+    need = [i for i in (*out[0], *duplicates)
+            if i < len(features) and withheld_in(features[i])]
+    failed = getattr(instance, "encoder_cache_mismatch_reqs", None)
+    if not need or failed is None:
+        return out
+    rid = getattr(request, "request_id", "?")
+    err = PayloadWithheldError(
+        f"request {rid}: the decode instance would run the encoder for "
+        f"{len(need)} item(s) whose pixels mmshm withheld (its KV did not load up to "
+        f"them: {args[1] if len(args) > 1 else kwargs.get('num_computed_tokens', '?')} of "
+        f"{getattr(request, 'num_prompt_tokens', '?')} prompt tokens computed). Fix: "
+        f"prefill it on the prefill instance first, or set kv_load_failure_policy=recompute "
+        f"on the decode instance")
+    log.warning("mmshm: %s: %s", type(err).__name__, err)
+    REQUEST_FAILURES.labels(reason="other").inc()  # counted as a request failure
+    failed.add(rid)
+    budget = args[3] if len(args) > 3 else kwargs.get("encoder_compute_budget")
+    return ([], 0, budget, *([] for _ in out[3:]))
 
 
 def _is_add(request_type) -> bool:
@@ -324,8 +491,14 @@ def _w_send_input(wrapped, instance, args, kwargs):
     request_type = args[0] if args else kwargs.get("request_type")
     if not _is_add(request_type):
         return wrapped(*args, **kwargs)
-    with sending.sending():
-        return wrapped(*args, **kwargs)
+    request = args[1] if len(args) > 1 else kwargs.get("request")
+    token = _WITHHOLDING.set([0, 0] if _DECODE_WITHHOLDS and remote_prefilled(request)
+                             else None)
+    try:
+        with sending.sending():
+            return wrapped(*args, **kwargs)
+    finally:
+        _WITHHOLDING.reset(token)
 
 
 def _w_add_request(wrapped, instance, args, kwargs):
@@ -865,6 +1038,11 @@ def _targets(observe_mode: bool) -> list[Target]:
                w(_w_init_executor, _o_init_executor)),
         # a finished request's views go (shm mode only)
         Target(_SCHED, "Scheduler._free_request", w(_w_free_request), params=("request",)),
+        # a decode instance's withheld pixels never reach the encoder (shm mode)
+        Target(_SCHED, "Scheduler._try_schedule_encoder_inputs",
+               w(_w_try_schedule_encoder_inputs),
+               params=("request", "num_computed_tokens", "num_new_tokens",
+                       "encoder_compute_budget"), optional=True),
         # the per-hop timing: optional in shm mode (it never refuses the
         # transport), required in observe mode (it is all that mode does)
         Target(_SERIAL, "MsgpackEncoder.encode", _o_encode, optional=not observe_mode),
@@ -910,6 +1088,7 @@ _INSTRUMENTOR = VLLMInstrumentor()
 __all__ = [
     "WIRE_KEY",
     "ShmTensorConsumer",
+    "PayloadWithheldError",
     "ShmTensorProvider",
     "VLLMInstrumentor",
     "attach_encoder",
@@ -918,5 +1097,9 @@ __all__ = [
     "drop_views",
     "enable_broadcast",
     "input_endpoint",
+    "decode_payload_policy",
     "materialize_request_tensor",
+    "remote_prefilled",
+    "withheld_in",
+    "withheld_tensor",
 ]
