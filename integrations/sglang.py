@@ -43,6 +43,13 @@ Scheduler process
     (patched on the class: ``SchedulerRequestReceiver`` is a frozen, slotted
     dataclass) unwraps what no broadcast unwrapped (TP size 1).
 
+Data-parallel controller (``--dp-size`` > 1)
+    The tokenizer adds one reference per handle for the controller, which
+    unpickles each request and forwards it to one DP rank's scheduler;
+    ``DataParallelController.__init__`` wraps its ``_request_dispatcher`` so
+    the controller gives its references back once the request is forwarded.
+    Each scheduler says its DP rank: ``scheduler (DP rank 1, TP rank 0)``.
+
 PD decode instance (``--disaggregation-mode decode``)
     Its scheduler takes each request's KV from the prefill instance and
     never runs the vision encoder, so the tokenizer withholds the items'
@@ -116,6 +123,7 @@ IO_STRUCT = "sglang.srt.managers.io_struct"
 TOKENIZER = "sglang.srt.managers.tokenizer_manager"
 SCHEDULER = "sglang.srt.managers.scheduler"
 RECEIVER = "sglang.srt.managers.scheduler_components.request_receiver"
+DP_CONTROLLER = "sglang.srt.managers.data_parallel_controller"
 
 #: Transport paths as :mod:`mmshm.report` names them (``mmshm_path_enabled``).
 PATH_REQUESTS = "multimodal tensors to the scheduler through shared memory"
@@ -123,6 +131,7 @@ PATH_FANOUT = "parallel sampling (n>1) writes each tensor once"
 PATH_SCHED_IN = "requests materialized zero-copy on every TP rank"
 PATH_BROADCAST = "TP broadcast carries metadata only"
 PATH_MULTINODE = "multi-node: payload once per node"
+PATH_DP_FORWARD = "requests forwarded to the DP ranks, their references given back at once"
 PATH_DECODE_WITHHOLD = (
     "PD decode instance (--disaggregation-mode decode): multimodal items reach the "
     "scheduler without their pixels (hashes, pad values and token layout kept; the KV "
@@ -295,6 +304,50 @@ def _send_one_request(wrapped, instance, args, kwargs):
 async def _send_one_request_async(wrapped, instance, args, kwargs):
     with sending.sending(hops=_dp_hops(instance)):  # this task's context only
         return await wrapped(*args, **kwargs)
+
+
+# -- data-parallel controller ----------------------------------------------------
+def _controller_ready(wrapped, instance, args, kwargs):
+    """``DataParallelController.__init__``: the controller gives its own
+    references back as soon as it has forwarded a request.
+
+    The controller unpickles each request from the tokenizer (its handles
+    own the reference :func:`_dp_hops` added for it) and sends it on to one
+    DP rank's scheduler (or to all) from ``_request_dispatcher``, which
+    pickles it there and then (0.5.9-0.5.23: ``send_pyobj`` / ``sock_send``).
+    Left to garbage collection, the references of the last request would
+    stay: the controller's event loop keeps it in a local variable until the
+    next request arrives, so its segments outlived the pool's idle time on
+    an idle server."""
+    result = wrapped(*args, **kwargs)
+    dispatcher = getattr(instance, "_request_dispatcher", None)
+    if not callable(dispatcher):
+        SGLangInstrumentor().path_off(
+            "data-parallel controller", PATH_DP_FORWARD,
+            "this SGLang release's DataParallelController has no _request_dispatcher, so the "
+            "references of the last request it forwarded are given back only when the next "
+            "one arrives", "report this as an mmshm bug with the SGLang version")
+        return result
+    import wrapt
+
+    instance._request_dispatcher = wrapt.FunctionWrapper(dispatcher, _forward_then_release)
+    _say("data-parallel controller", [PATH_DP_FORWARD], [PATH_DP_FORWARD])
+    return result
+
+
+def _forward_then_release(wrapped, instance, args, kwargs):
+    """One message through the controller's dispatcher: forwarded (pickled
+    and sent), then the controller's own references on its handles given
+    back (:func:`mmshm.walker.release`); the receivers' references travel
+    in the message. If dispatch raises, the controller's are given back all
+    the same."""
+    from mmshm import walker
+
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        if args:
+            walker.release(args[0])
 
 
 def _handle_batch_request(wrapped, instance, args, kwargs):
@@ -831,6 +884,8 @@ class SGLangInstrumentor(Instrumentor):
             Target(TOKENIZER, "TokenizerManager._handle_batch_request", _handle_batch_request),
             Target(TOKENIZER, "TokenizerManager.__init__", _tokenizer_ready, optional=True),
             Target(SCHEDULER, "Scheduler.__init__", _scheduler_ready, optional=True),
+            Target(DP_CONTROLLER, "DataParallelController.__init__", _controller_ready,
+                   optional=True),
             Target(sched, "broadcast_pyobj", _make_timed_broadcast, factory=True),
             Target(sched, f"{sched_cls}.recv_requests", _timed_recv(_recv_requests)),
             Target(sched, "unwrap_shm_features", _timed_unwrap, optional=True),
