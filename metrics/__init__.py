@@ -42,7 +42,13 @@ Families (as exposed):
                                                handle sent: vLLM's scheduler-output queue,
                                                ``deferred_unwrap`` for SGLang)
 ``mmshm_path_enabled{server,role,path}``       1 while an instrumented transport path is on
-                                               in a live process, 0 when left off
+                                               in a live process, 0 when left off;
+                                               ``role`` as the process's "on:" line says it,
+                                               with its data-parallel rank under data
+                                               parallelism only (``scheduler (DP rank 1, TP
+                                               rank 0)``, ``EngineCore (DP rank 0)``): one
+                                               series per DP rank, and a server without
+                                               data parallelism keeps its series
 ``mmshm_ipc_seconds{server,hop,transport}``   histogram: seconds one message spends in one hop
                                                of the multimodal path (see :mod:`mmshm.observe`),
                                                ``transport`` = ``server`` (the server's own,
@@ -159,7 +165,8 @@ _SPECS = (
      ("path",), {}),
     ("PATH_ENABLED", "gauge", "mmshm_path_enabled",
      "1 while an instrumented transport path is on in a live process, 0 when it was left "
-     "off (see the process's WARNING for the reason).", ("server", "role", "path"),
+     "off (see the process's WARNING for the reason); role as the process's on: line says "
+     "it, with its DP rank under data parallelism.", ("server", "role", "path"),
      {"multiprocess_mode": "livemax"}),
     ("FREE_BYTES", "gauge", "mmshm_dir_free_bytes",
      "Free bytes in the segment directory's file system (statvfs f_bavail * f_frsize).", (),
