@@ -105,8 +105,13 @@ def decode(request):
     seg_dir = shm if shm is not None else Path(
         tempfile.mkdtemp(prefix="mmshm-pd-", dir="/dev/shm"))
     port = server.free_port()
+    # --hicache-ratio: the host KV pool as a fraction of the device pool,
+    # SGLang's own choice for a pool that only backs retractions (0.2);
+    # unset, SGLang sizes it from the host memory free past a 10 GiB reserve,
+    # and refuses to start when other servers on the host leave none
     argv = server.sglang_argv(MODEL_DIR, port, TP, V, limit_images=2) + [
-        "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake"]
+        "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake",
+        "--hicache-ratio", "0.2"]
     env = server.sglang_env(MMSHM_POOL_IDLE_S=f"{POOL_IDLE_S:g}", MMSHM_REAP_INTERVAL_S="60")
     prefix = None
     if shm is not None:
@@ -244,7 +249,8 @@ def test_decode_leaves_nothing_when_idle(decode):
     S["left_when_idle"] = _segments(decode["seg_dir"])
     assert S["left_when_idle"] == []
     report = mm.gc_dry_run()
-    assert report["reaped"] == 0 and not report.get("names"), report
+    assert report["reclaimed"] == 0 and report["names"] == [], report
+    assert report["live"] == 0 and report["in_flight"] == 0, report
     status = mm.status()
     assert status["segments"] == [] and status["orphans"] == 0, status
 
@@ -282,8 +288,9 @@ def test_decode_killed_mid_request_leaves_nothing(decode):
     d = str(decode["seg_dir"])
     dry = _mmshm_json("gc", "--dry-run", "--dir", d)
     done = _mmshm_json("gc", "--dir", d)
-    S["reclaimed_after_kill"] = done["reaped"]
-    assert dry["reaped"] == 0 and done["reaped"] == 0, (dry, done)
+    S["reclaimed_after_kill"] = done["reclaimed"]
+    assert dry["reclaimed"] == 0 and done["reclaimed"] == 0, (dry, done)
+    assert dry["live"] == 0 and dry["in_flight"] == 0 and done["names"] == [], (dry, done)
     assert _segments(decode["seg_dir"]) == []
 
 
