@@ -51,7 +51,6 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -171,16 +170,6 @@ def _segments(d: Path) -> list[str]:
         return []
 
 
-def _mmshm_json(*args: str) -> dict:
-    import json
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMSHM_")}
-    p = subprocess.run([sys.executable, "-m", "mmshm.cli", *args, "--json"],
-                       capture_output=True, text=True, timeout=120, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout)
-
-
 # -- 1. image requests answered, no pixels written -----------------------------------------
 @pytest.mark.timeout(900)
 def test_decode_answers_images_and_writes_no_pixels(decode):
@@ -285,9 +274,12 @@ def test_decode_killed_mid_request_leaves_nothing(decode):
     S["in_flight_at_kill"] = wraps - wraps0
     # what a restart's start-up reclaim runs (mmshm.reaper.reap), from here:
     # the server's processes are gone, its tmpfs is still mounted here
-    d = str(decode["seg_dir"])
-    dry = _mmshm_json("gc", "--dry-run", "--dir", d)
-    done = _mmshm_json("gc", "--dir", d)
+    sys.path.insert(0, str(Path(__file__).parent))
+    import faults
+
+    mm = faults.Mmshm(decode["seg_dir"])
+    dry = mm.gc_dry_run()
+    done = mm._json("gc")
     S["reclaimed_after_kill"] = done["reclaimed"]
     assert dry["reclaimed"] == 0 and done["reclaimed"] == 0, (dry, done)
     assert dry["live"] == 0 and dry["in_flight"] == 0 and done["names"] == [], (dry, done)
@@ -362,3 +354,16 @@ def test_withheld_request_keeps_what_the_scheduler_needs():
         assert "withheld by a PD decode instance" in str(failed.mm_inputs), failed.mm_inputs
     finally:
         glue._SCHEDULER = old
+
+    # the tokenizer's decision: only a decode instance, and not one that may
+    # turn into a prefill instance, withholds
+    def manager(mode, role_switch=False):
+        return types.SimpleNamespace(
+            disaggregation_mode=types.SimpleNamespace(value=mode),
+            server_args=types.SimpleNamespace(enable_pd_role_switch=role_switch))
+
+    assert glue.decode_payload_policy(manager("decode")) == (True, glue.PATH_DECODE_WITHHOLD)
+    keeps, line = glue.decode_payload_policy(manager("decode", role_switch=True))
+    assert not keeps and "--enable-pd-role-switch" in line, line
+    assert glue.decode_payload_policy(manager("prefill")) is None
+    assert glue.decode_payload_policy(manager("null")) is None
