@@ -94,10 +94,12 @@ E2E_TESTS = [ROOT / "tests" / "e2e" / "test_sglang_e2e.py",
              ROOT / "tests" / "e2e" / "test_sglang_multinode_e2e.py"]
 #: Real-server tests of one release only, after :data:`E2E_TESTS`: the model
 #: matrix (LLaVA-NeXT, Qwen2.5-VL images and video, Qwen2-Audio) on 0.5.23,
-#: and a PD decode instance (--disaggregation-mode decode, one start).
+#: a PD decode instance (--disaggregation-mode decode, one start), and data
+#: parallelism (--dp-size 2, plain and under mmshm run: two starts).
 E2E_TESTS_BY_RELEASE: dict[str, list[Path]] = {
     "0.5.23": [ROOT / "tests" / "e2e" / "test_sglang_matrix.py",
-               ROOT / "tests" / "e2e" / "test_sglang_pd_e2e.py"],
+               ROOT / "tests" / "e2e" / "test_sglang_pd_e2e.py",
+               ROOT / "tests" / "e2e" / "test_sglang_dp_e2e.py"],
 }
 
 
