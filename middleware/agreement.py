@@ -17,6 +17,11 @@ Invariants:
 - the agreement's messages are point to point with tag :data:`AGREE_TAG`, two
   hops around the broadcast's source rank (``all_reduce`` only when the source
   is not in the group); no barrier, no other collective;
+- the vector ends with one element per group rank, the *lost* flags: the
+  source sets those of the ranks whose vector never came (they died, or their
+  link did, before the end of their walk) and sends the result to every other
+  rank, so that the survivors learn the same lost ranks and the source knows
+  that every survivor has finished its walk;
 - this module imports nothing of mmshm above the segment layer and the
   errors: the one-node protocol (:mod:`mmshm.broadcast`) and the multi-node
   path (:mod:`mmshm.multinode`) use it, never the other way round.
@@ -36,6 +41,8 @@ _REASON_CODE = {r: i for i, r in enumerate(REASONS)}
 _OTHER = _REASON_CODE["other"]
 # tag of the agreement's point-to-point messages
 AGREE_TAG = 0x6D6E
+# values of the lost flags (the vector's last ``world`` elements)
+LOST, LATE = 1, 2
 
 
 
@@ -56,7 +63,13 @@ def _remote(code: int, where: str) -> _RemoteFailure:
 def _agree_max(flat: torch.Tensor, group, world: int, group_rank: int,
                src_group_rank: int | None, src: int | None) -> torch.Tensor:
     """Element-wise MAX of the int32 vector ``flat`` over ``group``, known to
-    every rank afterwards.
+    every rank afterwards; its last ``world`` elements are the lost flags
+    (zero from every rank; see the module docstring): :data:`LOST` for a
+    rank whose vector never came (the survivors still get the result), and,
+    in the source rank's own copy only, :data:`LATE` for a rank whose vector
+    came but which the result could not be sent back to (lost after its
+    walk). Raises what ``torch.distributed`` raises on a broken link, on the
+    other ranks, and with ``all_reduce``.
 
     A star around the broadcast's source rank, point to point: every other
     rank sends its vector to the source and waits for the maximum, which the
@@ -74,16 +87,31 @@ def _agree_max(flat: torch.Tensor, group, world: int, group_rank: int,
         return r if group is None else dist.get_global_rank(group, r)
 
     if group_rank == src_group_rank:
-        others = [glob(r) for r in range(world) if r != group_rank]
-        parts = [torch.empty_like(flat) for _ in others]
-        works = [dist.irecv(p, src=r, group=group, tag=AGREE_TAG)
-                 for p, r in zip(parts, others)]
-        for w in works:
-            w.wait()
-        flat = torch.stack([flat, *parts]).amax(dim=0)
-        works = [dist.isend(flat, dst=r, group=group, tag=AGREE_TAG) for r in others]
-        for w in works:
-            w.wait()
+        others = [r for r in range(world) if r != group_rank]
+        parts = {r: torch.empty_like(flat) for r in others}
+        works = {r: dist.irecv(parts[r], src=glob(r), group=group, tag=AGREE_TAG)
+                 for r in others}
+        lost = []
+        for r, w in works.items():  # every one, so that the survivors all get the result
+            try:
+                w.wait()
+            except RuntimeError:  # that rank's vector never came: it is lost
+                lost.append(r)
+        live = [r for r in others if r not in lost]
+        flat = torch.stack([flat, *(parts[r] for r in live)]).amax(dim=0)
+        for r in lost:
+            flat[len(flat) - world + r] = LOST
+        sends = {r: dist.isend(flat, dst=glob(r), group=group, tag=AGREE_TAG) for r in live}
+        late = []
+        for r, w in sends.items():
+            try:
+                w.wait()
+            except RuntimeError:
+                late.append(r)
+        if late:
+            flat = flat.clone()  # the vector sent stays as it was
+            for r in late:
+                flat[len(flat) - world + r] = LATE
         return flat
     out = torch.empty_like(flat)
     sent = dist.isend(flat, dst=src, group=group, tag=AGREE_TAG)

@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import pickle
 import time
+from collections import OrderedDict
+from struct import error as struct_error
 from collections.abc import Callable
 from typing import Any
 
@@ -39,11 +42,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import node
+from . import node, segfile
 from .agreement import (  # noqa: F401 - re-exported: the wire codes and tags
     _OTHER,
     _REASON_CODE,
     AGREE_TAG,
+    LATE,
+    LOST,
     REASONS,
     _agree_max,
 )
@@ -69,6 +74,7 @@ from .metrics import (
 from .multinode import P2P_TAG, HandleIndex, _NodePlan  # noqa: F401 - P2P_TAG re-exported
 from .receiving import unwrap_each
 from .segment import SegmentRef
+from .table import TABLE
 from .walker import handles, transform
 
 log = logging.getLogger("mmshm")
@@ -318,13 +324,25 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
         src_group_rank = _group_rank_of(src, dist_group, world)
         plan: _NodePlan | None = None
         receivers = world - 1
+        lay = None
         if world > 1:
             # both a dict lookup after the first call; the handshake first, since
             # the layout is a collective that a peer without mmshm never makes
-            if (not node.handshake(dist_group).ok
-                    or (lay := node.layout(dist_group)).id_collision):
+            verdict = node.handshake(dist_group)
+            try:
+                if verdict.ok:
+                    lay = node.layout(dist_group)
+            except RuntimeError as exc:
+                if isinstance(exc, MmshmError):
+                    raise
+                raise PeerLostError(
+                    f"mmshm: TP rank {group_rank} lost a peer before the group's first "
+                    f"broadcast ({exc}); the group cannot go on, so the server's own failure "
+                    f"handling takes over",
+                    ranks=[r for r in range(world) if r != group_rank]) from exc
+            if lay is None or lay.id_collision:
                 return _inline_broadcast(broadcast_fn, data, rank, dist_group, src, on_failure,
-                                         role, args, kwargs)
+                                         role, args, kwargs, verdict.missing)
             if not lay.single and src_group_rank is not None:
                 plan = _NodePlan(lay, dist_group, group_rank, src_group_rank)
                 receivers = len(lay.ranks_on_node_of(src_group_rank)) - 1
@@ -343,7 +361,7 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
         BROADCAST_SECONDS.labels(role=role).observe(time.perf_counter() - t0)
         try:
             return _unwrap_all(out, dist_group, world, group_rank, copy, on_failure, role,
-                               src_group_rank, plan, src)
+                               src_group_rank, plan, src, added, lay)
         except RuntimeError as exc:
             if isinstance(exc, MmshmError):
                 raise
@@ -359,7 +377,7 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
 
 
 def _inline_broadcast(broadcast_fn, data, rank, dist_group, src, on_failure, role, args,
-                      kwargs) -> list:
+                      kwargs, missing=()) -> list:
     """The broadcast of a group whose ranks do not all run this mmshm
     (:func:`mmshm.node.handshake`), or whose nodes cannot be told apart
     (:attr:`mmshm.node.Layout.id_collision`): the source rank counts each of
@@ -368,14 +386,28 @@ def _inline_broadcast(broadcast_fn, data, rank, dist_group, src, on_failure, rol
     into a private tensor first (a request whose handles cannot be read
     becomes ``on_failure(request, error)`` before it is sent, so every rank
     gets the same), then ``broadcast_fn`` carries the tensors as the server's
-    own transport would; the other ranks receive tensors and unwrap nothing."""
+    own transport would; the other ranks receive tensors and unwrap nothing.
+
+    ``missing``: the group ranks the handshake found silent (no mmshm, or
+    gone); if ``broadcast_fn`` then fails on a broken link, the error is a
+    :class:`~mmshm.errors.PeerLostError` naming them (the ``RuntimeError``
+    of ``torch.distributed`` as its ``__cause__``)."""
     if rank == src and data:
         n = sum(len(handles(req)) for req in data)
         if n:
             FALLBACKS.labels(reason="group").inc(n)
         data = unwrap_each(list(data), on_failure or (lambda req, err: err))
     t0 = time.perf_counter()
-    out = broadcast_fn(data, rank, dist_group, src, *args, **kwargs)
+    try:
+        out = broadcast_fn(data, rank, dist_group, src, *args, **kwargs)
+    except RuntimeError as exc:
+        if not missing or isinstance(exc, MmshmError):
+            raise
+        raise PeerLostError(
+            f"mmshm: the TP group's first broadcast failed ({exc}) after rank(s) "
+            f"{list(missing)} announced nothing within the handshake's wait: they are gone; "
+            f"the group cannot go on, so the server's own failure handling takes over",
+            ranks=list(missing)) from exc
     BROADCAST_SECONDS.labels(role=role).observe(time.perf_counter() - t0)
     return out
 
@@ -400,11 +432,18 @@ class _Unwrapper(HandleIndex):
     copies' ``mm_items`` share one object in the producer after SGLang's
     ``copy.copy`` fan-out; another process's bytes are never affected."""
 
-    def __init__(self, copy: bool):
+    def __init__(self, copy: bool, hold: bool = False):
         self.copy = copy
         self._positions: dict[int, int] = {}  # id(handle) -> index
         self.order: list[ShmTensor] = []
         self.state: list = []  # per handle: tensor, exception, or None
+        # per handle: 1 if this walk opened its segment in this process (an
+        # attach the segment's hand-out record counts), else 0
+        self.opened: list[int] = []
+        # hold: a receiver keeps every reference of the batch until the
+        # agreement is over (copy=True views are dropped after it), so that a
+        # rank lost before then has given back none (see _give_back_lost)
+        self.held: list[torch.Tensor] | None = [] if hold else None
         self.current: list[int] = []
         self.wire_bytes = 0
         # zero-copy: the first view of each segment, by (metadata, directory)
@@ -417,6 +456,7 @@ class _Unwrapper(HandleIndex):
             idx = self._positions[id(h)] = len(self.order)
             self.order.append(h)
             self.state.append(None)
+            self.opened.append(0)
             self.wire_bytes += _HANDLE_WIRE_BYTES
         return idx
 
@@ -441,14 +481,33 @@ class _Unwrapper(HandleIndex):
             self.duplicates[key] = self.duplicates.get(key, 0) + 1
             st = self.state[idx] = first.view(first.shape)
             return st
+        fresh = h.error is None and TABLE.get(h.name) is None
         try:
-            st = self.state[idx] = h.materialize(copy=self.copy)
+            if self.copy and self.held is not None:
+                view = h.materialize()
+                self.held.append(view)  # its reference goes back after the agreement
+                st = self.state[idx] = view.clone()
+            else:
+                st = self.state[idx] = h.materialize(copy=self.copy)
         except Exception as exc:
             self.state[idx] = exc
             raise
+        if fresh:
+            self.opened[idx] = 1
         if not self.copy:
             self.mapped[h.identity] = st
         return st
+
+    def abandon(self) -> None:
+        """A receiver's broadcast ends without the agreement: keep no claim
+        on the references not yet opened (the source gives back those of a
+        rank it found lost, :func:`_give_back_lost`) and give back none of
+        the duplicates'."""
+        for h in self.order:
+            if h.owns_reference:
+                h.disown()
+        self.duplicates = {}
+        self.mapped = {}
 
     def give_back_duplicates(self) -> None:
         """Release the references of the handles that reuse another handle's
@@ -467,6 +526,22 @@ class _Unwrapper(HandleIndex):
     def request_handles(self, req) -> list[int]:
         """Indices of every handle in ``req`` (after a walk that stopped early)."""
         return list(dict.fromkeys(self.index(h) for h in handles(req)))
+
+
+def _probe(unw: _Unwrapper, idxs: list[int], stranded: np.ndarray, col: int) -> None:
+    """A receiver's :func:`_give_back` before the agreement, which gives back
+    nothing yet: marks in ``stranded`` the references this rank cannot reach
+    (and gives up its claim on them: the source gives them back); the others
+    are given back after the agreement."""
+    for idx in idxs:
+        h = unw.order[idx]
+        if not h.owns_reference:
+            continue
+        try:
+            h.ref.add(0)
+        except (MmshmError, OSError):
+            h.disown()
+            stranded[idx, col] = 1
 
 
 def _give_back(unw: _Unwrapper, idxs: list[int], stranded: np.ndarray, col: int) -> None:
@@ -488,7 +563,8 @@ def _give_back(unw: _Unwrapper, idxs: list[int], stranded: np.ndarray, col: int)
 
 def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_failure,
                 role: str, src_group_rank: int | None, plan: _NodePlan | None = None,
-                src: int | None = None) -> list:
+                src: int | None = None, added: dict[SegmentRef, int] | None = None,
+                lay: node.Layout | None = None) -> list:
     if not out:
         return out
     results = list(out)
@@ -497,48 +573,71 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
     failed = np.zeros((n, world), dtype=np.int32)
     req_idxs: list[list[int]] = []
     t0 = time.perf_counter()
-    unw = _Unwrapper(copy)
+    is_src = src_group_rank is not None and group_rank == src_group_rank
+    # one node: a receiver gives back nothing of the batch before the agreement
+    defer = plan is None and world > 1 and src_group_rank is not None and not is_src
+    unw = _Unwrapper(copy, hold=defer)
     if plan is not None:
         plan.prepare(unw, out)  # on other nodes: swap in this node's copies
-    for i, req in enumerate(out):
-        unw.current = []
-        try:
-            results[i] = transform(req, unw)
-            req_idxs.append(list(dict.fromkeys(unw.current)))
-        except Exception as exc:  # noqa: BLE001 - any failure must reach the agreement
-            # (a rank that raised here would leave the others waiting in it)
-            req_idxs.append(unw.request_handles(req))
-            reason = failure_reason(exc)
-            MATERIALIZE_FAILURES.labels(reason=reason).inc()
-            reasons[i] = _REASON_CODE.get(reason, _OTHER)
-            failed[i, group_rank] = 1
-            results[i] = None
-    unw.give_back_duplicates()
-    if plan is not None:
-        plan.send_payloads(unw)  # the source rank, to the other nodes' leaders
-    BROADCAST_BYTES.labels(role=role).observe(unw.wire_bytes + _REQUEST_WIRE_BYTES * n)
-    nh = len(unw.order)
-    if not nh:  # identical on every rank: the data is the same
-        return results
-    MATERIALIZE_SECONDS.observe(time.perf_counter() - t0)
-    stranded = np.zeros((nh, world), dtype=np.int32)
-    local = np.nonzero(reasons)[0].tolist()
-    for i in local:
-        _give_back(unw, req_idxs[i], stranded, group_rank)
-    if world > 1:
-        flat = torch.from_numpy(np.concatenate([reasons, failed.ravel(), stranded.ravel()]))
-        flat = _agree_max(flat, group, world, group_rank, src_group_rank, src).numpy()
-        reasons = flat[:n]
-        failed = flat[n:n + n * world].reshape(n, world)
-        stranded = flat[n + n * world:].reshape(nh, world)
+    try:
+        for i, req in enumerate(out):
+            unw.current = []
+            try:
+                results[i] = transform(req, unw)
+                req_idxs.append(list(dict.fromkeys(unw.current)))
+            except Exception as exc:  # noqa: BLE001 - any failure must reach the agreement
+                # (a rank that raised here would leave the others waiting in it)
+                req_idxs.append(unw.request_handles(req))
+                reason = failure_reason(exc)
+                MATERIALIZE_FAILURES.labels(reason=reason).inc()
+                reasons[i] = _REASON_CODE.get(reason, _OTHER)
+                failed[i, group_rank] = 1
+                results[i] = None
+        if not defer:
+            unw.give_back_duplicates()
+        if plan is not None:
+            plan.send_payloads(unw)  # the source rank, to the other nodes' leaders
+        BROADCAST_BYTES.labels(role=role).observe(unw.wire_bytes + _REQUEST_WIRE_BYTES * n)
+        nh = len(unw.order)
+        if not nh:  # identical on every rank: the data is the same
+            return results
+        MATERIALIZE_SECONDS.observe(time.perf_counter() - t0)
+        stranded = np.zeros((nh, world), dtype=np.int32)
+        opened = np.zeros((nh, world), dtype=np.int32)
+        opened[:, group_rank] = unw.opened
+        local = np.nonzero(reasons)[0].tolist()
+        for i in local:
+            (_probe if defer else _give_back)(unw, req_idxs[i], stranded, group_rank)
+        lost: list[int] = []
+        late: list[int] = []
+        if world > 1:  # the lost flags last (mmshm.agreement)
+            flat = torch.from_numpy(np.concatenate([reasons, failed.ravel(), stranded.ravel(),
+                                                    opened.ravel(),
+                                                    np.zeros(world, dtype=np.int32)]))
+            flat = _agree_max(flat, group, world, group_rank, src_group_rank, src).numpy()
+            reasons = flat[:n]
+            failed = flat[n:n + n * world].reshape(n, world)
+            at = n + n * world
+            stranded = flat[at:at + nh * world].reshape(nh, world)
+            opened = flat[at + nh * world:at + 2 * nh * world].reshape(nh, world)
+            flags = flat[len(flat) - world:]
+            lost = np.nonzero(flags == LOST)[0].tolist()
+            late = np.nonzero(flags == LATE)[0].tolist()
+    except BaseException:
+        if defer:
+            unw.abandon()
+        raise
+    if defer:
+        unw.give_back_duplicates()
+        unw.held = []
     for i in np.nonzero(reasons)[0].tolist():
         results[i] = None  # drops this rank's views, giving back their references
-        if i not in local:
+        if i not in local or defer:
             _give_back(unw, req_idxs[i], stranded, group_rank)
     unw.state = []
     if plan is not None:
         plan.give_back_stranded(unw, stranded)
-    elif src_group_rank is not None and group_rank == src_group_rank:
+    elif is_src:
         # references handed out to ranks that cannot reach the segment come back here
         for idx in np.nonzero(stranded.sum(axis=1))[0].tolist():
             h = unw.order[idx]
@@ -546,6 +645,15 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
                 h.ref.add(-int(stranded[idx].sum()))
             except (MmshmError, OSError):
                 pass
+        if lost:
+            _give_back_lost(unw, added or {}, opened, lost, group_rank, lay)
+        _remember_handed(added or {})
+    if lost or late:
+        gone = sorted(lost + late)
+        raise PeerLostError(
+            f"mmshm: TP rank(s) {gone} of the group stopped answering during a broadcast "
+            f"(TP rank {group_rank} found it in the failure agreement); the group cannot go "
+            f"on, so the server's own failure handling takes over", ranks=gone)
     for i in np.nonzero(reasons)[0].tolist():
         reason = REASONS[int(reasons[i])]
         ranks = [r for r in range(world) if failed[i, r]]
@@ -557,5 +665,108 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
     return results
 
 
+# Segments this process handed out in earlier broadcasts (most recent last,
+# bounded): a receiver may have one of them open from then, so its attach
+# now would not show in the hand-out record (_give_back_lost skips them).
+_HANDED: OrderedDict[SegmentRef, None] = OrderedDict()
+_HANDED_MAX = 4096
 
 
+def _remember_handed(added: dict[SegmentRef, int]) -> None:
+    for key in added:
+        _HANDED[key] = None
+        _HANDED.move_to_end(key)
+    while len(_HANDED) > _HANDED_MAX:
+        _HANDED.popitem(last=False)
+
+
+def _hand_out_record(key: SegmentRef) -> tuple[int, int, int] | None:
+    """The segment's last hand-out, read under its mutex: (references it
+    added, attaches since by processes other than the one that made it,
+    that process's pid), or None if the segment is gone or was reused."""
+    path = os.path.join(segfile.segment_dir(key.directory), key.name)
+    try:
+        fd = os.open(path, segfile.OPEN_FLAGS)
+    except OSError:
+        return None
+    try:
+        with segfile.mutex(fd):
+            hdr = segfile.read_header(fd, path)
+            raw = os.pread(fd, segfile._HAND_OUT.size, segfile._OFF_HANDED)
+        if hdr.state != segfile.STATE_LIVE or hdr.gen != key.gen:
+            return None
+        return segfile._HAND_OUT.unpack(raw)
+    except (OSError, ValueError, struct_error):
+        return None
+    finally:
+        os.close(fd)  # OFD locks: closing this descriptor drops nobody's lock
+
+
+#: how long the source waits for a lost rank's process to be gone (a killed
+#: process closes its sockets before it is reaped), in seconds
+_GONE_WAIT_S = 2.0
+
+
+def _wait_gone(ranks: list[int], procs) -> list[int]:
+    """The ranks of ``ranks`` whose process is gone, waiting up to
+    :data:`_GONE_WAIT_S` for all of them."""
+    deadline = time.monotonic() + _GONE_WAIT_S
+    while True:
+        gone = [r for r in ranks if node.process_gone(procs[r])]
+        if len(gone) == len(ranks) or time.monotonic() > deadline:
+            return gone
+        time.sleep(0.01)
+
+
+def _give_back_lost(unw: _Unwrapper, added: dict[SegmentRef, int], opened: np.ndarray,
+                    lost: list[int], me: int, lay: node.Layout | None) -> None:
+    """On the source rank, one node: give back the references handed out in
+    this broadcast to the ranks whose agreement vector never came (``lost``),
+    where they can be proved never given back by those ranks, and keep them
+    for the reaper's grace where not (said at WARNING).
+
+    A lost rank's references for segment S are given back (``len(handles of
+    S)`` each) only if all of these hold:
+
+    - the rank's process is gone (:func:`mmshm.node.process_gone`, from the
+      pid and start time it gave in the layout): a rank that is only hung
+      could still open S later, and give back its reference itself;
+    - S's last hand-out is this broadcast's (this pid, the count added here):
+      its attach count then counts the opens of S since;
+    - that count equals the opens the survivors reported in the agreement:
+      the lost rank never opened S in this walk;
+    - this process did not hand S out in an earlier broadcast: the lost rank
+      cannot have had S open from then (an open the count would not show).
+
+    A receiver gives back no reference of an unopened handle before the
+    agreement is over, nor when its broadcast ends in an error
+    (:meth:`_Unwrapper.abandon`), and a lost rank never got the agreement's
+    result: so a reference that meets these conditions is still counted for
+    it, and is given back exactly once, here."""
+    per: dict[SegmentRef, list[int]] = {}
+    for idx, h in enumerate(unw.order):
+        if h.error is None and h.is_local():
+            per.setdefault(h.ref, []).append(idx)
+    procs = lay.procs if lay is not None else ()
+    gone = _wait_gone([r for r in lost if r < len(procs)], procs)
+    survivors = [r for r in range(opened.shape[1]) if r != me and r not in lost]
+    pid = os.getpid() & 0xFFFFFFFF
+    given = kept = 0
+    for key, idxs in per.items():
+        handed = added.get(key, 0)
+        refs = len(idxs) * len(gone)
+        ok = bool(refs) and handed > 0 and key not in _HANDED
+        if ok:
+            fresh = int(opened[np.ix_(idxs, survivors)].sum()) if survivors else 0
+            ok = _hand_out_record(key) == (handed, fresh, pid)
+        if ok and key.release(refs):
+            given += refs
+        kept += len(idxs) * len(lost) - (refs if ok else 0)
+    if kept:
+        log.warning("mmshm: %d reference(s) handed out to lost TP rank(s) %s (gone: %s) cannot "
+                    "be proved unused there, so they are left to the reaper, which reclaims "
+                    "them after MMSHM_IN_FLIGHT_GRACE_S; %d given back at once", kept, lost,
+                    gone, given)
+    elif given:
+        log.info("mmshm: gave back %d reference(s) handed out to lost TP rank(s) %s", given,
+                 lost)

@@ -32,7 +32,12 @@ under its global rank in the default process group's key-value store and
 waits for every peer's announcement. A peer with no mmshm (it never
 announces) or another version makes the group carry its tensors inline:
 the first rank to decide stores the verdict (``compare_set``) and every rank
-follows the stored one, so no two ranks of a group ever disagree.
+follows the stored one, so no two ranks of a group ever disagree. The wait is
+``MMSHM_HANDSHAKE_S``, at most half the group's own timeout
+(:func:`group_timeout`), so that a broadcast to a peer that died before it
+still fails, typed, within the group's timeout. A store that cannot be
+reached (its host, global rank 0, has exited; it refuses) means what no store
+means: one WARNING, and the group goes on as if every rank ran this mmshm.
 
 Simulating ``K`` nodes on one machine (``mmshm bench --nodes K``): give each
 simulated node its own segment directory and node id with :func:`simulate`
@@ -62,7 +67,7 @@ log = logging.getLogger("mmshm")
 #: Version of what ranks of one group exchange (the broadcast's metadata,
 #: the failure agreement, the multi-node transfers); a peer announcing
 #: another one makes the group go inline (:func:`handshake`).
-PROTOCOL = 1
+PROTOCOL = 2
 
 NODE_ID_BITS = 32
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -218,6 +223,9 @@ class Layout:
     #: empty when not gathered
     facts: tuple[str, ...] = ()
 
+    #: per rank, its process (:func:`process_id`); empty when not gathered
+    procs: tuple[tuple[int, int, int], ...] = ()
+
     @property
     def id_collision(self) -> bool:
         """Whether two nodes of the group would be taken for one: two
@@ -236,7 +244,7 @@ class Layout:
         return False
 
     @classmethod
-    def from_identities(cls, identities, ids=(), facts=()) -> Layout:
+    def from_identities(cls, identities, ids=(), facts=(), procs=()) -> Layout:
         index: dict[str, int] = {}
         members: list[list[int]] = []
         node_of = []
@@ -248,7 +256,7 @@ class Layout:
             members[k].append(r)
             node_of.append(k)
         return cls(tuple(identities), tuple(node_of), tuple(tuple(m) for m in members),
-                   tuple(ids), tuple(facts))
+                   tuple(ids), tuple(facts), tuple(procs))
 
     @property
     def single(self) -> bool:
@@ -292,21 +300,53 @@ def layout(group=None) -> Layout:
         return hit[1]
     world = dist.get_world_size(group=group)
     pairs: list = [None] * world
-    dist.all_gather_object(pairs, (*_lookup(None), system_facts()), group=group)
+    dist.all_gather_object(pairs, (*_lookup(None), system_facts(), process_id()), group=group)
     lay = Layout.from_identities([p[0] for p in pairs], [p[1] for p in pairs],
-                                 [p[2] for p in pairs])
+                                 [p[2] for p in pairs], [p[3] for p in pairs])
     _LAYOUTS[id(pg)] = (pg, lay)
     if lay.id_collision:
         log.warning("mmshm: two nodes of the process group of %d ranks have the same node id "
                     "(%s): their handles cannot be told apart, so the group carries its "
                     "multimodal tensors inline. Fix: give each node its own MMSHM_NODE_ID (or "
                     "unset it)", world, ", ".join(f"rank {r}: 0x{i:08x} ({n}; {f})"
-                                                for r, (n, i, f) in enumerate(pairs)))
+                                                for r, (n, i, f, _) in enumerate(pairs)))
     if not lay.single:
         log.info("mmshm: the process group of %d ranks spans %d nodes (group ranks by node: "
                  "%s): each payload crosses to every other node once",
                  world, lay.num_nodes, [list(m) for m in lay.nodes])
     return lay
+
+
+def _stat_start(pid: int | str) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks after boot) of process
+    ``pid`` from /proc, or None where /proc does not show it."""
+    raw = _read(f"/proc/{pid}/stat")
+    try:
+        fields = raw[raw.rindex(")") + 2:].split()
+        return fields[0], int(fields[19])
+    except ValueError:
+        return None
+
+
+def process_id() -> tuple[int, int, int]:
+    """This process as another process of its node can find it again, pid
+    reuse notwithstanding: ``(pid, start time in clock ticks after boot,
+    inode of its pid namespace)``; start 0 where /proc does not say."""
+    st = _stat_start("self")
+    return os.getpid(), st[1] if st else 0, _ns_inode("pid")
+
+
+def process_gone(proc: tuple[int, int, int]) -> bool | None:
+    """Whether the process :func:`process_id` returned (in a process of
+    this node) has exited: True (gone, or a zombie), False (it runs), None
+    (cannot be told: another pid namespace, or /proc does not say)."""
+    pid, start, pidns = proc
+    if not start or pidns != _ns_inode("pid"):
+        return None
+    st = _stat_start(pid)
+    if st is None or st[1] != start:
+        return True  # no such pid any more, or reused by another process
+    return st[0] in ("Z", "X")
 
 
 def forget_layouts() -> None:
@@ -334,12 +374,21 @@ class Verdict:
     """A group's handshake result, the same on every rank of the group.
 
     Attributes:
-        ok: every rank runs this mmshm (same version and protocol).
+        ok: every rank runs this mmshm (same version and protocol), or it
+            could not be checked (no store, or a store that cannot be
+            reached: ``checked`` is False).
         reason: why not, naming the ranks and their hosts ("" when ok).
+        missing: the group ranks that announced nothing within the wait, as
+            this rank judged it: peers without mmshm, or peers that died
+            before the group's first broadcast (a broadcast that then fails
+            raises :class:`~mmshm.errors.PeerLostError` naming them).
+        checked: whether the store could be asked.
     """
 
     ok: bool
     reason: str = ""
+    missing: tuple[int, ...] = ()
+    checked: bool = True
 
 
 _VERDICTS: dict[int, tuple[object, Verdict]] = {}
@@ -366,6 +415,30 @@ def _group_ranks(group) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
+def group_timeout(group=None) -> float | None:
+    """The timeout of process group ``group`` (default: the default group)
+    in seconds, as given to ``init_process_group``/``new_group`` (torch
+    keeps it in the group's CPU backend options); None where torch does
+    not say."""
+    pg = _group_key(group)
+    try:
+        import torch
+
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - not a gloo/CPU group, or torch moved it
+        return None
+
+
+def handshake_wait(group=None) -> float:
+    """How long the handshake waits for the peers' announcements:
+    ``MMSHM_HANDSHAKE_S``, at most half the group's timeout
+    (:func:`group_timeout`), so that the broadcast that follows a peer lost
+    before it still fails within the group's timeout."""
+    wait = config.get().handshake_s
+    timeout = group_timeout(group)
+    return min(wait, timeout / 2) if timeout else wait
+
+
 def _judge(store, ranks: list[int], mine: Hello, wait_s: float) -> Verdict:
     keys = [f"{_HELLO}{r}" for r in ranks]
     try:
@@ -388,11 +461,28 @@ def _judge(store, ranks: list[int], mine: Hello, wait_s: float) -> Verdict:
     parts = []
     if missing:
         parts.append(f"rank(s) {missing} announced no mmshm within {wait_s:g} s "
-                     f"(MMSHM_HANDSHAKE_S): mmshm is not running there")
+                     f"(MMSHM_HANDSHAKE_S, at most half the group's timeout): mmshm is not "
+                     f"running there, or the rank is gone")
     if len(versions) > 1:  # the same text whichever rank judges
         parts.append("the ranks run different mmshm: " +
                      ", ".join(f"rank {r} on {host}: {v}" for r, host, v in seen))
-    return Verdict(False, "; ".join(parts))
+    return Verdict(False, "; ".join(parts), tuple(ranks.index(r) for r in missing))
+
+
+def _unchecked(ranks: list[int], why: str) -> Verdict:
+    """The verdict where the store cannot tell: as if every rank ran this
+    mmshm (what the ranks did before there was a handshake), with one
+    WARNING. Every rank that cannot ask the store takes it; a rank that can
+    ask finds every peer announced (then it goes on too) unless a peer could
+    not announce, which takes the store failing for that peer alone and
+    before this rank's own wait ended."""
+    log.warning("mmshm: the ranks' mmshm versions cannot be checked for the TP group%s: "
+                "%s; a peer without this mmshm would not be found, and the group "
+                "goes on through shared memory as if every rank ran this mmshm. Fix: keep "
+                "global rank 0 (it hosts torch.distributed's store) running while other "
+                "groups broadcast, and start every node's server under `mmshm run` with the "
+                "same mmshm", f" of ranks {ranks}" if ranks else "", why)
+    return Verdict(True, checked=False)
 
 
 def handshake(group=None) -> Verdict:
@@ -401,12 +491,15 @@ def handshake(group=None) -> Verdict:
 
     The first call on a group announces this rank (:class:`Hello`, under its
     global rank in the default group's store) and waits up to
-    ``MMSHM_HANDSHAKE_S`` for every peer's announcement; the verdict goes
-    into the store with ``compare_set`` and every rank returns the stored
-    one. It is not a collective: a peer without mmshm never takes part, and
-    the wait bounds what that costs (once per group). Where the default
-    group has no store the ranks cannot be checked, and the verdict is ok.
-    Later calls are a dict lookup.
+    :func:`handshake_wait` (``MMSHM_HANDSHAKE_S``, at most half the group's
+    timeout) for every peer's announcement; the verdict goes into the store
+    with ``compare_set`` and every rank returns the stored one. It is not a
+    collective: a peer without mmshm never takes part, and the wait bounds
+    what that costs (once per group). Where the default group has no store,
+    or its store cannot be reached (its host, global rank 0, has exited, or
+    it refuses), the ranks cannot be checked: one WARNING, and the verdict
+    is ok (``checked`` False), as before there was a handshake. Later calls
+    are a dict lookup. Never raises.
 
     Returns:
         :class:`Verdict`; a group whose verdict is not ok must carry its
@@ -420,26 +513,38 @@ def handshake(group=None) -> Verdict:
     if store is None:
         # nothing to check against: every rank goes on as if the others ran
         # this mmshm, as before there was a handshake
-        log.warning("mmshm: the ranks' mmshm versions cannot be checked (torch.distributed "
-                    "has no default store here); a peer without this mmshm would not be "
-                    "found. Fix: report this as an mmshm bug with the torch version")
-        verdict = Verdict(True)
+        verdict = _unchecked([], "torch.distributed has no default store here (report "
+                                 "this as an mmshm bug with the torch version)")
     else:
-        mine = _hello()
-        store.set(f"{_HELLO}{dist.get_rank()}", msgspec.msgpack.encode(mine))
         ranks = _group_ranks(group)
-        judged = _judge(store, ranks, mine, config.get().handshake_s)
-        key = _VERDICT + ",".join(map(str, ranks))
-        raw = judged.reason.encode() if not judged.ok else b"ok"
-        stored = store.compare_set(key, "", raw)
-        stored = bytes(stored) if not isinstance(stored, bytes) else stored
-        verdict = Verdict(True) if stored == b"ok" else Verdict(False, stored.decode())
+        try:
+            verdict = _ask(store, ranks, handshake_wait(group))
+        except Exception as exc:  # noqa: BLE001 - gone, refusing, broken: as no store
+            verdict = _unchecked(ranks, f"the default process group's store cannot be "
+                                        f"reached ({type(exc).__name__}: "
+                                        f"{str(exc).splitlines()[0] if str(exc) else ''})")
         if not verdict.ok:
             log.warning("mmshm: the TP group of ranks %s carries its multimodal tensors "
                         "inline: %s. Fix: install the same mmshm on every node and start "
                         "each node's server under `mmshm run`", ranks, verdict.reason)
     _VERDICTS[id(pg)] = (pg, verdict)
     return verdict
+
+
+def _ask(store, ranks: list[int], wait_s: float) -> Verdict:
+    """Announce this rank, judge the group, and return the group's stored
+    verdict (the first rank to decide stores it). Raises what the store
+    raises."""
+    mine = _hello()
+    store.set(f"{_HELLO}{dist.get_rank()}", msgspec.msgpack.encode(mine))
+    judged = _judge(store, ranks, mine, wait_s)
+    key = _VERDICT + ",".join(map(str, ranks))
+    raw = judged.reason.encode() if not judged.ok else b"ok"
+    stored = store.compare_set(key, "", raw)
+    stored = bytes(stored) if not isinstance(stored, bytes) else stored
+    if stored == b"ok":
+        return Verdict(True)
+    return Verdict(False, stored.decode(), judged.missing)
 
 
 def forget_handshakes() -> None:

@@ -146,9 +146,10 @@ def stop_all(procs, timeout: float = 10.0) -> None:
             p.join(5)
 
 
-def collect(q, n: int, timeout: float, procs=()) -> list:
+def collect(q, n: int, timeout: float, procs=(), killed=()) -> list:
     """Read ``n`` results ``(key, status, payload)`` from ``q``; fail with the
-    child's traceback on an error, or with the exit codes on a timeout."""
+    child's traceback on an error, or with the exit codes on a timeout.
+    ``killed``: processes expected to die by SIGKILL (not a failure)."""
     import queue
 
     out = []
@@ -157,7 +158,8 @@ def collect(q, n: int, timeout: float, procs=()) -> list:
         try:
             item = q.get(timeout=0.25)
         except queue.Empty:
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            dead = [p for p in procs
+                    if p.exitcode not in (None, 0) and not (p in killed and p.exitcode == -9)]
             if dead or time.monotonic() > deadline:
                 states = ", ".join(f"pid {p.pid}: {signal_name(p.exitcode)}" for p in procs)
                 raise AssertionError(f"children did not report ({len(out)}/{n}): {states}")
@@ -169,25 +171,28 @@ def collect(q, n: int, timeout: float, procs=()) -> list:
     return out
 
 
-def run_group(target, world: int, *args, timeout: float = 90.0) -> dict:
+def run_group(target, world: int, *args, timeout: float = 90.0, killed=()) -> dict:
     """Run ``target(rank, world, *args)`` on ``world`` spawned processes joined
     in a gloo process group on 127.0.0.1; return ``{rank: result}``.
 
-    Asserts that every child reported success and exited with code 0."""
+    Asserts that every child reported success and exited with code 0, but
+    the ranks in ``killed``, which must die by SIGKILL (report nothing)."""
     c = ctx()
     q = c.Queue()
     port = free_port()
     procs = [c.Process(target=_rank_main, args=(target, rank, world, port, q, args), daemon=True)
              for rank in range(world)]
+    dying = [procs[r] for r in killed]
     try:
         for p in procs:
             p.start()
             SPAWNED_PIDS.add(p.pid)
-        res = dict(collect(q, world, timeout, procs))
+        res = dict(collect(q, world - len(dying), timeout, procs, dying))
     finally:
         stop_all(procs)
-    for p in procs:
-        assert p.exitcode == 0, f"rank pid {p.pid}: {signal_name(p.exitcode)}"
+    for r, p in enumerate(procs):
+        want = -signal.SIGKILL if r in killed else 0
+        assert p.exitcode == want, f"rank {r} pid {p.pid}: {signal_name(p.exitcode)}"
     return res
 
 
