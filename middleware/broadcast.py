@@ -19,7 +19,17 @@ Invariants:
 - the wrapper raises only what ``broadcast_fn`` raises; a per-request failure
   becomes ``on_failure(request, error)`` on every rank;
 - a reference a rank cannot give back (its segment is invisible from there)
-  is given back by the rank that handed it out.
+  is given back by the rank that handed it out;
+- on one node, a receiving rank gives back no reference of the batch before
+  the agreement is over, and none it has not opened when the broadcast ends
+  in an error: so the references handed to a rank that was lost before the
+  end of its walk (its agreement vector never came) are still counted for
+  it, and the source gives them back at once where it can prove that rank
+  never opened them (:func:`_give_back_lost`); else the reaper's in-flight
+  grace (``MMSHM_IN_FLIGHT_GRACE_S``) does;
+- the handshake (:func:`mmshm.node.handshake`) never raises: a store that
+  cannot be reached is as no store; a peer that announced nothing and then
+  breaks the broadcast makes a :class:`~mmshm.errors.PeerLostError`.
 
 **Several nodes.** When the TP group spans nodes (:func:`mmshm.node.layout`,
 learnt once per group) the payloads cross each node boundary once, through
@@ -304,7 +314,12 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
     never raises for a per-request failure; it re-raises what
     ``broadcast_fn`` itself raises (after giving back the references it
     added), and raises :class:`~mmshm.errors.PeerLostError` when a rank of
-    the group dies after the broadcast (the group cannot go on).
+    the group is lost (the group cannot go on): before the group's first
+    broadcast (within the group's timeout: the handshake waits at most half
+    of it, :func:`mmshm.node.handshake_wait`), or after a broadcast (on the
+    source rank and every surviving rank, naming the lost ranks; the
+    references handed to a rank lost before its walk ended are given back
+    at once where provably unused, see :func:`_give_back_lost`).
 
     When ``dist_group`` spans several nodes, payloads cross each node
     boundary once (see the module docstring); within a node only metadata

@@ -99,17 +99,22 @@ class HandleStateError(MmshmError, RuntimeError):
 
 class PeerLostError(MmshmError, RuntimeError):
     """A rank of the TP group stopped answering mmshm's messages after a
-    broadcast (the multi-node payloads, the failure agreement): it died, or
-    its link did. Raised from :func:`mmshm.deferred_unwrap` on the ranks
-    still alive, as soon as ``torch.distributed`` reports the broken link
-    (a dead peer's closed socket: at once; a hung one: the process group's
-    timeout). The group cannot go on, as with any broken collective: the
-    server's own failure handling takes over (SGLang's scheduler exits and
-    its launcher stops the server). A ``RuntimeError``, as the
-    ``torch.distributed`` error it wraps (``__cause__``).
+    broadcast (the multi-node payloads, the failure agreement), or was gone
+    before the group's first broadcast (it announced nothing in the
+    handshake, and the broadcast then broke): it died, or its link did.
+    Raised from :func:`mmshm.deferred_unwrap` on the ranks still alive, as
+    soon as ``torch.distributed`` reports the broken link (a dead peer's
+    closed socket: at once; a hung one: the process group's timeout), and
+    before the first broadcast within the group's timeout. The group cannot
+    go on, as with any broken collective: the server's own failure handling
+    takes over (SGLang's scheduler exits and its launcher stops the server).
+    A ``RuntimeError``, as the ``torch.distributed`` error it wraps
+    (``__cause__``, when there is one).
 
     Attributes:
-        ranks: the group ranks this rank was waiting on, or ``None``.
+        ranks: the lost group ranks where known (found by the failure
+            agreement or the handshake), else the ranks this rank was
+            waiting on; or ``None``.
     """
 
     def __init__(self, message: str, ranks=None):

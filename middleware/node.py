@@ -65,8 +65,10 @@ from .metrics import INTERNODE_BYTES
 log = logging.getLogger("mmshm")
 
 #: Version of what ranks of one group exchange (the broadcast's metadata,
-#: the failure agreement, the multi-node transfers); a peer announcing
-#: another one makes the group go inline (:func:`handshake`).
+#: the layout's gather, the failure agreement, the multi-node transfers); a
+#: peer announcing another one makes the group go inline (:func:`handshake`).
+#: 2: the layout carries each rank's process (:func:`process_id`), the
+#: agreement the lost flags and each rank's opens.
 PROTOCOL = 2
 
 NODE_ID_BITS = 32
