@@ -47,7 +47,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 VENVS = ROOT / ".venvs"
-TESTS = ROOT / "tests" / "integrations" / "test_sglang.py"
+#: Module-level tests: the transport (TP broadcast, fan-out, a full /dev/shm),
+#: then the DP-attention race (four gloo ranks, two attention-TP groups).
+TESTS = [ROOT / "tests" / "integrations" / "test_sglang.py",
+         ROOT / "tests" / "integrations" / "test_sglang_dp_attention.py"]
 
 #: Packages every release imports (the issue's list, without those the runner's
 #: environment already provides: numpy, packaging, pillow, msgspec, pydantic,
@@ -60,8 +63,10 @@ COMMON = [
 #: Per-release pins, from each wheel's metadata.
 RELEASES: dict[str, list[str]] = {
     "0.5.9": ["transformers==4.57.1", "openai==2.6.1"],
-    "0.5.12": ["transformers==5.6.0", "openai==2.6.1"],
-    "0.5.15": ["transformers==5.12.1", "openai==2.6.1"],
+    # transformers 5.6-5.12 break importing the runner's newer ``kernels``
+    # (``LayerRepository`` wants a revision): their own pin, kernels<0.13
+    "0.5.12": ["transformers==5.6.0", "openai==2.6.1", "kernels==0.12.3"],
+    "0.5.15": ["transformers==5.12.1", "openai==2.6.1", "kernels==0.12.3"],
     "0.5.23": ["transformers==5.19.0", "openai==2.8.0", "apache-tvm-ffi==0.1.11"],
 }
 
@@ -226,7 +231,7 @@ def run(release: str, pytest_args: list[str], setup_only: bool,
     env.pop("PYTHONPATH", None)
     if e2e:
         env["MMSHM_E2E"] = "sglang"
-    tests = [*E2E_TESTS, *E2E_TESTS_BY_RELEASE.get(release, [])] if e2e else [TESTS]
+    tests = [*E2E_TESTS, *E2E_TESTS_BY_RELEASE.get(release, [])] if e2e else TESTS
     cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider",
            "-p", "no:benchmark", *map(str, tests), "-q", "-rs", *pytest_args]
     t1 = time.monotonic()
