@@ -310,7 +310,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MMSHM_NODE_ID", "node_id", "text", None,
              "overrides this process's node identity (equal values count as one node)"),
     Variable("MMSHM_HANDSHAKE_S", "handshake_s", "seconds", 60.0,
-             "a rank's first broadcast on a group waits this long for every peer's mmshm",
+             "a rank's first broadcast on a group waits this long, at most half the group's "
+             "timeout, for every peer's mmshm",
              minimum=0, above_minimum=True, maximum=3600),
     Variable("MMSHM_INSTRUMENT", None, "instrumentors", None,
              "instrumentors `mmshm run` loads, or none; each active only in a process that "
