@@ -707,10 +707,10 @@ def _hand_out_record(key: SegmentRef) -> tuple[int, int, int] | None:
     try:
         with segfile.mutex(fd):
             hdr = segfile.read_header(fd, path)
-            raw = os.pread(fd, segfile._HAND_OUT.size, segfile._OFF_HANDED)
+            record = segfile.hand_out_record(fd)
         if hdr.state != segfile.STATE_LIVE or hdr.gen != key.gen:
             return None
-        return segfile._HAND_OUT.unpack(raw)
+        return record
     except (OSError, ValueError, struct_error):
         return None
     finally:

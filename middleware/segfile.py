@@ -317,13 +317,21 @@ def holders(fd: int) -> tuple[int, int]:
     return _I64.unpack_from(raw, 0)[0], _U64.unpack_from(raw, 8)[0]
 
 
+def hand_out_record(fd: int) -> tuple[int, int, int]:
+    """``(references the last hand-out added, attaches since by other
+    processes, the pid that made the hand-out)`` from a segment's header;
+    ``(0, 0, 0)`` for a short header. A plain read: take :func:`mutex`
+    around it for a consistent one."""
+    raw = os.pread(fd, _HAND_OUT.size, _OFF_HANDED)
+    if len(raw) < _HAND_OUT.size:
+        return 0, 0, 0
+    return _HAND_OUT.unpack(raw)
+
+
 def hand_out(fd: int) -> tuple[int, int]:
     """``(references the last hand-out added, attaches since by other
     processes)`` from a segment's header (a racy read, without the mutex)."""
-    raw = os.pread(fd, _HAND_OUT.size, _OFF_HANDED)
-    if len(raw) < _HAND_OUT.size:
-        return 0, 0
-    handed, attached, _pid = _HAND_OUT.unpack(raw)
+    handed, attached, _pid = hand_out_record(fd)
     return handed, attached
 
 
