@@ -132,20 +132,27 @@ def photos() -> dict[str, str]:
 
 def ask(srv: Server, urls: list[str], n: int = 1, max_tokens: int = MAX_TOKENS,
         dp_rank: int | None = None, kv: dict | None = None, text: str = PROMPT,
-        uuids: list[str] | None = None) -> list[dict]:
+        uuids: list[str] | None = None, load_kv: bool = True) -> list[dict]:
     """One chat completion (greedy at n=1, seeded at n>1); per choice the
     chosen tokens and their logprobs. ``dp_rank``: vLLM's
     ``X-data-parallel-rank`` header; ``kv``: the request's
     ``kv_transfer_params``; ``uuids``: each image's ``uuid`` (vLLM then
-    names the item by it, the same on every instance)."""
+    names the item by it, the same on every instance); ``load_kv=False``:
+    no KV from the connector (``prompt_logprobs`` makes vLLM skip reading
+    cached KV: on P, whose ExampleConnector also loads, a second child of
+    n=2 would otherwise load its sibling's stored KV or not, as the steps
+    fall, and its logprobs would differ in the last bits, with or without
+    mmshm)."""
     content = [{"type": "image_url", "image_url": {"url": u},
                 **({"uuid": uuids[i]} if uuids else {})} for i, u in enumerate(urls)]
     content.append({"type": "text", "text": text})
     kwargs = dict(temperature=1.0, seed=SEED) if n > 1 else dict(temperature=0.0)
     if dp_rank is not None:
         kwargs["extra_headers"] = {"X-data-parallel-rank": str(dp_rank)}
-    if kv is not None:
-        kwargs["extra_body"] = {"kv_transfer_params": kv}
+    extra = {**({} if kv is None else {"kv_transfer_params": kv}),
+             **({} if load_kv else {"prompt_logprobs": 0})}
+    if extra:
+        kwargs["extra_body"] = extra
     r = srv.client().chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": content}], n=n,
         max_tokens=max_tokens, logprobs=True, **kwargs)
@@ -236,7 +243,7 @@ def run_shape(model: str, photos: dict, name: str, mmshm_run: bool) -> dict:
         # 1. DP
         for key, ps, n, rank in DP_REQUESTS:
             before = P.metrics_text()
-            rec["dp"][key] = ask(P, [photos[p] for p in ps], n, dp_rank=rank)
+            rec["dp"][key] = ask(P, [photos[p] for p in ps], n, dp_rank=rank, load_kv=False)
             rec["dp_deltas"][key] = matrix.deltas(before, P.metrics_text())
         rec["engines"] = engine_requests(P.metrics_text())
         # the prompt's tokens without photos: the text after them, and the template's
