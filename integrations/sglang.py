@@ -109,7 +109,7 @@ import logging
 import sys
 
 from mmshm import observe, sending
-from mmshm.errors import MmshmError
+from mmshm.errors import PayloadWithheldError
 from mmshm.instrumentor import Instrumentor, Target, source_file
 from mmshm.receiving import unwrap_each
 from mmshm.sending import digest_of
@@ -376,16 +376,6 @@ _SCHEDULER = None
 PAYLOAD_FIELDS = ("feature", "precomputed_embeddings")
 
 
-class PayloadWithheldError(MmshmError, RuntimeError):
-    """A request whose multimodal pixels a PD decode instance's tokenizer
-    did not send (:func:`decode_payload_policy`) reached a scheduler that is
-    not in decode mode, where the vision encoder could need them. The
-    request fails with this message (SGLang's ``MMInputsProcessError``, or
-    its abort path on older releases) and never runs on missing pixels.
-    Fix: send it to a decode instance, or start the instance without
-    ``--disaggregation-mode decode``."""
-
-
 class WithheldPayload:
     """What travels to a PD decode instance's scheduler in place of an
     item's tensor (``feature``, ``precomputed_embeddings``): its ``shape``
@@ -489,7 +479,7 @@ def _settle_withheld(reqs):
                 continue
             from mmshm.metrics import REQUEST_FAILURES
 
-            REQUEST_FAILURES.labels(reason="other").inc()
+            REQUEST_FAILURES.labels(reason=PayloadWithheldError.reason).inc()
             err = PayloadWithheldError(
                 f"request {getattr(r, 'rid', '?')}: {len(found)} multimodal tensor(s) were "
                 "withheld by a PD decode instance's tokenizer, and this scheduler is "

@@ -130,7 +130,7 @@ import weakref
 import torch
 from mmshm import config, observe, receiving, sending
 from mmshm.instrumentor import Instrumentor, Target
-from mmshm.errors import MmshmError
+from mmshm.errors import PayloadWithheldError
 from mmshm.metrics import BROADCAST_SECONDS, INTERNODE_BYTES, REQUEST_FAILURES
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -358,18 +358,6 @@ PATH_DECODE_WITHHOLD = (
 PATH_DECODE_KEEP = "decode instance: pixels kept for requests prefilled elsewhere ({})"
 
 
-class PayloadWithheldError(MmshmError, RuntimeError):
-    """A decode instance's request whose pixel payload mmshm did not send
-    (:func:`decode_payload_policy`) reached a step that would run its vision
-    encoder: its KV did not load (a miss: the prefill instance never stored
-    it) or stopped short of an image's placeholder tokens. vLLM finishes
-    the request with an error (``finish_reason`` ``error``, as for its own
-    failed KV loads under ``kv_load_failure_policy=fail``); the encoder never
-    runs on a stand-in. Fix: prefill the request on the prefill instance
-    first, or run the decode instance with ``kv_load_failure_policy=recompute``
-    (mmshm then keeps the pixels)."""
-
-
 def decode_payload_policy(vllm_config) -> tuple[bool, str] | None:
     """What a frontend does with the pixels of requests whose KV is prefilled
     elsewhere (``kv_transfer_params.do_remote_prefill``): ``(True, line)``
@@ -467,7 +455,7 @@ def _w_try_schedule_encoder_inputs(wrapped, instance, args, kwargs):
         f"prefill it on the prefill instance first, or set kv_load_failure_policy=recompute "
         f"on the decode instance")
     log.warning("mmshm: %s: %s", type(err).__name__, err)
-    REQUEST_FAILURES.labels(reason="other").inc()  # counted as a request failure
+    REQUEST_FAILURES.labels(reason=PayloadWithheldError.reason).inc()
     failed.add(rid)
     budget = args[3] if len(args) > 3 else kwargs.get("encoder_compute_budget")
     return ([], 0, budget, *([] for _ in out[3:]))

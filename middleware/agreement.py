@@ -36,7 +36,7 @@ from .errors import MmshmError
 
 # wire codes of the failure reasons: REASONS[code]; 0 is "ok"
 REASONS = ("ok", "malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
-           "enospc", "other")
+           "enospc", "other", "withheld")
 _REASON_CODE = {r: i for i, r in enumerate(REASONS)}
 _OTHER = _REASON_CODE["other"]
 # tag of the agreement's point-to-point messages

@@ -154,10 +154,27 @@ class MaterializeError(MmshmError):
         return state
 
 
+class PayloadWithheldError(MmshmError, RuntimeError):
+    """A request whose multimodal payload a prefill/decode (PD) decode
+    instance did not send (its pixels were withheld: only hashes, pad values
+    and the token layout travel, since a decode instance takes the prompt's
+    KV from the prefill instance and never runs the vision encoder) reached
+    a step that would need the pixels: a scheduler that is not in decode mode
+    (SGLang), or an encoder step after a KV load that did not cover the
+    image's placeholder tokens (vLLM). The request fails with this error
+    through the server's own per-request error path and is counted in
+    ``mmshm_request_failures_total{reason="withheld"}``; the encoder never
+    runs on a stand-in. The fix each integration names: prefill the request
+    on the prefill instance first, or start the decode instance so that it
+    may recompute (mmshm then keeps the pixels)."""
+
+    reason = "withheld"
+
+
 #: ``reason`` label values of the materialize and request failure counters and
 #: of :class:`MaterializeError` (:data:`mmshm.broadcast.REASONS` without ``ok``).
 FAILURE_REASONS = ("malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
-                   "enospc", "other")
+                   "enospc", "other", "withheld")
 #: ``reason`` label values of ``mmshm_inline_fallbacks_total`` (``group``: the
 #: TP group cannot use shared memory at all, a rank without this mmshm or two
 #: nodes with one node id; see :func:`mmshm.node.handshake`).

@@ -30,7 +30,6 @@ Read-only and safe beside running servers:
 
 from __future__ import annotations
 
-import fcntl
 import fnmatch
 import os
 import re

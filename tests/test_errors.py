@@ -44,6 +44,7 @@ def _examples() -> list[BaseException]:
         mmshm.MaterializeError("2 handles failed", request={"rid": "r1"}, reason="corrupt",
                                ranks=[1, 3]),
         mmshm.PeerLostError("TP rank 0 lost a peer", ranks=[1]),
+        mmshm.PayloadWithheldError("request r1: 1 multimodal tensor(s) were withheld"),
     ]
 
 
