@@ -18,12 +18,22 @@ which times the same hops of the multimodal path into
 - ``mmshm`` (shm mode): mmshm's segments and handles: ``transport="mmshm"``.
 
 Per hop (SGLang: tokenizer_wrap, tokenizer_send, scheduler_recv,
-broadcast_src, broadcast_dst, materialize; vLLM: frontend_encode,
+broadcast_src, broadcast_dst, materialize, mm_inputs; vLLM: frontend_encode,
 engine_decode, mq_enqueue, mq_dequeue) it prints, per request, the messages,
 the bytes serialized and the milliseconds spent with each transport, their
-ratio, a TOTAL row, and against it one in-process copy of the payload (K
-photos' ``pixel_values``, float32, ``torch.empty_like(x).copy_(x)``, best
-of 5).
+ratio, and a TOTAL row. TOTAL is like-for-like: the same boundaries are timed
+in both modes, from the processor output in the tokenizer or frontend to the
+request ready on every TP rank (SGLang: its scheduler's ``MultimodalInputs``,
+the hash of every item included, and the barrier and all-reduce around its
+unwrap; what no hop times is said under the table: vLLM's frontend ->
+EngineCore copy on zmq's I/O threads). Each mode's TOTAL is also given as a
+multiple of one in-process copy of the payload (K photos' ``pixel_values``,
+float32, ``torch.empty_like(x).copy_(x)``, best of 5), the floor. Beside the
+table: the server's own latency histograms over the same requests (SGLang's
+``sglang:per_stage_req_latency_seconds`` stages, ``request_process`` and
+``prefill_forward`` first, per TP rank; vLLM's
+``vllm:time_to_first_token_seconds`` and ``vllm:request_prefill_time_seconds``),
+ms per request. ``--json`` holds all of it (``totals``, ``own``).
 
     python benchmarks/transport_server.py --server sglang|vllm [--tp 2]
         [--images 1,8] [--requests 3] [--configs observe,mmshm]
@@ -60,9 +70,24 @@ from ttft_server import MODEL_NAME, PHOTOS, sglang_config, vllm_config  # noqa: 
 #: The hops each server's instrumentor times, in the order a request takes them
 #: (mmshm.integrations.sglang.HOPS, mmshm.integrations.vllm.HOPS).
 HOPS = {"sglang": ("tokenizer_wrap", "tokenizer_send", "scheduler_recv", "broadcast_src",
-                   "broadcast_dst", "materialize"),
+                   "broadcast_dst", "materialize", "mm_inputs"),
         "vllm": ("frontend_encode", "engine_decode", "mq_enqueue", "mq_dequeue")}
 MAKE = {"sglang": sglang_config, "vllm": vllm_config}
+#: The server's own latency histograms read beside the hops: per server, the
+#: histograms (base names) and the label that splits one into stages (None:
+#: the histogram is its own stage); stages shown first, then any other seen.
+OWN = {"sglang": ((("sglang:per_stage_req_latency_seconds", "stage"),),
+                  ("request_process", "prefill_forward")),
+       "vllm": ((("vllm:time_to_first_token_seconds", None),
+                 ("vllm:request_prefill_time_seconds", None)),
+                ("vllm:time_to_first_token_seconds", "vllm:request_prefill_time_seconds"))}
+#: What no hop times, said under each TOTAL.
+INVISIBLE = {
+    "sglang": "",
+    "vllm": ("not in any hop: vLLM's frontend -> EngineCore copy of the out-of-band tensor "
+             "frames, done on zmq's I/O threads after send_multipart(copy=False) returns and "
+             "before recv_multipart returns (observed mode only; under mmshm those frames are "
+             "handles of a few hundred bytes); it shows in TTFT, not in TOTAL")}
 #: configuration -> (the ``transport`` label its hops carry, its extra environment)
 CONFIGS = {"observe": ("server", {"MMSHM_MODE": "observe"}), "mmshm": ("mmshm", {})}
 #: resolutions below bench.photos' own (720p, 1080p): its 720p photo, resized
@@ -179,6 +204,30 @@ def deltas(before: str, after: str, server: str, transport: str, requests: int) 
     return out
 
 
+def own_stages(before: str, after: str, server: str, requests: int) -> dict:
+    """The server's own latency histograms (:data:`OWN`) between two
+    expositions: ``{stage: {rank: {"ms": ms per request, "n": observations
+    per request}}}``, rank the ``tp_rank`` label (``"-"`` without one);
+    stages that recorded nothing are left out."""
+    out: dict = {}
+    for base, key in OWN[server][0]:
+        for labels, _ in series(after, base + "_count"):
+            stage = labels.get(key, "") if key else base
+            rank = labels.get("tp_rank", "-")
+            if rank in out.get(stage, {}):
+                continue
+            lab = {k: v for k, v in labels.items() if k in (key, "tp_rank") and k}
+
+            def d(name, lab=lab):
+                return metric(after, name, **lab) - metric(before, name, **lab)
+
+            n = d(base + "_count")
+            if n > 0:
+                out.setdefault(stage, {})[rank] = {"ms": 1e3 * d(base + "_sum") / requests,
+                                                   "n": n / requests}
+    return out
+
+
 def observe_errors(text: str, server: str) -> float:
     return metric(text, "mmshm_observe_errors_total", server=server)
 
@@ -211,6 +260,8 @@ def run_config(name: str, args, images: list[int], reqs: dict, logs: Path) -> di
                 time.sleep(0.5)
                 after = srv.metrics_text()
                 rec["hops"][k] = deltas(before, after, args.server, transport, args.requests)
+                rec.setdefault("own", {})[k] = own_stages(before, after, args.server,
+                                                          args.requests)
                 rec.setdefault("pool", {})[k] = {
                     res: (metric(after, "mmshm_pool_requests_total", result=res)
                           - metric(before, "mmshm_pool_requests_total", result=res))
@@ -289,6 +340,32 @@ def table(k: int, results: list[dict], server: str) -> list[str]:
     return lines
 
 
+def own_table(k: int, results: list[dict]) -> list[str]:
+    """The server's own latency histograms for image count ``k``, ms per
+    request per transport (and TP rank), with their ratio."""
+    by = {r["transport"]: r.get("own", {}).get(k, {}) for r in results}
+    stages = []
+    for own in by.values():
+        stages += [s for s in own if s not in stages]
+    first = [s for s in ("request_process", "prefill_forward", "vllm:time_to_first_token_seconds",
+                         "vllm:request_prefill_time_seconds") if s in stages]
+    stages = first + [s for s in stages if s not in first]
+    if not stages:
+        return ["(the server's own latency histograms recorded nothing: metrics off?)"]
+    head = (f"{'own stage':<40} {'rank':>4} {'server ms/req':>13} "
+            f"{'mmshm ms/req':>12} {'server/mmshm':>12}")
+    lines = [head, "-" * len(head)]
+    for stage in stages:
+        ranks = sorted({r for own in by.values() for r in own.get(stage, {})}, key=str)
+        for rank in ranks:
+            s, m = ((by.get(tr, {}).get(stage, {}).get(rank) or {}).get("ms")
+                    for tr in ("server", "mmshm"))
+            ratio = f"{s / m:.1f}x" if s is not None and m else "—"
+            lines.append(f"{stage:<40} {rank:>4} {fmt(s, '.2f'):>13} {fmt(m, '.2f'):>12} "
+                         f"{ratio:>12}")
+    return lines
+
+
 def main() -> int:
     # SIGTERM unwinds like an exception, so every server started is killed
     # by its process group on the way out (server.py) and its directory removed
@@ -344,11 +421,19 @@ def main() -> int:
         print(f"\nK={k} photos per request ({k * photo_mb:.1f} MB of pixel_values):")
         for line in table(k, results, args.server):
             print(line)
-        totals = ", ".join(
-            f"{r['transport']} {sum(h['ms'] for h in r['hops'][k].values()) / (cp * 1e3):.1f}x"
-            for r in results)
+        if INVISIBLE[args.server]:
+            print(f"({INVISIBLE[args.server]})")
+        totals = {r["transport"]: sum(h["ms"] for h in r["hops"][k].values()) for r in results}
+        report.setdefault("totals", {})[k] = {
+            tr: {"ms": ms, "x_memcpy": ms / (cp * 1e3)} for tr, ms in totals.items()}
         print(f"one memcpy of the payload ([{rows * k}, 1176] float32): {cp * 1e3:.2f} ms into a "
-              f"new tensor ({warm * 1e3:.2f} ms into a warm one); TOTAL ms / it: {totals}")
+              f"new tensor ({warm * 1e3:.2f} ms into a warm one)")
+        print("like-for-like TOTAL as a multiple of it: " + ", ".join(
+            f"{tr} {ms:.1f} ms = {ms / (cp * 1e3):.1f}x" for tr, ms in totals.items())
+            + (f"; mmshm / server {totals['mmshm'] / totals['server']:.2f}"
+               if totals.get("server") and "mmshm" in totals else ""))
+        for line in own_table(k, results):
+            print(line)
         errs = {r["config"]: r["observe_errors"][k] for r in results if r["observe_errors"][k]}
         if errs:
             print(f"WARNING: failed timings (mmshm_observe_errors_total): {errs}")

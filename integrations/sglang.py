@@ -77,9 +77,13 @@ Observe mode (``MMSHM_MODE=observe``, ``mmshm run --observe``)
     ``broadcast_dst`` (a non-empty ``broadcast_pyobj``: the bytes
     ``torch.distributed.broadcast`` carries; a receiving rank's clock starts
     once the message's size has arrived, so waiting for the source is left
-    out; mmshm's materialize is inside it) and ``materialize``
+    out; mmshm's materialize is inside it), ``materialize``
     (``unwrap_shm_features``: bytes of SGLang's shared-memory pointers turned
-    back into tensors).
+    back into tensors; on 0.5.15+ the whole ``_finalize_shm_features``, its
+    TP barrier and all-reduce of failures included) and ``mm_inputs`` (each
+    TP rank's ``Scheduler._get_multimodal_inputs``: ``MultimodalInputs`` made
+    from the processor output, SGLang's hash of every item included: the
+    bytes of the items' tensors). The last two are timed alike in both modes.
 
 Several nodes (``--nnodes > 1``)
     SGLang's own transport is then ``default``: the tokenizer pickles the
@@ -572,13 +576,14 @@ def _make_attn_broadcast(original):
 SERVER = "sglang"
 #: The hops timed, in the order a request takes them.
 HOPS = ("tokenizer_wrap", "tokenizer_send", "scheduler_recv", "broadcast_src",
-        "broadcast_dst", "materialize")
+        "broadcast_dst", "materialize", "mm_inputs")
 
 
-def _pointer_bytes(mm_inputs) -> int:
+def _pointer_bytes(mm_inputs, tensors: bool = False) -> int:
     """Bytes of the tensors that SGLang's shared-memory pointers
     (``ShmPointerMMData``: neither tensors nor mmshm's handles, with a
-    ``shape`` and a ``dtype``) stand for in ``mm_inputs``'s items; reads no
+    ``shape`` and a ``dtype``) stand for in ``mm_inputs``'s items, or with
+    ``tensors`` the bytes of the items' ``torch.Tensor`` features; reads no
     data."""
     import torch
     from mmshm import ShmTensor
@@ -589,6 +594,7 @@ def _pointer_bytes(mm_inputs) -> int:
             v = getattr(item, name, None)
             for x in (v if isinstance(v, (list, tuple)) else (v,)):
                 if x is None or isinstance(x, (torch.Tensor, ShmTensor)):  # not SGLang's
+                    total += observe.tensor_bytes(x) if tensors else 0
                     continue
                 shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
                 if shape is not None and isinstance(dtype, torch.dtype):
@@ -673,9 +679,10 @@ def _timed_broadcast(inner):
 
 def _timed_unwrap(wrapped, instance, args, kwargs):
     """``unwrap_shm_features`` as ``materialize``: the bytes of SGLang's
-    pointers it turns back into tensors (none under mmshm: skipped)."""
+    pointers it turns back into tensors (none under mmshm: skipped). Inside
+    a timed ``_finalize_shm_features`` it only adds them to that hop."""
     obj = args[0] if args else kwargs.get("obj")
-    with observe.hop(SERVER, "materialize") as t:
+    with observe.hop(SERVER, "materialize", join=True) as t:
         try:
             reqs = getattr(obj, "batch", None) or [obj]
             t.add(sum(_pointer_bytes(getattr(r, "mm_inputs", None)) for r in reqs))
@@ -683,6 +690,30 @@ def _timed_unwrap(wrapped, instance, args, kwargs):
             observe.error(SERVER, "materialize", exc)
         t.skip = t.nbytes == 0
         return wrapped(*args, **kwargs)
+
+
+def _timed_finalize(wrapped, instance, args, kwargs):
+    """``_finalize_shm_features`` (0.5.15+) as one ``materialize``: the TP
+    barrier, every ``unwrap_shm_features`` and the all-reduce of failures."""
+    with observe.hop(SERVER, "materialize") as t:
+        t.skip = True  # until an unwrap inside counts SGLang's pointers
+        return wrapped(*args, **kwargs)
+
+
+def _timed_mm_inputs(wrapped, instance, args, kwargs):
+    """``Scheduler._get_multimodal_inputs`` as ``mm_inputs``, on every TP
+    rank: the processor output made into ``MultimodalInputs``, SGLang's
+    SHA-256 of each item's pixels included (mmshm's BLAKE3 hash is handed
+    over instead); bytes: the items' tensors."""
+    with observe.hop(SERVER, "mm_inputs") as t:
+        out = wrapped(*args, **kwargs)
+        try:
+            t.add(_pointer_bytes(out, tensors=True))
+            t.skip = not _items(out)
+        except Exception as exc:  # noqa: BLE001 - timing never breaks a request
+            t.skip = True
+            observe.error(SERVER, "mm_inputs", exc)
+        return out
 
 
 def _untimed_hops(hops: tuple[str, ...]) -> list[tuple[tuple[str, ...], str, str]]:
@@ -822,11 +853,11 @@ def _scheduler_ready(wrapped, instance, args, kwargs):
     if size > 1 and nnodes > 1:
         on.append(f"{PATH_MULTINODE} ({nnodes} nodes)")
     if size == 1:
-        hops = ("scheduler_recv", "materialize")
+        hops = ("scheduler_recv", "materialize", "mm_inputs")
     elif rank == 0:
-        hops = ("scheduler_recv", "broadcast_src", "materialize")
+        hops = ("scheduler_recv", "broadcast_src", "materialize", "mm_inputs")
     else:
-        hops = ("broadcast_dst", "materialize")
+        hops = ("broadcast_dst", "materialize", "mm_inputs")
     _say(scheduler_role(rank, _dp_rank(instance)), on, [PATH_SCHED_IN], hops)
     return result
 
@@ -850,6 +881,13 @@ class SGLangInstrumentor(Instrumentor):
         sched_cls = "SchedulerRequestReceiver" if receiver else "Scheduler"
         from mmshm import config
 
+        # timed alike in both modes: the TP barrier and all-reduce around
+        # SGLang's unwrap (0.5.15+), its unwrap, each rank's MultimodalInputs
+        timed = [Target(sched, "unwrap_shm_features", _timed_unwrap, optional=True),
+                 Target(sched, f"{sched_cls}._finalize_shm_features", _timed_finalize,
+                        optional=True),
+                 Target(SCHEDULER, "Scheduler._get_multimodal_inputs", _timed_mm_inputs,
+                        optional=True)]
         if config.get().observe:
             # the same boundaries, timed only: SGLang's own transport runs
             return [
@@ -862,7 +900,7 @@ class SGLangInstrumentor(Instrumentor):
                 Target(SCHEDULER, "Scheduler.__init__", _scheduler_ready, optional=True),
                 Target(sched, "broadcast_pyobj", _timed_broadcast(observe.passthrough)),
                 Target(sched, f"{sched_cls}.recv_requests", _timed_recv(observe.passthrough)),
-                Target(sched, "unwrap_shm_features", _timed_unwrap, optional=True),
+                *timed,
             ]
         out = [
             Target(MM_UTILS, "hash_feature", _hash_feature),
@@ -878,7 +916,7 @@ class SGLangInstrumentor(Instrumentor):
                    optional=True),
             Target(sched, "broadcast_pyobj", _make_timed_broadcast, factory=True),
             Target(sched, f"{sched_cls}.recv_requests", _timed_recv(_recv_requests)),
-            Target(sched, "unwrap_shm_features", _timed_unwrap, optional=True),
+            *timed,
         ]
         if receiver:
             out.append(Target(RECEIVER, "attn_cp_tp_broadcast_pyobj", _make_attn_broadcast,

@@ -151,10 +151,17 @@ def error(server: str, hop_name: str, exc: BaseException | None = None) -> None:
 
 
 @contextlib.contextmanager
-def hop(server: str, hop_name: str) -> Iterator[Tally]:
+def hop(server: str, hop_name: str, join: bool = False) -> Iterator[Tally]:
     """Time the block as one message of ``hop_name``; yields its
     :class:`Tally`. An exception from the block goes on unchanged and
-    records nothing."""
+    records nothing. With ``join``, inside an open hop of the same server
+    and name the block yields that hop's tally and records nothing of its
+    own (a function timed alone on one release and inside a wider hop on
+    another: SGLang's ``unwrap_shm_features``)."""
+    outer = _CURRENT.get() if join else None
+    if outer is not None and outer.server == server and outer.hop == hop_name:
+        yield outer
+        return
     tally = Tally(server, hop_name)
     token = _CURRENT.set(tally)
     ok = False

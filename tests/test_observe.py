@@ -70,6 +70,34 @@ def test_what_raised_or_was_skipped_records_nothing(mode):
     observe.add_bytes(7)  # no hop open: nothing, no error
 
 
+def test_a_joined_hop_counts_into_the_open_one_and_records_once(mode):
+    """``hop(..., join=True)`` inside the same hop adds to it (SGLang 0.5.15+'s
+    unwrap inside its timed finalize: one observation per batch); alone, or
+    inside another hop, it is a message of its own."""
+    mode("observe")
+    n = lambda h: _sample("mmshm_ipc_seconds_count", **_labels(h))  # noqa: E731
+    b = lambda h: _sample("mmshm_ipc_bytes_sum", **_labels(h))  # noqa: E731
+    n0, b0 = n("j1"), b("j1")
+    with observe.hop("test", "j1") as outer:
+        for size in (100, 200):
+            with observe.hop("test", "j1", join=True) as t:
+                assert t is outer
+                t.add(size)
+        assert observe.current() is outer
+    assert (n("j1") - n0, b("j1") - b0) == (1, 300)
+    with observe.hop("test", "j1", join=True) as t:  # nothing open: its own message
+        t.add(5)
+    with observe.hop("test", "other"):
+        with observe.hop("test", "j1", join=True) as t:  # another hop open: its own too
+            t.add(7)
+    assert (n("j1") - n0, b("j1") - b0) == (3, 312)
+    with pytest.raises(ValueError):  # a raise inside a joined block goes on unchanged
+        with observe.hop("test", "j1") as outer:
+            with observe.hop("test", "j1", join=True):
+                raise ValueError("the server's")
+    assert n("j1") - n0 == 3 and observe.current() is None
+
+
 def test_send_pyobj_puts_the_same_bytes_on_the_wire_and_counts_them(mode, taps):
     mode("observe")
     ctx = zmq.Context.instance()

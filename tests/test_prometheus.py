@@ -266,6 +266,54 @@ def test_alert_rules_fire_on_synthetic_series(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr).decode()
 
 
+IPC_PANEL = "multimodal IPC seconds per request, by hop and transport"
+
+
+@needs_promtool
+@pytest.mark.timeout(60)
+def test_ipc_panel_gives_the_like_for_like_total_beside_the_servers_own_stage(tmp_path):
+    """The IPC panel's TOTAL is every hop's seconds per request the tokenizer
+    sent (all TP ranks' hops included), per server and transport; beside it
+    SGLang's own ``request_process`` stage per TP rank: evaluated by
+    ``promtool test rules`` on synthetic series (64 requests a minute)."""
+    from mmshm.integrations.sglang import HOPS
+
+    panel = next(p for p in all_panels(dashboard()) if p["title"] == IPC_PANEL)
+    expr = {t["refId"]: grafana_substitute(t["expr"]) for t in panel["targets"]}
+    assert set(expr) == {"A", "B", "C"}
+    assert "tokenizer_wrap|frontend_encode" in expr["B"] and "mm_inputs" in HOPS
+    sec, stage = "mmshm_ipc_seconds", "sglang:per_stage_req_latency_seconds"
+    series = []
+    # per minute: 64 requests, 128 mm_inputs (2 ranks); seconds in binary fractions
+    for tr, wrap, mm in (("server", "2", "16"), ("mmshm", "4", "1")):
+        lab = {"server": "sglang", "transport": tr}
+        series += [_series(f"{sec}_count", "0+64x10", hop="tokenizer_wrap", **lab),
+                   _series(f"{sec}_sum", f"0+{wrap}x10", hop="tokenizer_wrap", **lab),
+                   _series(f"{sec}_count", "0+128x10", hop="mm_inputs", **lab),
+                   _series(f"{sec}_sum", f"0+{mm}x10", hop="mm_inputs", **lab)]
+    for rank, total in (("0", "2"), ("1", "1")):
+        series += [_series(f"{stage}_count", "0+64x10", stage="request_process", tp_rank=rank),
+                   _series(f"{stage}_sum", f"0+{total}x10", stage="request_process",
+                           tp_rank=rank),
+                   _series(f"{stage}_sum", "0+600x10", stage="prefill_forward", tp_rank=rank),
+                   _series(f"{stage}_count", "0+60x10", stage="prefill_forward", tp_rank=rank)]
+
+    def want(e, *samples):
+        return {"expr": e, "eval_time": "5m",
+                "exp_samples": [{"labels": "{" + ",".join(f'{k}="{v}"' for k, v in lab.items())
+                                 + "}", "value": v} for lab, v in samples]}
+
+    (tmp_path / "none.yml").write_text("groups: []\n")
+    test = {"rule_files": ["none.yml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series, "promql_expr_test": [
+            want(expr["B"], ({"server": "sglang", "transport": "server"}, 18 / 64),
+                 ({"server": "sglang", "transport": "mmshm"}, 5 / 64)),
+            want(expr["C"], ({"tp_rank": "0"}, 2 / 64), ({"tp_rank": "1"}, 1 / 64))]}]}
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(test))
+    r = promtool("test", "rules", str(tmp_path / "test.yml"))
+    assert r.returncode == 0, (r.stdout + r.stderr).decode()
+
+
 # -- a real Prometheus server scraping a running pipeline ----------------------------------
 PIPELINE = textwrap.dedent("""
     import errno, gc, os, sys

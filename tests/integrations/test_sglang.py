@@ -452,6 +452,112 @@ def test_unsupported_version_refuses(ns, monkeypatch):
     assert not getattr(ns.tm.wrap_shm_features, "_self_mmshm", False)
 
 
+# -- per-hop timing: the scheduler hops timed alike in both modes -------------------------
+def _ipc(hop, what="count", transport="server"):
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(f"mmshm_ipc_{'bytes' if what == 'bytes' else 'seconds'}"
+                                     f"_{'sum' if what == 'bytes' else what}",
+                                     {"server": "sglang", "hop": hop,
+                                      "transport": transport}) or 0.0
+
+
+@pytest.fixture
+def instrumented(monkeypatch):
+    """``instrumented("observe" | "shm")``: SGLang instrumented in that mode."""
+
+    def on(mode):
+        mmshm.uninstrument("sglang")
+        monkeypatch.setenv("MMSHM_MODE", mode)
+        mmshm.config.reload()
+        mmshm.instrument("sglang")
+
+    yield on
+    mmshm.uninstrument("sglang")
+    monkeypatch.delenv("MMSHM_MODE", raising=False)
+    mmshm.config.reload()
+
+
+def _scheduler_self(monkeypatch):
+    """A bare ``Scheduler`` with what ``_get_multimodal_inputs`` reads."""
+    import importlib
+
+    sched = importlib.import_module(E.SCHEDULER)
+    if hasattr(sched, "get_mm"):  # 0.5.23: the mm config bag
+        monkeypatch.setattr(sched, "get_mm", lambda: types.SimpleNamespace(
+            enable_broadcast_mm_inputs_process=False))
+    s = object.__new__(sched.Scheduler)
+    s.server_args = types.SimpleNamespace(enable_broadcast_mm_inputs_process=False)
+    s.model_config = types.SimpleNamespace(requires_mm_token_modalities=False,
+                                           is_multimodal=True)
+    return s
+
+
+@pytest.mark.parametrize("mode", ["observe", "shm"])
+def test_mm_inputs_hop_times_the_scheduler_hash_once_per_request(ns, monkeypatch,
+                                                                instrumented, mode):
+    """``Scheduler._get_multimodal_inputs`` (SGLang hashes every item there)
+    is one ``mm_inputs`` per request in both modes, with the items' bytes;
+    the features come out bit-identical, the hash is SGLang's own in observe
+    mode and mmshm's carried BLAKE3 value under mmshm."""
+    transport = "server" if mode == "observe" else "mmshm"
+    feats = [E.expected_feature(5), E.expected_feature(6)]
+    plain = _scheduler_self(monkeypatch)._get_multimodal_inputs(
+        E.make_mm_inputs(ns, [E.make_item(ns, f.clone()) for f in feats]))
+    instrumented(mode)
+    n0, b0 = _ipc("mm_inputs", transport=transport), _ipc("mm_inputs", "bytes", transport)
+    out = _scheduler_self(monkeypatch)._get_multimodal_inputs(
+        E.make_mm_inputs(ns, [E.make_item(ns, f.clone()) for f in feats]))
+    assert _ipc("mm_inputs", transport=transport) - n0 == 1
+    assert _ipc("mm_inputs", "bytes", transport) - b0 == sum(f.numel() * 4 for f in feats)
+    for item, f, p in zip(out.mm_items, feats, plain.mm_items, strict=True):
+        assert torch.equal(item.feature, f)
+        want = p.hash if mode == "observe" else glue.hash_int(mmshm.content_hash(f))
+        assert item.hash == want
+    # a text-only request (no items) is no multimodal message
+    _scheduler_self(monkeypatch)._get_multimodal_inputs(E.make_mm_inputs(ns, []))
+    assert _ipc("mm_inputs", transport=transport) - n0 == 1
+
+
+@pytest.mark.skipif(V < (0, 5, 15), reason="_finalize_shm_features is 0.5.15+")
+@pytest.mark.parametrize("mode", ["observe", "shm"])
+def test_materialize_hop_is_the_whole_finalize(ns, monkeypatch, instrumented, mode):
+    """0.5.15+: SGLang's ``_finalize_shm_features`` (TP barrier, unwrap, the
+    all-reduce of failures) is one ``materialize`` per batch with SGLang's
+    pointers' bytes, never one more per unwrap inside; under mmshm the
+    handles were materialized before it (in the broadcast hop), so it times
+    nothing. The bytes come out identical."""
+    transport = "server" if mode == "observe" else "mmshm"
+    instrumented(mode)
+    feats = [E.expected_feature(7), E.expected_feature(8)]
+    sock = E.Socket()
+    for i, f in enumerate(feats):  # two requests: two unwraps, one hop
+        E.send_one(ns, E.make_request(ns, [f.clone()], rid=f"fin-{i}"), sock)
+    reqs = [pickle.loads(b) for b in sock.sent]
+    if mode == "shm":
+        reqs = glue._local_unwrap(reqs)
+    par = E._Manager(attn_dp_enabled=False, tp_size=1, attn_tp_size=1, attn_cp_size=1)
+    for fn in ("get_parallel",):
+        if hasattr(ns.receiver, fn):
+            monkeypatch.setattr(ns.receiver, fn, lambda: par)
+    cls = ns.receiver.SchedulerRequestReceiver
+    known = {"model_config": types.SimpleNamespace(is_multimodal=True), "tp_size": 1,
+             "ps": par, "server_args": E._Manager(enable_dp_attention=False)}
+    inst = cls(**{f.name: known.get(f.name, E._Manager()) for f in
+                  __import__("dataclasses").fields(cls)})
+    n0, b0 = _ipc("materialize", transport=transport), _ipc("materialize", "bytes", transport)
+    cls._finalize_shm_features(inst, reqs)
+    want = (1, sum(f.numel() * 4 for f in feats)) if mode == "observe" else (0, 0)
+    assert (_ipc("materialize", transport=transport) - n0,
+            _ipc("materialize", "bytes", transport) - b0) == want
+    got = [E.items(r)[0] for r in reqs]
+    assert [type(i.feature).__name__ for i in got] == ["Tensor", "Tensor"]
+    assert all(torch.equal(i.feature, f) for i, f in zip(got, feats, strict=True))
+    del reqs, got
+    gc.collect()
+    assert _segments() == []
+
+
 # -- TP broadcast over gloo, the real receive path --------------------------------------
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
