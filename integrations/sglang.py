@@ -881,42 +881,36 @@ class SGLangInstrumentor(Instrumentor):
         sched_cls = "SchedulerRequestReceiver" if receiver else "Scheduler"
         from mmshm import config
 
-        # timed alike in both modes: the TP barrier and all-reduce around
-        # SGLang's unwrap (0.5.15+), its unwrap, each rank's MultimodalInputs
-        timed = [Target(sched, "unwrap_shm_features", _timed_unwrap, optional=True),
-                 Target(sched, f"{sched_cls}._finalize_shm_features", _timed_finalize,
-                        optional=True),
-                 Target(SCHEDULER, "Scheduler._get_multimodal_inputs", _timed_mm_inputs,
-                        optional=True)]
-        if config.get().observe:
-            # the same boundaries, timed only: SGLang's own transport runs
-            return [
-                Target(MM_UTILS, "_get_is_default_transport"),
-                Target(MM_UTILS, "wrap_shm_features", _timed_wrap(observe.passthrough)),
-                Target(TOKENIZER, "wrap_shm_features", _timed_wrap(observe.passthrough)),
-                Target(TOKENIZER, "TokenizerManager._send_one_request",
-                       _timed_send(observe.passthrough)),
-                Target(TOKENIZER, "TokenizerManager.__init__", _tokenizer_ready, optional=True),
-                Target(SCHEDULER, "Scheduler.__init__", _scheduler_ready, optional=True),
-                Target(sched, "broadcast_pyobj", _timed_broadcast(observe.passthrough)),
-                Target(sched, f"{sched_cls}.recv_requests", _timed_recv(observe.passthrough)),
-                *timed,
-            ]
+        obs = config.get().observe  # the same boundaries, timed only: SGLang's transport runs
+
+        def w(shm):  # inside a timed hop: mmshm's glue, or SGLang's own function
+            return observe.passthrough if obs else shm
+
         out = [
-            Target(MM_UTILS, "hash_feature", _hash_feature),
             Target(MM_UTILS, "_get_is_default_transport"),
-            Target(MM_UTILS, "wrap_shm_features", _timed_wrap(_wrap_shm_features)),
-            Target(TOKENIZER, "wrap_shm_features", _timed_wrap(_wrap_shm_features)),
+            Target(MM_UTILS, "wrap_shm_features", _timed_wrap(w(_wrap_shm_features))),
+            Target(TOKENIZER, "wrap_shm_features", _timed_wrap(w(_wrap_shm_features))),
             Target(TOKENIZER, "TokenizerManager._send_one_request",
-                   _timed_send(_send_one_request)),
-            Target(TOKENIZER, "TokenizerManager._handle_batch_request", _handle_batch_request),
+                   _timed_send(w(_send_one_request))),
             Target(TOKENIZER, "TokenizerManager.__init__", _tokenizer_ready, optional=True),
             Target(SCHEDULER, "Scheduler.__init__", _scheduler_ready, optional=True),
+            Target(sched, "broadcast_pyobj", _timed_broadcast(observe.passthrough)) if obs else
+            Target(sched, "broadcast_pyobj", _make_timed_broadcast, factory=True),
+            Target(sched, f"{sched_cls}.recv_requests", _timed_recv(w(_recv_requests))),
+            # timed alike in both modes: SGLang's unwrap, the TP barrier and
+            # all-reduce around it (0.5.15+), each rank's MultimodalInputs
+            Target(sched, "unwrap_shm_features", _timed_unwrap, optional=True),
+            Target(sched, f"{sched_cls}._finalize_shm_features", _timed_finalize, optional=True),
+            Target(SCHEDULER, "Scheduler._get_multimodal_inputs", _timed_mm_inputs,
+                   optional=True),
+        ]
+        if obs:
+            return out
+        out += [
+            Target(MM_UTILS, "hash_feature", _hash_feature),
+            Target(TOKENIZER, "TokenizerManager._handle_batch_request", _handle_batch_request),
             Target(DP_CONTROLLER, "DataParallelController.__init__", _controller_ready,
                    optional=True),
-            Target(sched, "broadcast_pyobj", _make_timed_broadcast, factory=True),
-            Target(sched, f"{sched_cls}.recv_requests", _timed_recv(_recv_requests)),
-            *timed,
         ]
         if receiver:
             out.append(Target(RECEIVER, "attn_cp_tp_broadcast_pyobj", _make_attn_broadcast,
