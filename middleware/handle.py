@@ -39,8 +39,19 @@ log = logging.getLogger("mmshm")
 _PREAD_CHUNK = 1 << 30
 
 
+#: BLAKE3's threads for one hash: one. On a server the TP ranks (and the
+#: other processes) keep the cores busy; a hash spread over threads waits
+#: for each of them to be scheduled (milliseconds per request on a loaded
+#: host), while one thread hashes at several GB/s.
+HASH_THREADS = 1
+#: Bytes copied, then hashed while they are still in the core's cache, at a
+#: time by :meth:`ShmTensor.from_tensor` (a multiple of BLAKE3's 1 KiB chunk).
+COPY_CHUNK = 256 << 10
+
+
 def content_hash(data) -> bytes:
-    """BLAKE3 of a tensor's bytes (C order), truncated to 128 bits.
+    """BLAKE3 of a tensor's bytes (C order), truncated to 128 bits, hashed
+    on the calling thread (:data:`HASH_THREADS`).
 
     Args:
         data: a CPU tensor (any dtype, made contiguous if needed) or any
@@ -54,7 +65,34 @@ def content_hash(data) -> bytes:
             data = b""
         else:
             data = t.reshape(-1).view(torch.uint8).numpy()
-    return blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest(codec.HASH_BYTES)
+    return blake3.blake3(data, max_threads=HASH_THREADS).digest(codec.HASH_BYTES)
+
+
+def _flat_bytes(t: torch.Tensor) -> np.ndarray | None:
+    """The bytes of ``t`` (not empty) as a flat ``uint8`` numpy view, in C
+    order; None when torch must copy them (not contiguous, a conjugate or
+    negative bit, a dtype numpy cannot view)."""
+    if t.is_conj() or t.is_neg() or not t.is_contiguous():
+        return None
+    try:
+        return t.reshape(-1).view(torch.uint8).numpy()
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
+def copy_and_hash(dst: np.ndarray, src: np.ndarray, hasher=None) -> None:
+    """Copy ``src`` into ``dst`` (flat ``uint8`` arrays of one length) on
+    the calling thread; with ``hasher`` (a ``blake3.blake3``), feed it each
+    :data:`COPY_CHUNK` bytes of ``dst`` right after copying them, so the
+    bytes are hashed from the cache, in one pass over memory. The hash is
+    that of the bytes written, the same whatever the chunking."""
+    if hasher is None:
+        np.copyto(dst, src)
+        return
+    for off in range(0, len(src), COPY_CHUNK):
+        d = dst[off:off + COPY_CHUNK]
+        np.copyto(d, src[off:off + COPY_CHUNK])
+        hasher.update(d)
 
 
 def _check_tensor(t) -> None:
@@ -66,6 +104,11 @@ def _check_tensor(t) -> None:
         raise TypeError("sparse and quantized tensors are not supported")
     if t.dtype not in codec.DTYPE_CODES:
         raise TypeError(f"dtype {t.dtype} cannot travel through shared memory")
+
+
+def _check_hash(hash: bytes | None) -> None:
+    if hash is not None and len(hash) and not codec.HASH_BYTES <= len(hash) <= 32:
+        raise ValueError(f"hash must be 16..32 bytes (or empty), got {len(hash)}")
 
 
 def _uint8_flat(t: torch.Tensor) -> torch.Tensor:
@@ -146,18 +189,29 @@ class ShmTensor:
     # -- construction ----------------------------------------------------
     @classmethod
     def from_tensor(cls, t: torch.Tensor, hash: bytes | None = None,
-                    directory: str | None = None) -> ShmTensor:
+                    directory: str | None = None, *,
+                    hash_now: bool | None = None) -> ShmTensor:
         """Copy ``t`` into a new segment and return a handle owning its one
         reference.
+
+        The copy runs on the calling thread (a contiguous tensor: one
+        ``memcpy``; torch copies any other). A hash computed here is
+        computed in the same pass, chunk by chunk while the bytes are still
+        in the cache.
 
         Args:
             t: any CPU strided tensor (any dtype torch has but quantized ones;
                 non-contiguous, 0-dim and 0-element tensors included).
             hash: the payload's content hash (16-32 bytes) if already known.
-                ``None``: BLAKE3-128, computed here with ``MMSHM_HASH=eager``,
-                else (the default, ``lazy``) on the first read of
-                :attr:`hash`. ``b""``: not computed here whatever the setting.
+                ``None``: BLAKE3-128, computed here with ``hash_now`` (or,
+                ``hash_now`` None, with ``MMSHM_HASH=eager``), else (the
+                default, ``lazy``) on the first read of :attr:`hash`.
+                ``b""``: not computed here whatever the setting.
             directory: segment directory (default ``MMSHM_DIR``).
+            hash_now: with ``hash`` None: True computes the hash here
+                whatever ``MMSHM_HASH`` says (a caller that reads it next,
+                e.g. SGLang's tokenizer), False leaves it to the first read;
+                None (default): ``MMSHM_HASH`` decides.
         Raises:
             TypeError: not a CPU strided tensor, or an unsupported dtype.
             ValueError: a ``hash`` of another length.
@@ -166,12 +220,24 @@ class ShmTensor:
         """
         _check_tensor(t)
         src = t.detach()
+        nbytes = t.numel() * t.element_size()
+        code = codec.DTYPE_CODES[t.dtype]
+        _check_hash(hash)
+        eager = hash is None and (config.get().hash == "eager" if hash_now is None
+                                  else hash_now)
+        flat = _flat_bytes(src) if nbytes else None
 
-        def write(dst: torch.Tensor) -> None:
-            dst.view(t.dtype).view(t.shape).copy_(src)
+        if flat is not None:
+            def fill(payload: np.ndarray) -> bytes | None:
+                hasher = blake3.blake3(max_threads=HASH_THREADS) if eager else None
+                copy_and_hash(payload, flat, hasher)
+                return None if hasher is None else hasher.digest(codec.HASH_BYTES)
+        else:
+            def fill(payload: np.ndarray) -> bytes | None:
+                torch.from_numpy(payload).view(t.dtype).view(t.shape).copy_(src)
+                return content_hash(payload) if eager else None
 
-        return cls.from_writer(t.numel() * t.element_size(), t.dtype, tuple(t.shape), write,
-                               hash=hash, directory=directory)
+        return cls._make(nbytes, code, tuple(t.shape), fill, hash, directory)
 
     @classmethod
     def from_writer(cls, nbytes: int, dtype: torch.dtype | int, shape: tuple[int, ...],
@@ -200,8 +266,7 @@ class ShmTensor:
             Whatever ``write`` raises (the segment is given back first).
         """
         code = dtype if isinstance(dtype, int) else codec.dtype_code(dtype)
-        if hash is not None and len(hash) and not codec.HASH_BYTES <= len(hash) <= 32:
-            raise ValueError(f"hash must be 16..32 bytes (or empty), got {len(hash)}")
+        _check_hash(hash)
         eager = hash is None and config.get().hash == "eager"
         if not 0 <= code < len(codec.DTYPES) or codec.DTYPES[code] is None:
             raise HandleError(f"unknown dtype code {code}")
@@ -209,15 +274,30 @@ class ShmTensor:
         shape = tuple(int(d) for d in shape)
         if nbytes != math.prod(shape) * itemsize:
             raise HandleError(f"shape {shape} x itemsize {itemsize} != nbytes {nbytes}")
+
+        def fill(payload: np.ndarray) -> bytes | None:
+            write(torch.from_numpy(payload))
+            return content_hash(payload) if eager else None
+
+        return cls._make(nbytes, code, shape, fill, hash, directory)
+
+    @classmethod
+    def _make(cls, nbytes: int, code: int, shape: tuple[int, ...], fill,
+              hash: bytes | None, directory: str | None) -> ShmTensor:
+        """A new segment of ``nbytes`` payload bytes filled by
+        ``fill(payload)`` (a flat ``uint8`` numpy view of the creator's
+        mapping; not called for 0 bytes), which returns the payload's digest
+        if it computed one, else None; the handle owning its one reference.
+        On any failure the segment is given back and the error raised."""
         seg = segment.create(nbytes, directory)
         try:
             if nbytes:
-                dst = torch.frombuffer(seg.shared_map, dtype=torch.uint8, count=nbytes,
-                                       offset=HEADER_SIZE)
-                write(dst)
-                if eager:
-                    hash = content_hash(dst.numpy())
-                del dst
+                payload = np.frombuffer(seg.shared_map, dtype=np.uint8, count=nbytes,
+                                        offset=HEADER_SIZE)
+                digest = fill(payload)
+                del payload
+                if digest is not None:
+                    hash = digest
             elif hash is None:
                 hash = _EMPTY_DIGEST
         except BaseException:

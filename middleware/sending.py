@@ -326,10 +326,16 @@ class Outbox:
         #: Bytes copied into segments for this message (shared ones: none).
         self.written = 0
 
-    def put(self, t: torch.Tensor) -> ShmTensor | None:
+    def put(self, t: torch.Tensor, hash_now: bool | None = None) -> ShmTensor | None:
         """A handle that rides in this message for ``t``'s bytes, owning
         ``1 + hops`` references; None when ``t`` must travel inline (the
         fallback is counted in ``mmshm_inline_fallbacks_total``).
+
+        ``hash_now=True``: a new segment's handle carries its BLAKE3 hash,
+        computed in the copy's pass (for a caller that reads :attr:`hash`
+        next); None: ``MMSHM_HASH`` decides (see
+        :meth:`~mmshm.ShmTensor.from_tensor`). A shared segment's handle
+        carries what its first handle carried.
 
         No bytes are copied when a live segment already holds them (the
         same tensor, unmodified, earlier in this message, in this fan-out or
@@ -337,10 +343,13 @@ class Outbox:
         judge. Never raises for a segment that cannot be made or shared."""
         h = share_segment(t)  # earlier in this message, in this fan-out, or before
         if h is None:
-            h = walker.to_shm(t, hash=DIGESTS.get(t))  # looked up per call: tests spy it
+            # looked up per call: tests spy it
+            h = walker.to_shm(t, hash=DIGESTS.get(t), hash_now=hash_now)
             if h is None:
                 return None
             self.written += h.nbytes
+            if hash_now and h.meta.hash:
+                DIGESTS.put(t, h.meta.hash)
             remember_segment(t, h.meta, directory=h.directory)
         if self.fan is not None:
             self.fan.hold(t, h)

@@ -227,14 +227,14 @@ def record_fallback(exc: BaseException) -> str:
 
 
 def to_shm(t: torch.Tensor, hash: bytes | None = None,
-           directory: str | None = None) -> ShmTensor | None:
-    """:meth:`ShmTensor.from_tensor`, or None when the tensor must travel
+           directory: str | None = None, hash_now: bool | None = None) -> ShmTensor | None:
+    """:meth:`ShmTensor.from_tensor` (``hash_now`` as there), or None when the tensor must travel
     inline: unsupported (GPU, sparse, quantized: silently) or no segment could
     be made (ENOSPC, budget, EMFILE, other: counted in
     ``mmshm_inline_fallbacks_total{reason}`` and warned about once per reason).
     The one place wrap and the instrumentors turn a tensor into a handle."""
     try:
-        return ShmTensor.from_tensor(t, hash=hash, directory=directory)
+        return ShmTensor.from_tensor(t, hash=hash, directory=directory, hash_now=hash_now)
     except TypeError:
         return None
     except (OSError, MmshmError) as exc:

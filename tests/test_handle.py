@@ -460,6 +460,67 @@ def test_eager_hash_is_computed_at_creation(shm_dir, monkeypatch):
         x.release()
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced", "offset", "zero_dim",
+                                    "zero_element", "conj", "neg"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.uint8,
+                                   torch.complex64, torch.float8_e4m3fn],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_hash_now_is_the_hash_of_the_bytes(shm_dir, dtype, layout):
+    """hash_now=True: the digest computed in the copy's pass equals BLAKE3
+    of the tensor's bytes in C order (what a lazy read computes from the
+    segment), for every layout the copy may take (memcpy or torch's)."""
+    if layout in ("conj", "neg"):
+        if not dtype.is_complex:
+            pytest.skip("conjugate and negative bits are for complex tensors")
+        base = _raw(dtype)
+        t = base.conj() if layout == "conj" else base.conj().imag  # imag of a conj: neg bit
+        assert t.is_conj() if layout == "conj" else t.is_neg()
+    else:
+        t = LAYOUTS[layout](_raw(dtype))
+    h = mmshm.ShmTensor.from_tensor(t, hash_now=True)
+    assert h.meta.hash == mmshm.content_hash(t)
+    assert len(h.meta.hash) == codec.HASH_BYTES
+    lazy = mmshm.ShmTensor.from_tensor(t)  # MMSHM_HASH=lazy: nothing computed here
+    assert lazy.meta.hash == (b"" if t.numel() else h.meta.hash)  # 0 bytes: known
+    assert lazy.hash == h.meta.hash  # read back from the segment
+    def raw(x):
+        return x.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+    assert torch.equal(raw(h.clone().materialize(copy=True)), raw(t))
+    for x in (h, lazy):
+        x.release()
+
+
+@pytest.mark.parametrize("nbytes", [1, 1023, 1024, 4096 + 7, (256 << 10) - 1, 256 << 10,
+                                    (256 << 10) + 1, 3 * (256 << 10) + 12345])
+def test_hash_now_across_copy_chunks(shm_dir, nbytes):
+    """The chunked copy-and-hash gives BLAKE3 of the whole payload, and the
+    exact bytes, at and around the chunk boundaries."""
+    from mmshm import handle
+
+    assert handle.COPY_CHUNK == 256 << 10
+    t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(nbytes))
+    h = mmshm.ShmTensor.from_tensor(t, hash_now=True)
+    import blake3
+
+    assert h.meta.hash == blake3.blake3(t.numpy().tobytes()).digest(16)
+    assert torch.equal(h.materialize(), t)
+
+
+def test_hash_now_false_and_given_hashes_win_over_eager(shm_dir, monkeypatch):
+    monkeypatch.setenv("MMSHM_HASH", "eager")
+    mmshm.config.reload()
+    t = _mp.make_tensor(44, (64, 64))
+    off = mmshm.ShmTensor.from_tensor(t, hash_now=False)
+    assert off.meta.hash == b"" and off.hash == mmshm.content_hash(t)
+    given = mmshm.ShmTensor.from_tensor(t, hash=b"\x05" * 16, hash_now=True)
+    assert given.meta.hash == b"\x05" * 16
+    for x in (off, given):
+        x.release()
+
+
 def test_bad_hash_setting_warns_and_uses_the_default(monkeypatch, caplog):
     monkeypatch.setenv("MMSHM_HASH", "sometimes")
     monkeypatch.setattr(mmshm.config, "_warned", set())
