@@ -340,15 +340,14 @@ def table(k: int, results: list[dict], server: str) -> list[str]:
     return lines
 
 
-def own_table(k: int, results: list[dict]) -> list[str]:
+def own_table(k: int, results: list[dict], server: str) -> list[str]:
     """The server's own latency histograms for image count ``k``, ms per
     request per transport (and TP rank), with their ratio."""
     by = {r["transport"]: r.get("own", {}).get(k, {}) for r in results}
     stages = []
     for own in by.values():
         stages += [s for s in own if s not in stages]
-    first = [s for s in ("request_process", "prefill_forward", "vllm:time_to_first_token_seconds",
-                         "vllm:request_prefill_time_seconds") if s in stages]
+    first = [s for s in OWN[server][1] if s in stages]
     stages = first + [s for s in stages if s not in first]
     if not stages:
         return ["(the server's own latency histograms recorded nothing: metrics off?)"]
@@ -432,7 +431,7 @@ def main() -> int:
             f"{tr} {ms:.1f} ms = {ms / (cp * 1e3):.1f}x" for tr, ms in totals.items())
             + (f"; mmshm / server {totals['mmshm'] / totals['server']:.2f}"
                if totals.get("server") and "mmshm" in totals else ""))
-        for line in own_table(k, results):
+        for line in own_table(k, results, args.server):
             print(line)
         errs = {r["config"]: r["observe_errors"][k] for r in results if r["observe_errors"][k]}
         if errs:
