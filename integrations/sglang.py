@@ -197,6 +197,28 @@ def _items(mm_inputs):
     return items or []
 
 
+def _feature(item):
+    feature = getattr(item, "feature", None)
+    return getattr(item, "precomputed_embeddings", None) if feature is None else feature
+
+
+def _unhashed_features(mm_inputs) -> set[int]:
+    """``id()`` of the tensors (possibly in nested lists) of the items
+    without a hash (the ones :func:`_set_item_hashes` hashes)."""
+    import torch
+
+    ids: set[int] = set()
+    stack = [_feature(item) for item in _items(mm_inputs)
+             if getattr(item, "hash", 0) is None]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            ids.add(id(x))
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return ids
+
+
 def _set_item_hashes(mm_inputs) -> None:
     """Give every item without a hash the int of its feature's content hash
     (carried by the handle, or computed once for an inline tensor), so the
@@ -208,9 +230,7 @@ def _set_item_hashes(mm_inputs) -> None:
     for item in _items(mm_inputs):
         if getattr(item, "hash", 0) is not None:
             continue
-        feature = getattr(item, "feature", None)
-        if feature is None:
-            feature = getattr(item, "precomputed_embeddings", None)
+        feature = _feature(item)
         try:
             d = digest_of(feature) if feature is not None else None
         except (MmshmError, OSError) as exc:
@@ -267,19 +287,20 @@ def _wrap_shm_features(wrapped, instance, args, kwargs):
     if not mm_inputs or not _items(mm_inputs):
         return obj
     min_bytes = config.get().min_bytes
+    # a PD decode instance's items lose their pixels first (what is left:
+    # items whose content could not be hashed)
+    kept = _withhold_payloads(mm_inputs) if _DECODE_WITHHOLDS else mm_inputs
+    # the features of items SGLang's processor did not hash: their hash is
+    # read next (_set_item_hashes), so it is computed in the copy's pass
+    unhashed = _unhashed_features(kept)
 
     def leaf(x):
         if not sending.eligible(x, min_bytes):
             return x
-        h = box.put(x)
+        h = box.put(x, hash_now=id(x) in unhashed)
         return x if h is None else h
 
-    # the hash is left to _set_item_hashes, for items SGLang's processor did
-    # not hash (MMSHM_HASH=lazy: computed only if needed); a PD decode
-    # instance's items lose their pixels first (what is left: items whose
-    # content could not be hashed)
-    new_mm = transform(_withhold_payloads(mm_inputs) if _DECODE_WITHHOLDS else mm_inputs,
-                       leaf)
+    new_mm = transform(kept, leaf)
     _warn_numpy_features(new_mm, min_bytes)
     _set_item_hashes(new_mm)
     if new_mm is mm_inputs:

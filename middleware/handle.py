@@ -31,12 +31,13 @@ from .errors import (
     WrongNodeError,
 )
 from .metrics import SHM_WRITTEN_BYTES
-from .segfile import HEADER_SIZE
+from .segfile import HEADER_SIZE, os_error
 from .segment import SegmentRef
 
 log = logging.getLogger("mmshm")
 
 _PREAD_CHUNK = 1 << 30
+_pwrite = os.pwrite  # (a test breaks it)
 
 
 #: BLAKE3's threads for one hash: one. On a server the TP ranks (and the
@@ -78,6 +79,31 @@ def _flat_bytes(t: torch.Tensor) -> np.ndarray | None:
         return t.reshape(-1).view(torch.uint8).numpy()
     except (RuntimeError, TypeError, ValueError):
         return None
+
+
+def write_and_hash(fd: int, offset: int, src: np.ndarray, hasher=None) -> None:
+    """Write ``src`` (a flat ``uint8`` array) into the file open on ``fd``
+    from ``offset`` with ``pwrite``, on the calling thread: into pages of a
+    tmpfs file that were reserved (``posix_fallocate``) but never touched,
+    the kernel copies without zeroing them first, as a fault through a
+    mapping would. With ``hasher``, each :data:`COPY_CHUNK` bytes are fed
+    to it right after they were written, from the cache. Raises
+    :class:`OSError`."""
+    mv = memoryview(src)
+    n = len(mv)
+    step = n if hasher is None else COPY_CHUNK
+    off = 0
+    while off < n:
+        chunk = mv[off:off + step]
+        done = 0
+        while done < len(chunk):
+            k = _pwrite(fd, chunk[done:], offset + off + done)
+            if k <= 0:
+                raise OSError(errno.EIO, "pwrite wrote nothing")
+            done += k
+        if hasher is not None:
+            hasher.update(chunk)
+        off += len(chunk)
 
 
 def copy_and_hash(dst: np.ndarray, src: np.ndarray, hasher=None) -> None:
@@ -228,12 +254,18 @@ class ShmTensor:
         flat = _flat_bytes(src) if nbytes else None
 
         if flat is not None:
-            def fill(payload: np.ndarray) -> bytes | None:
+            def fill(seg: segment.Segment, payload: np.ndarray) -> bytes | None:
                 hasher = blake3.blake3(max_threads=HASH_THREADS) if eager else None
-                copy_and_hash(payload, flat, hasher)
+                if seg.blank:  # a new file: pwrite, no zeroing, no page faults
+                    try:
+                        write_and_hash(seg.fd, HEADER_SIZE, flat, hasher)
+                    except OSError as exc:
+                        raise os_error(exc, "write", seg.path) from None
+                else:  # a warm pooled segment: its pages are mapped here
+                    copy_and_hash(payload, flat, hasher)
                 return None if hasher is None else hasher.digest(codec.HASH_BYTES)
         else:
-            def fill(payload: np.ndarray) -> bytes | None:
+            def fill(seg: segment.Segment, payload: np.ndarray) -> bytes | None:
                 torch.from_numpy(payload).view(t.dtype).view(t.shape).copy_(src)
                 return content_hash(payload) if eager else None
 
@@ -275,7 +307,7 @@ class ShmTensor:
         if nbytes != math.prod(shape) * itemsize:
             raise HandleError(f"shape {shape} x itemsize {itemsize} != nbytes {nbytes}")
 
-        def fill(payload: np.ndarray) -> bytes | None:
+        def fill(seg: segment.Segment, payload: np.ndarray) -> bytes | None:
             write(torch.from_numpy(payload))
             return content_hash(payload) if eager else None
 
@@ -285,16 +317,20 @@ class ShmTensor:
     def _make(cls, nbytes: int, code: int, shape: tuple[int, ...], fill,
               hash: bytes | None, directory: str | None) -> ShmTensor:
         """A new segment of ``nbytes`` payload bytes filled by
-        ``fill(payload)`` (a flat ``uint8`` numpy view of the creator's
-        mapping; not called for 0 bytes), which returns the payload's digest
-        if it computed one, else None; the handle owning its one reference.
-        On any failure the segment is given back and the error raised."""
+        ``fill(seg, payload)`` (the segment, and a flat ``uint8`` numpy view
+        of the creator's mapping of its payload; not called for 0 bytes),
+        which returns the payload's digest if it computed one, else None;
+        the handle owning its one reference. On any failure the segment is
+        given back and the error raised."""
         seg = segment.create(nbytes, directory)
         try:
             if nbytes:
                 payload = np.frombuffer(seg.shared_map, dtype=np.uint8, count=nbytes,
                                         offset=HEADER_SIZE)
-                digest = fill(payload)
+                try:
+                    digest = fill(seg, payload)
+                finally:
+                    seg.blank = False
                 del payload
                 if digest is not None:
                     hash = digest

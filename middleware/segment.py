@@ -96,8 +96,8 @@ class Segment:
     :func:`attach`, never the constructor.
     """
 
-    __slots__ = ("digest", "directory", "fd", "gen", "idle_since", "name", "owned", "path",
-                 "payload_size", "pins", "shared_map")
+    __slots__ = ("blank", "digest", "directory", "fd", "gen", "idle_since", "name", "owned",
+                 "path", "payload_size", "pins", "shared_map")
 
     def __init__(self, name: str, path: str, fd: int, payload_size: int, owned: bool,
                  gen: int = 0):
@@ -113,6 +113,10 @@ class Segment:
         self.shared_map: ctypes.Array | None = None  # the creator's (see segfile.map_fd)
         # (generation, content hash) once computed in this process (lazy hashing)
         self.digest: tuple[int, bytes] | None = None
+        # a file this process just created, its payload reserved but never
+        # written nor mapped: the first fill writes it with pwrite (see
+        # mmshm.handle), which spares the kernel's zeroing of its pages
+        self.blank = False
 
     # -- reference count -------------------------------------------------
     def update_refcount(self, delta: int, gen: int | None = None) -> int:
@@ -328,6 +332,7 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
         raise
     seg = Segment(name, path, fd, total - HEADER_SIZE, owned=True)
     seg.shared_map = mm
+    seg.blank = True
     SEGMENTS_CREATED.inc()
     SEGMENTS_IN_USE.inc()
     BYTES_IN_USE.inc(total)

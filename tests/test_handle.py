@@ -494,19 +494,47 @@ def test_hash_now_is_the_hash_of_the_bytes(shm_dir, dtype, layout):
 
 @pytest.mark.parametrize("nbytes", [1, 1023, 1024, 4096 + 7, (256 << 10) - 1, 256 << 10,
                                     (256 << 10) + 1, 3 * (256 << 10) + 12345])
-def test_hash_now_across_copy_chunks(shm_dir, nbytes):
+def test_hash_now_across_copy_chunks(pool, nbytes):
     """The chunked copy-and-hash gives BLAKE3 of the whole payload, and the
-    exact bytes, at and around the chunk boundaries."""
+    exact bytes, at and around the chunk boundaries: into a new file (written
+    with pwrite) and into the same segment again from the warm pool (copied
+    through the mapping)."""
+    import blake3
     from mmshm import handle
 
     assert handle.COPY_CHUNK == 256 << 10
-    t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
-                      generator=torch.Generator().manual_seed(nbytes))
-    h = mmshm.ShmTensor.from_tensor(t, hash_now=True)
-    import blake3
+    names = []
+    for seed in (nbytes, nbytes + 1):
+        t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(seed))
+        h = mmshm.ShmTensor.from_tensor(t, hash_now=True)
+        names.append(h.name)
+        assert h.meta.hash == blake3.blake3(t.numpy().tobytes()).digest(16)
+        lazy = mmshm.ShmTensor.from_tensor(t)
+        assert lazy.hash == h.meta.hash
+        assert torch.equal(h.materialize(copy=True), t)
+        assert torch.equal(lazy.materialize(copy=True), t)
+        del h, lazy
+        gc.collect()
+    assert names[0] == names[1], "the second round reused the pooled segment"
+    TABLE.trim_pool()
 
-    assert h.meta.hash == blake3.blake3(t.numpy().tobytes()).digest(16)
-    assert torch.equal(h.materialize(), t)
+
+def test_a_failed_write_into_a_new_file_is_typed_and_leaves_nothing(shm_dir, monkeypatch):
+    """pwrite into a new segment failing (EIO here) raises a SegmentError
+    with the errno kept; the segment is given back (unlinked)."""
+    from mmshm import handle
+
+    def broken(fd, data, offset):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(handle, "_pwrite", broken)
+    with pytest.raises(mmshm.SegmentError) as ei:
+        mmshm.ShmTensor.from_tensor(torch.ones(4096), hash_now=True)
+    assert ei.value.errno == 5
+    monkeypatch.undo()
+    gc.collect()
+    assert _mp.seg_files() == []
 
 
 def test_hash_now_false_and_given_hashes_win_over_eager(shm_dir, monkeypatch):

@@ -393,6 +393,36 @@ def test_hash_is_carried_and_transport_independent(ns, monkeypatch):
     assert _segments() == []
 
 
+def test_unhashed_items_are_hashed_in_the_copy_pass(ns, monkeypatch):
+    """An item SGLang's processor left unhashed gets its handle's hash in
+    the pass that copies its pixels (the handle carries it: nothing reads
+    the segment again); an item that has a hash keeps it and its handle
+    carries none (MMSHM_HASH=lazy). Both hashes are BLAKE3 of the bytes."""
+    mmshm.instrument("sglang")
+    from mmshm import handle as handle_mod
+
+    t0, t1 = E.expected_feature(4), E.expected_feature(5)
+    req = E.make_request(ns, [t0, t1])
+    E.items(req)[0].hash = None
+    E.items(req)[1].hash = 1234
+    reads = []
+    real = handle_mod._segment_digest
+    monkeypatch.setattr(handle_mod, "_segment_digest",
+                        lambda seg, meta: reads.append(meta.name) or real(seg, meta))
+    sock = E.Socket()
+    E.send_one(ns, req, sock)
+    sent = pickle.loads(sock.sent[0])
+    first, second = E.items(sent)
+    assert reads == [], "the hash was read back from the segment"
+    assert first.feature.meta.hash == mmshm.content_hash(t0)
+    assert first.hash == glue.hash_int(mmshm.content_hash(t0))
+    assert second.hash == 1234 and second.feature.meta.hash == b""
+    assert E.items(req)[0].hash is None, "the request itself is not modified"
+    mmshm.release(sent)
+    gc.collect()
+    assert _segments() == []
+
+
 def test_item_whose_segment_vanished_before_hashing_stays_unhashed(ns, caplog):
     """MMSHM_HASH=lazy: the tokenizer side reads the handle's hash from its
     segment. A segment removed in between (an operator's rm) leaves the item
