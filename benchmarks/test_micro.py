@@ -291,17 +291,19 @@ def test_content_hash_32_images(benchmark, request_32):
     assert len(set(hashes)) == IMAGES
 
 
-@pytest.mark.parametrize("hashing", ["lazy", "eager", "given"])
+@pytest.mark.parametrize("hashing", ["lazy", "eager", "now", "given"])
 def test_from_tensor_one_image(benchmark, request_32, hashing):
     """One 720p image into a (warm, pooled) segment: no hash (lazy), the
-    content hash computed right away (eager), or handed in by the caller."""
+    content hash read from the segment right after (eager), computed in the
+    copy's pass (now: ``hash_now=True``, what SGLang's tokenizer asks), or
+    handed in by the caller."""
     t = request_32["mm_items"][0]["feature"]
     h = mmshm.content_hash(t) if hashing == "given" else None
 
     def make():
-        s = mmshm.ShmTensor.from_tensor(t, hash=h)
-        if hashing == "eager":
-            s.hash  # noqa: B018 - computes it
+        s = mmshm.ShmTensor.from_tensor(t, hash=h, hash_now=hashing == "now")
+        if hashing in ("eager", "now"):
+            assert s.hash  # "eager" computes it here
         s.release()
 
     benchmark.pedantic(make, rounds=5, warmup_rounds=1, iterations=1)
