@@ -8,8 +8,9 @@ each segment directory (checked, reaped, its size). A forked child resets it
 in one place (:meth:`SegmentTable.reset_after_fork`): the parent's segments
 are closed, not released (their references are the parent's).
 
-**The warm pool.** Copying into a fresh tmpfs segment runs at page-fault
-speed (about 1.3 GB/s here: allocation and zeroing); into warm pages at
+**The warm pool.** Writing into a fresh tmpfs segment runs at the kernel's
+page-allocation speed (``posix_fallocate``, then a ``pwrite`` that spares
+the zeroing a page fault would do: a few GB/s); copying into warm pages at
 memcpy speed. So a producing process keeps the segments it created, in size
 classes (:func:`size_class`: eight per power of two, at most 12.5% slack),
 and reuses one whose count came back to zero instead of creating a file.
