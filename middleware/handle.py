@@ -269,12 +269,14 @@ class ShmTensor:
                 torch.from_numpy(payload).view(t.dtype).view(t.shape).copy_(src)
                 return content_hash(payload) if eager else None
 
-        return cls._make(nbytes, code, tuple(t.shape), fill, hash, directory)
+        # through from_writer: the one creation point (MMSHM_DEBUG_REFS tracks it)
+        return cls.from_writer(nbytes, code, tuple(t.shape), None, hash=hash,
+                               directory=directory, _fill=fill)
 
     @classmethod
     def from_writer(cls, nbytes: int, dtype: torch.dtype | int, shape: tuple[int, ...],
                     write, hash: bytes | None = None,
-                    directory: str | None = None) -> ShmTensor:
+                    directory: str | None = None, *, _fill=None) -> ShmTensor:
         """Make a new segment of ``nbytes`` payload bytes, let ``write`` fill
         it, and return a handle owning its one reference. The bytes never pass
         through private memory: ``write`` gets the segment's payload as a flat
@@ -299,7 +301,6 @@ class ShmTensor:
         """
         code = dtype if isinstance(dtype, int) else codec.dtype_code(dtype)
         _check_hash(hash)
-        eager = hash is None and config.get().hash == "eager"
         if not 0 <= code < len(codec.DTYPES) or codec.DTYPES[code] is None:
             raise HandleError(f"unknown dtype code {code}")
         itemsize = codec.DTYPES[code].itemsize  # type: ignore[union-attr]
@@ -307,11 +308,14 @@ class ShmTensor:
         if nbytes != math.prod(shape) * itemsize:
             raise HandleError(f"shape {shape} x itemsize {itemsize} != nbytes {nbytes}")
 
-        def fill(seg: segment.Segment, payload: np.ndarray) -> bytes | None:
-            write(torch.from_numpy(payload))
-            return content_hash(payload) if eager else None
+        if _fill is None:  # (from_tensor passes its own: see _make)
+            eager = hash is None and config.get().hash == "eager"
 
-        return cls._make(nbytes, code, shape, fill, hash, directory)
+            def _fill(seg: segment.Segment, payload: np.ndarray) -> bytes | None:
+                write(torch.from_numpy(payload))
+                return content_hash(payload) if eager else None
+
+        return cls._make(nbytes, code, shape, _fill, hash, directory)
 
     @classmethod
     def _make(cls, nbytes: int, code: int, shape: tuple[int, ...], fill,
