@@ -61,6 +61,7 @@ from .agreement import (  # noqa: F401 - re-exported: the wire codes and tags
     LOST,
     REASONS,
     _agree_max,
+    _agree_post,
 )
 from .codec import HandleMeta
 from .errors import (
@@ -576,6 +577,12 @@ def _give_back(unw: _Unwrapper, idxs: list[int], stranded: np.ndarray, col: int)
 
 
 
+def _agree_size(n: int, nh: int, world: int) -> int:
+    """Length of the agreement's vector for ``n`` requests and ``nh`` handles:
+    reasons, failed, stranded, opened, lost flags."""
+    return n + n * world + 2 * nh * world + world
+
+
 def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_failure,
                 role: str, src_group_rank: int | None, plan: _NodePlan | None = None,
                 src: int | None = None, added: dict[SegmentRef, int] | None = None,
@@ -593,8 +600,18 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
     defer = plan is None and world > 1 and src_group_rank is not None and not is_src
     unw = _Unwrapper(copy, hold=defer)
     if plan is not None:
-        plan.prepare(unw, out)  # on other nodes: swap in this node's copies
+        plan.prepare(unw, out)  # indexes; on other nodes: swaps in this node's copies
+    else:
+        for req in out:  # walk order, the same on every rank
+            for h in handles(req):
+                unw.index(h)
+    nh = len(unw.order)
+    posted = None
     try:
+        if world > 1 and nh:
+            # before the walk: the peers' messages then find their receive waiting
+            posted = _agree_post(_agree_size(n, nh, world), group, world, group_rank,
+                                 src_group_rank, src)
         for i, req in enumerate(out):
             unw.current = []
             try:
@@ -613,7 +630,6 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
         if plan is not None:
             plan.send_payloads(unw)  # the source rank, to the other nodes' leaders
         BROADCAST_BYTES.labels(role=role).observe(unw.wire_bytes + _REQUEST_WIRE_BYTES * n)
-        nh = len(unw.order)
         if not nh:  # identical on every rank: the data is the same
             return results
         MATERIALIZE_SECONDS.observe(time.perf_counter() - t0)
@@ -629,7 +645,8 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
             flat = torch.from_numpy(np.concatenate([reasons, failed.ravel(), stranded.ravel(),
                                                     opened.ravel(),
                                                     np.zeros(world, dtype=np.int32)]))
-            flat = _agree_max(flat, group, world, group_rank, src_group_rank, src).numpy()
+            flat = _agree_max(flat, group, world, group_rank, src_group_rank, src,
+                              posted).numpy()
             reasons = flat[:n]
             failed = flat[n:n + n * world].reshape(n, world)
             at = n + n * world
