@@ -306,7 +306,7 @@ VARIABLES: tuple[Variable, ...] = (
              computed=default_pool_max_bytes),
     Variable("MMSHM_HASH", "hash", "choice", "lazy",
              "when a handle's BLAKE3 content hash is computed if none is given: lazy on the "
-             "first read, eager at creation (about 2.4x the copy)", choices=("lazy", "eager")),
+             "first read, eager at creation, in the copy's pass", choices=("lazy", "eager")),
     Variable("MMSHM_NODE_ID", "node_id", "text", None,
              "overrides this process's node identity (equal values count as one node)"),
     Variable("MMSHM_HANDSHAKE_S", "handshake_s", "seconds", 60.0,
