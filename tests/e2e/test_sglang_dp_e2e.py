@@ -427,6 +427,7 @@ class TestMmshm:
         srv = shm_server
         group = _group(srv)
         [dp1] = [p for p in group if "sglang::scheduler_DP1" in " ".join(p.cmdline())]
+        before = set(_segs(env))
         t = threading.Thread(target=_swallow, args=(_ask, env, srv, (0, 1), 1), daemon=True)
         t.start()
         held: set[str] = set()
@@ -437,7 +438,10 @@ class TestMmshm:
                 time.sleep(0.005)
         assert held, "DP rank 1 never held a segment of the request routed to it"
         os.kill(dp1.pid, signal.SIGKILL)
-        rec = S["sigkill_dp1"] = {"held_by_dp1": sorted(held)}
+        # the request's segments: references handed to DP rank 1, opened by it
+        # before the kill or not yet (it maps one photo's segment at a time)
+        routed = held | (set(_segs(env)) - before)
+        rec = S["sigkill_dp1"] = {"held_by_dp1": sorted(held), "routed_to_dp1": sorted(routed)}
         # SGLang neither stops nor restarts on it: the rest of the server runs
         time.sleep(2.0)
         rec["server_alive"] = srv.proc.poll() is None
@@ -446,11 +450,12 @@ class TestMmshm:
         # DP rank 0 answers as before, and strands none of its references
         assert _ask(env, srv, GREEDY[0][0], 0)[0] == STATE["plain"]["greedy"][0]
         deadline = time.monotonic() + POOL_IDLE_S + 60
-        while time.monotonic() < deadline and not set(_segs(env)) <= held:
+        while time.monotonic() < deadline and not set(_segs(env)) <= routed:
             time.sleep(0.5)
         left = set(_segs(env))
         rec["left_while_up"] = sorted(left)
-        assert left <= held, ("segments beyond the killed rank's", left, held)
+        assert held <= left, ("a segment DP rank 1 held went while it was dead", left, held)
+        assert left <= routed, ("segments beyond the killed rank's request", left, routed)
         assert left, "the killed rank's segments went without a restart"
         rec["gc_while_up"] = _mm(env, srv).gc_dry_run()["reclaimed"]  # the tokenizer holds them
         # the end of the server (the fixture's own kill: the process group by pid)
