@@ -19,21 +19,25 @@ which times the same hops of the multimodal path into
 
 Per hop (SGLang: tokenizer_wrap, tokenizer_send, scheduler_recv,
 broadcast_src, broadcast_dst, materialize, mm_inputs; vLLM: frontend_encode,
-engine_decode, mq_enqueue, mq_dequeue) it prints, per request, the messages,
-the bytes serialized and the milliseconds spent with each transport, their
-ratio, and a TOTAL row. TOTAL is like-for-like: the same boundaries are timed
-in both modes, from the processor output in the tokenizer or frontend to the
-request ready on every TP rank (SGLang: its scheduler's ``MultimodalInputs``,
-the hash of every item included, and the barrier and all-reduce around its
-unwrap; what no hop times is said under the table: vLLM's frontend ->
-EngineCore copy on zmq's I/O threads). Each mode's TOTAL is also given as a
-multiple of one in-process copy of the payload (K photos' ``pixel_values``,
-float32, ``torch.empty_like(x).copy_(x)``, best of 5), the floor. Beside the
+zmq_transfer, engine_decode, mq_enqueue, mq_dequeue) it prints, per request,
+the messages, the bytes serialized and the milliseconds spent with each
+transport, each as a multiple of the floor (below), their ratio, and a TOTAL
+row. TOTAL is like-for-like: the same boundaries are timed in both modes, from
+the processor output in the tokenizer or frontend to the request ready on
+every TP rank (SGLang: its scheduler's ``MultimodalInputs``, the hash of every
+item included, and the barrier and all-reduce around its unwrap; vLLM: its
+frontend -> EngineCore copy on zmq's I/O threads included, ``zmq_transfer``;
+what no hop times would be said under the table). The floor is one
+in-process copy of the payload (K photos' ``pixel_values``, float32,
+``torch.empty_like(x).copy_(x)``, best of 5); each hop's and each mode's
+TOTAL's ``x floor`` is its ms over that copy's. Beside the
 table: the server's own latency histograms over the same requests (SGLang's
 ``sglang:per_stage_req_latency_seconds`` stages, ``request_process`` and
 ``prefill_forward`` first, per TP rank; vLLM's
 ``vllm:time_to_first_token_seconds`` and ``vllm:request_prefill_time_seconds``),
-ms per request. ``--json`` holds all of it (``totals``, ``own``).
+ms per request. ``--json`` holds all of it (``totals``: each mode's TOTAL
+and its ``x_memcpy``; ``x_memcpy``: per image count, transport and hop, the
+TOTAL included, the multiple of the floor; ``own``).
 
     python benchmarks/transport_server.py --server sglang|vllm [--tp 2]
         [--images 1,8] [--requests 3] [--configs observe,mmshm]
@@ -71,7 +75,8 @@ from ttft_server import MODEL_NAME, PHOTOS, sglang_config, vllm_config  # noqa: 
 #: (mmshm.integrations.sglang.HOPS, mmshm.integrations.vllm.HOPS).
 HOPS = {"sglang": ("tokenizer_wrap", "tokenizer_send", "scheduler_recv", "broadcast_src",
                    "broadcast_dst", "materialize", "mm_inputs"),
-        "vllm": ("frontend_encode", "engine_decode", "mq_enqueue", "mq_dequeue")}
+        "vllm": ("frontend_encode", "zmq_transfer", "engine_decode", "mq_enqueue",
+                 "mq_dequeue")}
 MAKE = {"sglang": sglang_config, "vllm": vllm_config}
 #: The server's own latency histograms read beside the hops: per server, the
 #: histograms (base names) and the label that splits one into stages (None:
@@ -81,13 +86,13 @@ OWN = {"sglang": ((("sglang:per_stage_req_latency_seconds", "stage"),),
        "vllm": ((("vllm:time_to_first_token_seconds", None),
                  ("vllm:request_prefill_time_seconds", None)),
                 ("vllm:time_to_first_token_seconds", "vllm:request_prefill_time_seconds"))}
-#: What no hop times, said under each TOTAL.
-INVISIBLE = {
-    "sglang": "",
-    "vllm": ("not in any hop: vLLM's frontend -> EngineCore copy of the out-of-band tensor "
-             "frames, done on zmq's I/O threads after send_multipart(copy=False) returns and "
-             "before recv_multipart returns (observed mode only; under mmshm those frames are "
-             "handles of a few hundred bytes); it shows in TTFT, not in TOTAL")}
+#: What no hop times, said under each TOTAL (nothing now: vLLM's frontend ->
+#: EngineCore copy on zmq's I/O threads is the zmq_transfer hop).
+INVISIBLE = {"sglang": "", "vllm": ""}
+#: Hops observed once per request as often as another: (hop, its pair). A
+#: shortfall is said under the table (vLLM: a zmq_transfer stamp that did not
+#: reach the EngineCore, said in the server's log at WARNING).
+PAIRED = {"sglang": (), "vllm": (("zmq_transfer", "frontend_encode"),)}
 #: configuration -> (the ``transport`` label its hops carry, its extra environment)
 CONFIGS = {"observe": ("server", {"MMSHM_MODE": "observe"}), "mmshm": ("mmshm", {})}
 #: resolutions below bench.photos' own (720p, 1080p): its 720p photo, resized
@@ -310,9 +315,39 @@ def fmt(x: float | None, spec: str) -> str:
     return "—" if x is None else format(x, spec)
 
 
-def table(k: int, results: list[dict], server: str) -> list[str]:
+def unpaired(k: int, results: list[dict], server: str) -> list[str]:
+    """Warnings for hops of :data:`PAIRED` that recorded fewer messages than
+    their pair at image count ``k`` (missing observations)."""
+    out = []
+    for r in results:
+        hops = r["hops"][k]
+        for h, pair in PAIRED[server]:
+            got, want = (hops.get(x, {}).get("messages", 0.0) for x in (h, pair))
+            if got < want - 1e-9:
+                out.append(f"WARNING: {r['config']}: {h} observed {got:.2f} messages per request "
+                           f"against {want:.2f} of {pair}: missing observations (the server's "
+                           f"log says why), so its TOTAL is short of them")
+    return out
+
+
+def floor_ratios(k: int, results: list[dict], floor_ms: float) -> dict:
+    """Per transport, each hop's ms per request at image count ``k`` and
+    their ``TOTAL`` as multiples of ``floor_ms`` (one memcpy of the payload
+    into a new tensor, :func:`memcpy_s`); a hop without messages is left out."""
+    out = {}
+    for r in results:
+        hops = {h: f["ms"] / floor_ms for h, f in r["hops"][k].items() if f["messages"]}
+        hops["TOTAL"] = sum(f["ms"] for f in r["hops"][k].values()) / floor_ms
+        out[r["transport"]] = hops
+    return out
+
+
+def table(k: int, results: list[dict], server: str,
+          floor_ms: float | None = None) -> list[str]:
     """The per-hop table of image count ``k`` (columns ``—`` where a hop
-    recorded no message with that transport)."""
+    recorded no message with that transport); with ``floor_ms`` (one memcpy
+    of the payload, ms) each transport's ms also as a multiple of it (``x
+    floor``)."""
     by = {r["transport"]: r["hops"][k] for r in results}
     hops = list(HOPS[server])
     for fig in by.values():
@@ -322,8 +357,13 @@ def table(k: int, results: list[dict], server: str) -> list[str]:
         f = by.get(tr, {}).get(h)
         return None if not f or not f["messages"] else f[what]
 
-    head = (f"{'hop':<15} {'server msg':>10} {'bytes/req':>10} {'ms/req':>8}   "
-            f"{'mmshm msg':>9} {'bytes/req':>10} {'ms/req':>8}   {'server/mmshm':>12}")
+    head = (f"{'hop':<15} {'server msg':>10} {'bytes/req':>10} {'ms/req':>8} {'x floor':>7}   "
+            f"{'mmshm msg':>9} {'bytes/req':>10} {'ms/req':>8} {'x floor':>7}   "
+            f"{'server/mmshm':>12}")
+
+    def xf(ms):
+        return fmt(ms / floor_ms if ms is not None and floor_ms else None, ".2f")
+
     lines = [head, "-" * len(head)]
     rows = [(h, {tr: {w: cell(tr, h, w) for w in ("messages", "bytes", "ms")}
                  for tr in ("server", "mmshm")}) for h in hops]
@@ -334,8 +374,9 @@ def table(k: int, results: list[dict], server: str) -> list[str]:
         s, m = c["server"], c["mmshm"]
         ratio = s["ms"] / m["ms"] if s["ms"] is not None and m["ms"] else None
         lines.append(f"{h:<15} {fmt(s['messages'], '.1f'):>10} {fmt_bytes(s['bytes']):>10} "
-                     f"{fmt(s['ms'], '.2f'):>8}   {fmt(m['messages'], '.1f'):>9} "
-                     f"{fmt_bytes(m['bytes']):>10} {fmt(m['ms'], '.2f'):>8}   "
+                     f"{fmt(s['ms'], '.2f'):>8} {xf(s['ms']):>7}   "
+                     f"{fmt(m['messages'], '.1f'):>9} {fmt_bytes(m['bytes']):>10} "
+                     f"{fmt(m['ms'], '.2f'):>8} {xf(m['ms']):>7}   "
                      f"{fmt(ratio, '.1f') + 'x' if ratio is not None else '—':>12}")
     return lines
 
@@ -418,15 +459,18 @@ def main() -> int:
         cp, warm = memcpy_s(rows * k)
         report["memcpy_ms"][k] = {"new": cp * 1e3, "warm": warm * 1e3}
         print(f"\nK={k} photos per request ({k * photo_mb:.1f} MB of pixel_values):")
-        for line in table(k, results, args.server):
+        for line in table(k, results, args.server, cp * 1e3):
             print(line)
         if INVISIBLE[args.server]:
             print(f"({INVISIBLE[args.server]})")
+        for line in unpaired(k, results, args.server):
+            print(line)
         totals = {r["transport"]: sum(h["ms"] for h in r["hops"][k].values()) for r in results}
         report.setdefault("totals", {})[k] = {
             tr: {"ms": ms, "x_memcpy": ms / (cp * 1e3)} for tr, ms in totals.items()}
-        print(f"one memcpy of the payload ([{rows * k}, 1176] float32): {cp * 1e3:.2f} ms into a "
-              f"new tensor ({warm * 1e3:.2f} ms into a warm one)")
+        report.setdefault("x_memcpy", {})[k] = floor_ratios(k, results, cp * 1e3)
+        print(f"floor: one memcpy of the payload ([{rows * k}, 1176] float32): {cp * 1e3:.2f} ms "
+              f"into a new tensor ({warm * 1e3:.2f} ms into a warm one); x floor above: ms / that")
         print("like-for-like TOTAL as a multiple of it: " + ", ".join(
             f"{tr} {ms:.1f} ms = {ms / (cp * 1e3):.1f}x" for tr, ms in totals.items())
             + (f"; mmshm / server {totals['mmshm'] / totals['server']:.2f}"

@@ -124,6 +124,7 @@ import contextlib
 import contextvars
 import logging
 import re
+import threading
 import time
 import weakref
 
@@ -774,9 +775,14 @@ def _w_init_worker_queues(wrapped, instance, args, kwargs):
 # -- per-hop timing (mmshm.observe) ------------------------------------------------
 SERVER = "vllm"
 #: The hops timed, in the order a request takes them.
-HOPS = ("frontend_encode", "engine_decode", "mq_enqueue", "mq_dequeue")
-#: Inside an ``ADD`` request's ``_send_input``: its encode is a hop.
-_ADDING: contextvars.ContextVar[bool] = contextvars.ContextVar("mmshm_vllm_add", default=False)
+HOPS = ("frontend_encode", "zmq_transfer", "engine_decode", "mq_enqueue", "mq_dequeue")
+#: Inside an ``ADD`` request's ``_send_input``: its encode is a hop. The value
+#: is the stamp channel of the engine it goes to (:func:`stamp_address`), or
+#: True where that is unknown (no ``zmq_transfer`` stamp then).
+_ADDING: contextvars.ContextVar[bytes | bool] = contextvars.ContextVar("mmshm_vllm_add",
+                                                                      default=False)
+#: The EngineCore input thread's end of the ``zmq_transfer`` stamp channels.
+_STAMPS_IN = threading.local()
 #: Scheduler-output queues whose messages are timed (the executor's writer,
 #: each worker's reader).
 _TIMED_QUEUES: weakref.WeakSet = weakref.WeakSet()
@@ -796,12 +802,37 @@ def _frames_bytes(frames) -> int:
     return total
 
 
+def stamp_address(endpoint: str, identity) -> bytes:
+    """The ``zmq_transfer`` stamp channel of the EngineCore with zmq
+    ``identity`` (bytes: vLLM's ``EngineIdentity``, the engine index as 2
+    little-endian bytes) reading input ``endpoint`` (the frontend's input
+    socket address, as both sides know it: :func:`input_endpoint`, and
+    ``process_input_sockets``' ``input_addresses``)."""
+    return observe.stamp_address("vllm-engine-input", endpoint, bytes(identity).hex())
+
+
+def _stamp_destination(client, args, kwargs) -> bytes | bool:
+    """The stamp channel of the engine an ``ADD`` goes to (``_send_input``'s
+    ``engine``, else the client's ``core_engine``); True when unknown."""
+    try:
+        engine = args[2] if len(args) > 2 else kwargs.get("engine")
+        if engine is None:
+            engine = getattr(client, "core_engine", None)
+        endpoint = input_endpoint(client)
+        if engine is None or not endpoint:
+            return True
+        return stamp_address(endpoint, engine)
+    except Exception as exc:  # noqa: BLE001 - timing never breaks a request
+        observe.error(SERVER, "zmq_transfer", exc)
+        return True
+
+
 def _o_send_input(inner):
     def wrapper(wrapped, instance, args, kwargs):
         request_type = args[0] if args else kwargs.get("request_type")
         if not _is_add(request_type):
             return inner(wrapped, instance, args, kwargs)
-        token = _ADDING.set(True)
+        token = _ADDING.set(_stamp_destination(instance, args, kwargs))
         try:
             return inner(wrapped, instance, args, kwargs)
         finally:
@@ -811,11 +842,14 @@ def _o_send_input(inner):
 
 
 def _o_encode(wrapped, instance, args, kwargs):
-    """``MsgpackEncoder.encode`` of an ``ADD`` request: ``frontend_encode``."""
-    if not _ADDING.get():
+    """``MsgpackEncoder.encode`` of an ``ADD`` request: ``frontend_encode``;
+    then the ``zmq_transfer`` stamp goes to the engine (:func:`_o_decode`)."""
+    dest = _ADDING.get()
+    if not dest:
         return wrapped(*args, **kwargs)
     _ADDING.set(False)  # one encode per request; nested encodes are not hops
-    if not getattr(args[0] if args else kwargs.get("obj"), "mm_features", None):
+    request = args[0] if args else kwargs.get("obj")
+    if not getattr(request, "mm_features", None):
         return wrapped(*args, **kwargs)  # a text-only request: not a multimodal hop
     with observe.hop(SERVER, "frontend_encode") as t:
         frames = wrapped(*args, **kwargs)
@@ -824,22 +858,63 @@ def _o_encode(wrapped, instance, args, kwargs):
         except Exception as exc:  # noqa: BLE001 - timing never breaks a request
             t.skip = True
             observe.error(SERVER, "frontend_encode", exc)
-        return frames
+    if dest is not True:  # the frames go to zmq now: zmq_transfer starts
+        try:
+            observe.send_stamp(SERVER, "zmq_transfer", dest, str(request.request_id))
+        except Exception as exc:  # noqa: BLE001
+            observe.error(SERVER, "zmq_transfer", exc)
+    return frames
 
 
 def _o_decode(wrapped, instance, args, kwargs):
-    """``MsgpackDecoder.decode`` of an ``EngineCoreRequest``: ``engine_decode``."""
+    """``MsgpackDecoder.decode`` of an ``EngineCoreRequest``: ``engine_decode``;
+    before it, in the EngineCore's input thread, ``zmq_transfer`` ends."""
+    received = time.monotonic_ns()
     with observe.hop(SERVER, "engine_decode") as t:
         obj = wrapped(*args, **kwargs)
         try:
             t.skip = (type(obj).__name__ != "EngineCoreRequest"
                       or not getattr(obj, "mm_features", None))
             if not t.skip:
-                t.add(_frames_bytes(args[0] if args else kwargs.get("bufs")))
+                nbytes = _frames_bytes(args[0] if args else kwargs.get("bufs"))
+                t.add(nbytes)
         except Exception as exc:  # noqa: BLE001
             t.skip = True
             observe.error(SERVER, "engine_decode", exc)
-        return obj
+    stamps = getattr(_STAMPS_IN, "receiver", None)
+    if stamps is not None and not t.skip:
+        stamps.observe(str(getattr(obj, "request_id", "")), received, nbytes)
+    return obj
+
+
+def _stamps_in(inner):
+    """``EngineCoreProc.process_input_sockets`` (its input thread, for the
+    thread's life): opens the ``zmq_transfer`` stamp channel of each input
+    endpoint for this engine's identity, closed when the thread's loop ends.
+    A channel that cannot be opened is said at WARNING (that hop goes
+    unobserved); the thread runs regardless."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        receiver = None
+        try:
+            addresses = args[0] if args else kwargs.get("input_addresses")
+            identity = args[2] if len(args) > 2 else kwargs.get("identity")
+            if addresses and identity is not None:
+                receiver = observe.StampReceiver(
+                    SERVER, "zmq_transfer", [stamp_address(str(a), identity)
+                                             for a in addresses])
+                _STAMPS_IN.receiver = receiver
+        except Exception as exc:  # noqa: BLE001 - never break the input thread
+            observe.error(SERVER, "zmq_transfer", exc)
+        try:
+            return inner(wrapped, instance, args, kwargs)
+        finally:
+            if receiver is not None:
+                if getattr(_STAMPS_IN, "receiver", None) is receiver:
+                    _STAMPS_IN.receiver = None
+                receiver.close()
+
+    return wrapper
 
 
 def _o_queue(inner, hop_name: str):
@@ -950,12 +1025,13 @@ def _time_queue(mq, role: str) -> None:
 
 def _o_client_init(wrapped, instance, args, kwargs):
     out = wrapped(*args, **kwargs)
-    _INSTRUMENTOR.say("frontend", [f"{PATH_OBSERVE} (frontend_encode)"])
+    _INSTRUMENTOR.say("frontend", [f"{PATH_OBSERVE} (frontend_encode, zmq_transfer's start)"])
     return out
 
 
 def _o_process_input_sockets(wrapped, instance, args, kwargs):
-    _INSTRUMENTOR.say(engine_role(), [f"{PATH_OBSERVE} (engine_decode, mq_enqueue)"])
+    _INSTRUMENTOR.say(engine_role(), [f"{PATH_OBSERVE} (zmq_transfer, engine_decode, "
+                                      "mq_enqueue)"])
     return wrapped(*args, **kwargs)
 
 
@@ -1010,7 +1086,7 @@ def _targets(observe_mode: bool) -> list[Target]:
                _o_send_input(w(_w_send_input, observe.passthrough)),
                params=("request_type", "request")),
         Target(_CORE, "EngineCoreProc.process_input_sockets",
-               w(_w_process_input_sockets, _o_process_input_sockets)),
+               _stamps_in(w(_w_process_input_sockets, _o_process_input_sockets))),
         Target(_CORE, "EngineCore.preprocess_add_request", w(_w_preprocess_add_request),
                params=("request",)),
         Target(_LLM, "LLMEngine.add_request", w(_w_add_request)),
@@ -1088,6 +1164,7 @@ __all__ = [
     "decode_payload_policy",
     "materialize_request_tensor",
     "remote_prefilled",
+    "stamp_address",
     "withheld_in",
     "withheld_tensor",
 ]

@@ -45,8 +45,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import logging
+import os
 import pickle
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -306,9 +310,153 @@ def remove_taps() -> None:
         _tapped.clear()
 
 
+# -- stamps: a hop whose two ends are in two processes ---------------------------------
+#: A stamp datagram: the sender's ``time.monotonic_ns()`` (int64, little
+#: endian), then the message's key (UTF-8: vLLM's request id).
+_STAMP = struct.Struct("<q")
+#: Keys a :class:`StampReceiver` keeps for messages not decoded yet (oldest dropped).
+STAMPS_KEPT = 4096
+#: A stamp older than this (seconds) is no observation: another clock (a
+#: time namespace) or a message that waited for a stopped reader.
+STAMP_MAX_S = 3600.0
+
+
+def stamp_address(*parts: str) -> bytes:
+    """The abstract unix socket (Linux; ``\\0mmshm-stamps-<uid>-<24 hex>``)
+    of one stamp channel: a hash of ``parts`` (for vLLM the EngineCore's
+    input endpoint and identity), so that the sender and the receiver name
+    it alike without telling each other. Abstract names live in the network
+    namespace and vanish with their socket: no file is made or left."""
+    h = hashlib.blake2b("\0".join(parts).encode(), digest_size=12).hexdigest()
+    return f"\0mmshm-stamps-{os.getuid()}-{h}".encode()
+
+
+class _StampSender:
+    """One unbound, non-blocking ``AF_UNIX`` datagram socket per process."""
+
+    def __init__(self):
+        self.sock: socket.socket | None = None
+        self.lock = threading.Lock()
+        self.said: set[str] = set()
+
+    def send(self, server: str, hop_name: str, address: bytes, key: str, ns: int) -> bool:
+        try:
+            if self.sock is None:
+                with self.lock:
+                    if self.sock is None:
+                        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                        s.setblocking(False)
+                        self.sock = s
+            self.sock.sendto(_STAMP.pack(ns) + key.encode(), address)
+            return True
+        except OSError as exc:  # no receiver (another node, not instrumented), queue full
+            if type(exc).__name__ not in self.said:
+                self.said.add(type(exc).__name__)
+                log.warning("mmshm: the %s hop %s of a request goes unobserved: its send "
+                            "stamp could not reach the receiving process (%s); fix: run "
+                            "both under `mmshm run` on one host and network namespace "
+                            "(said once per reason)", server, hop_name, exc)
+            error(server, hop_name, exc)
+            return False
+        except Exception as exc:  # noqa: BLE001 - timing never breaks a server
+            error(server, hop_name, exc)
+            return False
+
+
+_SENDER = _StampSender()
+
+
+def send_stamp(server: str, hop_name: str, address: bytes, key: str,
+               ns: int | None = None) -> bool:
+    """Send ``ns`` (default: now, ``time.monotonic_ns()``, CLOCK_MONOTONIC,
+    one clock for every process of a host) for message ``key`` to the
+    :class:`StampReceiver` bound at ``address``. The datagram is queued at
+    the receiver before this returns, so a stamp sent before its message
+    is there when the message is. Never raises, never blocks: a stamp that
+    cannot go (no receiver, its queue full) is a missing observation of
+    ``hop_name``, counted in ``mmshm_observe_errors_total`` and said once per
+    reason at WARNING. Returns whether it went."""
+    return _SENDER.send(server, hop_name, address,
+                        key, time.monotonic_ns() if ns is None else ns)
+
+
+class StampReceiver:
+    """The receiving end of stamp channels: one abstract datagram socket
+    bound per address (:func:`stamp_address`), read only by the thread
+    that calls :meth:`take`.
+
+    Args:
+        server, hop_name: the labels of the hop it ends.
+        addresses: the channels' addresses; one that cannot be bound (in
+            use: another process with the same endpoint and identity) is
+            said at WARNING and left out.
+    """
+
+    def __init__(self, server: str, hop_name: str, addresses: list[bytes]):
+        self.server, self.hop = server, hop_name
+        self.socks: list[socket.socket] = []
+        self.pending: dict[str, int] = {}
+        for a in addresses:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                s.bind(a)
+                s.setblocking(False)
+                self.socks.append(s)
+            except OSError as exc:
+                s.close()
+                log.warning("mmshm: the %s hop %s goes unobserved here: its stamp channel "
+                            "could not be opened (%s); fix: one process per vLLM engine "
+                            "identity and endpoint", server, hop_name, exc)
+
+    def take(self, key: str) -> int | None:
+        """The stamp (``time.monotonic_ns()`` at the sender) of message
+        ``key``, removed; None when none came (a missing observation).
+        Reads every datagram queued so far. Never raises."""
+        try:
+            for s in self.socks:
+                while True:
+                    try:
+                        data = s.recv(4096)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    if len(data) > _STAMP.size:
+                        self.pending[data[_STAMP.size:].decode("utf-8", "replace")] = \
+                            _STAMP.unpack_from(data)[0]
+            while len(self.pending) > STAMPS_KEPT:
+                del self.pending[next(iter(self.pending))]
+            return self.pending.pop(key, None)
+        except Exception as exc:  # noqa: BLE001 - timing never breaks a server
+            error(self.server, self.hop, exc)
+            return None
+
+    def observe(self, key: str, received_ns: int, nbytes: int) -> float | None:
+        """Record one observation of the hop for message ``key``: from its
+        stamp to ``received_ns`` (``time.monotonic_ns()`` when it was
+        received), ``nbytes`` bytes. Returns the seconds recorded, or None
+        (no stamp; a negative or older-than-:data:`STAMP_MAX_S` gap, counted
+        in ``mmshm_observe_errors_total``). Never raises."""
+        sent = self.take(key)
+        if sent is None:
+            return None
+        seconds = (received_ns - sent) / 1e9
+        if not 0.0 <= seconds <= STAMP_MAX_S:
+            error(self.server, self.hop, ValueError(f"stamp gap {seconds} s"))
+            return None
+        record(self.server, self.hop, seconds, nbytes)
+        return seconds
+
+    def close(self) -> None:
+        for s in self.socks:
+            with contextlib.suppress(OSError):
+                s.close()
+        self.socks.clear()
+
+
 __all__ = [
     "MMSHM",
     "SERVER",
+    "STAMPS_KEPT",
+    "STAMP_MAX_S",
     "TRANSPORTS",
     "Tally",
     "add_bytes",
@@ -320,6 +468,9 @@ __all__ = [
     "passthrough",
     "record",
     "remove_taps",
+    "send_stamp",
+    "stamp_address",
+    "StampReceiver",
     "tensor_bytes",
     "transport",
     "zmq_hop",

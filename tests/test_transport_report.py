@@ -66,3 +66,62 @@ def test_nothing_recorded_says_so():
     assert ts.own_stages(text, text, "sglang", 3) == {}
     assert "recorded nothing" in ts.own_table(1, [{"transport": "server", "own": {1: {}}}],
                                               "sglang")[0]
+
+
+def _vllm_exposition(scale: float, transport: str, stamped: float = 1.0) -> str:
+    """One vLLM TP=2 server's /metrics after ``scale`` requests: every hop,
+    the frontend -> EngineCore ``zmq_transfer`` included (``stamped``: the
+    share of requests it observed)."""
+    out = ""
+    for hop, sec, msgs, nbytes in (("frontend_encode", 0.004, 1, 2e7),
+                                   ("zmq_transfer", 0.006, stamped, 2e7),
+                                   ("engine_decode", 0.002, 1, 2e7),
+                                   ("mq_enqueue", 0.003, 1, 2e7),
+                                   ("mq_dequeue", 0.001, 2, 2e7)):
+        lab = {"server": "vllm", "hop": hop, "transport": transport}
+        out += _hist("mmshm_ipc_seconds", sec * msgs * scale, msgs * scale, **lab)
+        out += _hist("mmshm_ipc_bytes", nbytes * msgs * scale, msgs * scale, **lab)
+    return out
+
+
+def _vllm_results(stamped: float = 1.0) -> list[dict]:
+    return [{"config": c, "transport": tr,
+             "hops": {1: ts.deltas(_vllm_exposition(1, tr, s), _vllm_exposition(3, tr, s),
+                                   "vllm", tr, 2)}}
+            for c, tr, s in (("observe", "server", stamped), ("mmshm", "mmshm", 1.0))]
+
+
+def test_vllm_frontend_to_engine_hop_is_in_the_total_and_every_hop_has_its_floor_ratio():
+    """vLLM's zmq_transfer is a hop of the table, second in a request's order,
+    counted in TOTAL (4 + 6 + 2 + 3 + 2 x 1 = 17 ms per request); each hop
+    and the TOTAL come with their multiple of the floor (here 2 ms), in the
+    table and in floor_ratios (the report's ``x_memcpy``); no untimed note."""
+    assert ts.HOPS["vllm"][:3] == ("frontend_encode", "zmq_transfer", "engine_decode")
+    assert ts.INVISIBLE["vllm"] == ""
+    results = _vllm_results()
+    lines = ts.table(1, results, "vllm", floor_ms=2.0)
+    assert "x floor" in lines[0]
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:]}
+    assert list(rows)[:3] == ["frontend_encode", "zmq_transfer", "engine_decode"]
+    # hop, server msg, bytes (2 tokens), ms, x floor, mmshm msg, bytes, ms, x floor, ratio
+    assert rows["zmq_transfer"][1] == "1.0"
+    assert rows["zmq_transfer"][4:6] == ["6.00", "3.00"]
+    assert rows["TOTAL"][4:6] == ["17.00", "8.50"]
+    assert rows["TOTAL"][9:11] == ["17.00", "8.50"]
+    assert rows["TOTAL"][11] == "1.0x"
+    x = ts.floor_ratios(1, results, 2.0)
+    assert x["server"]["zmq_transfer"] == pytest.approx(3.0)
+    assert x["mmshm"]["mq_dequeue"] == pytest.approx(1.0)  # 2 messages of 1 ms
+    assert x["server"]["TOTAL"] == pytest.approx(8.5)
+    assert set(x["server"]) == {*ts.HOPS["vllm"], "TOTAL"}
+    assert ts.unpaired(1, results, "vllm") == []
+    # without a floor the columns say so, and nothing else changes
+    assert ts.table(1, results, "vllm")[2].split()[5] == "—"
+
+
+def test_missing_zmq_transfer_observations_are_said():
+    """A zmq_transfer observed for half the requests (stamps that did not
+    reach the EngineCore) is a WARNING under the table, naming the mode."""
+    results = _vllm_results(stamped=0.5)
+    warn = ts.unpaired(1, results, "vllm")
+    assert len(warn) == 1 and warn[0].startswith("WARNING: observe: zmq_transfer observed 0.50")

@@ -107,26 +107,35 @@ def instrumented():
 class Engine:
     """The EngineCore child, the frontend's ROUTER socket and its clients."""
 
-    def __init__(self, tmp):
+    def __init__(self, tmp, **env):
         self.address = f"ipc://{tmp}/input.sock"
+        self.mode = env.get("MMSHM_MODE", "shm")
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.bind(self.address)
         self.conn, child = SPAWN.Pipe()
         self.proc = SPAWN.Process(target=vllm_procs.engine_main,
-                                  args=(child, self.address, _env()), daemon=True)
+                                  args=(child, self.address, _env(**env)), daemon=True)
         self.proc.start()
         _mp.SPAWNED_PIDS.add(self.proc.pid)
         msg = _recv(self.conn, 300)
-        assert msg[0] == "ready" and msg[2] == "ShmTensorProvider", msg
+        provider = "NoneType" if self.mode == "observe" else "ShmTensorProvider"
+        assert msg[0] == "ready" and msg[2] == provider, msg
         if not self.router.poll(60_000):
             raise TimeoutError("EngineCore did not say hello")
         ident, _hello = self.router.recv_multipart()
         assert ident == IDENTITY
 
     def env(self, **extra) -> None:
+        if self.mode == "observe":
+            extra.setdefault("MMSHM_MODE", "observe")
         self.conn.send(("env", _env(**extra)))
         assert _recv(self.conn) == "ok"
+
+    def metrics(self) -> dict:
+        """The child's mmshm samples of vLLM: ``{(metric, sample, labels): value}``."""
+        self.conn.send(("metrics",))
+        return _recv(self.conn)
 
     def take(self, n: int) -> list[dict]:
         self.conn.send(("take", n, 120))
@@ -1182,4 +1191,130 @@ def test_a_request_whose_preprocessing_fails_lets_go_of_its_segments(instrumente
     gc.collect()
     assert _segments(shm_dir) == [], "the failed request's segment is still held"
     del req
+    _assert_clean(shm_dir)
+
+
+# -- zmq_transfer: the frontend -> EngineCore hop, timed in both modes -----------------
+@pytest.fixture(scope="module")
+def observed_engine(instrumented, tmp_path_factory):
+    """An EngineCore child instrumented in observe mode (vLLM's own transport)."""
+    e = Engine(tmp_path_factory.mktemp("vllm-zmq-observed"), MMSHM_MODE="observe")
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def observing_frontend(instrumented, monkeypatch):
+    """This process (the frontend) instrumented in observe mode for one test."""
+    instrumented.uninstrument()
+    monkeypatch.setenv("MMSHM_MODE", "observe")
+    config.reload()
+    instrumented.instrument()
+    try:
+        yield
+    finally:
+        instrumented.uninstrument()
+        monkeypatch.delenv("MMSHM_MODE")
+        config.reload()
+        instrumented.instrument()
+
+
+def _hop(samples: dict, hop: str, transport: str, what: str) -> float:
+    name, sample = {"n": ("mmshm_ipc_seconds", "mmshm_ipc_seconds_count"),
+                    "s": ("mmshm_ipc_seconds", "mmshm_ipc_seconds_sum"),
+                    "bytes": ("mmshm_ipc_bytes", "mmshm_ipc_bytes_sum")}[what]
+    key = (name, sample, (("hop", hop), ("server", "vllm"), ("transport", transport)))
+    return samples.get(key, 0.0)
+
+
+def _errors(samples: dict, hop: str) -> float:
+    return samples.get(("mmshm_observe_errors", "mmshm_observe_errors_total",
+                        (("hop", hop), ("server", "vllm"))), 0.0)
+
+
+@pytest.mark.parametrize("mode", ["observe", "shm"])
+def test_zmq_transfer_is_one_observation_per_request_in_both_modes(mode, request, shm_dir):
+    """The frontend -> EngineCore hop (``zmq_transfer``: from the encoded
+    frames handed to zmq to the EngineCore's input thread about to decode
+    them) is observed once per multimodal request, in the EngineCore, with
+    the transport's label and the bytes of the frames that crossed, through
+    the real ``SyncMPClient``/``AsyncMPClient`` ``_send_input``, the real
+    ``MsgpackEncoder``/``MsgpackDecoder`` and the real ``process_input_sockets``;
+    a text-only request is no observation. In observe mode the frames on the
+    wire are vLLM's own, byte for byte (the stamp travels beside them)."""
+    if mode == "observe":
+        request.getfixturevalue("observing_frontend")
+        e = request.getfixturevalue("observed_engine")
+        transport = "server"
+    else:
+        e = request.getfixturevalue("engine")
+        transport = "mmshm"
+    e.env()
+    c, ac = sync_client(e), async_client(e)
+    if mode == "observe":  # no consumer: vLLM's own out-of-band frames
+        assert c.encoder.oob_tensor_consumer is None
+    before = e.metrics()
+    reqs = [make_request(f"zt-{mode}-{i}", [{"pixel_values": _image(i)}]) for i in range(2)]
+    areq = make_request(f"zt-{mode}-async", [{"pixel_values": _image(5)}])
+    for r in reqs:
+        c.add_request(r)
+    asyncio.run(ac.add_request_async(areq))
+    c.add_request(make_request(f"zt-{mode}-text", []))
+    got = e.take(4)
+    after = e.metrics()
+    for g, r in zip(got, [*reqs, areq], strict=False):
+        _assert_same(g, r)
+    n = _hop(after, "zmq_transfer", transport, "n") - _hop(before, "zmq_transfer", transport, "n")
+    assert n == 3, (before, after)
+    assert (_hop(after, "engine_decode", transport, "n")
+            - _hop(before, "engine_decode", transport, "n")) == 3
+    crossed = c.input_socket.payload_bytes(0) + c.input_socket.payload_bytes(1) \
+        + ac.input_socket.payload_bytes(0)
+    assert (_hop(after, "zmq_transfer", transport, "bytes")
+            - _hop(before, "zmq_transfer", transport, "bytes")) == crossed
+    seconds = _hop(after, "zmq_transfer", transport, "s") - _hop(before, "zmq_transfer",
+                                                                  transport, "s")
+    assert 0 < seconds < 60
+    other = "mmshm" if transport == "server" else "server"
+    assert _hop(after, "zmq_transfer", other, "n") == _hop(before, "zmq_transfer", other, "n")
+    assert _errors(after, "zmq_transfer") == _errors(before, "zmq_transfer")
+    if mode == "observe":
+        # vLLM's own message: the frames of an uninstrumented encode (the
+        # encode wrapper outside _send_input only calls vLLM's)
+        plain = su.MsgpackEncoder()
+        for i, r in enumerate(reqs):
+            want = [IDENTITY, EngineCoreRequestType.ADD.value,
+                    *(bytes(memoryview(f)) for f in plain.encode(r))]
+            assert c.input_socket.sent[i] == want
+            assert crossed > 3 * 22_000_000  # the pixels themselves crossed
+    else:
+        assert crossed < 3 * 4096  # handles, not pixels
+    del got, reqs, areq
+    gc.collect()
+    _assert_clean(shm_dir)
+
+
+def test_a_missing_stamp_is_a_missing_observation(engine, shm_dir, caplog):
+    """A frontend whose stamp cannot reach the EngineCore (here: a client
+    that names another input endpoint, as a remote engine would be) sends
+    its requests unharmed; the EngineCore decodes them and records no
+    ``zmq_transfer`` (nothing made up), the frontend counts the failed
+    timing and says it once at WARNING."""
+    engine.env()
+    c = sync_client(engine)
+    c.input_address = "ipc:///nonexistent/elsewhere.sock"
+    before = engine.metrics()
+    errs = _metric("mmshm_observe_errors_total", {"server": "vllm", "hop": "zmq_transfer"})
+    req = make_request("zt-nostamp", [{"pixel_values": _image(3)}])
+    with caplog.at_level(logging.WARNING, logger="mmshm"):
+        got = send_and_take(engine, c, [req])
+    after = engine.metrics()
+    _assert_same(got[0], req)
+    assert (_hop(after, "engine_decode", "mmshm", "n")
+            - _hop(before, "engine_decode", "mmshm", "n")) == 1
+    assert _hop(after, "zmq_transfer", "mmshm", "n") == _hop(before, "zmq_transfer", "mmshm", "n")
+    assert _metric("mmshm_observe_errors_total",
+                   {"server": "vllm", "hop": "zmq_transfer"}) == errs + 1
+    del got, req
+    gc.collect()
     _assert_clean(shm_dir)

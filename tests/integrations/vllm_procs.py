@@ -170,7 +170,15 @@ def engine_main(conn, address: str, env: dict) -> None:
             gc.collect()
             conn.send(got)
 
-        _serve(conn, take=take)
+        def metrics():
+            """This process's mmshm_ipc_* and observe-error samples of vLLM."""
+            from prometheus_client import REGISTRY
+
+            conn.send({(m.name, s.name, tuple(sorted(s.labels.items()))): s.value
+                       for m in REGISTRY.collect() if m.name.startswith("mmshm_")
+                       for s in m.samples if s.labels.get("server") == "vllm"})
+
+        _serve(conn, take=take, metrics=metrics)
     except BaseException:
         conn.send(("crash", traceback.format_exc()))
         raise
