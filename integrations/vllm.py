@@ -70,16 +70,48 @@ Hops, in ``mmshm_ipc_seconds`` and ``mmshm_ipc_bytes{server="vllm",hop,
 transport}`` (``transport`` is ``mmshm`` in shm mode, where the same hops are
 timed around mmshm): ``frontend_encode`` (``MsgpackEncoder.encode`` of an
 ``ADD`` request with multimodal features: the bytes of every frame, its
-out-of-band tensor buffers included; vLLM sends those frames zero-copy, so
-their copies through the ``ipc://`` socket run on zmq's I/O threads, which no
-hop times, while mmshm's copy into a segment is inside this hop),
-``engine_decode`` (the EngineCore's ``MsgpackDecoder.decode`` of such an
-``EngineCoreRequest``: the frames' bytes; mmshm's materialize is inside),
+out-of-band tensor buffers included; mmshm's copy into a segment is inside
+this hop), ``zmq_transfer`` (below), ``engine_decode`` (the EngineCore's
+``MsgpackDecoder.decode`` of such an ``EngineCoreRequest``: the frames'
+bytes; mmshm's materialize is inside),
 ``mq_enqueue`` (the scheduler-output ``MessageQueue.enqueue`` of a message
 that carries tensors: the bytes of those vLLM sends out of band, 1 MiB or more
 each, or of mmshm's handles) and ``mq_dequeue`` (a TP worker's ``dequeue`` of
 such a message, timed from the moment the message is there, not while waiting
 for it).
+
+**zmq_transfer**, the frontend -> EngineCore copy, timed alike in both modes:
+from the moment the frontend's encode of such a request returns in
+``_send_input`` (its frames go to ``send_multipart(copy=False)`` next) to the
+moment the EngineCore's input thread, its ``recv_multipart`` returned, calls
+``MsgpackDecoder.decode`` on them (``process_input_sockets``). It holds the
+hand-over to zmq, zmq's copies of the frames on its I/O threads in both
+processes, the socket between them, and any wait for the input thread (busy
+with an earlier request, or the GIL); not the encode nor the decode, which
+are their own hops: ``frontend_encode`` + ``zmq_transfer`` + ``engine_decode``
+is the span from the frontend handing the request to its socket to the
+EngineCore having decoded it, each part counted once in a TOTAL. Bytes: the
+frames that crossed (vLLM's pixels in observe mode, mmshm's handles in shm
+mode). The two ends are in two processes, so the start travels as a stamp
+*beside* the message, never in it: the frontend sends one datagram,
+``time.monotonic_ns()`` (CLOCK_MONOTONIC: one clock for every process of a
+host, unlike ``perf_counter``) and the request id, to an abstract
+``AF_UNIX`` socket that the EngineCore's input thread binds for its input
+endpoint and zmq identity (:func:`stamp_address`, :class:`mmshm.observe.StampReceiver`),
+before vLLM's ``send_multipart``; ``sendto`` queues it at the receiver
+before it returns, so it is there before the message is. Why not in the
+message: observe mode promises vLLM's bytes untouched (``EngineCoreRequest``
+has no field for it: ``arrival_time`` is vLLM's own wall-clock time, read by
+its statistics), and a stamp in mmshm's handle metadata would time the two
+modes differently. Why not a shared table keyed by request id: it would be
+a file that outlives the server in a directory that must be empty after a
+stop; an abstract socket goes with its process. Cost: one ``sendto`` per
+multimodal request, one non-blocking read per decoded one (a few us). A
+stamp that cannot go (the engine on another node, or not under mmshm; its
+queue full: Linux's ``net.unix.max_dgram_qlen`` stamps of requests not yet
+decoded) is a missing observation, counted in
+``mmshm_observe_errors_total{hop="zmq_transfer"}`` and said once at WARNING;
+the request goes on unchanged.
 
 Note: EngineCore views stay in the segment directory while vLLM's
 multimodal receiver cache holds them (``--mm-processor-cache-gb``); the

@@ -33,6 +33,13 @@ Byte taps for what a server calls but does not own, installed per process by
   that asked for it (:attr:`Tally.count_broadcasts`): what SGLang's
   ``broadcast_pyobj`` sends, its size tensor included.
 
+A hop whose two ends are in two processes (vLLM's frontend -> EngineCore
+``zmq_transfer``) is timed by a stamp beside the message: the sender's
+``time.monotonic_ns()`` and the message's key, one datagram to an abstract
+unix socket the receiver binds (:func:`send_stamp`, :class:`StampReceiver`;
+nothing in the message changes, no file is made). A stamp that does not
+arrive is a missing observation, never an error of the server.
+
 Invariant: nothing here raises into the server. A failure while timing or
 recording is counted in ``mmshm_observe_errors_total{server,hop}`` and the
 message goes through untouched. The cost is two ``perf_counter`` calls, a

@@ -199,3 +199,64 @@ def test_a_bad_mode_warns_and_keeps_shm(monkeypatch, caplog):
                for r in caplog.records)
     monkeypatch.delenv("MMSHM_MODE")
     config.reload()
+
+
+# -- stamps: a hop whose two ends are in two processes ---------------------------------
+def test_a_stamp_from_another_process_times_the_gap_on_one_clock(mode, tmp_path):
+    """A stamp sent by another process (its ``time.monotonic_ns()``) reaches
+    the receiver before the sender exits, and the gap recorded lies within
+    the time the parent saw the child run: one CLOCK_MONOTONIC for both."""
+    import subprocess
+    import sys
+    import time
+
+    mode("observe")
+    addr = observe.stamp_address("test", str(tmp_path))
+    rx = observe.StampReceiver("test", "stamp_hop", [addr])
+    try:
+        n0 = _sample("mmshm_ipc_seconds_count", **_labels("stamp_hop"))
+        t0 = time.monotonic_ns()
+        subprocess.run([sys.executable, "-c",
+                        "import sys; from mmshm import observe; "
+                        "assert observe.send_stamp('test', 'stamp_hop', bytes.fromhex("
+                        "sys.argv[1]), 'req-9')", addr.hex()], check=True, timeout=60)
+        t1 = time.monotonic_ns()
+        assert rx.take("other") is None  # read, kept for its own key
+        seconds = rx.observe("req-9", t1, 1234)
+        assert seconds is not None and 0 <= seconds <= (t1 - t0) / 1e9
+        assert _sample("mmshm_ipc_seconds_count", **_labels("stamp_hop")) == n0 + 1
+        assert _sample("mmshm_ipc_bytes_sum", **_labels("stamp_hop")) >= 1234
+        assert rx.observe("req-9", t1, 1) is None  # taken once: no second observation
+    finally:
+        rx.close()
+
+
+def test_a_stamp_that_cannot_go_or_makes_no_sense_is_no_observation(mode, tmp_path, caplog):
+    """No receiver: send_stamp returns False, counts a failed timing and says
+    it at WARNING; a stamp from the future (another clock) is counted, not
+    recorded; the keys kept for undecoded messages are bounded."""
+    mode("shm")
+    errs = _sample("mmshm_observe_errors_total", server="test", hop="stamp_gone")
+    with caplog.at_level(logging.WARNING, logger="mmshm"):
+        assert not observe.send_stamp("test", "stamp_gone", observe.stamp_address("nobody"),
+                                      "r")
+    assert _sample("mmshm_observe_errors_total", server="test", hop="stamp_gone") == errs + 1
+    addr = observe.stamp_address("test-2", str(tmp_path))
+    rx = observe.StampReceiver("test", "stamp_odd", [addr])
+    try:
+        # a second receiver on the same channel cannot bind: said, left out
+        with caplog.at_level(logging.WARNING, logger="mmshm"):
+            rx2 = observe.StampReceiver("test", "stamp_odd", [addr])
+        assert rx2.socks == [] and "stamp channel could not be opened" in caplog.text
+        assert observe.send_stamp("test", "stamp_odd", addr, "future", ns=10**18)
+        n = _sample("mmshm_ipc_seconds_count", **_labels("stamp_odd", "mmshm"))
+        e = _sample("mmshm_observe_errors_total", server="test", hop="stamp_odd")
+        assert rx.observe("future", 5, 1) is None
+        assert _sample("mmshm_ipc_seconds_count", **_labels("stamp_odd", "mmshm")) == n
+        assert _sample("mmshm_observe_errors_total", server="test", hop="stamp_odd") == e + 1
+        for i in range(observe.STAMPS_KEPT + 5):
+            rx.pending[f"k{i}"] = i
+        assert rx.take("k0") is None and rx.take(f"k{observe.STAMPS_KEPT + 4}") is not None
+        assert len(rx.pending) < observe.STAMPS_KEPT
+    finally:
+        rx.close()
