@@ -307,6 +307,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MMSHM_HASH", "hash", "choice", "lazy",
              "when a handle's BLAKE3 content hash is computed if none is given: lazy on the "
              "first read, eager at creation, in the copy's pass", choices=("lazy", "eager")),
+    Variable("MMSHM_COPY_THREADS", "copy_threads", "int", 0,
+             "threads that copy (and hash) one large tensor into a segment, the calling one "
+             "included; capped by the CPUs of the process's affinity (1: the calling thread "
+             "only)", minimum=0, maximum=1024,
+             zero="automatic: half the CPUs of the affinity, 1 to 8"),
     Variable("MMSHM_NODE_ID", "node_id", "text", None,
              "overrides this process's node identity (equal values count as one node)"),
     Variable("MMSHM_HANDSHAKE_S", "handshake_s", "seconds", 60.0,
@@ -407,6 +412,7 @@ class Settings:
     pool_max_bytes: int | None
     node_id: str | None
     hash: str
+    copy_threads: int
     in_flight_grace_s: float
     debug_refs: bool
     mode: str

@@ -13,6 +13,8 @@ import errno
 import logging
 import math
 import os
+import queue
+import threading
 import weakref
 
 import blake3
@@ -40,19 +42,216 @@ _PREAD_CHUNK = 1 << 30
 _pwrite = os.pwrite  # (a test breaks it)
 
 
-#: BLAKE3's threads for one hash: one. On a server the TP ranks (and the
-#: other processes) keep the cores busy; a hash spread over threads waits
-#: for each of them to be scheduled (milliseconds per request on a loaded
-#: host), while one thread hashes at several GB/s.
+#: BLAKE3's threads for one hash with one copy thread (``MMSHM_COPY_THREADS=1``,
+#: or a payload under :data:`PARALLEL_MIN_BYTES`): one. On a server the TP
+#: ranks (and the other processes) keep the cores busy; a hash spread over
+#: threads waits for each of them to be scheduled (milliseconds per request
+#: on a loaded host), while one thread hashes at several GB/s.
 HASH_THREADS = 1
 #: Bytes copied, then hashed while they are still in the core's cache, at a
-#: time by :meth:`ShmTensor.from_tensor` (a multiple of BLAKE3's 1 KiB chunk).
+#: time by :meth:`ShmTensor.from_tensor` on one thread (a multiple of
+#: BLAKE3's 1 KiB chunk).
 COPY_CHUNK = 256 << 10
+#: Bytes one thread copies at a time when a copy is split across threads
+#: (:func:`copy_threads` > 1): large enough that the hand-off (a lock and a
+#: few Python calls, microseconds) is small next to the copy (~0.2-1 ms).
+PARALLEL_CHUNK = 4 << 20
+#: A payload smaller than this is copied (and hashed) on the calling thread
+#: whatever :func:`copy_threads` says: waking a thread costs more than it saves.
+PARALLEL_MIN_BYTES = 4 << 20
+#: Most threads the automatic setting (``MMSHM_COPY_THREADS`` 0 or unset)
+#: uses: a server's tokenizer shares the host with one feeder process per GPU.
+AUTO_MAX_THREADS = 8
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def auto_copy_threads(cpus: int) -> int:
+    """The automatic number of copy threads for a process allowed ``cpus``
+    CPUs: half of them (the tokenizer leaves the others to the GPU feeders
+    and the rest of the server), at least 1, at most
+    :data:`AUTO_MAX_THREADS`. On a 2-CPU host that is 1: one thread, as
+    before, was measured no slower there (see ``benchmarks/test_micro.py``)."""
+    return max(1, min(AUTO_MAX_THREADS, cpus // 2))
+
+
+def copy_threads() -> int:
+    """Threads :meth:`ShmTensor.from_tensor` (and :func:`content_hash`)
+    may use for one large payload, the calling thread included:
+    ``MMSHM_COPY_THREADS`` when set (1: the calling thread only), capped by
+    the CPUs in this process's affinity (``os.sched_getaffinity``); 0 or
+    unset: :func:`auto_copy_threads`."""
+    cpus = _cpus()
+    cap = config.get().copy_threads
+    return auto_copy_threads(cpus) if not cap else max(1, min(cap, cpus))
+
+
+def split_threads(threads: int) -> tuple[int, int]:
+    """``(copiers, hashers)`` for a copy with a hash on ``threads`` threads:
+    about two fifths copy (the calling thread and ``copiers - 1`` helpers),
+    the rest hash beside them (one helper running BLAKE3 with ``hashers``
+    threads of its own): one thread copies faster than it hashes (here
+    ~20 GB/s against ~8; on a 16-core H200 host 4.4 against 3.2)."""
+    copiers = max(1, (2 * threads + 2) // 5)
+    return copiers, max(1, threads - copiers)
+
+
+class _Job:
+    """Tasks (callables) shared by the calling thread, which takes them from
+    the back, and helper threads, which take them from the front. Every task
+    is run at most once; after a failure no new task starts."""
+
+    __slots__ = ("active", "error", "hi", "idle", "lo", "lock", "tasks")
+
+    def __init__(self, tasks: list):
+        self.tasks = tasks
+        self.lo = 0
+        self.hi = len(tasks)
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+        self.active = 0
+        self.error: BaseException | None = None
+
+    def _claim(self, front: bool) -> int | None:
+        with self.lock:
+            if self.lo >= self.hi or self.error is not None:
+                return None
+            self.active += 1
+            if front:
+                self.lo += 1
+                return self.lo - 1
+            self.hi -= 1
+            return self.hi
+
+    def work(self, front: bool = True) -> None:
+        """Run tasks until none is left (a helper: ``front``)."""
+        while True:
+            i = self._claim(front)
+            if i is None:
+                return
+            exc = None
+            try:
+                self.tasks[i]()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                exc = e
+            with self.lock:
+                self.active -= 1
+                if exc is not None and self.error is None:
+                    self.error = exc
+                if self.active == 0:
+                    self.idle.notify_all()
+
+    def run(self) -> None:
+        """The calling thread's part: run tasks from the back, then wait
+        until no helper runs one (even when interrupted: no helper writes
+        after this returns), then raise the first task's error if any."""
+        interrupted: BaseException | None = None
+        try:
+            self.work(front=False)
+        except BaseException as e:  # noqa: BLE001 - after the helpers stop
+            interrupted = e
+        with self.lock:
+            while self.active:
+                try:
+                    self.idle.wait()
+                except BaseException as e:  # noqa: BLE001 - a signal: keep waiting
+                    interrupted = interrupted or e
+                    self.lo = self.hi  # no new task starts
+        if interrupted is not None:
+            raise interrupted
+        if self.error is not None:
+            raise self.error
+
+
+class _Helpers:
+    """A few persistent helper threads (daemons, started on first need, as
+    many as the most ever asked for) serving :class:`_Job` s. The calling
+    thread always takes part, so a job finishes even when no helper is
+    scheduled (a busy host): it waits only for tasks a helper has begun."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def _serve(self) -> None:
+        while True:
+            self.queue.get().work()
+
+    def run(self, tasks: list, helpers: int) -> None:
+        """Run ``tasks`` on the calling thread and up to ``helpers`` helper
+        threads; return when all ran, raise the first error (see
+        :meth:`_Job.run`)."""
+        job = _Job(tasks)
+        helpers = min(helpers, len(tasks) - 1)
+        if helpers > 0:
+            if len(self.threads) < helpers:
+                with self.lock:
+                    while len(self.threads) < helpers:
+                        th = threading.Thread(target=self._serve, daemon=True,
+                                              name=f"mmshm-copy-{len(self.threads) + 1}")
+                        th.start()
+                        self.threads.append(th)
+            for _ in range(helpers):
+                self.queue.put(job)
+        job.run()
+
+
+_HELPERS = _Helpers()
+# Idle BLAKE3 hashers by thread count: a hasher with max_threads > 1 builds
+# its own pool of threads when made, so they are made once and reset.
+_HASHERS: dict[int, list] = {}
+_HASHERS_LOCK = threading.Lock()
+_ORPHANS: list = []  # the parent's, after a fork: never used nor dropped
+
+
+def _take_hasher(threads: int):
+    with _HASHERS_LOCK:
+        idle = _HASHERS.get(threads)
+        if idle:
+            return idle.pop()
+    return blake3.blake3(max_threads=threads)
+
+
+def _give_hasher(threads: int, hasher) -> None:
+    hasher.reset()
+    with _HASHERS_LOCK:
+        _HASHERS.setdefault(threads, []).append(hasher)
+
+
+def _hash_bytes(data, threads: int) -> bytes:
+    """BLAKE3-128 of ``data`` (buffer protocol) on ``threads`` threads."""
+    if threads <= 1:
+        return blake3.blake3(data, max_threads=HASH_THREADS).digest(codec.HASH_BYTES)
+    hasher = _take_hasher(threads)
+    try:
+        hasher.update(data)
+        return hasher.digest(codec.HASH_BYTES)
+    finally:
+        _give_hasher(threads, hasher)
+
+
+def _helpers_after_fork() -> None:
+    # the parent's threads (ours and the hashers' pools) do not exist here
+    global _HELPERS
+    _ORPHANS.append((_HELPERS, dict(_HASHERS)))
+    _HELPERS = _Helpers()
+    _HASHERS.clear()
+
+
+os.register_at_fork(after_in_child=_helpers_after_fork)
 
 
 def content_hash(data) -> bytes:
-    """BLAKE3 of a tensor's bytes (C order), truncated to 128 bits, hashed
-    on the calling thread (:data:`HASH_THREADS`).
+    """BLAKE3 of a tensor's bytes (C order), truncated to 128 bits: on the
+    calling thread, or on :func:`copy_threads` threads for a payload of at
+    least :data:`PARALLEL_MIN_BYTES` (the digest is the same).
 
     Args:
         data: a CPU tensor (any dtype, made contiguous if needed) or any
@@ -66,7 +265,8 @@ def content_hash(data) -> bytes:
             data = b""
         else:
             data = t.reshape(-1).view(torch.uint8).numpy()
-    return blake3.blake3(data, max_threads=HASH_THREADS).digest(codec.HASH_BYTES)
+    n = memoryview(data).nbytes if not isinstance(data, np.ndarray) else data.nbytes
+    return _hash_bytes(data, copy_threads() if n >= PARALLEL_MIN_BYTES else 1)
 
 
 def _flat_bytes(t: torch.Tensor) -> np.ndarray | None:
@@ -79,6 +279,18 @@ def _flat_bytes(t: torch.Tensor) -> np.ndarray | None:
         return t.reshape(-1).view(torch.uint8).numpy()
     except (RuntimeError, TypeError, ValueError):
         return None
+
+
+def _pwrite_range(fd: int, mv: memoryview, offset: int) -> None:
+    """``pwrite`` all of ``mv`` at ``offset`` (short writes resumed).
+    Raises :class:`OSError`."""
+    done = 0
+    n = len(mv)
+    while done < n:
+        k = _pwrite(fd, mv[done:], offset + done)
+        if k <= 0:
+            raise OSError(errno.EIO, "pwrite wrote nothing")
+        done += k
 
 
 def write_and_hash(fd: int, offset: int, src: np.ndarray, hasher=None) -> None:
@@ -95,12 +307,7 @@ def write_and_hash(fd: int, offset: int, src: np.ndarray, hasher=None) -> None:
     off = 0
     while off < n:
         chunk = mv[off:off + step]
-        done = 0
-        while done < len(chunk):
-            k = _pwrite(fd, chunk[done:], offset + off + done)
-            if k <= 0:
-                raise OSError(errno.EIO, "pwrite wrote nothing")
-            done += k
+        _pwrite_range(fd, chunk, offset + off)
         if hasher is not None:
             hasher.update(chunk)
         off += len(chunk)
@@ -119,6 +326,43 @@ def copy_and_hash(dst: np.ndarray, src: np.ndarray, hasher=None) -> None:
         d = dst[off:off + COPY_CHUNK]
         np.copyto(d, src[off:off + COPY_CHUNK])
         hasher.update(d)
+
+
+def parallel_fill(src: np.ndarray, threads: int, *, dst: np.ndarray | None = None,
+                  fd: int = -1, offset: int = 0, hash: bool = False) -> bytes | None:
+    """Copy ``src`` (a flat ``uint8`` array) on ``threads`` threads, the
+    calling one included, :data:`PARALLEL_CHUNK` bytes at a time: into
+    ``dst`` (a flat ``uint8`` array of the same length, e.g. a warm pooled
+    segment's mapping; ``np.copyto`` releases the GIL), or, ``dst`` None,
+    with ``pwrite`` into the file open on ``fd`` from ``offset`` (a new
+    segment; tmpfs serialises writes to one file, so only the calling
+    thread writes, in chunks). With ``hash``, BLAKE3 of ``src`` runs beside
+    the copy on one helper with threads of its own (:func:`split_threads`),
+    and its 16-byte digest (the same as :func:`content_hash`'s) is returned.
+
+    Returns only when no helper runs a task of this call any more (none
+    writes afterwards), also when one failed or the caller was
+    interrupted. Raises the first task's :class:`OSError` (or other error).
+    """
+    n = len(src)
+    if dst is None:
+        copiers, hashers = (1, max(1, threads - 1)) if hash else (1, 0)
+    else:
+        copiers, hashers = split_threads(threads) if hash else (threads, 0)
+    tasks: list = []
+    digest: list[bytes] = []
+    if hash:
+        tasks.append(lambda: digest.append(_hash_bytes(src, hashers)))
+    mv = memoryview(src) if dst is None else None
+    for off in range(0, n, PARALLEL_CHUNK):
+        end = min(n, off + PARALLEL_CHUNK)
+        if dst is None:
+            tasks.append(lambda o=off, e=end: _pwrite_range(fd, mv[o:e], offset + o))
+        else:
+            tasks.append(lambda o=off, e=end: np.copyto(dst[o:e], src[o:e]))
+    helpers = (copiers - 1) + (1 if hash else 0)
+    _HELPERS.run(tasks, helpers)
+    return digest[0] if hash else None
 
 
 def _check_tensor(t) -> None:
@@ -220,10 +464,16 @@ class ShmTensor:
         """Copy ``t`` into a new segment and return a handle owning its one
         reference.
 
-        The copy runs on the calling thread (a contiguous tensor: one
-        ``memcpy``; torch copies any other). A hash computed here is
-        computed in the same pass, chunk by chunk while the bytes are still
-        in the cache.
+        A contiguous tensor of at least :data:`PARALLEL_MIN_BYTES` is copied
+        on :func:`copy_threads` threads (``MMSHM_COPY_THREADS``, the CPUs of
+        the process's affinity), :data:`PARALLEL_CHUNK` bytes at a time, the
+        calling thread taking part, and a hash computed here runs beside the
+        copy with BLAKE3's own threads (:func:`parallel_fill`). Otherwise
+        (one thread; a smaller tensor) the copy runs on the calling thread
+        (a contiguous tensor: one ``memcpy``; torch copies any other) and a
+        hash computed here is computed in the same pass, chunk by chunk
+        while the bytes are still in the cache. The digest is the same
+        either way.
 
         Args:
             t: any CPU strided tensor (any dtype torch has but quantized ones;
@@ -254,7 +504,17 @@ class ShmTensor:
         flat = _flat_bytes(src) if nbytes else None
 
         if flat is not None:
+            threads = copy_threads() if nbytes >= PARALLEL_MIN_BYTES else 1
+
             def fill(seg: segment.Segment, payload: np.ndarray) -> bytes | None:
+                if threads > 1:  # split across threads, the hash beside the copy
+                    try:
+                        if seg.blank:  # a new file: pwrite, no zeroing, no page faults
+                            return parallel_fill(flat, threads, fd=seg.fd, offset=HEADER_SIZE,
+                                                 hash=eager)
+                        return parallel_fill(flat, threads, dst=payload, hash=eager)
+                    except OSError as exc:
+                        raise os_error(exc, "write", seg.path) from None
                 hasher = blake3.blake3(max_threads=HASH_THREADS) if eager else None
                 if seg.blank:  # a new file: pwrite, no zeroing, no page faults
                     try:
