@@ -128,7 +128,10 @@ _COLUMNS = (
     ("vs fresh", "right", "vs fresh: fresh-segment's end to end over this mode's"),
     ("wrap GB/s", "right", ("wrap GB/s: the producer's copy into shared memory (floor row: its "
                            "memcpy into warm memory)")),
-    ("wrap/memcpy", "right", "wrap/memcpy: that copy's speed over the floor's"),
+    ("threads", "right", ("threads: the threads that copied one photo into shared memory "
+                          "(MMSHM_COPY_THREADS)")),
+    ("wrap/floor", "right", ("wrap/floor: that copy's time over the floor's memcpy of as many "
+                             "bytes (lower is better)")),
     ("bcast B", "right", "bcast B: bytes TP rank 0 broadcasts"),
     ("RSS/payload", "right", "RSS/payload: the most a TP rank's RSS grew holding the batch"),
     ("reps", "right", ("reps: repetitions behind the medians (fewer than --repeat once --budget "
@@ -147,8 +150,8 @@ _MULTI_NODE = (
 
 # the columns kept on a terminal narrower than FULL_WIDTH, and than NARROW_WIDTH
 _COMPACT = ("images", "mode", "e2e ms", "e2e/floor", "vs inline", "vs fresh",
-            "wrap/memcpy", "RSS/payload", "ok")
-_NARROW = ("images", "mode", "e2e ms", "e2e/floor", "vs inline", "ok")
+            "threads", "wrap/floor", "RSS/payload", "ok")
+_NARROW = ("images", "mode", "e2e ms", "e2e/floor", "vs inline", "wrap/floor", "ok")
 FULL_WIDTH = 160
 NARROW_WIDTH = 100
 
@@ -193,13 +196,14 @@ def result_tables(result: dict, width: int | None = None) -> list[Table]:
             f = rs[0]
             row(str(k), _mb(f["payload_bytes"]), "[dim]floor[/]", "",
                 _ms(f.get("floor_broadcast_s")), _ms(f.get("floor_s")), "1.0x", "", "",
-                _gbps(f.get("memcpy_Bps")), "", _bytes(f.get("floor_broadcast_bytes")),
+                _gbps(f.get("memcpy_Bps")), "", "1.0x" if f.get("memcpy_Bps") else "",
+                _bytes(f.get("floor_broadcast_bytes")),
                 "", "", "", "", *extra("", _ms(f.get("floor_link_s")),
                                       "1.0x" if f.get("floor_link_s") else ""), style="dim")
             for r in rs:
                 if r.get("skipped"):
                     row("", "", r["mode"], str(r["copies"]), "",
-                        "[yellow]skipped[/]", "", "", "", "", "", "", "", "0", "", "",
+                        "[yellow]skipped[/]", "", "", "", "", "", "", "", "", "0", "", "",
                         *extra("", "", ""))
                     continue
                 row(
@@ -207,7 +211,9 @@ def result_tables(result: dict, width: int | None = None) -> list[Table]:
                     _ms(r["end_to_end_s"]), _x(r.get("e2e_over_floor"), 2),
                     _x(r.get("end_to_end_speedup_vs_inline")),
                     _x(r.get("end_to_end_speedup_vs_fresh_segment")),
-                    _gbps(r.get("wrap_Bps")), _x(r.get("wrap_over_memcpy"), 2),
+                    _gbps(r.get("wrap_Bps")),
+                    "" if r.get("copy_threads") is None else str(r["copy_threads"]),
+                    _x(r.get("wrap_over_floor"), 2),
                     _bytes(r.get("broadcast_bytes")), _x(r.get("rss_growth_over_payload"), 2),
                     str(r.get("repeat", "")),
                     "[green]yes[/]" if r["correct"] else "[red]NO[/]",
@@ -235,6 +241,21 @@ def h2d_line(r: dict) -> str | None:
             + (f"registered {pinned / 1e9:.2f} GB/s (+{r['host_register_s'] * 1e3:.1f} ms to "
                f"register, {r['host_unregister_s'] * 1e3:.1f} ms to unregister)"
                if pinned else f"registered: {r.get('h2d_error') or 'not measured'}"))
+
+
+def copy_threads_line(result: dict) -> str | None:
+    """The producer's copy threads in words (``threads`` and ``wrap/floor``
+    columns), or None when the result does not say."""
+    cfg = result.get("config") or {}
+    threads = cfg.get("copy_threads")
+    if threads is None:
+        return None
+    setting = cfg.get("copy_threads_setting")
+    cpus = (result.get("host") or {}).get("cpus_affinity")
+    how = ("automatic" if not setting else f"MMSHM_COPY_THREADS={setting}")
+    return (f"producer copy threads: {threads} per photo ({how}"
+            + (f", {cpus} CPUs in its affinity" if cpus else "") + "); wrap/floor is the "
+            "wrap's time over the floor's memcpy of as many bytes")
 
 
 def summary_lines(result: dict) -> list[str]:
@@ -277,6 +298,9 @@ def print_result(result: dict, console: Console) -> None:
     for f in result.get("floors", []):
         for p in f.get("problems", []):
             console.print(f"[red]floor TP={f['tp']} n={f['n']} x{f['images']}:[/] {p}")
+    line = copy_threads_line(result)
+    if line:
+        console.print(line, markup=False, highlight=False)
     for line in summary_lines(result):
         console.print(line, markup=False, highlight=False)
     left = result.get("leftover_segments", [])

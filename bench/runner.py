@@ -37,8 +37,11 @@ Measured per run (``time.perf_counter``, seconds):
   a copy of the payload into warm (pre-faulted) memory in the producer
   (``floor_memcpy_s``, the best of three copies, hence ``memcpy_Bps``) plus
   a metadata-only ``broadcast_pyobj`` of ``n`` requests (``floor_broadcast_s``).
-  ``floor_s`` is their sum; ``e2e_over_floor`` is ``end_to_end_s / floor_s``
-  and ``wrap_over_memcpy`` is ``wrap_Bps / memcpy_Bps``. Before each of the
+  ``floor_s`` is their sum; ``e2e_over_floor`` is ``end_to_end_s / floor_s``,
+  ``wrap_over_memcpy`` is ``wrap_Bps / memcpy_Bps`` and ``wrap_over_floor``
+  its inverse, the wrap's time over the floor's copy of as many bytes
+  (``copy_threads``: the threads the producer's copy of one photo used,
+  :func:`mmshm.handle.copy_threads`; ``MMSHM_COPY_THREADS``). Before each of the
   floor's copies and before each run the producer writes a buffer of twice
   the last-level cache: every copy, the floor's and the modes', reads and
   writes DRAM. Without it a payload that fits in the cache (22.5 MB next to a
@@ -91,6 +94,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mmshm import config, node
+from mmshm.handle import copy_threads
 from mmshm.segfile import NAME_RE, STATE_POOLED, iter_segment_files, state_on_disk
 from mmshm.table import TABLE
 
@@ -574,6 +578,8 @@ class _Session:
             "rss_growth_bytes": max(m.get("rss_growth_bytes", 0) for m in res),
             "wrap_s": stats.get("wrap_s"),
             "wrap_bytes": stats.get("wrap_bytes"),
+            # the threads one photo's copy into a segment used here (all are >= 4 MiB)
+            "copy_threads": copy_threads() if stats.get("wrap_bytes") else None,
             **_h2d_of(res),
             "mode_leftovers": left,
         }
@@ -689,6 +695,11 @@ def _aggregate(base: dict, samples: list, leftovers: list[str], floor: dict) -> 
                              if floor.get("floor_s") else None)
     run["wrap_over_memcpy"] = (run["wrap_Bps"] / floor["memcpy_Bps"]
                                if run["wrap_Bps"] and floor.get("memcpy_Bps") else None)
+    # the wrap's time over the floor's copy of as many bytes (lower is better)
+    run["wrap_over_floor"] = (floor["memcpy_Bps"] / run["wrap_Bps"]
+                              if run["wrap_Bps"] and floor.get("memcpy_Bps") else None)
+    run["copy_threads"] = next((s["copy_threads"] for s in samples
+                                if s.get("copy_threads") is not None), None)
     # the same number of requests and items, metadata only: what the broadcast
     # of a zero-copy transport should cost whatever the payload
     run["broadcast_over_floor"] = (run["broadcast_total_s"] / floor["floor_broadcast_s"]
@@ -898,13 +909,16 @@ def run_bench(cfg: BenchConfig, reporter: Reporter | None = None,
                    "pool": getattr(settings, "pool", None),
                    "pool_idle_s": getattr(settings, "pool_idle_s", None),
                    "min_bytes_effective": (cfg.min_bytes if cfg.min_bytes is not None
-                                           else settings.min_bytes)},
+                                           else settings.min_bytes),
+                   "copy_threads": copy_threads(),
+                   "copy_threads_setting": getattr(settings, "copy_threads", None)},
         "photos": {res: [p.name for p in ps] for res, ps in pics.items()},
         "leftover_segments": final_left,
         "peak_rss_bytes": {"producer": _peak_rss_bytes(), **rss},
         "elapsed_s": time.perf_counter() - t_begin,
         "versions": _versions(),
-        "host": {"cpus": os.cpu_count(), "mem_available_bytes": mem_available_bytes()},
+        "host": {"cpus": os.cpu_count(), "cpus_affinity": len(os.sched_getaffinity(0)),
+                 "mem_available_bytes": mem_available_bytes()},
     }
 
 

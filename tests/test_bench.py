@@ -86,6 +86,12 @@ def test_bench_small_run_is_correct_and_leaves_nothing(shm_dir, tmp_path):
             assert by[m, k]["broadcast_bytes"] < 64 * 1024
             assert by[m, k]["broadcast_speedup_vs_inline"] > 1
             assert by[m, k]["wrap_Bps"] > 0 and by[m, k]["wrap_over_memcpy"] > 0
+            # the wrap's time over the floor's memcpy of as many bytes, and its threads
+            assert by[m, k]["wrap_over_floor"] == pytest.approx(
+                by[m, k]["memcpy_Bps"] / by[m, k]["wrap_Bps"])
+            assert by[m, k]["copy_threads"] == result["config"]["copy_threads"]
+        assert by["inline", k]["wrap_over_floor"] is None
+        assert by["inline", k]["copy_threads"] is None
         # mmshm writes the payload once; fresh-segment once per copy (warm-up + n)
         assert by["mmshm", k]["wrap_bytes"] == by["mmshm-hash-given", k]["wrap_bytes"] == p
         assert by["mmshm-eager-hash", k]["wrap_bytes"] == p
@@ -98,6 +104,13 @@ def test_bench_small_run_is_correct_and_leaves_nothing(shm_dir, tmp_path):
         assert "end_to_end_speedup_vs_fresh_segment" in by["mmshm", k]
     floors = result["floors"]
     assert len(floors) == 2 and all(f["floor_broadcast_bytes"] < 64 * 1024 for f in floors)
+    # the producer's copy threads: its affinity (here at most the test host's CPUs)
+    from mmshm.handle import copy_threads
+
+    assert result["host"]["cpus_affinity"] == len(os.sched_getaffinity(0))
+    assert result["config"]["copy_threads"] == copy_threads()
+    assert f"producer copy threads: {copy_threads()} per photo (" in proc.stdout
+    assert "wrap/floor" in proc.stdout
     assert result["leftover_segments"] == []
     assert result["config"]["shm_dir"] == shm_dir
     assert not _bench_files(shm_dir)
