@@ -309,6 +309,33 @@ def test_from_tensor_one_image(benchmark, request_32, hashing):
     benchmark.pedantic(make, rounds=5, warmup_rounds=1, iterations=1)
 
 
+@pytest.mark.parametrize("hash_now", [False, True], ids=["copy", "copy+hash"])
+@pytest.mark.parametrize("threads", ["1", "2", "4"])
+def test_from_tensor_8_images_copy_threads(benchmark, request_32, monkeypatch, threads, hash_now):
+    """Eight 720p images (180 MB) into warm pooled segments on ``threads``
+    copy threads (``MMSHM_COPY_THREADS``, capped by the affinity: the test
+    id is the setting, ``extra_info`` the threads used), the hash asked for
+    now or not: how the copy and the hash scale with the host's cores (a
+    2-CPU host caps 4 at 2). The digest is the same on any thread count."""
+    from mmshm import handle
+
+    monkeypatch.setenv("MMSHM_COPY_THREADS", threads)
+    config.reload()
+    benchmark.extra_info["threads"] = handle.copy_threads()
+    ts = [it["feature"] for it in request_32["mm_items"][:8]]
+    digests = []
+
+    def make():
+        hs = [mmshm.ShmTensor.from_tensor(t, hash_now=hash_now) for t in ts]
+        digests.append([h.meta.hash for h in hs])
+        for h in hs:
+            h.release()
+
+    benchmark.pedantic(make, rounds=5, warmup_rounds=1, iterations=1)
+    if hash_now:
+        assert digests[-1] == [mmshm.content_hash(t) for t in ts]
+
+
 def test_fresh_pointer_materialize_copy_on_write(private_dir):
     """Not a benchmark: the baseline's pointer is copy-on-write and unlinks."""
     t = torch.arange(1000, dtype=torch.float32)
