@@ -157,12 +157,15 @@ class _Job:
         except BaseException as e:  # noqa: BLE001 - after the helpers stop
             interrupted = e
         with self.lock:
+            self.lo = self.hi  # no task starts any more, whatever happened
             while self.active:
                 try:
                     self.idle.wait()
                 except BaseException as e:  # noqa: BLE001 - a signal: keep waiting
                     interrupted = interrupted or e
-                    self.lo = self.hi  # no new task starts
+        # a helper that takes this job from the queue later finds nothing to
+        # run, and holds no view of the segment meanwhile
+        self.tasks = ()
         if interrupted is not None:
             raise interrupted
         if self.error is not None:

@@ -150,6 +150,40 @@ def test_the_caller_returns_only_when_no_helper_runs_a_task():
     assert finished == [True]
 
 
+def test_a_job_still_queued_for_busy_helpers_holds_nothing_once_done():
+    """Every helper is busy: the calling thread runs the whole job itself, and
+    once it returns the queued job holds no task (no view of a segment keeps
+    its mapping alive) and runs nothing when a helper gets to it."""
+    import weakref
+
+    helpers = handle._HELPERS
+    helpers.run([lambda: None] * 3, helpers=2)
+    n = len(helpers.threads)
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def block():
+        started.release()
+        release.wait(10)
+
+    blocker = threading.Thread(target=helpers.run, args=([block] * (n + 1), n))
+    blocker.start()
+    try:
+        for _ in range(n + 1):
+            assert started.acquire(timeout=10)
+        view = np.zeros(16)
+        ref = weakref.ref(view)
+        ran = []
+        helpers.run([lambda v=view: ran.append(v.size) for _ in range(4)], helpers=n)
+        assert ran == [16] * 4
+        del view, ran
+        gc.collect()
+        assert ref() is None
+    finally:
+        release.set()
+        blocker.join(10)
+    assert not blocker.is_alive()
+
+
 def test_helper_threads_are_kept_not_made_per_call(monkeypatch):
     _threads(monkeypatch, 3)
     src = _data(3 * CHUNK, 1).numpy()
