@@ -27,9 +27,16 @@ Invariants:
   link did, before the end of their walk) and sends the result to every other
   rank, so that the survivors learn the same lost ranks and the source knows
   that every survivor has finished its walk;
-- this module imports nothing of mmshm above the segment layer and the
-  errors: the one-node protocol (:mod:`mmshm.broadcast`) and the multi-node
-  path (:mod:`mmshm.multinode`) use it, never the other way round.
+- on one node (:mod:`mmshm.shmagree`) the same star runs through shared
+  memory when the caller passes the group's :class:`~mmshm.shmagree.ShmAgreement`
+  and the vector fits its slots (both the same on every rank): no gloo
+  message then, the same result, lost and late flags, and the same
+  exceptions (a receiver that cannot get the result raises a
+  ``RuntimeError``);
+- this module imports nothing of mmshm above the segment layer, the node
+  layer and the errors: the one-node protocol (:mod:`mmshm.broadcast`) and
+  the multi-node path (:mod:`mmshm.multinode`) use it, never the other way
+  round.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import MmshmError
+from .shmagree import ShmAgreement
 
 # wire codes of the failure reasons: REASONS[code]; 0 is "ok"
 REASONS = ("ok", "malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
@@ -65,17 +73,31 @@ def _remote(code: int, where: str) -> _RemoteFailure:
     return _RemoteFailure(reason, f"the tensor could not be materialized on {where} ({reason})")
 
 
+class _ShmPosted:
+    """The agreement of one broadcast through shared memory: nothing to post
+    (see :mod:`mmshm.shmagree`)."""
+
+    __slots__ = ("agr", "size")
+
+    def __init__(self, agr: ShmAgreement, size: int):
+        self.agr = agr
+        self.size = size
+
+
 class _Posted:
     """The agreement's receives of one broadcast, posted by :func:`_agree_post`
     before the walk: on the source rank one per other rank, on another rank
     the one for the result."""
 
-    __slots__ = ("parts", "size", "works")
+    __slots__ = ("parts", "size", "works", "setup")
 
     def __init__(self, size: int, parts: dict, works: dict):
         self.size = size
         self.parts = parts  # group rank -> int32 buffer
         self.works = works  # group rank -> the posted receive
+        # the group's shared-memory agreement while it is being set up
+        # (stages create and probe: mmshm.shmagree), else None
+        self.setup: ShmAgreement | None = None
 
 
 def _glob(group, r: int) -> int:
@@ -83,7 +105,7 @@ def _glob(group, r: int) -> int:
 
 
 def _agree_post(size: int, group, world: int, group_rank: int, src_group_rank: int | None,
-                src: int | None) -> _Posted | None:
+                src: int | None, shm: ShmAgreement | None = None) -> _Posted | _ShmPosted | None:
     """Post this rank's receives of the agreement over an ``int32`` vector of
     ``size`` elements (identical on every rank), before the walk whose
     outcome the peers send: the messages then find their receive posted
@@ -93,9 +115,37 @@ def _agree_post(size: int, group, world: int, group_rank: int, src_group_rank: i
     what ``torch.distributed`` raises. A rank that leaves between the two
     (an exception out of its walk) leaves its receives posted: its peers
     then wait in the agreement until the group's timeout, and the group
-    cannot go on, as before."""
+    cannot go on, as before.
+
+    ``shm``: the group's shared-memory agreement (one node). Once set up
+    (stage ``on``) and when the vector fits it
+    (:meth:`~mmshm.shmagree.ShmAgreement.fits`, the same on every rank),
+    nothing is posted and :func:`_agree_max` agrees through it. Its first
+    two agreements go over gloo and set it up: in the first, group rank 0
+    makes its file (here, before the walk); in the second, every rank opens
+    it and the vector carries one more element, first, set by a rank that
+    could not (so the group takes shared memory only if every rank can;
+    :func:`_agree_max` settles it)."""
     if src is None or src_group_rank is None or not dist.is_initialized():
         return None
+    setup = None
+    if shm is not None:
+        if shm.stage == "on":
+            if shm.fits(size):
+                return _ShmPosted(shm, size)
+        elif shm.stage == "create":
+            shm.create()  # group rank 0, before its walk
+            setup = shm
+        elif shm.stage == "probe":
+            size += 1  # first element: this rank could not open the file
+            setup = shm
+    posted = _post_gloo(size, group, world, group_rank, src_group_rank, src)
+    posted.setup = setup
+    return posted
+
+
+def _post_gloo(size: int, group, world: int, group_rank: int, src_group_rank: int,
+               src: int) -> _Posted:
     if group_rank == src_group_rank:
         others = [r for r in range(world) if r != group_rank]
         parts = {r: torch.empty(size, dtype=torch.int32) for r in others}
@@ -129,12 +179,43 @@ def _agree_max(flat: torch.Tensor, group, world: int, group_rank: int,
     source is not in the group). Waits are bounded by the group's timeout.
 
     ``posted``: this rank's receives, posted by :func:`_agree_post` for a
-    vector of the same size (posted here when None)."""
+    vector of the same size (posted here when None); a shared-memory
+    agreement there (one node) runs :meth:`mmshm.shmagree.ShmAgreement.agree`
+    instead, with the same result and flags and no message (a receiver
+    raises :class:`mmshm.shmagree.AgreementLost`, a ``RuntimeError``)."""
+    if isinstance(posted, _ShmPosted) and src_group_rank is not None:
+        if posted.size != flat.numel():
+            raise RuntimeError(f"mmshm: agreement prepared for {posted.size} elements, the "
+                               f"vector has {flat.numel()}")
+        return posted.agr.agree(flat, src_group_rank, LOST, LATE)
     if src is None or src_group_rank is None:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
         return flat
     if posted is None:
         posted = _agree_post(flat.numel(), group, world, group_rank, src_group_rank, src)
+    setup = getattr(posted, "setup", None)
+    probe = setup is not None and setup.stage == "probe"
+    if probe:
+        flat = torch.cat([torch.tensor([0 if setup.attach() else 1], dtype=torch.int32), flat])
+    try:
+        out = _agree_gloo(flat, group, world, group_rank, src_group_rank, src, posted)
+    except BaseException:
+        if setup is not None:
+            setup.abort()
+        raise
+    if setup is not None:
+        if out[len(out) - world:].any():  # a rank lost: the group cannot go on
+            setup.abort()
+        elif probe:
+            setup.settle(int(out[0]) == 0)
+        else:
+            setup.stage = "probe"
+    return out[1:] if probe else out
+
+
+def _agree_gloo(flat: torch.Tensor, group, world: int, group_rank: int, src_group_rank: int,
+                src: int, posted: _Posted | None) -> torch.Tensor:
+    """The star of :func:`_agree_max` over gloo."""
     if posted is None or posted.size != flat.numel():
         raise RuntimeError(f"mmshm: agreement receives posted for {getattr(posted, 'size', 0)} "
                            f"elements, the vector has {flat.numel()}")

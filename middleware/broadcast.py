@@ -52,7 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import node, segfile
+from . import node, segfile, shmagree
 from .agreement import (  # noqa: F401 - re-exported: the wire codes and tags
     _OTHER,
     _REASON_CODE,
@@ -609,9 +609,12 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
     posted = None
     try:
         if world > 1 and nh:
-            # before the walk: the peers' messages then find their receive waiting
+            # one node: through shared memory (mmshm.shmagree), else over gloo
+            # with the receives posted before the walk, so that the peers'
+            # messages find them waiting
+            shm = shmagree.for_group(group, world, group_rank, lay) if plan is None else None
             posted = _agree_post(_agree_size(n, nh, world), group, world, group_rank,
-                                 src_group_rank, src)
+                                 src_group_rank, src, shm)
         for i, req in enumerate(out):
             unw.current = []
             try:

@@ -80,6 +80,7 @@ ABOVE = {
     "reaper": {"table", "segment"},
     "table": {"segment"},
     "agreement": {"multinode", "broadcast"},
+    "shmagree": {"agreement", "multinode", "broadcast"},
     "multinode": {"broadcast"},
     # the integrations' shared machinery: the instrumentor knows no transport,
     # the sending side nothing of the receiving side
