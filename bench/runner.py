@@ -551,8 +551,11 @@ class _Session:
         stats = mode.producer_stats()
         left = mode.after_run(self.dir)
         # Unmap this producer's freed segments now, outside any measured region,
-        # rather than in the next run's first segment.create() or in the sweeper.
+        # rather than in the next run's first segment.create() or in the sweeper;
+        # and map the pages of the segments that went back to the pool, as the
+        # sweeper of a server would between its requests.
         TABLE.sweep()
+        TABLE.warm_pooled()
         problems = [f"rank {m['rank']}: {p}" for m in res for p in m["problems"]]
         if mode_name == "inline":  # the pickled batch reaches every rank of another node
             remote = sum(1 for r in range(self.tp)

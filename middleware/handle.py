@@ -513,6 +513,7 @@ class ShmTensor:
                 if threads > 1:  # split across threads, the hash beside the copy
                     try:
                         if seg.blank:  # a new file: pwrite, no zeroing, no page faults
+                            seg.cold = True
                             return parallel_fill(flat, threads, fd=seg.fd, offset=HEADER_SIZE,
                                                  hash=eager)
                         return parallel_fill(flat, threads, dst=payload, hash=eager)
@@ -520,6 +521,7 @@ class ShmTensor:
                         raise os_error(exc, "write", seg.path) from None
                 hasher = blake3.blake3(max_threads=HASH_THREADS) if eager else None
                 if seg.blank:  # a new file: pwrite, no zeroing, no page faults
+                    seg.cold = True
                     try:
                         write_and_hash(seg.fd, HEADER_SIZE, flat, hasher)
                     except OSError as exc:
@@ -594,10 +596,13 @@ class ShmTensor:
             if nbytes:
                 payload = np.frombuffer(seg.shared_map, dtype=np.uint8, count=nbytes,
                                         offset=HEADER_SIZE)
+                reused = not seg.blank
                 try:
                     digest = fill(seg, payload)
                 finally:
                     seg.blank = False
+                if reused:  # written through the mapping: its pages are mapped here
+                    seg.cold = False
                 del payload
                 if digest is not None:
                     hash = digest

@@ -96,8 +96,8 @@ class Segment:
     :func:`attach`, never the constructor.
     """
 
-    __slots__ = ("blank", "digest", "directory", "fd", "gen", "idle_since", "name", "owned",
-                 "path", "payload_size", "pins", "shared_map")
+    __slots__ = ("blank", "cold", "digest", "directory", "fd", "gen", "idle_since", "name",
+                 "owned", "path", "payload_size", "pins", "shared_map")
 
     def __init__(self, name: str, path: str, fd: int, payload_size: int, owned: bool,
                  gen: int = 0):
@@ -117,6 +117,11 @@ class Segment:
         # written nor mapped: the first fill writes it with pwrite (see
         # mmshm.handle), which spares the kernel's zeroing of its pages
         self.blank = False
+        # its payload written with pwrite and never touched through
+        # shared_map: a reuse from the pool would fault every page into this
+        # process's mapping, unless the sweeper maps them first
+        # (mmshm.table.SegmentTable.warm_pooled)
+        self.cold = False
 
     # -- reference count -------------------------------------------------
     def update_refcount(self, delta: int, gen: int | None = None) -> int:

@@ -49,6 +49,8 @@ from :mod:`mmshm.segment`, never calls it.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
 import threading
@@ -72,6 +74,13 @@ from .segfile import (
 Segment = Any
 
 log = logging.getLogger("mmshm")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_madvise = _libc.madvise
+_madvise.restype = ctypes.c_int
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_POPULATE_OK = True
 
 
 def size_class(total: int) -> int:
@@ -321,6 +330,41 @@ class SegmentTable:
                     n += 1
         return n
 
+    def warm_pooled(self) -> int:
+        """Map into this process the pages of its idle pooled segments that
+        were written with ``pwrite`` and never touched through its mapping
+        (``Segment.cold``), with ``MADV_POPULATE_WRITE``, so that their next
+        reuse copies without a page fault per 4 KiB (5,500 per 22.5 MB
+        photo: 17-21 ms against 1.9 on a loaded 2-core host). Runs outside
+        :attr:`lock` (the sweeper calls it after each sweep; ``mmshm bench``
+        between runs); the contents are not touched, so a reuse meanwhile is
+        safe. Returns how many segments it warmed; does nothing where the
+        kernel lacks the advice (before Linux 5.14)."""
+        global _POPULATE_OK
+        if not _POPULATE_OK:
+            return 0
+        with self.lock:
+            cold = [s for s in self.segments.values()
+                    if s.cold and s.owned and s.shared_map is not None
+                    and s.status() == STATE_POOLED]
+            for s in cold:
+                s.cold = False
+        n = 0
+        for s in cold:
+            buf = s.shared_map  # kept mapped while advised
+            if buf is None:
+                continue
+            addr = ctypes.addressof(buf) + HEADER_SIZE
+            if _madvise(addr, s.payload_size, _MADV_POPULATE_WRITE) == 0:
+                n += 1
+                continue
+            err = ctypes.get_errno()
+            if err == errno.EINVAL:  # an older kernel: a reuse faults, as before
+                _POPULATE_OK = False
+                return n
+            # ENOMEM, EFAULT...: nothing is lost, the reuse faults the pages in
+        return n
+
     def _sweep_loop(self) -> None:
         while True:
             time.sleep(config.get().sweep_interval_s)
@@ -334,6 +378,10 @@ class SegmentTable:
                 if not any(s.owned for s in self.segments.values()):
                     self._sweeper = None
                     return
+            try:
+                self.warm_pooled()
+            except Exception as exc:  # noqa: BLE001 - never kill the sweeper
+                log.warning("mmshm: warming pooled segments failed: %s", exc)
 
     def _ensure_sweeper(self) -> None:
         if self._sweeper is None:

@@ -268,3 +268,48 @@ def test_after_fork_the_child_copies_with_fresh_helpers(monkeypatch):
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_the_sweeper_maps_a_pooled_segment_written_with_pwrite_before_its_reuse(pool):
+    """A new segment is written with pwrite: its pages are not in this
+    process's mapping, and its first reuse from the pool would fault each of
+    them. ``warm_pooled`` (the sweeper, between requests) maps them first:
+    the reuse then faults (almost) none, and gets the right bytes."""
+    from mmshm.segment import Segment  # noqa: F401 - the slot is there
+
+    pages = (4 * MIB) // 4096
+    for warm in (False, True):
+        t = _data(4 * MIB, 5 + warm)
+        h = mmshm.ShmTensor.from_tensor(t)
+        name = h.name
+        seg = TABLE.get(name)
+        assert seg.cold, "written with pwrite, never through the mapping"
+        del h
+        gc.collect()
+        TABLE.sweep()
+        assert name in TABLE.pooled_names()
+        if warm:
+            assert TABLE.warm_pooled() == 1
+            assert not seg.cold and TABLE.warm_pooled() == 0  # once
+        t2 = _data(4 * MIB, 7 + warm)
+        before = _minor_faults()
+        h = mmshm.ShmTensor.from_tensor(t2)
+        faults = _minor_faults() - before
+        assert h.name == name, "reused from the pool"
+        if warm:
+            assert faults < pages // 8, faults
+        else:
+            assert faults >= pages // 2, faults
+        assert not seg.cold  # written through the mapping now
+        assert torch.equal(h.materialize(copy=True), t2)
+        del h
+        gc.collect()
+        TABLE.sweep()
+        assert TABLE.warm_pooled() == 0  # nothing cold left
+        TABLE.trim_pool()
