@@ -190,9 +190,10 @@ def plain(model, photos) -> dict:
 
 #: vLLM's hops (mmshm.integrations.vllm.HOPS) and how many of each one
 #: request of n choices with k images makes: the frontend encodes and the
-#: EngineCore decodes each of the n child requests; the scheduler output
-#: that first schedules a child carries its pixels to both TP workers.
-VLLM_HOPS = ("frontend_encode", "engine_decode", "mq_enqueue", "mq_dequeue")
+#: EngineCore decodes each of the n child requests, whose frames cross zmq
+#: in between (zmq_transfer); the scheduler output that first schedules a
+#: child carries its pixels to both TP workers.
+VLLM_HOPS = ("frontend_encode", "zmq_transfer", "engine_decode", "mq_enqueue", "mq_dequeue")
 
 
 def hop_figures(before: str, after: str, transport: str) -> dict:
@@ -261,8 +262,8 @@ def test_observe_mode_times_every_hop_with_the_pixels_bytes(observed):
     for key, ps, n in REQUESTS:
         hops, k = observed["hops"][key], len(ps)
         payload = k * IMAGE_BYTES
-        # each of the n child requests is encoded and decoded with its pixels
-        for h in ("frontend_encode", "engine_decode"):
+        # each of the n child requests is encoded, sent and decoded with its pixels
+        for h in ("frontend_encode", "zmq_transfer", "engine_decode"):
             count, nbytes, secs = hops[h]
             assert count == n, (key, h, hops[h])
             assert n * payload <= nbytes < n * (payload + 1e6), (key, h, hops[h])
@@ -403,6 +404,8 @@ def test_mmshm_hops_carry_metadata_only(instrumented):
         count, nbytes, _ = hops["frontend_encode"]
         assert count == n and nbytes < n * 1e6, (key, hops)
         count, nbytes, _ = hops["engine_decode"]
+        assert count == n and nbytes < n * 1e6, (key, hops)
+        count, nbytes, _ = hops["zmq_transfer"]
         assert count == n and nbytes < n * 1e6, (key, hops)
         assert 0 < hops["mq_enqueue"][1] < 1e5 * n, (key, hops)
         assert hops["mq_dequeue"][0] >= 2 and 0 < hops["mq_dequeue"][1] < 2e5 * n, (key, hops)
