@@ -359,10 +359,17 @@ class _StampSender:
         except OSError as exc:  # no receiver (another node, not instrumented), queue full
             if type(exc).__name__ not in self.said:
                 self.said.add(type(exc).__name__)
-                log.warning("mmshm: the %s hop %s of a request goes unobserved: its send "
-                            "stamp could not reach the receiving process (%s); fix: run "
-                            "both under `mmshm run` on one host and network namespace "
-                            "(said once per reason)", server, hop_name, exc)
+                if isinstance(exc, BlockingIOError):
+                    why = ("the receiver's queue is full (net.unix.max_dgram_qlen stamps of "
+                           "messages it has not read yet)")
+                    fix = "raise the sysctl net.unix.max_dgram_qlen"
+                else:
+                    why = "no receiving process is listening for it"
+                    fix = ("run both processes under `mmshm run` on one host and network "
+                           "namespace")
+                log.warning("mmshm: the %s hop %s of a message goes unobserved: its send "
+                            "stamp could not reach the receiving process: %s (%s); fix: %s "
+                            "(said once per reason)", server, hop_name, why, exc, fix)
             error(server, hop_name, exc)
             return False
         except Exception as exc:  # noqa: BLE001 - timing never breaks a server
