@@ -839,8 +839,19 @@ def stamp_address(endpoint: str, identity) -> bytes:
     ``identity`` (bytes: vLLM's ``EngineIdentity``, the engine index as 2
     little-endian bytes) reading input ``endpoint`` (the frontend's input
     socket address, as both sides know it: :func:`input_endpoint`, and
-    ``process_input_sockets``' ``input_addresses``)."""
-    return observe.stamp_address("vllm-engine-input", endpoint, bytes(identity).hex())
+    ``process_input_sockets``' ``input_addresses``). A ``tcp://`` endpoint
+    counts by its port alone (the frontend's bound ``tcp://0.0.0.0:5555`` is
+    the engine's ``tcp://10.0.0.1:5555``; one port is bound once per host),
+    an ``ipc://`` one by its path."""
+    return observe.stamp_address("vllm-engine-input", _endpoint_key(endpoint),
+                                 bytes(identity).hex())
+
+
+def _endpoint_key(endpoint: str) -> str:
+    scheme, sep, rest = endpoint.partition("://")
+    if sep and scheme == "tcp" and ":" in rest:
+        return "tcp:" + rest.rsplit(":", 1)[1]
+    return endpoint
 
 
 def _stamp_destination(client, args, kwargs) -> bytes | bool:

@@ -1318,3 +1318,17 @@ def test_a_missing_stamp_is_a_missing_observation(engine, shm_dir, caplog):
     del got, req
     gc.collect()
     _assert_clean(shm_dir)
+
+
+def test_stamp_channel_names_an_endpoint_by_what_both_sides_know():
+    """The frontend knows its bound endpoint (``tcp://0.0.0.0:PORT`` for a
+    wildcard bind), the EngineCore the one it connects to: a tcp endpoint
+    is named by its port, an ipc one by its path, and each engine identity
+    has its own channel."""
+    a = mv.stamp_address("tcp://0.0.0.0:5555", IDENTITY)
+    assert a == mv.stamp_address("tcp://10.1.2.3:5555", IDENTITY)
+    assert a != mv.stamp_address("tcp://10.1.2.3:5556", IDENTITY)
+    assert a != mv.stamp_address("tcp://0.0.0.0:5555", b"\x01\x00")
+    assert mv.stamp_address("ipc:///a/input", IDENTITY) != mv.stamp_address("ipc:///b/input",
+                                                                            IDENTITY)
+    assert a.startswith(b"\0mmshm-stamps-")
