@@ -76,8 +76,11 @@ def auto_copy_threads(cpus: int) -> int:
     """The automatic number of copy threads for a process allowed ``cpus``
     CPUs: half of them (the tokenizer leaves the others to the GPU feeders
     and the rest of the server), at least 1, at most
-    :data:`AUTO_MAX_THREADS`. On a 2-CPU host that is 1: one thread, as
-    before, was measured no slower there (see ``benchmarks/test_micro.py``)."""
+    :data:`AUTO_MAX_THREADS`. On a 2-CPU host that is 1, as before: there a
+    second thread did not make the copy faster (one thread already copies
+    at the memory's speed, ~20 GB/s) and, on a loaded host, made the median
+    slower when the helper was not scheduled; it pays only with the hash
+    beside the copy (``benchmarks/wrap_threads.py``)."""
     return max(1, min(AUTO_MAX_THREADS, cpus // 2))
 
 
