@@ -37,7 +37,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     d = tempfile.mkdtemp(prefix="mmshm-wrap-threads-", dir="/dev/shm")
-    os.environ.update(MMSHM_DIR=d, MMSHM_REAP_INTERVAL_S="0", MMSHM_POOL_IDLE_S="600")
+    # the "new" cases write into a directory of their own whose pool is emptied after
+    # each: the pooled cases' idle segments stay warm (MMSHM_POOL=0 would unlink them)
+    dnew = os.path.join(d, "new")
+    os.mkdir(dnew)
+    os.environ.update(MMSHM_DIR=d, MMSHM_REAP_INTERVAL_S="0", MMSHM_POOL_IDLE_S="600",
+                      MMSHM_POOL="1")
     import torch
 
     from mmshm import config, handle
@@ -67,24 +72,29 @@ def main(argv=None) -> int:
                          for pooled in (False, True) for hn in (False, True)]
                 times: dict = {c: [] for c in cases}
                 used: dict = {}
-                # the first two: warm-up. The first fills the pool with files written by
-                # pwrite; the second maps their pages into this process (5500 minor faults
-                # per 22.5 MB on a segment's first reuse), as a server's first requests do
+                # the first two: warm-up (the first fills the pool with files written by
+                # pwrite; with an mmshm older than warm_pooled, the second maps their pages
+                # into this process: 5500 minor faults per 22.5 MB on a first reuse)
                 for rep in range(a.reps + 2):
                     for c in cases:
                         t, pooled, hn = c
                         os.environ["MMSHM_COPY_THREADS"] = t
-                        os.environ["MMSHM_POOL"] = "1" if pooled else "0"
-                        config.reload()  # MMSHM_POOL=0: a new file, the pool left alone
+                        config.reload()
                         used[c] = handle.copy_threads() if hasattr(handle, "copy_threads") else None
                         evict.add_(1)
                         t0 = time.perf_counter()
-                        hs = [ShmTensor.from_tensor(x, hash_now=hn) for x in xs]
+                        hs = [ShmTensor.from_tensor(x, hash_now=hn,
+                                                    directory=None if pooled else dnew)
+                              for x in xs]
                         dt = time.perf_counter() - t0
                         for h in hs:
                             h.release()
                         del hs
                         TABLE.sweep()
+                        if not pooled:
+                            TABLE.trim_pool(dnew)
+                        if hasattr(TABLE, "warm_pooled"):
+                            TABLE.warm_pooled()  # the sweeper's work between requests
                         if rep >= 2:
                             times[c].append(dt)
                 for c in cases:
