@@ -47,7 +47,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, k: int, iters: int, warmup: int, q) -> None:
+def _rank(rank: int, world: int, port: int, k: int, iters: int, warmup: int, q,
+          spin_us: float | None = None) -> None:
     import gc
     import statistics
 
@@ -57,6 +58,10 @@ def _rank(rank: int, world: int, port: int, k: int, iters: int, warmup: int, q) 
     import mmshm
     import mmshm.broadcast as mb
 
+    if spin_us is not None:  # the shared-memory agreement's spin (mmshm.shmagree.SPIN_S)
+        import mmshm.shmagree
+
+        mmshm.shmagree.SPIN_S = spin_us * 1e-6
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
@@ -100,17 +105,18 @@ def _rank(rank: int, world: int, port: int, k: int, iters: int, warmup: int, q) 
         return xs[min(len(xs) - 1, int(p * len(xs)))]
 
     q.put((rank, {"hop_med": statistics.median(hop), "hop_p90": pct(hop, 0.9),
-                  "agree_med": statistics.median(agree), "agree_p90": pct(agree, 0.9)}))
+                  "agree_med": statistics.median(agree), "agree_p90": pct(agree, 0.9),
+                  "mmshm": os.path.dirname(mmshm.__file__)}))
 
 
-def measure(tp: int, k: int, iters: int, warmup: int) -> dict:
+def measure(tp: int, k: int, iters: int, warmup: int, spin_us: float | None = None) -> dict:
     """Run one measurement in this interpreter's mmshm; {rank: figures}."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, tp, port, k, iters, warmup, q))
+    procs = [ctx.Process(target=_rank, args=(r, tp, port, k, iters, warmup, q, spin_us))
              for r in range(tp)]
     for p in procs:
         p.start()
@@ -127,13 +133,15 @@ def measure(tp: int, k: int, iters: int, warmup: int) -> dict:
     return res
 
 
-def _child(args, pythonpath: str | None, k: int) -> dict:
+def _child(args, pythonpath: str | None, k: int, spin_us: float | None = None) -> dict:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--tp", str(args.tp),
                           "--k", str(k), "--iters", str(args.iters), "--warmup",
-                          str(args.warmup), "--json"], env=env, check=True,
+                          str(args.warmup), "--json",
+                          *(["--spin-us", str(spin_us)] if spin_us is not None else [])],
+                         env=env, check=True,
                          capture_output=True, text=True, timeout=1200)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     return {int(r): v for r, v in got["ranks"].items()}
@@ -153,6 +161,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--baseline", help="PYTHONPATH of another mmshm, measured alternately")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--spin-us", type=float, help="override mmshm.shmagree.SPIN_S (the new "
+                    "code only), microseconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     ks = [int(x) for x in args.k.split(",")]
@@ -174,7 +184,8 @@ def main() -> None:
 
 def _run(args, ks) -> None:
     if args.json:
-        print(json.dumps({"ranks": measure(args.tp, ks[0], args.iters, args.warmup)}))
+        print(json.dumps({"ranks": measure(args.tp, ks[0], args.iters, args.warmup,
+                                           args.spin_us)}))
         return
     print(f"TP={args.tp}, {args.iters} iterations after {args.warmup}, load average "
           f"{os.getloadavg()[0]:.1f}, {os.cpu_count()} cores; medians in ms, agreement share")
@@ -182,14 +193,15 @@ def _run(args, ks) -> None:
         for rnd in range(args.rounds):
             if args.baseline:
                 old = _child(args, args.baseline, k)
-                new = _child(args, None, k)
-                print(f"K={k} round {rnd + 1}:")
+                new = _child(args, None, k, args.spin_us)
+                print(f"K={k} round {rnd + 1} (old: {old[0]['mmshm']}, new: {new[0]['mmshm']}):")
                 print("  " + _row("old", old))
                 print("  " + _row("new", new))
                 print("  ratio new/old: " + "  ".join(
                     f"rank {r} {new[r]['hop_med'] / old[r]['hop_med']:.2f}" for r in sorted(new)))
             else:
-                print(f"K={k}: " + _row("", measure(args.tp, k, args.iters, args.warmup)))
+                print(f"K={k}: " + _row("", measure(args.tp, k, args.iters, args.warmup,
+                                                args.spin_us)))
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 

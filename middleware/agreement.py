@@ -121,11 +121,12 @@ def _agree_post(size: int, group, world: int, group_rank: int, src_group_rank: i
     (stage ``on``) and when the vector fits it
     (:meth:`~mmshm.shmagree.ShmAgreement.fits`, the same on every rank),
     nothing is posted and :func:`_agree_max` agrees through it. Its first
-    two agreements go over gloo and set it up: in the first, group rank 0
-    makes its file (here, before the walk); in the second, every rank opens
-    it and the vector carries one more element, first, set by a rank that
-    could not (so the group takes shared memory only if every rank can;
-    :func:`_agree_max` settles it)."""
+    agreement (stage ``new``) goes over gloo and sets it up: the vector
+    carries one more element, first, the probe
+    (:meth:`~mmshm.shmagree.ShmAgreement.setup_code`: whether the source
+    made the file and every other rank could open it), so that the group
+    takes shared memory only if every rank can; :func:`_agree_max` settles
+    it."""
     if src is None or src_group_rank is None or not dist.is_initialized():
         return None
     setup = None
@@ -133,11 +134,8 @@ def _agree_post(size: int, group, world: int, group_rank: int, src_group_rank: i
         if shm.stage == "on":
             if shm.fits(size):
                 return _ShmPosted(shm, size)
-        elif shm.stage == "create":
-            shm.create()  # group rank 0, before its walk
-            setup = shm
-        elif shm.stage == "probe":
-            size += 1  # first element: this rank could not open the file
+        elif shm.stage == "new":
+            size += 1  # first element: the setup's probe (ShmAgreement.setup_code)
             setup = shm
     posted = _post_gloo(size, group, world, group_rank, src_group_rank, src)
     posted.setup = setup
@@ -194,9 +192,9 @@ def _agree_max(flat: torch.Tensor, group, world: int, group_rank: int,
     if posted is None:
         posted = _agree_post(flat.numel(), group, world, group_rank, src_group_rank, src)
     setup = getattr(posted, "setup", None)
-    probe = setup is not None and setup.stage == "probe"
-    if probe:
-        flat = torch.cat([torch.tensor([0 if setup.attach() else 1], dtype=torch.int32), flat])
+    if setup is not None:
+        code = setup.setup_code(src_group_rank)
+        flat = torch.cat([torch.tensor([code], dtype=torch.int32), flat])
     try:
         out = _agree_gloo(flat, group, world, group_rank, src_group_rank, src, posted)
     except BaseException:
@@ -206,11 +204,10 @@ def _agree_max(flat: torch.Tensor, group, world: int, group_rank: int,
     if setup is not None:
         if out[len(out) - world:].any():  # a rank lost: the group cannot go on
             setup.abort()
-        elif probe:
-            setup.settle(int(out[0]) == 0)
         else:
-            setup.stage = "probe"
-    return out[1:] if probe else out
+            setup.settle(int(out[0]))
+        out = out[1:]
+    return out
 
 
 def _agree_gloo(flat: torch.Tensor, group, world: int, group_rank: int, src_group_rank: int,

@@ -5,8 +5,10 @@ broadcast, so only metadata crosses the TP group and no rank can drop a count to
 zero while another rank has not opened the segment yet, whatever the timing or
 process group. Every rank materializes after the broadcast; per-request
 failures are combined by the failure agreement (:mod:`mmshm.agreement`:
-element-wise MAX, point to point to the source rank and back) so that all
-ranks turn the same requests into errors. No barrier is used.
+element-wise MAX, point to point to the source rank and back; on one node,
+once the group's first broadcast with handles has set it up, through shared
+memory with no message at all, :mod:`mmshm.shmagree`) so that all ranks turn the
+same requests into errors. No barrier is used.
 
 Invariants:
 
@@ -34,7 +36,8 @@ Invariants:
 **Several nodes.** When the TP group spans nodes (:func:`mmshm.node.layout`,
 learnt once per group) the payloads cross each node boundary once, through
 each other node's leader: :mod:`mmshm.multinode`. A group on one node runs
-exactly the path of this module, with no message beyond the agreement's.
+exactly the path of this module, with no message beyond the agreement's
+(none once its shared memory is set up).
 """
 from __future__ import annotations
 
@@ -362,22 +365,30 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
             if not lay.single and src_group_rank is not None:
                 plan = _NodePlan(lay, dist_group, group_rank, src_group_rank)
                 receivers = len(lay.ranks_on_node_of(src_group_rank)) - 1
+        # one node: the failure agreement through shared memory (mmshm.shmagree)
+        shm = None
+        if world > 1 and plan is None and src_group_rank is not None:
+            shm = shmagree.for_group(dist_group, world, group_rank, lay)
         added: dict[SegmentRef, int] = {}
         collapsed: list[ShmTensor] = []
         t0 = time.perf_counter()
         if is_src and world > 1 and data:
             data, added, collapsed = _share_for_broadcast(data, receivers)
+            if shm is not None and added:
+                shm.prepare(src_group_rank)  # its first: the receivers open it after
         try:
             out = broadcast_fn(data, rank, dist_group, src, *args, **kwargs)
         except BaseException:
             _take_back(added)
             for h in collapsed:  # their references are back in the count
                 h.reclaim()
+            if shm is not None:
+                shm.discard()
             raise
         BROADCAST_SECONDS.labels(role=role).observe(time.perf_counter() - t0)
         try:
             return _unwrap_all(out, dist_group, world, group_rank, copy, on_failure, role,
-                               src_group_rank, plan, src, added, lay)
+                               src_group_rank, plan, src, added, lay, shm)
         except RuntimeError as exc:
             if isinstance(exc, MmshmError):
                 raise
@@ -586,8 +597,11 @@ def _agree_size(n: int, nh: int, world: int) -> int:
 def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_failure,
                 role: str, src_group_rank: int | None, plan: _NodePlan | None = None,
                 src: int | None = None, added: dict[SegmentRef, int] | None = None,
-                lay: node.Layout | None = None) -> list:
+                lay: node.Layout | None = None,
+                shm: shmagree.ShmAgreement | None = None) -> list:
     if not out:
+        if shm is not None:
+            shm.discard()
         return out
     results = list(out)
     n = len(out)
@@ -609,10 +623,9 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
     posted = None
     try:
         if world > 1 and nh:
-            # one node: through shared memory (mmshm.shmagree), else over gloo
-            # with the receives posted before the walk, so that the peers'
-            # messages find them waiting
-            shm = shmagree.for_group(group, world, group_rank, lay) if plan is None else None
+            # one node: through shared memory once set up (mmshm.shmagree),
+            # else over gloo with the receives posted before the walk, so
+            # that the peers' messages find them waiting
             posted = _agree_post(_agree_size(n, nh, world), group, world, group_rank,
                                  src_group_rank, src, shm)
         for i, req in enumerate(out):
@@ -634,6 +647,8 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
             plan.send_payloads(unw)  # the source rank, to the other nodes' leaders
         BROADCAST_BYTES.labels(role=role).observe(unw.wire_bytes + _REQUEST_WIRE_BYTES * n)
         if not nh:  # identical on every rank: the data is the same
+            if shm is not None:
+                shm.discard()
             return results
         MATERIALIZE_SECONDS.observe(time.perf_counter() - t0)
         stranded = np.zeros((nh, world), dtype=np.int32)
@@ -661,6 +676,8 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
     except BaseException:
         if defer:
             unw.abandon()
+        if shm is not None:
+            shm.discard()
         raise
     if defer:
         unw.give_back_duplicates()

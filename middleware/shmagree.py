@@ -28,27 +28,33 @@ the setup's outcome (below), and the vector's size (at most
 Rounds are counted per group on every rank (every rank makes every
 agreement, :mod:`mmshm.agreement`'s invariant).
 
-**Setting it up: two gloo agreements.** A group's first two agreements go
-over gloo, as before, and set the file up (stages ``create``, ``probe``):
+**Setting it up: one gloo agreement.** A group's first agreement of a
+broadcast with handles (stage ``new``) goes over gloo, as before, and sets
+the file up:
 
-1. group rank 0 makes the file before its walk: unnamed (``O_TMPFILE``),
-   locked and its header written, then linked into the segment directory as
-   ``mmshm-<its pid>-<16 hex>``, a name every rank derives from the layout
-   (rank 0's pid, start time and pid namespace, the group's name and size);
-   the end of that agreement orders the making before the next one;
-2. every rank opens, checks, locks and maps it, and the gloo vector carries
-   one more element, set by a rank that could not (it says why at WARNING):
-   a rank with another segment directory than rank 0's although the layout
-   calls them one node, a file removed or changed by a third party. The MAX
-   tells every rank alike whether all could: stage ``on``, or ``off`` (gloo
-   for good). Rank 0 then unlinks the name: every rank that could open the
-   file has it open, so nothing is left in the directory.
+1. the broadcast's source makes the file before it broadcasts: unnamed
+   (``O_TMPFILE``), locked and its header written, then linked into the
+   segment directory as ``mmshm-<its pid>-<16 hex>``, a name every rank
+   derives from the layout (the source's pid, start time and pid namespace,
+   the group's name and size) (:meth:`ShmAgreement.prepare`);
+2. every other rank, having received the broadcast (which orders the making
+   before this), opens, checks, locks and maps it, and the gloo vector
+   carries one more element, the probe (:meth:`ShmAgreement.setup_code`): 1
+   from a rank that could not (it says why at WARNING: another segment
+   directory than the source's although the layout calls them one node, a
+   file removed or changed by a third party), 2 from a source that could not
+   make it. The MAX tells every rank alike: ``on``, ``off`` (gloo for good),
+   or still ``new`` (the next broadcast tries again). The source then
+   unlinks the name: every rank that could open the file has it open, so
+   nothing is left in the directory after that broadcast.
 
 So ranks that disagree on what they share keep today's agreement, never an
 error of their own. A setup round that fails (a peer lost) makes every rank
-that sees it unlink the name; if every rank is killed inside the setup, the
-name is a segment name whose liveness byte nobody holds, and the reaper
-reclaims it (``killed``) at its next pass, as any segment of a killed process.
+that sees it unlink the name; a broadcast that raises or carries no handle
+after the file was made removes it (:meth:`ShmAgreement.discard`); if every
+rank is killed inside the setup, the name is a segment name whose liveness
+byte nobody holds, and the reaper reclaims it (``killed``) at its next pass,
+as any segment of a killed process.
 
 **Liveness, not pids.** Every rank holds, while it has the file open, an
 exclusive OFD lock on its own byte (:data:`RANK_BYTE` + group rank) and a
@@ -174,17 +180,19 @@ class ShmAgreement:
     round."""
 
     def __init__(self, world: int, me: int, procs, timeout_s: float, directory: str,
-                 name: str):
+                 key: str):
         self.world = world
         self.me = me
         self.procs = tuple(procs)
         self.timeout_s = timeout_s
-        self.path = os.path.join(directory, name)
+        self.directory = directory
+        self.key = key  # the group's name and size, alike on every rank
+        self.path = ""  # set by the setup round, from its source rank
         self.size = HEADER_SIZE + (world + 1) * STRIDE
         self.round = 0
-        #: create (rank 0 makes the file; gloo), probe (every rank opens it and
-        #: the gloo agreement says whether all could), then on or off
-        self.stage = "create"
+        #: new (the next agreement with handles sets it up, over gloo), then
+        #: on (through shared memory) or off (gloo for good)
+        self.stage = "new"
         self.fd: int | None = None
         self._buf = None
         self._u32: np.ndarray | None = None
@@ -216,11 +224,11 @@ class ShmAgreement:
         segfile._lock(fd, fcntl.F_WRLCK, RANK_BYTE + self.me, wait=False)
 
     def _create(self) -> None:
-        """Group rank 0: make the file unnamed, lock it, write its header,
+        """The setup round's source: make the file unnamed, lock it, write its header,
         then link it under its name (no rank sees it half made); where
         ``O_TMPFILE`` or ``/proc`` is missing, create it under its name and
         write the magic last (the others wait for it)."""
-        d = os.path.dirname(self.path)
+        d = self.directory
         try:
             fd = os.open(d, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
         except OSError:
@@ -262,30 +270,54 @@ class ShmAgreement:
         self._lock_mine(fd)
         os.ftruncate(fd, self.size)
         self._map(fd)
-        raw = _HDR.pack(MAGIC, VERSION, self.world, STRIDE, self.procs[0][0] & 0xFFFFFFFF)
+        raw = _HDR.pack(MAGIC, VERSION, self.world, STRIDE, os.getpid() & 0xFFFFFFFF)
         head = self._u32.view(np.uint8)
         head[8:len(raw)] = np.frombuffer(raw[8:], dtype=np.uint8)
         head[:8] = np.frombuffer(raw[:8], dtype=np.uint8)  # the magic last
 
-    def create(self) -> None:
-        """Stage ``create``, on group rank 0, before its walk: make the file.
-        Never raises: a file that cannot be made (said at WARNING) makes
-        every rank's probe fail, and the group keeps the gloo agreement."""
-        if self.me != 0 or self.fd is not None:
+    def _path_for(self, src: int) -> str:
+        return os.path.join(self.directory, _name(self.key, self.procs[src]))
+
+    def prepare(self, src: int) -> None:
+        """Stage ``new``, on the broadcast's source ``src`` before the
+        broadcast (its receivers open the file after it): make the file.
+        Never raises: a file that cannot be made (said at WARNING) keeps the
+        stage ``new`` on every rank (:meth:`setup_code`)."""
+        if self.stage != "new" or self.me != src or self.fd is not None:
             return
+        self.path = self._path_for(src)
         try:
             self._create()
         except OSError as exc:
             log.warning("mmshm: cannot make the shared-memory failure agreement file %s (%s); "
-                        "the TP group agrees over gloo (about 1-3 ms more per broadcast). Fix: "
-                        "free space in MMSHM_DIR", self.path, exc)
+                        "the TP group agrees over gloo (about 1-3 ms more per broadcast) and "
+                        "tries again at its next broadcast. Fix: free space in MMSHM_DIR",
+                        self.path, exc)
+
+    def discard(self) -> None:
+        """The broadcast that :meth:`prepare` made the file for ended before
+        its agreement (it raised, or carried no handle): remove it; the next
+        broadcast tries again."""
+        if self.stage == "new" and self._named:
+            self._unlink_name()
+            self.close()
+
+    def setup_code(self, src: int) -> int:
+        """Stage ``new``, in the agreement of the setup round (source
+        ``src``): this rank's element of the probe, whose MAX over the group
+        decides (:meth:`settle`). The source: 0 with the file made, 2
+        without (try again). Another rank: 0 once it has opened, checked,
+        locked and mapped the file (the broadcast orders its making before
+        this), 1 if it cannot (said at WARNING): another segment directory
+        than the source's although the layout calls them one node, a file
+        removed or changed by a third party. Never raises."""
+        if self.me == src:
+            return 0 if self.fd is not None else 2
+        self.path = self._path_for(src)
+        return 0 if self.attach() else 1
 
     def attach(self) -> bool:
-        """Stage ``probe``: open, check, lock and map the file group rank 0
-        made in the previous round (its end orders the file's making before
-        this). Whether this rank has it; never raises: a file this rank
-        cannot open (another directory than rank 0's, gone, foreign) is said
-        at WARNING, and the probe makes the whole group keep gloo."""
+        """Open, check, lock and map the file; whether this rank has it."""
         if self.fd is not None:
             return True
         fd = None
@@ -312,21 +344,23 @@ class ShmAgreement:
         self.fd = fd
         return True
 
-    def settle(self, everyone: bool) -> None:
-        """End of stage ``probe`` (its gloo agreement said whether every rank
-        attached, the same on every rank): ``on`` or ``off``. Group rank 0
-        removes the name (every rank that could open the file has)."""
-        self.stage = "on" if everyone else "off"
-        if self.me == 0:
+    def settle(self, code: int) -> None:
+        """End of the setup round, whose gloo agreement gave ``code``, the
+        MAX of every rank's :meth:`setup_code` (the same on every rank): 0
+        ``on``, 1 ``off`` (gloo for good), 2 still ``new``. The rank that
+        made the file removes its name: every rank that could open it has."""
+        if self._named:
             self._unlink_name()
-        if not everyone:
+        self.stage = "on" if code == 0 else "off" if code == 1 else "new"
+        if code:
             self.close()
 
     def abort(self) -> None:
-        """The group's setup round failed (a peer lost): ``off``, the name
-        removed by whichever rank gets here, the mapping closed."""
+        """The setup round failed (a peer lost, a broken link): ``off``, the
+        name removed by whichever rank gets here, the mapping closed."""
         self.stage = "off"
-        self._unlink_name()
+        if self.path:
+            self._unlink_name()
         self.close()
 
     def close(self) -> None:
@@ -455,10 +489,12 @@ class ShmAgreement:
 _GROUPS: dict[int, tuple[object, ShmAgreement | None]] = {}
 
 
-def _name(group, world: int, proc0) -> str:
-    gname = getattr(group, "group_name", "") if group is not None else "world"
-    key = f"{gname}|{world}|{proc0[0]}|{proc0[1]}|{proc0[2]}"
-    return f"{segfile.PREFIX}{proc0[0]}-{blake3.blake3(key.encode()).hexdigest()[:16]}"
+def _name(key: str, proc) -> str:
+    """The file's name for the group ``key`` made by process ``proc``
+    (:func:`mmshm.node.process_id`): a segment name (the reaper's), unique
+    per group and process, pid reuse notwithstanding."""
+    text = f"{key}|{proc[0]}|{proc[1]}|{proc[2]}"
+    return f"{segfile.PREFIX}{proc[0]}-{blake3.blake3(text.encode()).hexdigest()[:16]}"
 
 
 def for_group(group, world: int, me: int, lay) -> ShmAgreement | None:
@@ -479,8 +515,8 @@ def for_group(group, world: int, me: int, lay) -> ShmAgreement | None:
     agr = None
     timeout = node.group_timeout(group)
     if usable() and timeout and len(lay.procs) == world:
-        agr = ShmAgreement(world, me, lay.procs, timeout, segfile.segment_dir(),
-                           _name(pg, world, lay.procs[0]))
+        key = f"{getattr(pg, 'group_name', '')}|{world}"
+        agr = ShmAgreement(world, me, lay.procs, timeout, segfile.segment_dir(), key)
     _GROUPS[id(pg)] = (pg, agr)
     return agr
 
@@ -489,7 +525,7 @@ def forget() -> None:
     """Close every group's agreement file (after destroying process groups)."""
     for _, agr in _GROUPS.values():
         if agr is not None:
-            if agr.stage in ("create", "probe") and agr.me == 0:
+            if agr._named:
                 agr._unlink_name()
             agr.close()
     _GROUPS.clear()

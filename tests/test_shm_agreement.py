@@ -62,11 +62,12 @@ def _rounds(group=None) -> int | None:
     return None if agr is None else agr.round
 
 
-def _setup_messages(rank: int, srcs) -> int:
-    """The agreement's gloo messages of this rank in the group's first two
-    broadcasts (sources ``srcs``), which set the shared memory up: the
-    source posts a receive and a send per other rank, a receiver one each."""
-    return sum(2 * 2 if rank == s else 2 for s in srcs[:2])
+def _setup_messages(rank: int, src: int, world: int = 3) -> int:
+    """The agreement's gloo messages of this rank in the group's first
+    broadcast with handles (source ``src``), which sets the shared memory
+    up: the source posts a receive and a send per other rank, a receiver
+    one each."""
+    return 2 * (world - 1) if rank == src else 2
 
 
 # -- the same outcome as the gloo agreement ---------------------------------------------
@@ -87,7 +88,7 @@ def rank_same_errors(rank: int, world: int, seed: int, bad_rank: int, capacity: 
 def test_same_errors_on_every_rank_with_no_gloo_message(shm_dir, path):
     """Request 1 fails on every rank, request 4 on rank 2 only, three
     broadcasts: every rank returns the same MaterializeErrors every time.
-    The first two agree over gloo (they set the shared memory up), the third
+    The first agrees over gloo (it sets the shared memory up), the others
     through shared memory with no gloo message of the agreement, or over gloo
     when the vector does not fit a slot (decided from its size, alike on
     every rank)."""
@@ -97,12 +98,12 @@ def test_same_errors_on_every_rank_with_no_gloo_message(shm_dir, path):
         assert res[r]["errors"] == [{1: ("not_found", [0, 1, 2]), 4: ("malformed", [2])}] * 3, \
             res[r]
         assert res[r]["stage"] == "on", res[r]
-        setup = _setup_messages(r, [0, 0])
+        setup = _setup_messages(r, 0)
         if path == "shm":
             assert res[r]["calls"] == {"agree": setup}, res[r]
-            assert res[r]["rounds"] == 1, res[r]
+            assert res[r]["rounds"] == 2, res[r]
         else:
-            assert res[r]["calls"] == {"agree": setup * 3 // 2}, res[r]
+            assert res[r]["calls"] == {"agree": setup * 3}, res[r]
             assert res[r]["rounds"] == 0, res[r]
         # nothing but the segments rank 0 still held when it looked
         assert set(res[r]["files"]) <= set(res[0]["names"]), res[r]
@@ -131,21 +132,21 @@ def rank_many_rounds(rank: int, world: int, seed: int) -> dict:
 @pytest.mark.timeout(180)
 def test_rounds_with_changing_sources(shm_dir):
     """Twelve broadcasts, each from another source rank: the bytes are right
-    on every rank; after the two that set it up, every agreement goes
+    on every rank; after the first, which sets it up, every agreement goes
     through shared memory (no gloo message), and nothing is left in the
     segment directory (the agreement file went at the end of the setup)."""
     res = _mp.run_group(rank_many_rounds, 3, 62, timeout=150)
     for r in range(3):
-        assert res[r]["calls"] == {"agree": _setup_messages(r, [0, 1])}, res[r]
-        assert res[r]["rounds"] == 10, res[r]
+        assert res[r]["calls"] == {"agree": _setup_messages(r, 0)}, res[r]
+        assert res[r]["rounds"] == 11, res[r]
         assert res[r]["files"] == [], res[r]
     assert os.listdir(shm_dir) == []
 
 
 # -- a rank killed ----------------------------------------------------------------------
 def rank_killed(rank: int, world: int, seed: int, victim: int, src: int) -> dict:
-    """Three ranks, source ``src``. Rounds 1 and 2 are clean (they set the shared
-    memory up); in round 3, the first through shared memory, ``victim`` is
+    """Three ranks, source ``src``. Rounds 1 (it sets the shared memory up)
+    and 2 are clean; in round 3, through shared memory, ``victim`` is
     SIGKILLed right after the broadcast's metadata reached it, before it
     wrote its slot (a receiver) or read any slot (the source)."""
     import torch.distributed as dist
@@ -203,7 +204,7 @@ def test_receiver_killed_before_its_slot(shm_dir):
         assert res[r]["raised"] == "PeerLostError" and res[r]["runtime"], res[r]
         assert res[r]["ranks"] == [2], res[r]
         assert res[r]["s"] < GROUP_TIMEOUT_S / 2, res[r]
-        assert res[r]["rounds"] == 1, res[r]
+        assert res[r]["rounds"] == 2, res[r]
     assert len(res[0]["names"]) == 4
     assert res[0]["left"] == [] and res[0]["waited"] < 3.0, res[0]
 
@@ -229,9 +230,9 @@ def test_source_killed_before_the_result(shm_dir):
 
 # -- the agreement file removed or changed ------------------------------------------------
 def rank_file_fault(rank: int, world: int, seed: int, fault: str) -> dict:
-    """Group rank 0 makes the agreement file, then removes it (``gone``) or
-    overwrites its header (``corrupt``) before the other ranks open it; four
-    broadcasts."""
+    """The source (group rank 0) makes the agreement file, then removes it
+    (``gone``) or overwrites its header (``corrupt``) before the other ranks
+    open it; four broadcasts."""
     import logging
 
     import torch.distributed as dist
@@ -329,14 +330,15 @@ def test_simulated_nodes_keep_the_gloo_agreement(shm_dir):
 def _make_and_die(directory: str) -> None:
     os.environ["MMSHM_DIR"] = directory
     agr = shmagree.ShmAgreement(2, 0, [node.process_id(), node.process_id()], 5.0, directory,
-                                shmagree._name(None, 2, node.process_id()))
+                                "group|2")
+    agr.path = agr._path_for(0)
     agr._create()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_reaper_reclaims_a_file_whose_ranks_were_killed(shm_dir):
-    """Every rank killed inside the first round (before rank 0 unlinks the
-    file): the name is a segment name nobody holds, and the reaper's first
+    """Every rank killed inside the setup round (before the source unlinks
+    the file): the name is a segment name nobody holds, and the reaper's first
     pass reclaims it as ``killed``."""
     p = _mp.start(_make_and_die, shm_dir)
     p.join(60)
