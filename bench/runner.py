@@ -860,7 +860,7 @@ def run_bench(cfg: BenchConfig, reporter: Reporter | None = None,
                 for m in cfg.modes:
                     if ((cfg.nodes == 1 or m not in SINGLE_NODE_MODES)
                             and _unavailable(MODES[m]) is None):
-                        # twice: a file a group sets up over its first two broadcasts
+                        # twice: a file a group sets up over its first broadcast(s)
                         # (the one-node agreement's) is unlinked by then, not a leftover
                         for _ in range(2):
                             sess.run_once(m, req, 1, cfg.n[0])
