@@ -82,7 +82,7 @@ def test_decode(benchmark, handle):
 
     def decode():
         h = mmshm.ShmTensor.decode(data)
-        h._disown()  # no reference was handed out for it
+        h.disown()  # no reference was handed out for it
         return h
 
     assert benchmark(decode).name == handle.name
@@ -93,7 +93,7 @@ def test_encode_decode(benchmark, handle):
 
     def roundtrip():
         h = mmshm.ShmTensor.decode(handle.encode())
-        h._disown()
+        h.disown()
         return h
 
     assert benchmark(roundtrip).name == handle.name
@@ -145,7 +145,7 @@ def test_share_8(benchmark, handle):
     def op():
         handle.share(7)
         for _ in range(7):
-            handle._spawn().release()
+            handle.twin().release()
 
     benchmark(op)
 
