@@ -287,18 +287,31 @@ class MmshmHashGivenMode(MmshmMode):
 class MmshmEagerHashMode(MmshmMode):
     """``mmshm`` where the producer computes every handle's BLAKE3 content
     hash before sending, so that it travels with the handle: the cost of
-    ``MMSHM_HASH=eager`` (the default, ``lazy``, hashes only for a consumer
-    that asks, such as SGLang's prefix cache for an item its processor left
-    unhashed). Not a default mode."""
+    ``MMSHM_HASH=eager``, and of SGLang's tokenizer asking for the hash of an
+    item its processor left unhashed (``Outbox.put(hash_now=True)``): the
+    hash is computed in the copy's pass, or beside it on more copy threads
+    (:meth:`mmshm.ShmTensor.from_tensor` ``hash_now=True``). The default,
+    ``lazy``, hashes only for a consumer that asks. Not a default mode."""
 
     name = "mmshm-eager-hash"
     summary = "mmshm, BLAKE3 of every tensor computed by the producer (MMSHM_HASH=eager)"
 
     def _wrap(self, req):
-        wrapped = super()._wrap(req)
-        for h in mmshm.handles(wrapped):
-            h.hash  # noqa: B018 - computed from the segment, carried from now on
-        return wrapped
+        from mmshm import config
+
+        threshold = self.min_bytes if self.min_bytes is not None else config.get().min_bytes
+        c = copy.copy(req)
+        c.mm_inputs = copy.copy(req.mm_inputs)
+        c.mm_inputs.mm_items = [copy.copy(it) for it in req.mm_inputs.mm_items]
+        for it in c.mm_inputs.mm_items:
+            f = it.feature
+            if not isinstance(f, torch.Tensor) or f.numel() * f.element_size() < threshold:
+                continue
+            try:
+                it.feature = mmshm.ShmTensor.from_tensor(f, hash_now=True)
+            except (OSError, mmshm.MmshmError):
+                continue  # stays inline, as wrap's fallback
+        return c
 
 
 # -- fresh-segment: SGLang 0.5.23's ShmPointerMMData, as our own baseline -------

@@ -196,6 +196,30 @@ def test_modes_registry_and_verify():
     assert verify([req], 2, 1)
 
 
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_eager_hash_mode_hashes_in_the_copy_and_leaves_the_request(shm_dir, monkeypatch,
+                                                                   threads):
+    """``mmshm-eager-hash`` wraps with the hash asked for now (in the copy's
+    pass, or beside it on two copy threads): every handle carries BLAKE3-128
+    of its bytes, the request keeps its tensors."""
+    import mmshm
+    import torch
+    from mmshm import config
+    from mmshm.bench.modes import get_mode
+    from mmshm.bench.requests import MultimodalDataItem, MultimodalInputs, Req
+
+    monkeypatch.setenv("MMSHM_COPY_THREADS", threads)
+    config.reload()
+    fs = [torch.rand(1000, 1176), torch.rand(2000, 1176)]  # 4.7 and 9.4 MB
+    items = [MultimodalDataItem("image", mmshm.content_hash(f), f, (1, 10, 100)) for f in fs]
+    req = Req("r", MultimodalInputs(items), [1, 2, 3])
+    wrapped = get_mode("mmshm-eager-hash")._wrap(req)
+    hs = list(mmshm.handles(wrapped))
+    assert [h.meta.hash for h in hs] == [it.hash for it in items]
+    assert all(isinstance(it.feature, torch.Tensor) for it in req.mm_inputs.mm_items)
+    mmshm.release(wrapped)
+
+
 def test_fresh_segment_mode_in_process(shm_dir):
     """The baseline's producer half and one rank's half in one process (TP=1):
     n+1 copies with independent mm_items, a segment per copy and tensor,
