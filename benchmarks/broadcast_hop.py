@@ -77,7 +77,8 @@ def _rank(rank: int, world: int, port: int, k: int, iters: int, warmup: int, q,
 
     mb._agree_max = timed
     bcast = mmshm.deferred_unwrap(mb.broadcast_pyobj)
-    photos = [torch.rand(PHOTO_360P) for _ in range(k)]
+    gen = torch.Generator().manual_seed(41)  # the same photos on every rank, to check them
+    photos = [torch.rand(PHOTO_360P, generator=gen) for _ in range(k)]
     hop, agree = [], []
     for it in range(warmup + iters):
         reqs = None
@@ -120,11 +121,19 @@ def measure(tp: int, k: int, iters: int, warmup: int, spin_us: float | None = No
              for r in range(tp)]
     for p in procs:
         p.start()
+    import queue
+
     res = {}
     try:
-        for _ in range(tp):
-            r, fig = q.get(timeout=600)
-            res[r] = fig
+        deadline = time.monotonic() + 900
+        while len(res) < tp:
+            try:
+                r, fig = q.get(timeout=1.0)
+                res[r] = fig
+            except queue.Empty:
+                bad = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if bad or time.monotonic() > deadline:
+                    raise RuntimeError(f"a rank failed (exit codes {bad}) or timed out")
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -358,3 +358,35 @@ def test_decision_is_the_layouts(shm_dir, monkeypatch):
     assert shmagree.for_group(None, 2, 0, lay) is None  # not initialized / two nodes
     assert shmagree.for_group(None, 2, 0, None) is None
     assert shmagree.usable() == (os.uname().machine == "x86_64")
+
+
+# -- ranks that the layout calls one node but that do not share a directory ------------
+def rank_disagree(rank: int, world: int, seed: int, dirs: list) -> dict:
+    calls = _count_agreement_messages()
+    res = _mp.rank_wrong_dir(rank, world, seed, dirs)
+    agr = _agr()
+    res.update(calls=calls, stage=agr.stage, fd=agr.fd)
+    return res
+
+
+def test_ranks_that_do_not_share_a_directory_keep_gloo(shm_dir, monkeypatch):
+    """The layout calls both ranks one node (MMSHM_NODE_ID, same facts), but
+    rank 1 looks in another directory: it cannot open the agreement file,
+    says so, and the probe makes both ranks keep the gloo agreement; the
+    request that rank 1 cannot open fails alike on both, nothing is left."""
+    import secrets
+    import shutil
+
+    monkeypatch.setenv("MMSHM_NODE_ID", "7")
+    other = os.path.join(_mp.SHM_ROOT, f"pytest-mmshm-other-{secrets.token_hex(4)}")
+    os.mkdir(other, 0o700)
+    try:
+        res = _mp.run_group(rank_disagree, 2, 67, [shm_dir, other], timeout=120)
+        for r in range(2):
+            assert res[r]["errors"] == {0: ("not_found", [1])}, res[r]
+            assert res[r]["stage"] == "off" and res[r]["fd"] is None, res[r]
+            assert res[r]["calls"] == {"agree": 2}, res[r]
+        assert os.listdir(other) == []
+        assert os.listdir(shm_dir) == []
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
