@@ -196,9 +196,10 @@ def rank_killed(rank: int, world: int, seed: int, victim: int, src: int) -> dict
 @pytest.mark.timeout(120)
 def test_receiver_killed_before_its_slot(shm_dir):
     """A receiver SIGKILLed before it wrote its slot (its liveness lock
-    tells): the survivors get a PeerLostError naming it within the group's timeout (long before it: the lock is tested every
-    few milliseconds), and the references handed to it are given back at
-    once: the directory is empty within seconds."""
+    tells): the survivors get a PeerLostError naming it within the group's
+    timeout (long before it: the lock is tested every few milliseconds),
+    and the references handed to it are given back at once: the directory
+    is empty within seconds."""
     res = _mp.run_group(rank_killed, 3, 63, 2, 0, timeout=100, killed=(2,))
     for r in (0, 1):
         assert res[r]["raised"] == "PeerLostError" and res[r]["runtime"], res[r]
