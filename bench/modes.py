@@ -251,6 +251,28 @@ class MmshmMode(Mode):
         return 3 * payload, 2 * payload
 
 
+def _wrap_items(req, min_bytes: int | None, kwargs_of):
+    """A copy of SGLang-shaped ``req`` whose items' features of at least
+    ``min_bytes`` (default ``MMSHM_MIN_BYTES``) are handles made by
+    :meth:`mmshm.ShmTensor.from_tensor` with ``kwargs_of(item)``; a feature
+    that cannot go into shared memory stays inline, as ``wrap``'s fallback."""
+    from mmshm import config
+
+    threshold = min_bytes if min_bytes is not None else config.get().min_bytes
+    c = copy.copy(req)
+    c.mm_inputs = copy.copy(req.mm_inputs)
+    c.mm_inputs.mm_items = [copy.copy(it) for it in req.mm_inputs.mm_items]
+    for it in c.mm_inputs.mm_items:
+        f = it.feature
+        if not isinstance(f, torch.Tensor) or f.numel() * f.element_size() < threshold:
+            continue
+        try:
+            it.feature = mmshm.ShmTensor.from_tensor(f, **kwargs_of(it))
+        except (OSError, mmshm.MmshmError):
+            continue
+    return c
+
+
 @register
 class MmshmHashGivenMode(MmshmMode):
     """``mmshm`` where the producer hands each tensor's content hash to
@@ -266,21 +288,7 @@ class MmshmHashGivenMode(MmshmMode):
     summary = "mmshm, content hashes taken from the request instead of computed"
 
     def _wrap(self, req):
-        from mmshm import config
-
-        threshold = self.min_bytes if self.min_bytes is not None else config.get().min_bytes
-        c = copy.copy(req)
-        c.mm_inputs = copy.copy(req.mm_inputs)
-        c.mm_inputs.mm_items = [copy.copy(it) for it in req.mm_inputs.mm_items]
-        for it in c.mm_inputs.mm_items:
-            f = it.feature
-            if not isinstance(f, torch.Tensor) or f.numel() * f.element_size() < threshold:
-                continue
-            try:
-                it.feature = mmshm.ShmTensor.from_tensor(f, hash=it.hash)
-            except (OSError, mmshm.MmshmError):
-                continue  # stays inline, as wrap's fallback
-        return c
+        return _wrap_items(req, self.min_bytes, lambda it: {"hash": it.hash})
 
 
 @register
@@ -297,21 +305,7 @@ class MmshmEagerHashMode(MmshmMode):
     summary = "mmshm, BLAKE3 of every tensor computed by the producer (MMSHM_HASH=eager)"
 
     def _wrap(self, req):
-        from mmshm import config
-
-        threshold = self.min_bytes if self.min_bytes is not None else config.get().min_bytes
-        c = copy.copy(req)
-        c.mm_inputs = copy.copy(req.mm_inputs)
-        c.mm_inputs.mm_items = [copy.copy(it) for it in req.mm_inputs.mm_items]
-        for it in c.mm_inputs.mm_items:
-            f = it.feature
-            if not isinstance(f, torch.Tensor) or f.numel() * f.element_size() < threshold:
-                continue
-            try:
-                it.feature = mmshm.ShmTensor.from_tensor(f, hash_now=True)
-            except (OSError, mmshm.MmshmError):
-                continue  # stays inline, as wrap's fallback
-        return c
+        return _wrap_items(req, self.min_bytes, lambda it: {"hash_now": True})
 
 
 # -- fresh-segment: SGLang 0.5.23's ShmPointerMMData, as our own baseline -------
