@@ -110,18 +110,26 @@ def test_same_errors_on_every_rank_with_no_gloo_message(shm_dir, path):
     assert os.listdir(shm_dir) == []
 
 
-def rank_many_rounds(rank: int, world: int, seed: int) -> dict:
-    calls = _count_agreement_messages()
+def _broadcast_rounds(rank: int, world: int, seed: int, rounds: int, group=None,
+            moving_src: bool = False) -> None:
+    """``rounds`` broadcasts of two wrapped requests through
+    ``deferred_unwrap``, bytes checked on every rank; the source is rank 0,
+    or changes from round to round with ``moving_src``."""
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
-    for rnd in range(12):
-        src = rnd % world  # the source rank changes from round to round
+    for rnd in range(rounds):
+        src = rnd % world if moving_src else 0
         reqs = ([mmshm.wrap(_mp._request(i, seed + rnd), min_bytes=1024) for i in range(2)]
                 if rank == src else None)
-        out = bcast(reqs, rank, None, src)
+        out = bcast(reqs, rank, group, src)
         for i, r in enumerate(out):
             _mp._check_request(r, i, seed + rnd)
         del out, reqs, r
         gc.collect()
+
+
+def rank_many_rounds(rank: int, world: int, seed: int) -> dict:
+    calls = _count_agreement_messages()
+    _broadcast_rounds(rank, world, seed, 12, moving_src=True)  # the source changes each round
     import torch.distributed as dist
 
     dist.barrier()
@@ -260,15 +268,7 @@ def rank_file_fault(rank: int, world: int, seed: int, fault: str) -> dict:
 
     logging.getLogger("mmshm").addHandler(Keep())
     calls = _count_agreement_messages()
-    bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
-    for rnd in range(4):
-        reqs = ([mmshm.wrap(_mp._request(i, seed + rnd), min_bytes=1024) for i in range(2)]
-                if rank == 0 else None)
-        out = bcast(reqs, rank, group, 0)
-        for i, r in enumerate(out):
-            _mp._check_request(r, i, seed + rnd)
-        del out, reqs, r
-        gc.collect()
+    _broadcast_rounds(rank, world, seed, 4, group)
     dist.barrier(group=group)
     agr = _agr(group)
     return {"stage": agr.stage, "fd": agr.fd, "calls": calls, "said": said,
@@ -298,15 +298,7 @@ def test_agreement_file_gone_or_changed_keeps_gloo(shm_dir, fault):
 def rank_two_nodes(rank: int, world: int, base: str, seed: int) -> dict:
     node.simulate(base, rank * 2 // world)
     calls = _count_agreement_messages()
-    bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
-    for rnd in range(2):
-        reqs = ([mmshm.wrap(_mp._request(i, seed + rnd), min_bytes=1024) for i in range(2)]
-                if rank == 0 else None)
-        out = bcast(reqs, rank, None, 0)
-        for i, r in enumerate(out):
-            _mp._check_request(r, i, seed + rnd)
-        del out, reqs, r
-        gc.collect()
+    _broadcast_rounds(rank, world, seed, 2)
     import torch.distributed as dist
 
     dist.barrier()
