@@ -152,17 +152,21 @@ def patches_per_photo(resolution: str) -> int:
 def memcpy_s(rows: int, repeat: int = 5) -> tuple[float, float]:
     """Best of ``repeat`` times (seconds) of one copy of a warm float32
     [rows, 1176] tensor: into a new tensor (``torch.empty_like(x).copy_(x)``,
-    its page faults included when the allocator maps fresh memory), and into
-    one already written (the bare memcpy)."""
+    its page faults included), and into one already written (the bare
+    memcpy). The new tensors are kept until the end, so that none reuses
+    the memory of the one before: below glibc's mmap threshold (32 MB at
+    most) a freed tensor's memory comes back cache-hot, and the small floors
+    were a cache-to-cache copy."""
     import torch
 
     x = torch.ones(rows, 1176, dtype=torch.float32)
     new = warm = math.inf
+    kept = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        y = torch.empty_like(x).copy_(x)
+        kept.append(torch.empty_like(x).copy_(x))
         new = min(new, time.perf_counter() - t0)
-        del y
+    del kept
     y = torch.zeros_like(x)
     for _ in range(repeat):
         t0 = time.perf_counter()
