@@ -2,14 +2,16 @@
 # Serve a vision-language model with SGLang at TP=2, every process instrumented
 # by mmshm (tokenizer, both scheduler ranks, detokenizer), without editing SGLang.
 #
+# Install mmshm into the server's own environment (the venv or image that has
+# SGLang: every process of the server imports it), and run this script there:
 #   pip install sglang==0.5.23 -e /path/to/mmshm   # any SGLang from 0.5.9 to 0.5.23
 #   MODEL=... PORT=30000 TP=2 examples/sglang_launch.sh [extra sglang.launch_server flags]
 #
 # Docker: /dev/shm defaults to 64 MiB; give the container room for in-flight
 # images: docker run --shm-size=1g (or --ipc=host) holds 32 Qwen2-VL 720p images
 # plus NCCL's reserve; `mmshm doctor --expected-bytes 2GiB` prints the size for
-# your load (the README's formula). mmshm never SIGBUSes on a full /dev/shm: a
-# tensor that does not fit travels inline and is counted.
+# your load (the README's formula, "Sizing /dev/shm"). mmshm never SIGBUSes on a
+# full /dev/shm: a tensor that does not fit travels inline and is counted.
 #
 # Check the host from the same environment (same MMSHM_DIR: both use the
 # default /dev/shm unless you export another one before running this script):

