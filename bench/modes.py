@@ -46,7 +46,7 @@ from typing import ClassVar
 
 import mmshm
 import torch
-from mmshm.reaper import pid_alive
+from mmshm.segments.reaper import pid_alive
 
 MODES: dict[str, type[Mode]] = {}
 

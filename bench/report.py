@@ -6,6 +6,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from mmshm.segments.segfile import PREFIX
+
 from .runner import Reporter
 
 
@@ -310,5 +312,5 @@ def print_result(result: dict, console: Console) -> None:
     else:
         k = result["config"].get("nodes", 1)
         where = f" (nor in its {k} node directories)" if k > 1 else ""
-        console.print(f"no mmshm-* segment left in {result['config']['shm_dir']}{where} by the "
+        console.print(f"no {PREFIX}* segment left in {result['config']['shm_dir']}{where} by the "
                       f"bench ({result['elapsed_s']:.1f} s in all)")

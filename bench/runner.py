@@ -41,7 +41,7 @@ Measured per run (``time.perf_counter``, seconds):
   ``wrap_over_memcpy`` is ``wrap_Bps / memcpy_Bps`` and ``wrap_over_floor``
   its inverse, the wrap's time over the floor's copy of as many bytes
   (``copy_threads``: the threads the producer's copy of one photo used,
-  :func:`mmshm.handle.copy_threads`; ``MMSHM_COPY_THREADS``). Before each of the
+  :func:`mmshm.segments.shmtensor.copy_threads`; ``MMSHM_COPY_THREADS``). Before each of the
   floor's copies and before each run the producer writes a buffer of twice
   the last-level cache: every copy, the floor's and the modes', reads and
   writes DRAM. Without it a payload that fits in the cache (22.5 MB next to a
@@ -66,12 +66,12 @@ skipped with the reason in ``skipped``. Bytes are checked against the
 producer's hashes on every rank, outside the measured region.
 
 With ``nodes`` K > 1 the bench simulates K nodes on one machine: each gets
-its own segment directory under the bench's (:func:`mmshm.node.simulated_dir`)
+its own segment directory under the bench's (:func:`mmshm.segments.node.simulated_dir`)
 and its own ``MMSHM_NODE_ID``; TP ranks go to nodes in contiguous blocks
-(:func:`mmshm.node.node_of_rank`) and the producer is on node 0, the source
+(:func:`mmshm.segments.node.node_of_rank`) and the producer is on node 0, the source
 rank's. Every run reports ``nodes`` and ``internode_bytes``: for ``inline``
 the pickled broadcast times the ranks on other nodes; for the other modes the
-sum over ranks of :func:`mmshm.node.internode_bytes` during the run.
+sum over ranks of :func:`mmshm.transport.multinode.internode_bytes` during the run.
 ``fresh-segment`` and ``sglang`` are single-node only and are skipped when
 K > 1. A mode whose :meth:`~mmshm.bench.modes.Mode.unavailable` gives a
 reason (``sglang`` where SGLang is not importable) is skipped with it.
@@ -93,10 +93,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mmshm import config, node
-from mmshm.handle import copy_threads
-from mmshm.segfile import NAME_RE, STATE_POOLED, iter_segment_files, state_on_disk
-from mmshm.table import TABLE
+from mmshm import config
+from mmshm.segments import node
+from mmshm.segments.shmtensor import copy_threads
+from mmshm.segments.segfile import NAME_RE, STATE_POOLED, iter_segment_files, state_on_disk
+from mmshm.segments.table import TABLE
 
 from .modes import MODES, fresh_files, get_mode, remove_fresh_dirs
 

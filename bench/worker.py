@@ -123,8 +123,8 @@ class _Rank:
         return m
 
     def run(self, cmd: dict) -> dict:
-        from mmshm import node
-        from mmshm.table import TABLE
+        from mmshm.segments.table import TABLE
+        from mmshm.transport import multinode
 
         from .requests import verify
 
@@ -144,11 +144,11 @@ class _Rank:
         rss0 = _rss_bytes()
         self.bytes_broadcast = 0
         self.t_inner_start = self.t_inner_end = None
-        sent0 = node.internode_bytes()
+        sent0 = multinode.internode_bytes()
         t0 = time.perf_counter()
         out = mode.broadcast(data, self.rank, self.group, 0)
         t1 = time.perf_counter()
-        internode = node.internode_bytes() - sent0
+        internode = multinode.internode_bytes() - sent0
         t_inner = self.t_inner_end if self.t_inner_end is not None else t1
         t_inner_start = self.t_inner_start if self.t_inner_start is not None else t0
         nbytes = self.bytes_broadcast
@@ -258,7 +258,7 @@ def rank_main(rank: int, tp: int, port: int, endpoint: str, conn, cfg: dict) -> 
         if cfg.get("node") is not None:
             # this rank's simulated node, before anything of mmshm runs (the
             # spawned process already inherited it; this makes it explicit)
-            from mmshm import node
+            from mmshm.segments import node
 
             node.simulate(cfg["node_base_dir"], int(cfg["node"]))
         r = _Rank(rank, tp, port, endpoint, cfg)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The TP broadcast hop on its own: one SGLang-shaped batch through
-``mmshm.deferred_unwrap(mmshm.broadcast.broadcast_pyobj)``, gloo on 127.0.0.1.
+``mmshm.deferred_unwrap(mmshm.transport.broadcast.broadcast_pyobj)``, gloo on 127.0.0.1.
 
 A benchmark, not a test. ``--tp`` ranks (processes) join one gloo group; per
 iteration rank 0 wraps one request of ``--k`` photos (``pixel_values`` of a
@@ -8,7 +8,7 @@ iteration rank 0 wraps one request of ``--k`` photos (``pixel_values`` of a
 rank meets the others at a barrier (not timed), then each times its call of
 the wrapped broadcast: handles out, SGLang's own ``broadcast_pyobj`` (size,
 then pickled bytes), every handle mapped, and the failure agreement. The
-time spent inside the agreement (``mmshm.broadcast._agree_max``, wrapped) is
+time spent inside the agreement (``mmshm.transport.broadcast._agree_max``, wrapped) is
 recorded beside it: its share of the hop is what waiting for the peers costs.
 
 Prints per rank the median and p90 of the hop and of the agreement over
@@ -56,12 +56,12 @@ def _rank(rank: int, world: int, port: int, k: int, iters: int, warmup: int, q,
     import torch.distributed as dist
 
     import mmshm
-    import mmshm.broadcast as mb
+    import mmshm.transport.broadcast as mb
 
-    if spin_us is not None:  # the shared-memory agreement's spin (mmshm.shmagree.SPIN_S)
-        import mmshm.shmagree
+    if spin_us is not None:  # the shared-memory agreement's spin (mmshm.transport.shmagree.SPIN_S)
+        import mmshm.transport.shmagree
 
-        mmshm.shmagree.SPIN_S = spin_us * 1e-6
+        mmshm.transport.shmagree.SPIN_S = spin_us * 1e-6
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--baseline", help="PYTHONPATH of another mmshm, measured alternately")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--spin-us", type=float, help="override mmshm.shmagree.SPIN_S (the new "
+    ap.add_argument("--spin-us", type=float, help="override mmshm.transport.shmagree.SPIN_S (the new "
                     "code only), microseconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

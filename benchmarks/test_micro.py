@@ -22,8 +22,10 @@ import tempfile
 import mmshm
 import pytest
 import torch
-from mmshm import config, observe
-from mmshm.table import TABLE
+from mmshm import config
+from mmshm.hooks import observe
+from mmshm.segments.segfile import PREFIX
+from mmshm.segments.table import TABLE
 from mmshm.bench.modes import FRESH_PREFIX, FreshShmPointer, write_fresh_segment
 
 QWEN2VL_720P = (4784, 1176)  # pixel_values of one 720p photo, float32 (22.5 MB)
@@ -45,7 +47,7 @@ def private_dir(monkeypatch):
     yield d
     gc.collect()
     _trim()
-    left = [n for n in os.listdir(d) if n.startswith("mmshm-")]
+    left = [n for n in os.listdir(d) if n.startswith(PREFIX)]
     shutil.rmtree(d, ignore_errors=True)
     monkeypatch.undo()
     config.reload()
@@ -123,7 +125,7 @@ def test_send_receive_release(benchmark, handle, debug_refs):
     """share(1), pickle, unpickle, release: every path MMSHM_DEBUG_REFS wraps.
     ``off`` runs ShmTensor's own methods (nothing is installed): it is the
     cost without the feature; ``on`` adds the recording (stacks)."""
-    from mmshm import refdebug
+    from mmshm.segments import refdebug
 
     if debug_refs == "on":
         refdebug.install()
@@ -317,11 +319,11 @@ def test_from_tensor_8_images_copy_threads(benchmark, request_32, monkeypatch, t
     id is the setting, ``extra_info`` the threads used), the hash asked for
     now or not: how the copy and the hash scale with the host's cores (a
     2-CPU host caps 4 at 2). The digest is the same on any thread count."""
-    from mmshm import handle
+    from mmshm.segments import shmtensor
 
     monkeypatch.setenv("MMSHM_COPY_THREADS", threads)
     config.reload()
-    benchmark.extra_info["threads"] = handle.copy_threads()
+    benchmark.extra_info["threads"] = shmtensor.copy_threads()
     ts = [it["feature"] for it in request_32["mm_items"][:8]]
     digests = []
 

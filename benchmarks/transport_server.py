@@ -10,7 +10,7 @@ traffic keeps each transport's memory warm) and ``--requests`` sequential chat c
 ``/metrics`` before and after. Both configurations run under ``mmshm run``,
 which times the same hops of the multimodal path into
 ``mmshm_ipc_seconds`` and ``mmshm_ipc_bytes{server,hop,transport}``
-(``mmshm.observe``):
+(``mmshm.hooks.observe``):
 
 - ``observe`` (``MMSHM_MODE=observe``): the server's own transport carries
   the tensors (SGLang's shared-memory pointers, vLLM's msgpack frames and
@@ -289,7 +289,7 @@ def run_config(name: str, args, images: list[int], reqs: dict, logs: Path) -> di
         rec["left_in_dir"] = sorted(os.listdir(seg_dir))
         rec["server_leaks_removed"] = sorted(srv.removed_leaks)
     finally:
-        from mmshm import reaper
+        from mmshm.segments import reaper
 
         try:  # what a killed server left, then the directory
             reaper.reap(seg_dir, grace_s=0, quiet=True)

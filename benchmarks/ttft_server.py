@@ -172,7 +172,7 @@ def main() -> int:
                 srv.stop()
         finally:
             if under_mmshm:  # what a killed server left, then the directory
-                from mmshm import reaper
+                from mmshm.segments import reaper
 
                 reaper.reap(env["MMSHM_DIR"], grace_s=0, quiet=True)
                 os.rmdir(env["MMSHM_DIR"])

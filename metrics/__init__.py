@@ -32,7 +32,7 @@ Families (as exposed):
                                                segments, the first included (``fan_out(req,
                                                n)``: n; a server's scope: each message with
                                                handles, from the second; see
-                                               :class:`mmshm.sending.FanOut`)
+                                               :class:`mmshm.transport.sending.FanOut`)
 ``mmshm_pool_requests_total{result}``          segment pool lookups, ``hit`` / ``miss``
 ``mmshm_internode_bytes_total``                payload bytes sent to other nodes (multi-node
                                                TP: once per tensor and other node)
@@ -50,7 +50,7 @@ Families (as exposed):
                                                series per DP rank, and a server without
                                                data parallelism keeps its series
 ``mmshm_ipc_seconds{server,hop,transport}``   histogram: seconds one message spends in one hop
-                                               of the multimodal path (see :mod:`mmshm.observe`),
+                                               of the multimodal path (see :mod:`mmshm.hooks.observe`),
                                                ``transport`` = ``server`` (the server's own,
                                                observe mode) / ``mmshm``
 ``mmshm_ipc_bytes{server,hop,transport}``     histogram: bytes that hop serializes for one
@@ -111,7 +111,7 @@ BYTES_BUCKETS = tuple(float(10 ** e * m) for e in range(3, 9) for m in (1, 4)) +
 #: ``reason`` label values of the fallback and failure counters: defined with
 #: the one mapping of an exception to a reason (:func:`mmshm.errors.failure_reason`)
 from ..errors import FAILURE_REASONS, FALLBACK_REASONS  # noqa: E402
-#: ``reason`` label values of the reaper's counters (:data:`mmshm.reaper.REASONS`).
+#: ``reason`` label values of the reaper's counters (:data:`mmshm.segments.reaper.REASONS`).
 REAP_REASONS = ("killed", "in_flight_expired")
 #: ``role`` label values of the broadcast histograms.
 ROLES = ("src", "dst")

@@ -8,7 +8,7 @@ Public API:
     broadcast_pyobj  a mirror of SGLang's CPU broadcast, for tests and the bench
 """
 
-from .errors import (
+from mmshm.errors import (
     DescriptorLimitError,
     HandleError,
     HandleStateError,
@@ -26,11 +26,12 @@ from .errors import (
 # The rest imports torch: loaded on first use (PEP 562), so that `mmshm --help`,
 # `mmshm doctor`, `mmshm gc` and the start-up hook stay fast.
 _LAZY = {
-    "instrument": "autopatch", "uninstrument": "autopatch",
-    "broadcast_pyobj": "broadcast", "deferred_unwrap": "broadcast",
-    "fan_out": "fanout",
-    "ShmTensor": "handle", "content_hash": "handle",
-    "handles": "walker", "release": "walker", "unwrap": "walker", "wrap": "walker",
+    "instrument": "operations.autopatch", "uninstrument": "operations.autopatch",
+    "broadcast_pyobj": "transport.broadcast", "deferred_unwrap": "transport.broadcast",
+    "fan_out": "transport.fanout",
+    "ShmTensor": "segments.shmtensor", "content_hash": "segments.shmtensor",
+    "handles": "transport.wrapping", "release": "transport.wrapping",
+    "unwrap": "transport.wrapping", "wrap": "transport.wrapping",
 }
 
 

@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from . import config as _config
+from mmshm import config as _config
 
 
 #: Exit status for a directory that does not exist or cannot be read (gc, status).
@@ -55,7 +55,7 @@ class _Size(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, int):
             return value
-        from .config import parse_size
+        from mmshm.config import parse_size
 
         try:
             return parse_size(str(value))
@@ -108,7 +108,7 @@ def _default_help(name: str, extra: str = "") -> str:
 def _check_settings(command: str) -> None:
     """Exit with :data:`mmshm.config.EXIT_BAD_SETTING` and one line per bad
     ``MMSHM_*`` value, before the command does anything."""
-    from . import config
+    from mmshm import config
 
     bad = config.problems()
     if bad:
@@ -121,7 +121,7 @@ def _check_settings(command: str) -> None:
 def _dir_error(command: str, directory: str | None) -> None:
     """Exit with :data:`EXIT_BAD_DIR` and one line if the segment directory
     cannot be listed."""
-    from .segfile import segment_dir
+    from mmshm.segments.segfile import segment_dir
 
     d = segment_dir(directory)
     where = "--dir" if directory is not None else "MMSHM_DIR or the default"
@@ -242,8 +242,8 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     from click.core import ParameterSource
     from rich.console import Console
 
-    from .bench import MODES, SWEEP, BenchConfig, BenchError, run_bench
-    from .bench.report import FULL_WIDTH, PlainReporter, RichReporter, print_result
+    from mmshm.bench import MODES, SWEEP, BenchConfig, BenchError, run_bench
+    from mmshm.bench.report import FULL_WIDTH, PlainReporter, RichReporter, print_result
 
     _check_settings("bench")
     _check_output(json_path, "--json")
@@ -292,7 +292,7 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
         sys.exit(3)
     finally:
         if metrics_port is not None:
-            from . import metrics
+            from mmshm import metrics
 
             metrics.stop_exporter()
             if metrics_dir:
@@ -302,7 +302,7 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
                 os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     print_result(result, out)
     if plot_path:
-        from .bench.plot import plot_result
+        from mmshm.bench.plot import plot_result
 
         plot_result(result, plot_path)
         out.print(f"plot written to {plot_path}")
@@ -345,7 +345,7 @@ def _start_bench_metrics(port: int, console) -> str | None:
     directory it made (removed when the bench ends), or None."""
     import tempfile
 
-    from . import metrics
+    from mmshm import metrics
 
     made = None
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -420,8 +420,8 @@ def doctor(directory, expected_bytes, as_json) -> None:
     import msgspec
     from rich.text import Text
 
-    from . import node
-    from .doctor import diagnose
+    from mmshm.segments import node
+    from mmshm.operations.doctor import diagnose
 
     _check_settings("doctor")
     rep = diagnose(directory, expected_bytes=expected_bytes)
@@ -511,9 +511,9 @@ def status(directory, as_json) -> None:
     import msgspec
     from rich.text import Text
 
-    from . import node
-    from .status import MMSHM_ELSEWHERE
-    from .status import status as survey_status
+    from mmshm.segments import node
+    from mmshm.operations.status import MMSHM_ELSEWHERE
+    from mmshm.operations.status import status as survey_status
 
     _check_settings("status")
     _dir_error("status", directory)
@@ -671,7 +671,7 @@ def gc(directory, dry_run, as_json, grace_s) -> None:
     import msgspec
     from rich.text import Text
 
-    from .reaper import reap
+    from mmshm.segments.reaper import reap
 
     _check_settings("gc")
     _dir_error("gc", directory)
@@ -720,9 +720,9 @@ def run(info, observe, command) -> None:
     by default every known one. An existing sitecustomize keeps working. The
     exit status is COMMAND's (4 for a bad MMSHM_INSTRUMENT).
     """
-    from .autopatch import info as run_info
-    from .autopatch import run as run_command
-    from .config import EXIT_BAD_SETTING, SettingError
+    from mmshm.operations.autopatch import info as run_info
+    from mmshm.operations.autopatch import run as run_command
+    from mmshm.config import EXIT_BAD_SETTING, SettingError
 
     env = dict(os.environ, MMSHM_MODE="observe") if observe else None
     try:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .errors import MmshmError
+from mmshm.errors import MmshmError
 
 log = logging.getLogger("mmshm")
 
@@ -93,9 +93,9 @@ def _bool(raw: str) -> bool:
 
 def known_instrumentors() -> list[str]:
     """Names ``MMSHM_INSTRUMENT`` may list: the registered instrumentors
-    (:func:`mmshm.instrumentor.registered`, the ``mmshm.instrumentors``
+    (:func:`mmshm.hooks.instrumentor.registered`, the ``mmshm.instrumentors``
     entry points)."""
-    from .instrumentor import registered
+    from mmshm.hooks.instrumentor import registered
 
     return sorted(registered())
 
@@ -421,7 +421,7 @@ class Settings:
     @property
     def observe(self) -> bool:
         """Observe mode (``MMSHM_MODE=observe``): time the server's own
-        transport, carry nothing (see :mod:`mmshm.observe`)."""
+        transport, carry nothing (see :mod:`mmshm.hooks.observe`)."""
         return self.mode == "observe"
 
 

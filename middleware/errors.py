@@ -172,12 +172,12 @@ class PayloadWithheldError(MmshmError, RuntimeError):
 
 
 #: ``reason`` label values of the materialize and request failure counters and
-#: of :class:`MaterializeError` (:data:`mmshm.broadcast.REASONS` without ``ok``).
+#: of :class:`MaterializeError` (:data:`mmshm.transport.broadcast.REASONS` without ``ok``).
 FAILURE_REASONS = ("malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
                    "enospc", "other", "withheld")
 #: ``reason`` label values of ``mmshm_inline_fallbacks_total`` (``group``: the
 #: TP group cannot use shared memory at all, a rank without this mmshm or two
-#: nodes with one node id; see :func:`mmshm.node.handshake`).
+#: nodes with one node id; see :func:`mmshm.transport.handshake.handshake`).
 FALLBACK_REASONS = ("enospc", "budget", "emfile", "other", "group")
 # a reason missing from a label set is said as its more general one there
 _GENERAL = {"budget": "enospc"}

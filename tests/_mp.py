@@ -42,7 +42,7 @@ def seg_files(directory: str | None = None) -> list[str]:
 def header(name: str, directory: str | None = None) -> tuple:
     """The decoded header of segment ``name``: (magic, version, state,
     payload size, refcount, creator pid, created ns, reserved)."""
-    from mmshm import segfile
+    from mmshm.segments import segfile
 
     path = os.path.join(directory or seg_dir(), name)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -373,7 +373,7 @@ def rank_early_unlink(rank: int, world: int, seed: int, delay_s: float) -> dict:
 def _missing_handle():
     """A handle naming a segment that does not exist (well-formed metadata)."""
     import mmshm
-    from mmshm.codec import HandleMeta
+    from mmshm.segments.codec import HandleMeta
 
     meta = HandleMeta(f"mmshm-{os.getpid()}-00000000deadbeef", 4096, 0, (1024,), b"\0" * 16)
     return mmshm.ShmTensor(meta)
@@ -437,7 +437,8 @@ def rank_failures(rank: int, world: int, seed: int, bad_rank: int) -> dict:
 def rank_wrong_dir(rank: int, world: int, seed: int, dirs: list) -> dict:
     """Rank r uses MMSHM_DIR=dirs[r]: a rank that cannot see the segments."""
     import mmshm
-    from mmshm import config, node
+    from mmshm import config
+    from mmshm.segments import node
 
     os.environ["MMSHM_DIR"] = dirs[rank]
     config.reload()
@@ -552,7 +553,7 @@ def truncate_in_creator(keep_bytes: int) -> dict:
     """The creating process materializes its own, truncated segment."""
     import mmshm
     import torch
-    from mmshm import segfile
+    from mmshm.segments import segfile
 
     t = torch.arange(100_000, dtype=torch.float32)
     out = {}
@@ -576,7 +577,7 @@ def truncate_header_then_sweep() -> dict:
     runs its periodic sweep and creates another segment. Must not SIGBUS."""
     import mmshm
     import torch
-    from mmshm.table import TABLE
+    from mmshm.segments.table import TABLE
 
     t = torch.arange(100_000, dtype=torch.float32)
     h = mmshm.ShmTensor.from_tensor(t)

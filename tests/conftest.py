@@ -26,8 +26,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 import _mp
-from mmshm import config, segfile
-from mmshm.table import TABLE
+from mmshm import config
+from mmshm.segments import segfile
+from mmshm.segments.table import TABLE
 
 
 def _our_shm_files() -> set[str]:

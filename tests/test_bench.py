@@ -105,7 +105,7 @@ def test_bench_small_run_is_correct_and_leaves_nothing(shm_dir, tmp_path):
     floors = result["floors"]
     assert len(floors) == 2 and all(f["floor_broadcast_bytes"] < 64 * 1024 for f in floors)
     # the producer's copy threads: its affinity (here at most the test host's CPUs)
-    from mmshm.handle import copy_threads
+    from mmshm.segments.shmtensor import copy_threads
 
     assert result["host"]["cpus_affinity"] == len(os.sched_getaffinity(0))
     assert result["config"]["copy_threads"] == copy_threads()
@@ -289,7 +289,7 @@ def test_bench_two_simulated_nodes(shm_dir, tmp_path):
     """--nodes 2 over TP=4: ranks 0-1 on node 0 (with the producer), 2-3 on
     node 1. mmshm sends each payload once to node 1's leader; inline pickles
     it to both ranks of node 1. Nothing is left in any node directory."""
-    from mmshm import node
+    from mmshm.segments import node
 
     out = tmp_path / "nodes.json"
     proc = _cli("bench", "--tp", "4", "--n", "1", "--images", "1,2", "--nodes", "2",

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 import mmshm
 import mmshm_faults as F
-from mmshm import reaper
+from mmshm.segments import reaper
 
 log = logging.getLogger("tests.figures")
 

@@ -12,9 +12,9 @@ import mmshm
 import msgspec
 import pytest
 import torch
-from mmshm import codec
-from mmshm.codec import HandleMeta
-from mmshm.handle import _rebuild
+from mmshm.segments import codec
+from mmshm.segments.codec import HandleMeta
+from mmshm.segments.shmtensor import _rebuild
 
 GOOD_NAME = f"mmshm-{os.getpid()}-0123456789abcdef"
 H16 = b"\x01" * 16

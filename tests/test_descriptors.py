@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 import mmshm
 import mmshm_faults as F
-from mmshm import reaper, segfile
-from mmshm.table import TABLE
+from mmshm.segments import reaper, segfile
+from mmshm.segments.table import TABLE
 
 
 def _fds() -> int:

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 import mmshm
 import mmshm_faults as F
-from mmshm import doctor, reaper
+from mmshm.operations import doctor
+from mmshm.segments import reaper
 
 MiB = 1 << 20
 CLI = [sys.executable, "-c", "import sys; from mmshm.cli import main; sys.exit(main())"]

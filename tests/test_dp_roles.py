@@ -23,7 +23,9 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
-from mmshm import ShmTensor, segfile, status
+from mmshm import ShmTensor
+from mmshm.operations import status
+from mmshm.segments import segfile
 from mmshm.integrations import sglang as sg
 
 # -- SGLang --------------------------------------------------------------------------------
@@ -108,7 +110,8 @@ def test_dp_controller_gives_its_references_back_when_dispatch_fails(shm_dir):
 _VLLM_PROC = textwrap.dedent('''
     import subprocess, sys
     from types import SimpleNamespace
-    from mmshm import metrics, report
+    from mmshm import metrics
+    from mmshm.hooks import report
     from mmshm.integrations import vllm as mv
 
     report.configure_logging(force=True)

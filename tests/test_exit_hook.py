@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
 
 import mmshm_faults as F
-from mmshm import segment
+from mmshm.segments import segment
 
 multiprocess = pytest.importorskip("multiprocess")
 

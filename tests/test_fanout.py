@@ -11,7 +11,7 @@ import mmshm
 import msgspec
 import pytest
 import torch
-from mmshm.codec import HandleMeta
+from mmshm.segments.codec import HandleMeta
 
 
 class MMItem(msgspec.Struct):
@@ -194,7 +194,7 @@ def _fake_tp_group(monkeypatch, world: int) -> None:
     """deferred_unwrap on TP rank 0 of a one-node group of ``world`` ranks,
     without peers: enough for what happens before and around the inner
     broadcast (which the test supplies)."""
-    from mmshm import broadcast
+    from mmshm.transport import broadcast
 
     monkeypatch.setattr(broadcast, "_world", lambda group: (world, 0))
     one_node = broadcast.node.Layout.from_identities(["this node"] * world, [1] * world)
@@ -250,7 +250,7 @@ def test_source_rank_collapse_then_materialize(shm_dir, monkeypatch):
     segments once the other ranks' references (handed out, never used here)
     are given back."""
     copies, names, ts = _fanned_copies(monkeypatch, world=2)
-    monkeypatch.setattr("mmshm.broadcast._agree_max", lambda flat, *a: flat)
+    monkeypatch.setattr("mmshm.transport.broadcast._agree_max", lambda flat, *a: flat)
     out = mmshm.deferred_unwrap(lambda data, *a: data)(copies, 0, None, 0)
     del copies
     feats = [[it.feature for it in r.mm_inputs.mm_items] for r in out]
@@ -262,5 +262,5 @@ def test_source_rank_collapse_then_materialize(shm_dir, monkeypatch):
     del out, feats, fs
     gc.collect()
     for n in names:
-        mmshm.segment.update_refcount(n, -1)  # rank 1's, never used
+        mmshm.segments.segment.update_refcount(n, -1)  # rank 1's, never used
     assert _mp.seg_files() == []

@@ -55,7 +55,7 @@ _COMMON = """
     import errno, gc, os
     import torch
     import mmshm
-    from mmshm import segment
+    from mmshm.segments import segment
     from prometheus_client import REGISTRY
 
     assert os.environ["MMSHM_DIR"] == "/dev/shm"

@@ -12,8 +12,8 @@ import _mp
 import mmshm
 import pytest
 import torch
-from mmshm import codec, segfile
-from mmshm.table import TABLE
+from mmshm.segments import codec, segfile
+from mmshm.segments.table import TABLE
 
 # the dtypes the issue names; each must be supported
 REQUIRED_DTYPES = (
@@ -500,9 +500,9 @@ def test_hash_now_across_copy_chunks(pool, nbytes):
     with pwrite) and into the same segment again from the warm pool (copied
     through the mapping)."""
     import blake3
-    from mmshm import handle
+    from mmshm.segments import shmtensor
 
-    assert handle.COPY_CHUNK == 256 << 10
+    assert shmtensor.COPY_CHUNK == 256 << 10
     names = []
     for seed in (nbytes, nbytes + 1):
         t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
@@ -523,12 +523,12 @@ def test_hash_now_across_copy_chunks(pool, nbytes):
 def test_a_failed_write_into_a_new_file_is_typed_and_leaves_nothing(shm_dir, monkeypatch):
     """pwrite into a new segment failing (EIO here) raises a SegmentError
     with the errno kept; the segment is given back (unlinked)."""
-    from mmshm import handle
+    from mmshm.segments import shmtensor
 
     def broken(fd, data, offset):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(handle, "_pwrite", broken)
+    monkeypatch.setattr(shmtensor, "_pwrite", broken)
     with pytest.raises(mmshm.SegmentError) as ei:
         mmshm.ShmTensor.from_tensor(torch.ones(4096), hash_now=True)
     assert ei.value.errno == 5

@@ -259,7 +259,7 @@ def test_rank_killed_after_receive_gives_its_references_back(shm_dir, opened):
     # the reaper's first pass reclaims it as killed, at once
     first = r0["names"][0]
     assert r0["left"] == [first] and r0["counts"] == {first: 1}, r0
-    from mmshm.reaper import reap
+    from mmshm.segments.reaper import reap
 
     rep = reap(shm_dir)
     assert {k: v for k, v in rep.reasons.items() if v} == {"killed": 1}, rep

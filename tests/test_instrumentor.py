@@ -1,5 +1,5 @@
-"""The interface a server's integration is built on (``mmshm.instrumentor``,
-``mmshm.sending``, ``mmshm.receiving``), used as is by a third server.
+"""The interface a server's integration is built on (``mmshm.hooks.instrumentor``,
+``mmshm.transport.sending``, ``mmshm.transport.receiving``), used as is by a third server.
 
 The server is a small package written for the test (``toyserver``, with a
 distribution of its own on ``sys.path``): a client that pickles requests
@@ -24,10 +24,13 @@ import textwrap
 import _mp
 import pytest
 import torch
-from mmshm import ShmTensor, autopatch, instrumentor, integrations, receiving, sending
+from mmshm import ShmTensor, integrations
+from mmshm.hooks import instrumentor
+from mmshm.operations import autopatch
+from mmshm.transport import receiving, sending
 from mmshm.errors import MaterializeError
-from mmshm.instrumentor import Instrumentor, Target, UnsupportedVersionError
-from mmshm.walker import transform
+from mmshm.hooks.instrumentor import Instrumentor, Target, UnsupportedVersionError
+from mmshm.transport.wrapping import transform
 
 FRONTEND = '''
 import pickle

@@ -22,12 +22,12 @@ import urllib.request
 from pathlib import Path
 
 import mmshm
-import mmshm.segment
+import mmshm.segments.segment
 import pytest
 import torch
 from mmshm import config, metrics
-from mmshm.segfile import HEADER_SIZE
-from mmshm.table import TABLE
+from mmshm.segments.segfile import HEADER_SIZE
+from mmshm.segments.table import TABLE
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
@@ -103,14 +103,14 @@ def private_dir(tmp_path, monkeypatch):
 
 @pytest.fixture
 def fallocate_fails(monkeypatch):
-    """``fail(errno)`` makes ``posix_fallocate`` in mmshm.segment raise that errno;
+    """``fail(errno)`` makes ``posix_fallocate`` in mmshm.segments.segment raise that errno;
     monkeypatch puts the real one back."""
 
     def fail(code: int) -> None:
         def fake(fd, offset, length):
             raise OSError(code, f"{os.strerror(code)} (forced by the test)")
 
-        monkeypatch.setattr(mmshm.segment.os, "posix_fallocate", fake)
+        monkeypatch.setattr(mmshm.segments.segment.os, "posix_fallocate", fake)
 
     return fail
 
@@ -259,7 +259,7 @@ def test_materialize_failure_counted_by_reason(private_dir):
     blob = pickle.dumps([{"pixel_values": h}])
     name = h.name
     h.release()
-    mmshm.segment.update_refcount(name, -1)  # unlinked before the receiver opened it
+    mmshm.segments.segment.update_refcount(name, -1)  # unlinked before the receiver opened it
     assert segment_files(private_dir) == []
     keys = [k("mmshm_materialize_failures_total", reason=r) for r in metrics.FAILURE_REASONS]
     keys += [k("mmshm_request_failures_total", reason=r) for r in metrics.FAILURE_REASONS]
@@ -275,7 +275,7 @@ def test_materialize_failure_counted_by_reason(private_dir):
 
 
 def test_failure_reason_labels_match_the_core():
-    from mmshm import broadcast
+    from mmshm.transport import broadcast
 
     assert set(metrics.FAILURE_REASONS) == set(broadcast.REASONS) - {"ok"}
 
@@ -284,7 +284,7 @@ def test_failure_reason_labels_match_the_core():
 @pytest.mark.timeout(120)
 def test_reaper_counts_orphans_and_bytes(private_dir):
     # A process that dies without releasing leaves its segments behind.
-    code = ("import os, mmshm.segment as s\n"
+    code = ("import os, mmshm.segments.segment as s\n"
             "for n in (1000, 50000, 123457):\n"
             "    s.create(n)\n"
             "os._exit(0)\n")
@@ -296,7 +296,7 @@ def test_reaper_counts_orphans_and_bytes(private_dir):
     keys = [k(f"mmshm_reaped_{what}_total", reason=r)
             for what in ("segments", "bytes") for r in ("killed", "in_flight_expired")]
     d = Delta(*keys)
-    from mmshm import reaper
+    from mmshm.segments import reaper
 
     rep = reaper.reap(str(private_dir))
     assert rep.reclaimed == 3 and rep.reasons == {"killed": 3, "in_flight_expired": 0}
@@ -461,7 +461,7 @@ def test_maybe_start_exporter_from_env(monkeypatch):
 CHILD = textwrap.dedent("""
     import errno, gc, os, sys
     import torch
-    import mmshm, mmshm.segment
+    import mmshm, mmshm.segments.segment
     from mmshm import metrics
     assert metrics.multiprocess_enabled()
     n_seg, n_fallback, numel = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -470,10 +470,10 @@ CHILD = textwrap.dedent("""
     real = os.posix_fallocate
     def enospc(*a):
         raise OSError(errno.ENOSPC, "forced")
-    mmshm.segment.os.posix_fallocate = enospc
+    mmshm.segments.segment.os.posix_fallocate = enospc
     for i in range(n_fallback):
         mmshm.wrap({"x": torch.ones(numel)}, min_bytes=1)
-    mmshm.segment.os.posix_fallocate = real
+    mmshm.segments.segment.os.posix_fallocate = real
     print("HELD", flush=True)
     sys.stdin.readline()  # the parent looks at the gauges while the segments are held
     for o in held:
@@ -625,7 +625,7 @@ def _killed_holder(mpdir, shm_dir, how: str = "kill") -> int:
 def test_reaper_drops_the_live_gauges_of_a_killed_holder(tmp_path, shm_dir, monkeypatch):
     """A SIGKILLed process's livesum gauges (segments and bytes in use) leave
     the merged exposition once the reaper finds its segment killed."""
-    from mmshm import reaper
+    from mmshm.segments import reaper
 
     mpdir = tmp_path / "prom"
     mpdir.mkdir()

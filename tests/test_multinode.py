@@ -3,7 +3,7 @@ their node, and the node-aware deferred unwrap over gloo.
 
 Simulated nodes live on this machine: each gets its own segment directory
 under the test's private ``MMSHM_DIR`` (so opening another node's segment
-really fails) and its own ``MMSHM_NODE_ID`` (:func:`mmshm.node.simulate`).
+really fails) and its own ``MMSHM_NODE_ID`` (:func:`mmshm.segments.node.simulate`).
 The rank functions live here, at top level, so that spawned children can
 import them.
 """
@@ -20,8 +20,12 @@ import mmshm
 import msgspec
 import pytest
 import torch
-from mmshm import codec, config, node, segfile
-from mmshm.codec import HandleMeta
+from mmshm import config
+from mmshm.segments import codec, node, segfile
+from mmshm.transport import handshake
+from mmshm.transport import multinode
+from mmshm.transport import topology
+from mmshm.segments.codec import HandleMeta
 
 NODES = 2
 WORLD = 4  # 2 nodes x 2 ranks
@@ -87,7 +91,7 @@ def rank_nodes(rank: int, world: int, base: str, seed: int, rounds: int, nodes: 
     res: dict = {"node": k, "node_id": node.node_id(), "rounds": []}
     for rnd in range(rounds):
         s = seed + rnd
-        before = node.internode_stats()
+        before = multinode.internode_stats()
         metric0 = _mp.metric("mmshm_internode_bytes_total")
         created0 = _mp.metric("mmshm_segments_created_total")
         info: dict = {}
@@ -121,7 +125,7 @@ def rank_nodes(rank: int, world: int, base: str, seed: int, rounds: int, nodes: 
         del out
         gc.collect()
         dist.barrier()
-        after = node.internode_stats()
+        after = multinode.internode_stats()
         info["stats"] = {key: after[key] - before[key] for key in after}
         info["metric"] = _mp.metric("mmshm_internode_bytes_total") - metric0
         info["created"] = _mp.metric("mmshm_segments_created_total") - created0
@@ -238,7 +242,7 @@ def rank_node_failures(rank: int, world: int, base: str, seed: int) -> dict:
         return out
 
     bcast = mmshm.deferred_unwrap(one_rank_breaks)
-    sent0 = node.internode_bytes()
+    sent0 = multinode.internode_bytes()
     payload = 0
     if rank == 0:
         reqs = [mmshm.wrap(_sized_request(i, seed, n), min_bytes=1024)
@@ -261,9 +265,9 @@ def rank_node_failures(rank: int, world: int, base: str, seed: int) -> dict:
     import torch.distributed as dist
 
     dist.barrier()
-    return {"node": k, "errors": errors, "sent": node.internode_bytes() - sent0,
+    return {"node": k, "errors": errors, "sent": multinode.internode_bytes() - sent0,
             "payload": payload, "live": _live_files(),
-            "received": node.internode_stats()["received_bytes"],
+            "received": multinode.internode_stats()["received_bytes"],
             "fallbacks": _mp.fallbacks_total()}
 
 
@@ -273,7 +277,7 @@ def rank_one_node(rank: int, world: int, seed: int, dirs: list | None) -> dict:
     message beyond the single-node path: the agreement's two messages per
     call); two directories are two nodes."""
     import torch.distributed as dist
-    from mmshm.broadcast import AGREE_TAG
+    from mmshm.transport.broadcast import AGREE_TAG
 
     if dirs is not None:
         os.environ["MMSHM_DIR"] = dirs[rank]
@@ -299,7 +303,7 @@ def rank_one_node(rank: int, world: int, seed: int, dirs: list | None) -> dict:
         dist.isend, dist.irecv = only_agreement(dist.isend), only_agreement(dist.irecv)
         dist.send, dist.recv = only_agreement(dist.send), only_agreement(dist.recv)
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
-    sent0 = node.internode_bytes()
+    sent0 = multinode.internode_bytes()
     payload = 0
     for rnd in range(3):
         if rank == 0:
@@ -312,9 +316,9 @@ def rank_one_node(rank: int, world: int, seed: int, dirs: list | None) -> dict:
             _mp._check_request(r, i, seed + rnd)
         del out, r
         gc.collect()
-    lay = node.layout()
+    lay = topology.layout()
     return {"calls": calls, "single": lay.single, "nodes": [list(n) for n in lay.nodes],
-            "sent": node.internode_bytes() - sent0, "payload": payload}
+            "sent": multinode.internode_bytes() - sent0, "payload": payload}
 
 
 def rank_skew(rank: int, world: int, base: str, seed: int, peer: str) -> dict:
@@ -351,10 +355,10 @@ def rank_skew(rank: int, world: int, base: str, seed: int, peer: str) -> dict:
         del out, req
         gc.collect()
     if not plain:
-        v = node.handshake()
+        v = handshake.handshake()
         res["verdict"] = (v.ok, v.reason)
     res["warnings"] = [m for m in records if "inline" in m]
-    res["sent"] = node.internode_bytes()
+    res["sent"] = multinode.internode_bytes()
     res["group_fallbacks"] = _mp.metric("mmshm_inline_fallbacks_total", reason="group")
     res["live"] = _live_files()
     return res
@@ -428,9 +432,9 @@ def rank_id_collision(rank: int, world: int, base: str, seed: int, how: str) -> 
         del reqs
     else:
         out = bcast(None, rank, None, 0)
-    res = {"handles": len(mmshm.handles(out)), "collision": node.layout().id_collision,
+    res = {"handles": len(mmshm.handles(out)), "collision": topology.layout().id_collision,
            "warnings": [m for m in records if "same node id" in m],
-           "sent": node.internode_bytes(),
+           "sent": multinode.internode_bytes(),
            "group_fallbacks": _mp.metric("mmshm_inline_fallbacks_total", reason="group")}
     for i, req in enumerate(out):
         _mp._check_request(req, i, seed)
@@ -541,7 +545,7 @@ def test_one_node_pays_one_gather_and_nothing_else(shm_dir):
         assert res[r]["single"] is True and res[r]["nodes"] == [[0, 1]]
         # 3 calls: only the first one's agreement crosses gloo (the other rank's
         # vector to rank 0 and the maximum back), and it sets up the shared-memory
-        # agreement (mmshm.shmagree) that the next two use: no gloo message at all
+        # agreement (mmshm.transport.shmagree) that the next two use: no gloo message at all
         assert res[r]["calls"] == {"gather": 1, "p2p": 0, "agree": 2}, res[r]
         assert res[r]["sent"] == 0
     assert _mp.seg_files() == []
@@ -622,11 +626,11 @@ def test_status_and_doctor_show_this_node(shm_dir, monkeypatch):
 
 
 def test_layout_and_rank_blocks():
-    lay = node.Layout.from_identities(["b", "b", "a", "a", "b"])
+    lay = topology.Layout.from_identities(["b", "b", "a", "a", "b"])
     assert lay.nodes == ((0, 1, 4), (2, 3)) and lay.node_of == (0, 0, 1, 1, 0)
     assert not lay.single and lay.num_nodes == 2
     assert lay.leader(1, 0) == 2 and lay.leader(0, 4) == 4 and lay.leader(0, 2) == 0
-    assert node.Layout.from_identities(["x"] * 3).single
+    assert topology.Layout.from_identities(["x"] * 3).single
     assert [node.node_of_rank(r, 4, 2) for r in range(4)] == [0, 0, 1, 1]
     assert [node.node_of_rank(r, 5, 2) for r in range(5)] == [0, 0, 0, 1, 1]
     with pytest.raises(ValueError):
@@ -733,7 +737,7 @@ def test_version_skew_goes_inline_never_wrong_bytes(shm_dir, monkeypatch, peer):
         assert "rank(s) [1] announced no mmshm within 3 s" in reason, reason
     else:
         assert "the ranks run different mmshm: rank 0 on " in reason, reason
-        assert f": mmshm 0.0.9 (protocol {node.PROTOCOL})" in reason, reason
+        assert f": mmshm 0.0.9 (protocol {handshake.PROTOCOL})" in reason, reason
         assert mmshm.__version__ in reason, reason
         assert res[1]["verdict"] == res[0]["verdict"]  # one verdict for the group
         assert len(res[1]["warnings"]) == 1
@@ -775,9 +779,9 @@ def test_node_id_collision_goes_inline(shm_dir, how):
         assert len(res[r]["warnings"]) == 1 and "MMSHM_NODE_ID" in res[r]["warnings"][0]
     assert res[0]["group_fallbacks"] == 3  # the 2 requests' 3 handles, inline
     _assert_nodes_empty(shm_dir, 2)
-    lay = node.Layout.from_identities(["a", "b", "a"], [1, 2, 1])
+    lay = topology.Layout.from_identities(["a", "b", "a"], [1, 2, 1])
     assert not lay.id_collision and lay.nodes == ((0, 2), (1,))
-    assert node.Layout.from_identities(["a", "b"], [3, 3]).id_collision
+    assert topology.Layout.from_identities(["a", "b"], [3, 3]).id_collision
 
 
 @pytest.mark.parametrize("raw, want", [("5", 5.0), ("3600", 3600.0), ("1e14", 60.0),

@@ -1,4 +1,4 @@
-"""Observe mode's core (:mod:`mmshm.observe`): one observation per message
+"""Observe mode's core (:mod:`mmshm.hooks.observe`): one observation per message
 with the bytes it serialized, the same bytes on the wire as pyzmq's own
 ``send_pyobj``, nothing recorded for what raised, and a failed timing counted
 without touching the message. The hops in the real servers are tested by the
@@ -12,7 +12,8 @@ import pickle
 import pytest
 import torch
 import zmq
-from mmshm import config, observe
+from mmshm import config
+from mmshm.hooks import observe
 from prometheus_client import REGISTRY
 
 
@@ -217,7 +218,7 @@ def test_a_stamp_from_another_process_times_the_gap_on_one_clock(mode, tmp_path)
         n0 = _sample("mmshm_ipc_seconds_count", **_labels("stamp_hop"))
         t0 = time.monotonic_ns()
         subprocess.run([sys.executable, "-c",
-                        "import sys; from mmshm import observe; "
+                        "import sys; from mmshm.hooks import observe; "
                         "assert observe.send_stamp('test', 'stamp_hop', bytes.fromhex("
                         "sys.argv[1]), 'req-9')", addr.hex()], check=True, timeout=60)
         t1 = time.monotonic_ns()

@@ -20,7 +20,8 @@ from click.testing import CliRunner
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
 
 import mmshm_faults as F
-from mmshm import cli, config, doctor, status
+from mmshm import cli, config
+from mmshm.operations import doctor, status
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
@@ -219,7 +220,7 @@ def test_status_per_process_orphans_and_other_files(shm_dir):
         for name in others:
             os.unlink(os.path.join(shm_dir, name))
     assert F.segment_files(shm_dir) == sorted(orphans)
-    from mmshm import reaper
+    from mmshm.segments import reaper
 
     assert reaper.reap(shm_dir).reclaimed == 1
 

@@ -1,5 +1,5 @@
 """The copy (and the hash) split across threads (``MMSHM_COPY_THREADS``,
-:func:`mmshm.handle.parallel_fill`): the same bytes and the same digest as
+:func:`mmshm.segments.shmtensor.parallel_fill`): the same bytes and the same digest as
 one thread, at and around the chunk boundaries, into new and pooled
 segments; a failed write typed and leaving nothing, with no thread still
 writing; the setting's bounds; the process's affinity as the cap."""
@@ -20,18 +20,19 @@ import pytest
 import torch
 
 import mmshm
-from mmshm import config, handle
-from mmshm.table import TABLE
+from mmshm import config
+from mmshm.segments import shmtensor
+from mmshm.segments.table import TABLE
 
 MIB = 1 << 20
-CHUNK = handle.PARALLEL_CHUNK
-SIZES = [handle.PARALLEL_MIN_BYTES - 1, handle.PARALLEL_MIN_BYTES, CHUNK + 1,
+CHUNK = shmtensor.PARALLEL_CHUNK
+SIZES = [shmtensor.PARALLEL_MIN_BYTES - 1, shmtensor.PARALLEL_MIN_BYTES, CHUNK + 1,
          2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1, 3 * CHUNK + 12345]
 
 
 def _threads(monkeypatch, n: int, cpus: int = 8) -> None:
     """``MMSHM_COPY_THREADS=n`` on a process that may use ``cpus`` CPUs."""
-    monkeypatch.setattr(handle, "_cpus", lambda: cpus)
+    monkeypatch.setattr(shmtensor, "_cpus", lambda: cpus)
     monkeypatch.setenv("MMSHM_COPY_THREADS", str(n))
     config.reload()
 
@@ -42,8 +43,8 @@ def _data(nbytes: int, seed: int) -> torch.Tensor:
 
 
 def test_chunk_constants_as_documented():
-    assert CHUNK == 4 * MIB and handle.PARALLEL_MIN_BYTES == 4 * MIB
-    assert handle.COPY_CHUNK == 256 << 10  # the one-thread pass is unchanged
+    assert CHUNK == 4 * MIB and shmtensor.PARALLEL_MIN_BYTES == 4 * MIB
+    assert shmtensor.COPY_CHUNK == 256 << 10  # the one-thread pass is unchanged
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
@@ -53,7 +54,7 @@ def test_same_bytes_and_digest_on_any_thread_count_new_and_pooled(pool, monkeypa
     them, as on one thread; the second round reuses the pooled segment
     (copied through the mapping) after the first wrote a new file (pwrite)."""
     _threads(monkeypatch, threads)
-    assert handle.copy_threads() == threads
+    assert shmtensor.copy_threads() == threads
     for nbytes in SIZES:
         names = []
         for seed in (nbytes, nbytes + 1):
@@ -81,17 +82,17 @@ def test_parallel_fill_directly(tmp_path, threads, into):
     want = blake3.blake3(src).digest(16)
     if into == "mapping":
         dst = np.zeros(n, dtype=np.uint8)
-        assert handle.parallel_fill(src, threads, dst=dst, hash=True) == want
+        assert shmtensor.parallel_fill(src, threads, dst=dst, hash=True) == want
         assert np.array_equal(dst, src)
         dst[:] = 0
-        assert handle.parallel_fill(src, threads, dst=dst) is None
+        assert shmtensor.parallel_fill(src, threads, dst=dst) is None
         assert np.array_equal(dst, src)
     else:
         path = tmp_path / "f"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, 100 + n)
-            assert handle.parallel_fill(src, threads, fd=fd, offset=100, hash=True) == want
+            assert shmtensor.parallel_fill(src, threads, fd=fd, offset=100, hash=True) == want
         finally:
             os.close(fd)
         assert path.read_bytes()[100:] == src.tobytes()
@@ -115,7 +116,7 @@ def test_a_failed_pwrite_in_the_third_chunk_is_typed_leaves_nothing_and_no_write
         time.sleep(0.002)
         return real(fd, data, offset)
 
-    monkeypatch.setattr(handle, "_pwrite", flaky)
+    monkeypatch.setattr(shmtensor, "_pwrite", flaky)
     t = _data(6 * CHUNK, 3)
     with pytest.raises(mmshm.SegmentError) as ei:
         mmshm.ShmTensor.from_tensor(t, hash_now=True)
@@ -146,7 +147,7 @@ def test_the_caller_returns_only_when_no_helper_runs_a_task():
 
     # the helper takes tasks from the front, the caller from the back
     with pytest.raises(KeyboardInterrupt):
-        handle._HELPERS.run([slow, interrupted], helpers=1)
+        shmtensor._HELPERS.run([slow, interrupted], helpers=1)
     assert finished == [True]
 
 
@@ -156,7 +157,7 @@ def test_a_job_still_queued_for_busy_helpers_holds_nothing_once_done():
     its mapping alive) and runs nothing when a helper gets to it."""
     import weakref
 
-    helpers = handle._HELPERS
+    helpers = shmtensor._HELPERS
     helpers.run([lambda: None] * 3, helpers=2)
     n = len(helpers.threads)
     release, started = threading.Event(), threading.Semaphore(0)
@@ -188,11 +189,11 @@ def test_helper_threads_are_kept_not_made_per_call(monkeypatch):
     _threads(monkeypatch, 3)
     src = _data(3 * CHUNK, 1).numpy()
     dst = np.empty_like(src)
-    handle.parallel_fill(src, 3, dst=dst)
+    shmtensor.parallel_fill(src, 3, dst=dst)
     before = {t.ident for t in threading.enumerate() if t.name.startswith("mmshm-copy-")}
     assert len(before) >= 2
     for _ in range(5):
-        handle.parallel_fill(src, 3, dst=dst, hash=True)
+        shmtensor.parallel_fill(src, 3, dst=dst, hash=True)
     after = {t.ident for t in threading.enumerate() if t.name.startswith("mmshm-copy-")}
     assert after == before
 
@@ -211,16 +212,16 @@ def test_bad_copy_threads_values_are_rejected(monkeypatch, caplog, bad):
 
 
 def test_automatic_threads_follow_the_cpus(monkeypatch):
-    assert [handle.auto_copy_threads(c) for c in (1, 2, 3, 4, 8, 16, 64, 128)] == \
+    assert [shmtensor.auto_copy_threads(c) for c in (1, 2, 3, 4, 8, 16, 64, 128)] == \
         [1, 1, 1, 2, 4, 8, 8, 8]
     monkeypatch.delenv("MMSHM_COPY_THREADS", raising=False)
     config.reload()
-    monkeypatch.setattr(handle, "_cpus", lambda: 16)
-    assert handle.copy_threads() == 8
+    monkeypatch.setattr(shmtensor, "_cpus", lambda: 16)
+    assert shmtensor.copy_threads() == 8
     _threads(monkeypatch, 1, cpus=16)
-    assert handle.copy_threads() == 1
+    assert shmtensor.copy_threads() == 1
     _threads(monkeypatch, 12, cpus=4)
-    assert handle.copy_threads() == 4  # capped by the affinity
+    assert shmtensor.copy_threads() == 4  # capped by the affinity
 
 
 AFFINITY = """
@@ -228,9 +229,10 @@ import os, sys
 cpu = sorted(os.sched_getaffinity(0))[0]
 os.sched_setaffinity(0, {cpu})
 os.environ["MMSHM_COPY_THREADS"] = sys.argv[1]
-from mmshm import config, handle
+from mmshm import config
+from mmshm.segments import shmtensor
 config.reload()
-print(handle.copy_threads())
+print(shmtensor.copy_threads())
 """
 
 
@@ -247,14 +249,14 @@ def test_after_fork_the_child_copies_with_fresh_helpers(monkeypatch):
     _threads(monkeypatch, 3)
     src = _data(3 * CHUNK, 9).numpy()
     dst = np.empty_like(src)
-    want = handle.parallel_fill(src, 3, dst=dst, hash=True)
+    want = shmtensor.parallel_fill(src, 3, dst=dst, hash=True)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         ok = False
         try:
             d2 = np.zeros_like(src)
-            ok = (handle.parallel_fill(src, 3, dst=d2, hash=True) == want
-                  and np.array_equal(d2, src) and handle.content_hash(src) == want)
+            ok = (shmtensor.parallel_fill(src, 3, dst=d2, hash=True) == want
+                  and np.array_equal(d2, src) and shmtensor.content_hash(src) == want)
         finally:
             os._exit(0 if ok else 1)
     deadline = time.monotonic() + 30
@@ -281,7 +283,7 @@ def test_the_sweeper_maps_a_pooled_segment_written_with_pwrite_before_its_reuse(
     process's mapping, and its first reuse from the pool would fault each of
     them. ``warm_pooled`` (the sweeper, between requests) maps them first:
     the reuse then faults (almost) none, and gets the right bytes."""
-    from mmshm.segment import Segment  # noqa: F401 - the slot is there
+    from mmshm.segments.segment import Segment  # noqa: F401 - the slot is there
 
     pages = (4 * MIB) // 4096
     for warm in (False, True):

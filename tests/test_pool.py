@@ -18,8 +18,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 import _mp
 import mmshm_faults as F
 import mmshm
-from mmshm import config, reaper, segfile, table
-from mmshm.table import TABLE
+from mmshm import config
+from mmshm.segments import reaper, segfile, table
+from mmshm.segments.table import TABLE
 from mmshm.errors import SegmentNotFoundError
 
 MiB = 1 << 20

@@ -146,7 +146,7 @@ def test_dashboard_covers_every_family():
 
 #: Series that only an instrumented server process emits (the real-server
 #: e2e tests under tests/e2e/ read them from the server's own /metrics): the
-#: per-hop timings of mmshm.observe have server and hop labels, created by the
+#: per-hop timings of mmshm.hooks.observe have server and hop labels, created by the
 #: first message an instrumentor times.
 SERVER_ONLY = {"mmshm_path_enabled", "mmshm_ipc_seconds_sum", "mmshm_ipc_seconds_count",
                "mmshm_ipc_bytes_sum", "mmshm_ipc_bytes_count", "mmshm_observe_errors_total"}
@@ -318,7 +318,7 @@ def test_ipc_panel_gives_the_like_for_like_total_beside_the_servers_own_stage(tm
 PIPELINE = textwrap.dedent("""
     import errno, gc, os, sys
     import torch
-    import mmshm, mmshm.segment
+    import mmshm, mmshm.segments.segment
     from mmshm import metrics
     n_fallback, n_bcast, n_copies = map(int, sys.argv[1:4])
     srv = metrics.maybe_start_exporter_from_env()
@@ -329,13 +329,13 @@ PIPELINE = textwrap.dedent("""
     real = os.posix_fallocate
     def enospc(*a):
         raise OSError(errno.ENOSPC, "No space left on device (forced)")
-    mmshm.segment.os.posix_fallocate = enospc
+    mmshm.segments.segment.os.posix_fallocate = enospc
     try:
         for i in range(n_fallback):
             t = torch.ones(128, 1024)
             assert mmshm.wrap({"pixel_values": t}, min_bytes=1)["pixel_values"] is t
     finally:
-        mmshm.segment.os.posix_fallocate = real
+        mmshm.segments.segment.os.posix_fallocate = real
 
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
     for i in range(n_bcast):

@@ -1,7 +1,7 @@
 """The reaper (issue 3): liveness from locks, never from pids.
 
 * pid reuse, both directions, with the reaper's pid view faked
-  (``mmshm.reaper.pid_alive``) and once for real;
+  (``mmshm.segments.reaper.pid_alive``) and once for real;
 * foreign, malformed, linked and other users' files are never touched;
 * ``dry_run``, the reclaimed counters, the start-up pass and its throttle;
 * a reaper pass racing a creation;
@@ -25,9 +25,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 import mmshm
 import mmshm_faults as F
-from mmshm import config, reaper, segment
-from mmshm.table import TABLE
-from mmshm import segfile
+from mmshm import config
+from mmshm.segments import reaper, segment
+from mmshm.segments.table import TABLE
+from mmshm.segments import segfile
 
 KILLED = -signal.SIGKILL
 HDR = segfile.HEADER_SIZE
@@ -409,7 +410,7 @@ def test_a_bad_grace_period_is_logged_and_the_default_used(segdir, monkeypatch, 
 
 @pytest.mark.timeout(60)
 def test_status_counts_references_in_flight_apart_from_orphans(segdir):
-    from mmshm.status import status
+    from mmshm.operations.status import status
 
     data, digest, name = _writer_exits_cleanly(segdir, 1 << 20, 23)
     rep = status(segdir)
@@ -441,7 +442,7 @@ def test_a_reference_a_killed_reader_had_opened_is_reclaimed_at_once(segdir):
     assert F.recv(a) == "bye"
     assert F.join(writer) == 0
     kept_data, kept_digest, kept = _writer_exits_cleanly(segdir, 1 << 18, 32)
-    from mmshm import status
+    from mmshm.operations import status
 
     assert status.read_segment(os.path.join(segdir, name)).orphan
     assert status.read_segment(os.path.join(segdir, kept)).in_flight

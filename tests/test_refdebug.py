@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 import mmshm
 import mmshm_faults as F
-from mmshm import handle, reaper, refdebug, segfile, segment
-from mmshm.table import TABLE
+from mmshm.segments import shmtensor, reaper, refdebug, segfile, segment
+from mmshm.segments.table import TABLE
 
 
 @pytest.fixture
@@ -42,8 +42,8 @@ def _line_of(text: str) -> str:
 def test_off_by_default_nothing_is_wrapped(shm_dir):
     assert not refdebug.installed()
     for attr in ("share", "release", "hand_over", "materialize", "__reduce__"):
-        assert not hasattr(vars(handle.ShmTensor)[attr], "__wrapped__")
-    assert not hasattr(handle._adopt, "__wrapped__")
+        assert not hasattr(vars(shmtensor.ShmTensor)[attr], "__wrapped__")
+    assert not hasattr(shmtensor._adopt, "__wrapped__")
     assert not hasattr(segfile.update_count, "__wrapped__")
 
 

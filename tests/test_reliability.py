@@ -26,8 +26,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 import mmshm
 import mmshm_faults as F
-from mmshm import config, segfile, segment
-from mmshm.table import TABLE
+from mmshm import config
+from mmshm.segments import segfile, segment
+from mmshm.segments.table import TABLE
 
 log = logging.getLogger("tests.figures")
 

@@ -12,9 +12,12 @@ import sys
 import textwrap
 
 import pytest
-from mmshm import autopatch, config, integrations, report, segment
-from mmshm.table import TABLE
-from mmshm.reaper import reclaim_left_by
+from mmshm import config, integrations
+from mmshm.hooks import report
+from mmshm.operations import autopatch
+from mmshm.segments import segment
+from mmshm.segments.table import TABLE
+from mmshm.segments.reaper import reclaim_left_by
 
 MMSHM = [sys.executable, "-m", "mmshm.cli"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +71,7 @@ def test_selection_defaults_to_every_instrumentor_and_rejects_unknown_names():
 
 
 def test_wrapper_imports_neither_torch_nor_a_server():
-    code = ("import sys; from mmshm.autopatch import prepare, run; "
+    code = ("import sys; from mmshm.operations.autopatch import prepare, run; "
             "rc = run([sys.executable, '-c', 'pass']); "
             "print(rc, 'torch' in sys.modules, 'mmshm.integrations.vllm' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

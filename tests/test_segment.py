@@ -14,9 +14,9 @@ import _mp
 import mmshm
 import pytest
 import torch
-from mmshm import segfile, segment
-from mmshm.table import TABLE
-from mmshm.codec import HandleMeta
+from mmshm.segments import segfile, segment
+from mmshm.segments.table import TABLE
+from mmshm.segments.codec import HandleMeta
 
 
 def _path(name: str) -> str:

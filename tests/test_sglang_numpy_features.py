@@ -17,7 +17,8 @@ import types
 import numpy as np
 import pytest
 import torch
-from mmshm import ShmTensor, sending
+from mmshm import ShmTensor
+from mmshm.transport import sending
 from mmshm.integrations import sglang as glue
 
 

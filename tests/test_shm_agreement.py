@@ -1,5 +1,5 @@
 """The failure agreement of a group on one node, through shared memory
-(:mod:`mmshm.shmagree`): the same outcome as the gloo agreement, no gloo
+(:mod:`mmshm.transport.shmagree`): the same outcome as the gloo agreement, no gloo
 message, and every fault typed, within the group's timeout, nothing left.
 
 Multi-process tests: gloo on 127.0.0.1 (``tests/_mp.py``), groups with a
@@ -18,7 +18,9 @@ import pytest
 
 import _mp
 import mmshm
-from mmshm import node, shmagree
+from mmshm.segments import node
+from mmshm.transport import shmagree
+from mmshm.transport import topology
 
 GROUP_TIMEOUT_S = 6.0  # the timeout of the process group under test
 
@@ -33,7 +35,7 @@ def _wait_empty(timeout: float = 5.0) -> tuple[list[str], float]:
 def _count_agreement_messages() -> dict:
     """Count the gloo messages of the agreement (tag AGREE_TAG) in this process."""
     import torch.distributed as dist
-    from mmshm.agreement import AGREE_TAG
+    from mmshm.transport.agreement import AGREE_TAG
 
     calls = {"agree": 0}
 
@@ -231,7 +233,7 @@ def test_source_killed_before_the_result(shm_dir):
         assert res[r]["raised"] == "PeerLostError" and res[r]["runtime"], res[r]
         assert res[r]["s"] < GROUP_TIMEOUT_S, res[r]
         assert "source" in res[r]["message"], res[r]
-    from mmshm.reaper import reap
+    from mmshm.segments.reaper import reap
 
     reap(shm_dir, grace_s=0)
     assert os.listdir(shm_dir) == []
@@ -303,7 +305,7 @@ def rank_two_nodes(rank: int, world: int, base: str, seed: int) -> dict:
 
     dist.barrier()
     return {"calls": calls, "shm": shmagree._GROUPS.get(id(dist.group.WORLD)),
-            "single": node.layout().single}
+            "single": topology.layout().single}
 
 
 @pytest.mark.multiproc
@@ -322,7 +324,7 @@ def test_simulated_nodes_keep_the_gloo_agreement(shm_dir):
 # -- a file left by processes all killed inside the first round ------------------------
 def _make_and_die(directory: str) -> None:
     os.environ["MMSHM_DIR"] = directory
-    agr = shmagree.ShmAgreement(2, 0, [node.process_id(), node.process_id()], 5.0, directory,
+    agr = shmagree.ShmAgreement(2, 0, [topology.process_id(), topology.process_id()], 5.0, directory,
                                 "group|2")
     agr.path = agr._path_for(0)
     agr._create()
@@ -338,7 +340,7 @@ def test_reaper_reclaims_a_file_whose_ranks_were_killed(shm_dir):
     assert p.exitcode == -signal.SIGKILL
     left = os.listdir(shm_dir)
     assert len(left) == 1 and left[0].startswith(f"mmshm-{p.pid}-"), left
-    from mmshm.reaper import reap
+    from mmshm.segments.reaper import reap
 
     rep = reap(shm_dir)
     assert {k: v for k, v in rep.reasons.items() if v} == {"killed": 1}, rep
@@ -347,7 +349,7 @@ def test_reaper_reclaims_a_file_whose_ranks_were_killed(shm_dir):
 
 def test_decision_is_the_layouts(shm_dir, monkeypatch):
     """No group, several nodes or no process ids: no shared-memory agreement."""
-    lay = node.Layout.from_identities(["a", "b"], procs=[node.process_id()] * 2)
+    lay = topology.Layout.from_identities(["a", "b"], procs=[topology.process_id()] * 2)
     assert shmagree.for_group(None, 2, 0, lay) is None  # not initialized / two nodes
     assert shmagree.for_group(None, 2, 0, None) is None
     assert shmagree.usable() == (os.uname().machine == "x86_64")

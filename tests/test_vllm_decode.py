@@ -11,7 +11,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from mmshm import sending
+from mmshm.transport import sending
 from mmshm.integrations import vllm as iv
 
 

@@ -276,7 +276,7 @@ def test_handles_and_release(shm_dir):
 
 
 def test_unwrap_failure_releases_every_handle(shm_dir):
-    from mmshm.codec import HandleMeta
+    from mmshm.segments.codec import HandleMeta
 
     good = mmshm.ShmTensor.from_tensor(big(11))
     missing = mmshm.ShmTensor(HandleMeta("mmshm-1-00000000deadbeef", 4, 0, (1,), b"\0" * 16))
@@ -342,7 +342,7 @@ def test_sequences_of_scalars_are_kept_and_a_tensor_among_them_is_found(shm_dir)
     """Lists and tuples of scalars (token ids, grids) come back as the same
     objects; a tensor anywhere in a long list of ints, or in a namedtuple, is
     still wrapped, and unwrapping gives its bytes back."""
-    from mmshm.walker import transform
+    from mmshm.transport.wrapping import transform
 
     class Grid(NamedTuple):
         t: int

@@ -301,11 +301,11 @@ class Mmshm:
         return json.loads(p.stdout)
 
     def status(self) -> dict:
-        """``mmshm status --json`` (:class:`mmshm.status.StatusReport` as a dict)."""
+        """``mmshm status --json`` (:class:`mmshm.operations.status.StatusReport` as a dict)."""
         return self._json("status")
 
     def gc_dry_run(self) -> dict:
-        """``mmshm gc --dry-run --json`` (:class:`mmshm.reaper.ReapReport` as a dict)."""
+        """``mmshm gc --dry-run --json`` (:class:`mmshm.segments.reaper.ReapReport` as a dict)."""
         return self._json("gc", "--dry-run")
 
 

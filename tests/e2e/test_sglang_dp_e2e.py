@@ -30,7 +30,7 @@ round robin, then one ``n=2`` request. Under mmshm, in file order:
    segments stay held by the live tokenizer (their references died with the
    rank). The fixture then SIGKILLs the process group, and the start-up
    reaper a restarted server runs on its first segment
-   (:meth:`mmshm.table.SegmentTable.maybe_reap`) reclaims them: the
+   (:meth:`mmshm.segments.table.SegmentTable.maybe_reap`) reclaims them: the
    directory is empty after it, no restart needed.
 
 As root (with ``unshare``), each server runs in a private mount namespace
@@ -475,11 +475,11 @@ class TestMmshm:
 def _startup_reap(seg_dir) -> dict:
     """Run, in a fresh process, the reaper pass that each process of a
     (re)started server runs on its first segment in a directory
-    (:meth:`mmshm.table.SegmentTable.maybe_reap`); its
-    :class:`mmshm.reaper.ReapReport` as a dict."""
+    (:meth:`mmshm.segments.table.SegmentTable.maybe_reap`); its
+    :class:`mmshm.segments.reaper.ReapReport` as a dict."""
     import json
 
-    code = ("import sys, msgspec; from mmshm.table import TABLE; "
+    code = ("import sys, msgspec; from mmshm.segments.table import TABLE; "
             "print(msgspec.json.encode(TABLE.maybe_reap(sys.argv[1])).decode())")
     e = {k: v for k, v in os.environ.items() if not k.startswith("MMSHM_")}
     p = subprocess.run([sys.executable, "-c", code, str(seg_dir)], capture_output=True,

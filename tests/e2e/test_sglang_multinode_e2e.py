@@ -6,7 +6,7 @@ own mount namespace whose /dev/shm is a tmpfs of its own (the test mounts it
 on a host path and bind-mounts it there, so it can look in from outside),
 bound to a core of its own (``taskset``), and the nodes talk over 127.0.0.1
 only. mmshm tells them apart as a real deployment would: a node is what can
-open the same segments (:mod:`mmshm.node`: the mount namespace and the
+open the same segments (:mod:`mmshm.segments.node`: the mount namespace and the
 segment directory differ).
 
 Run by ``tests/integrations/run_sglang.py`` after the single-node e2e, in

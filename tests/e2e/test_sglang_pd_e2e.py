@@ -272,7 +272,7 @@ def test_decode_killed_mid_request_leaves_nothing(decode):
     for t in threads:
         t.join(30)
     S["in_flight_at_kill"] = wraps - wraps0
-    # what a restart's start-up reclaim runs (mmshm.reaper.reap), from here:
+    # what a restart's start-up reclaim runs (mmshm.segments.reaper.reap), from here:
     # the server's processes are gone, its tmpfs is still mounted here
     sys.path.insert(0, str(Path(__file__).parent))
     import faults

@@ -152,7 +152,7 @@ class _Scheduler:
         self.want = E.feature_digest(E.expected_feature(0))
 
     def answer(self, rid):
-        from mmshm import segment
+        from mmshm.segments import segment
 
         for b in self.sock.sent[self.next:]:
             r = pickle.loads(b)  # its handles own the references sent with it
@@ -253,9 +253,9 @@ def test_fanout_writes_once_through_handle_batch_request(ns, request, pooled):
     payload = E.expected_feature(0).numel() * 4
     before = _counters()
     made = []
-    from mmshm import walker
+    from mmshm.transport import wrapping
 
-    orig = walker.to_shm
+    orig = wrapping.to_shm
 
     def spy(x, *a, **kw):
         h = orig(x, *a, **kw)
@@ -263,11 +263,11 @@ def test_fanout_writes_once_through_handle_batch_request(ns, request, pooled):
             made.append(h.name)
         return h
 
-    walker.to_shm = spy
+    wrapping.to_shm = spy
     try:
         sched, outs = _run_batch(ns, n)
     finally:
-        walker.to_shm = orig
+        wrapping.to_shm = orig
     written, created, copies = (a - b for a, b in zip(_counters(), before))
     assert len(sched.answered) == n + 1, sched.answered
     assert sched.answered[0][1] == 0, "the warm-up (max_new_tokens 0) comes first"
@@ -281,7 +281,8 @@ def test_fanout_writes_once_through_handle_batch_request(ns, request, pooled):
     assert [refs for *_, refs in sched.answered] == [2] + list(range(n + 1, 1, -1))
     gc.collect()
     # the scope's reference was given back at its end: the segment is free
-    from mmshm import MmshmError, segment
+    from mmshm import MmshmError
+    from mmshm.segments import segment
 
     with pytest.raises((MmshmError, OSError)):
         segment.update_refcount(made[0], 0)
@@ -331,7 +332,7 @@ def test_fanout_scope_releases_when_the_request_fails(ns):
     # the scope gave its reference back; the warm-up's message, which no
     # scheduler will receive now, holds the only one left
     (name,) = _segments()
-    from mmshm import segment
+    from mmshm.segments import segment
 
     assert segment.update_refcount(name, 0) == 1
     received = [pickle.loads(b) for b in sched.sock.sent]
@@ -399,7 +400,7 @@ def test_unhashed_items_are_hashed_in_the_copy_pass(ns, monkeypatch):
     the segment again); an item that has a hash keeps it and its handle
     carries none (MMSHM_HASH=lazy). Both hashes are BLAKE3 of the bytes."""
     mmshm.instrument("sglang")
-    from mmshm import handle as handle_mod
+    from mmshm.segments import shmtensor as handle_mod
 
     t0, t1 = E.expected_feature(4), E.expected_feature(5)
     req = E.make_request(ns, [t0, t1])
@@ -463,7 +464,7 @@ def test_instrument_is_idempotent_and_reversible(ns):
 
 def test_moved_symbol_refuses_and_patches_nothing(ns, monkeypatch):
     inst = integrations.get("sglang")
-    from mmshm import instrumentor
+    from mmshm.hooks import instrumentor
 
     real = instrumentor.defines
     monkeypatch.setattr(instrumentor, "defines", lambda tree, path, params=(): (

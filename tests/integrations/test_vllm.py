@@ -41,8 +41,10 @@ import _mp
 import vllm.v1.serial_utils as su
 import vllm_procs
 import wrapt
-from mmshm import codec, config, instrumentor, integrations, segment
-from mmshm.table import TABLE
+from mmshm import config, integrations
+from mmshm.hooks import instrumentor
+from mmshm.segments import codec, segment
+from mmshm.segments.table import TABLE
 from mmshm.integrations import UnsupportedVersionError
 from mmshm.integrations import vllm as mv
 from prometheus_client import REGISTRY
@@ -388,7 +390,7 @@ def test_client_without_input_address_is_judged_by_its_bound_socket(instrumented
     import logging
 
     import zmq
-    from mmshm import report
+    from mmshm.hooks import report
 
     report._reset_for_tests()
     ctx = zmq.Context()
@@ -467,7 +469,8 @@ def test_reader_view_and_unsplittable_enqueue(instrumented, caplog):
     """The reader view shows one kind of reader and writes through; an
     ``enqueue`` that cannot be called on the view sends every reader the
     tensors inline, with a WARNING that has the reason and the fix."""
-    from mmshm import report, sending
+    from mmshm.hooks import report
+    from mmshm.transport import sending
 
     q = _FakeQueue(2, 1)
     local, remote = mv._OnlyReaders(q, local=True), mv._OnlyReaders(q, local=False)
@@ -687,7 +690,7 @@ class Readers:
     """
 
     def __init__(self, node1_dir: str):
-        from mmshm import node
+        from mmshm.segments import node
 
         self.queues = {
             "default": MessageQueue(2, 2, max_chunk_bytes=MQ_CHUNK),
@@ -794,7 +797,7 @@ def rdr(readers, shm_dir):
 def _frontend_view(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the EngineCore has it after mmshm's request path: a zero-copy
     view of a segment that the frontend made."""
-    from mmshm.handle import ShmTensor
+    from mmshm.segments.shmtensor import ShmTensor
 
     h = ShmTensor.from_tensor(x)
     h.share(1)  # the EngineCore's reference
@@ -1079,7 +1082,9 @@ def test_views_the_engine_cores_mm_cache_keeps_are_marked_for_status(instrumente
     a request's items after the request (an idle server shows a live
     segment): the instrumented ``preprocess_add_request`` marks their
     segments, which ``mmshm status`` shows as held by the cache."""
-    from mmshm import ShmTensor, receiving, status
+    from mmshm import ShmTensor
+    from mmshm.operations import status
+    from mmshm.transport import receiving
     from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache
     from vllm.v1.engine.core import EngineCore
 
@@ -1128,7 +1133,8 @@ def _bare_scheduler():
 def _frontend_segment_view(seed: int):
     """A zero-copy view, as the EngineCore's decoder makes it, of a segment
     the frontend made (its reference handed over with the message)."""
-    from mmshm import ShmTensor, receiving
+    from mmshm import ShmTensor
+    from mmshm.transport import receiving
 
     h = ShmTensor.from_tensor(_image(seed))
     wire = h.encode()

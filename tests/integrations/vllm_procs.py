@@ -122,7 +122,7 @@ def engine_main(conn, address: str, env: dict) -> None:
         from mmshm.integrations import get
 
         get("vllm").instrument()
-        from mmshm import codec
+        from mmshm.segments import codec
         from mmshm.integrations import vllm as mv
         from vllm.v1.engine import EngineCoreRequestType
         from vllm.v1.engine.core import EngineCoreProc

@@ -234,7 +234,7 @@ def main() -> int:
             rank_stats.append(None)
     # a segment freed by its last (remote) release may stay mapped (or pooled)
     # here until the next sweep; the owner empties its pool on the way out
-    from mmshm.table import TABLE
+    from mmshm.segments.table import TABLE
 
     TABLE.sweep()
     TABLE.trim_pool()

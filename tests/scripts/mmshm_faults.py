@@ -24,8 +24,8 @@ import time
 
 import mmshm
 import torch
-from mmshm import segment
-from mmshm.table import TABLE
+from mmshm.segments import segment
+from mmshm.segments.table import TABLE
 from prometheus_client import REGISTRY
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -133,7 +133,7 @@ def ctx():
         if HERE not in sys.path:
             sys.path.insert(0, HERE)
         _CTX.set_forkserver_preload(["torch", "prometheus_client", "blake3", "msgspec", "mmshm",
-                                     "mmshm.reaper"])
+                                     "mmshm.segments.reaper"])
     return _CTX
 
 
@@ -241,7 +241,7 @@ def w_cache_holder(directory: str, conn) -> None:
     keeps one in its multimodal processor cache), its segment marked as
     such; answers ``"exit"``, dropping the view."""
     use_dir(directory)
-    from mmshm import segment
+    from mmshm.segments import segment
 
     h = pickle.loads(conn.recv())
     name = h.name

@@ -26,8 +26,9 @@ def main() -> int:
         os.environ["MMSHM_MIN_FREE_BYTES"] = reserve
     import mmshm
     import torch
-    from mmshm import config, segfile, table
-    from mmshm.table import TABLE
+    from mmshm import config
+    from mmshm.segments import segfile, table
+    from mmshm.segments.table import TABLE
     from mmshm_faults import delta, fallbacks, pattern, segment_files
 
     config.reload()

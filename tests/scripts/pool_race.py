@@ -35,7 +35,7 @@ _GUARD = None  # the real budget guard (a worker runs several tasks)
 
 def make(i: int, guard: bool) -> tuple[bytes, bytes]:
     import mmshm
-    from mmshm import segment
+    from mmshm.segments import segment
     from mmshm_faults import pattern
 
     global _GUARD

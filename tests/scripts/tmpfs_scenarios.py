@@ -32,8 +32,9 @@ def main() -> int:
     os.environ.pop("MMSHM_MAX_BYTES", None)
     import mmshm
     import torch
-    from mmshm import config, reaper
-    from mmshm.table import TABLE
+    from mmshm import config
+    from mmshm.segments import reaper
+    from mmshm.segments.table import TABLE
     from mmshm_faults import delta, fallbacks, pattern, segment_files
 
     config.reload()

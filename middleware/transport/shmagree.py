@@ -1,10 +1,10 @@
 """The failure agreement of a group on one node, through shared memory.
 
-:mod:`mmshm.agreement` combines every rank's ``int32`` vector by element-wise
+:mod:`mmshm.transport.agreement` combines every rank's ``int32`` vector by element-wise
 MAX, point to point over gloo to the broadcast's source rank and back: a
 round trip that costs 1-3 ms on a loaded host (a gloo send, receive and wait
 on each side). When every rank of the group is on one node
-(:attr:`mmshm.node.Layout.single`, gathered once per group, so identical on
+(:attr:`mmshm.transport.topology.Layout.single`, gathered once per group, so identical on
 every rank) the same star runs through one small file per group instead,
 mapped by every rank:
 
@@ -18,7 +18,7 @@ mapped by every rank:
   then sleeps in ``FUTEX_WAIT`` on the word it waits for, in slices of at
   most :data:`SLICE_S`, testing between slices whether the peer it waits for
   is alive, and gives up at the group's own timeout
-  (:func:`mmshm.node.group_timeout`), as gloo would. A sleeping waiter burns
+  (:func:`mmshm.transport.handshake.group_timeout`), as gloo would. A sleeping waiter burns
   no core (servers share theirs).
 
 The decision is the same on every rank: the layout (one node), the machine
@@ -26,7 +26,7 @@ The decision is the same on every rank: the layout (one node), the machine
 the setup's outcome (below), and the vector's size (at most
 :data:`CAPACITY` elements); otherwise the gloo agreement runs, as before.
 Rounds are counted per group on every rank (every rank makes every
-agreement, :mod:`mmshm.agreement`'s invariant).
+agreement, :mod:`mmshm.transport.agreement`'s invariant).
 
 **Setting it up: one gloo agreement.** A group's first agreement of a
 broadcast with handles (stage ``new``) goes over gloo, as before, and sets
@@ -58,10 +58,10 @@ as any segment of a killed process.
 
 **Liveness, not pids.** Every rank holds, while it has the file open, an
 exclusive OFD lock on its own byte (:data:`RANK_BYTE` + group rank) and a
-shared one on :data:`mmshm.segfile.LIVE_BYTE` (the reaper's liveness byte);
+shared one on :data:`mmshm.segments.segfile.LIVE_BYTE` (the reaper's liveness byte);
 the kernel drops them when the process dies, whatever becomes of its pid. A
 waiter tests the peer's byte (``F_OFD_GETLK``) between sleeps: a source whose
-receiver's lock is gone marks it :data:`~mmshm.agreement.LOST` (as a gloo
+receiver's lock is gone marks it :data:`~mmshm.transport.agreement.LOST` (as a gloo
 receive that fails: the broadcast then gives back the references handed to
 it), a receiver whose source's lock is gone raises :class:`AgreementLost`
 (a ``RuntimeError``, which the broadcast turns into a
@@ -69,7 +69,7 @@ it), a receiver whose source's lock is gone raises :class:`AgreementLost`
 silent until the group's timeout is LOST too; one that the source gave up as
 LOST and that answers later raises. After the result is written, the source
 tests each receiver's lock once more: one that is gone is
-:data:`~mmshm.agreement.LATE` (the result cannot reach it), as a failed
+:data:`~mmshm.transport.agreement.LATE` (the result cannot reach it), as a failed
 gloo send.
 
 **Memory ordering.** A writer stores the vector, then the length, then the
@@ -101,7 +101,8 @@ import blake3
 import numpy as np
 import torch
 
-from . import node, segfile
+from mmshm.segments import segfile
+from mmshm.transport import handshake
 
 log = logging.getLogger("mmshm")
 
@@ -428,7 +429,7 @@ class ShmAgreement:
         """One round: the element-wise MAX of every rank's ``int32`` vector
         ``flat`` (the same length on every rank), with source rank ``src``;
         the last ``world`` elements are the lost flags, as
-        :func:`mmshm.agreement._agree_max` returns them. Raises
+        :func:`mmshm.transport.agreement._agree_max` returns them. Raises
         :class:`AgreementLost` on a receiver that cannot get the result (the
         source gone, the group's timeout, the file gone or foreign), or that
         the source gave up as lost."""
@@ -491,7 +492,7 @@ _GROUPS: dict[int, tuple[object, ShmAgreement | None]] = {}
 
 def _name(key: str, proc) -> str:
     """The file's name for the group ``key`` made by process ``proc``
-    (:func:`mmshm.node.process_id`): a segment name (the reaper's), unique
+    (:func:`mmshm.transport.topology.process_id`): a segment name (the reaper's), unique
     per group and process, pid reuse notwithstanding."""
     text = f"{key}|{proc[0]}|{proc[1]}|{proc[2]}"
     return f"{segfile.PREFIX}{proc[0]}-{blake3.blake3(text.encode()).hexdigest()[:16]}"
@@ -513,7 +514,7 @@ def for_group(group, world: int, me: int, lay) -> ShmAgreement | None:
     if hit is not None and hit[0] is pg:
         return hit[1]
     agr = None
-    timeout = node.group_timeout(group)
+    timeout = handshake.group_timeout(group)
     if usable() and timeout and len(lay.procs) == world:
         key = f"{getattr(pg, 'group_name', '')}|{world}"
         agr = ShmAgreement(world, me, lay.procs, timeout, segfile.segment_dir(), key)

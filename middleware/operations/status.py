@@ -5,7 +5,7 @@ Read-only and safe beside running servers:
 * **Segments** are read without taking any lock: the header (state, reference
   count, creation time) with one ``pread``, liveness with ``F_OFD_GETLK`` on
   the liveness byte (some process holds the segment) and the owner byte (its
-  creating process is alive), as in :mod:`mmshm.segfile`. A segment nobody
+  creating process is alive), as in :mod:`mmshm.segments.segfile`. A segment nobody
   holds is an orphan, whatever pid its name carries (pids are reused).
 * **Processes** are found with psutil (pids, start times, command lines,
   parents, open files): a process that has a segment open holds it now
@@ -39,13 +39,15 @@ import time
 import msgspec
 import psutil
 
-from . import config, node
-from .node import NodeInfo
-from .segfile import (
+from mmshm import config
+from mmshm.segments import node
+from mmshm.segments.node import NodeInfo
+from mmshm.segments.segfile import (
     CACHE_BYTE,
     LIVE_BYTE,
     NAME_RE,
     OWNER_BYTE,
+    PREFIX,
     STATE_LIVE,
     STATE_POOLED,
     boottime_ns,
@@ -90,7 +92,7 @@ class SegmentState(msgspec.Struct):
             references are still counted that no reader has attached yet
             (handles not opened yet) within
             ``MMSHM_IN_FLIGHT_GRACE_S`` of the last close: the reaper keeps
-            it (see :mod:`mmshm.reaper`), so it is not an orphan yet.
+            it (see :mod:`mmshm.segments.reaper`), so it is not an orphan yet.
     """
 
     name: str
@@ -200,7 +202,7 @@ class StatusReport(msgspec.Struct):
     #: bytes of mmshm segments (``mmshm-<pid>-<hex>``) in other directories of
     #: the same file system, part of ``other_bytes``
     mmshm_elsewhere_bytes: int = 0
-    #: this process's node for the directory (:func:`mmshm.node.describe`)
+    #: this process's node for the directory (:func:`mmshm.segments.node.describe`)
     node: NodeInfo | None = None
 
 
@@ -230,7 +232,7 @@ def owner_of(name: str) -> tuple[str, str]:
         if fnmatch.fnmatchcase(name, pattern):
             return owner, pattern
     if NAME_RE.match(name):
-        return MMSHM_ELSEWHERE, "mmshm-*"
+        return MMSHM_ELSEWHERE, PREFIX + "*"
     return OTHER, "*"
 
 
@@ -265,7 +267,7 @@ def read_segment(path: str, now: float | None = None) -> SegmentState | None:
         held = lock_holders_present(fd, LIVE_BYTE)
         in_flight = False
         if not held and hdr.state == STATE_LIVE and hdr.refcount > 0:
-            n, detached = holders(fd)  # as the reaper judges it (mmshm.reaper._why)
+            n, detached = holders(fd)  # as the reaper judges it (mmshm.segments.reaper._why)
             in_flight = n <= 0 and detached != 0 and not delivered(*hand_out(fd)) and \
                 boottime_ns() - detached < config.get().in_flight_grace_s * 1e9
         return SegmentState(name, size, state, hdr.refcount, age, held,
@@ -433,7 +435,7 @@ def lock_marks(pid: int, fd: int | str) -> tuple[bool, bool]:
     ``/proc/<pid>/fdinfo``: whether it carries the owner lock (byte 2,
     exclusive: the process created the segment) and the cache mark (byte 3,
     shared: a cache of the process keeps views of it, see
-    :func:`mmshm.segment.mark_cached`)."""
+    :func:`mmshm.segments.segment.mark_cached`)."""
     owner = cached = False
     try:
         with open(f"/proc/{pid}/fdinfo/{fd}") as f:
@@ -550,7 +552,7 @@ def survey(root: str, directory: str) -> tuple[list[OtherGroup], list[str]]:
                 continue  # this directory's segments: reported as segments
             owner, pattern = owner_of(e.name)
             if owner == MMSHM_ELSEWHERE:
-                pattern = os.path.join(top, "mmshm-*")
+                pattern = os.path.join(top, PREFIX + "*")
             g = groups.setdefault((owner, pattern), OtherGroup(owner, pattern, 0, 0, []))
             g.files += 1
             allocated = st.st_blocks * 512

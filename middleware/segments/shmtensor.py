@@ -22,9 +22,10 @@ import msgspec
 import numpy as np
 import torch
 
-from . import codec, config, node, segment
-from .codec import HandleMeta
-from .errors import (
+from mmshm import config
+from mmshm.segments import codec, node, segment
+from mmshm.segments.codec import HandleMeta
+from mmshm.errors import (
     HandleError,
     HandleStateError,
     SegmentCorruptError,
@@ -32,9 +33,9 @@ from .errors import (
     SegmentNotFoundError,
     WrongNodeError,
 )
-from .metrics import SHM_WRITTEN_BYTES
-from .segfile import HEADER_SIZE, os_error
-from .segment import SegmentRef
+from mmshm.metrics import SHM_WRITTEN_BYTES
+from mmshm.segments.segfile import HEADER_SIZE, os_error
+from mmshm.segments.segment import SegmentRef
 
 log = logging.getLogger("mmshm")
 
@@ -444,7 +445,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class ShmTensor:
     """Pointer to a CPU tensor stored in a shared-memory segment.
 
-    Pickling carries only the msgspec-encoded :class:`~mmshm.codec.HandleMeta`
+    Pickling carries only the msgspec-encoded :class:`~mmshm.segments.codec.HandleMeta`
     (about 60 bytes) and has no side effect; the unpickled object owns the
     reference the giver handed out with :meth:`share`. A handle whose
     metadata fails validation while being unpickled does not raise (that would
@@ -738,7 +739,7 @@ class ShmTensor:
         return self._usable_meta().node
 
     def is_local(self) -> bool:
-        """Whether the segment is on this process's node (see :mod:`mmshm.node`)."""
+        """Whether the segment is on this process's node (see :mod:`mmshm.segments.node`)."""
         return node.is_local(self._usable_meta().node, self._dir)
 
     def _check_node(self, meta: HandleMeta) -> None:
@@ -930,6 +931,6 @@ def _rebuild_broken(message: str) -> ShmTensor:
 
 
 if config.get().debug_refs:  # MMSHM_DEBUG_REFS=1: wraps the methods above
-    from . import refdebug
+    from mmshm.segments import refdebug
 
     refdebug.install()

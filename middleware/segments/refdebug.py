@@ -23,7 +23,7 @@ silently. With ``MMSHM_DEBUG_REFS=1`` each process:
 Off (the default), nothing of this module is installed: ``ShmTensor`` runs its
 own methods, with no check of the setting on any path
 (``benchmarks/test_micro.py::test_share_release`` compares). :func:`install`
-wraps the methods; :mod:`mmshm.handle` calls it at import when the setting
+wraps the methods; :mod:`mmshm.segments.shmtensor` calls it at import when the setting
 is on.
 """
 
@@ -39,8 +39,8 @@ import weakref
 
 import msgspec
 
-from . import handle, segfile, segment
-from .errors import HandleStateError, SegmentNotFoundError
+from mmshm.segments import shmtensor, segfile, segment
+from mmshm.errors import HandleStateError, SegmentNotFoundError
 
 log = logging.getLogger("mmshm")
 
@@ -199,7 +199,7 @@ def install() -> None:
     (idempotent). :func:`uninstall` restores them."""
     if _installed:
         return
-    cls = handle.ShmTensor
+    cls = shmtensor.ShmTensor
 
     def track(h, taken: str) -> None:
         with _lock:
@@ -232,7 +232,7 @@ def install() -> None:
             return h
         return _adopt
 
-    _wrap(handle, "_adopt", wrap_adopt)
+    _wrap(shmtensor, "_adopt", wrap_adopt)
 
     def wrap_require(orig):
         @functools.wraps(orig)
@@ -347,7 +347,7 @@ def install() -> None:
             orig(name, gen, seg)
         return _release_view
 
-    _wrap(handle, "_release_view", wrap_release_view)
+    _wrap(shmtensor, "_release_view", wrap_release_view)
 
     def wrap_update(orig):
         @functools.wraps(orig)

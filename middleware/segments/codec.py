@@ -6,7 +6,7 @@ The wire form of a handle is a msgpack array::
 
 ``name`` travels without its constant ``mmshm-`` prefix (a name that still
 has it is accepted too); ``node`` is the 32-bit id of the node that holds the
-segment (:func:`mmshm.node.node_id`). A wire array without ``node`` (six
+segment (:func:`mmshm.segments.node.node_id`). A wire array without ``node`` (six
 elements, or five without the generation) decodes with this process's own
 node. A 720p Qwen2-VL ``pixel_values`` handle ([4784, 1176] float32, 16-byte
 hash, the largest pid Linux hands out) encodes to 63 bytes; 47 with the hash
@@ -24,9 +24,9 @@ from typing import Annotated
 import msgspec
 import torch
 
-from . import node as _node
-from .errors import HandleError
-from .segfile import PREFIX
+from mmshm.segments import node as _node
+from mmshm.errors import HandleError
+from mmshm.segments.segfile import PREFIX
 
 # Append-only: the position is the wire code. Names missing from this torch
 # build are kept as placeholders so codes never shift.
@@ -75,7 +75,7 @@ class HandleMeta(msgspec.Struct, array_like=True, frozen=True):
     node: int = msgspec.field(default_factory=_local_node)
 
 
-_WIRE_NAME_RE = re.compile(r"(?:mmshm-)?[0-9]{1,10}-[0-9a-f]{16}")
+_WIRE_NAME_RE = re.compile(f"(?:{re.escape(PREFIX)})?" + r"[0-9]{1,10}-[0-9a-f]{16}")
 _Dim = Annotated[int, msgspec.Meta(ge=0)]
 
 

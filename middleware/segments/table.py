@@ -14,7 +14,7 @@ the zeroing a page fault would do: a few GB/s); copying into warm pages at
 memcpy speed. So a producing process keeps the segments it created, in size
 classes (:func:`size_class`: eight per power of two, at most 12.5% slack),
 and reuses one whose count came back to zero instead of creating a file.
-Every reuse bumps the segment's *generation* (:func:`mmshm.segfile.revive`);
+Every reuse bumps the segment's *generation* (:func:`mmshm.segments.segfile.revive`);
 a handle carries the generation it was made for, and attach and every
 reference update check it, so a stale handle can never read a reused
 segment's new bytes. Idle pooled segments are unlinked after
@@ -43,8 +43,8 @@ Invariants:
   it) is never taken or unlinked;
 - the sweeper thread never dies of an exception of the reaper (logged).
 
-Depends on :mod:`mmshm.segfile`, :mod:`mmshm.reaper` and the metrics; called
-from :mod:`mmshm.segment`, never calls it.
+Depends on :mod:`mmshm.segments.segfile`, :mod:`mmshm.segments.reaper` and the metrics; called
+from :mod:`mmshm.segments.segment`, never calls it.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ import threading
 import time
 from typing import Any
 
-from . import config
-from .metrics import BYTES_IN_USE, SEGMENTS_IN_USE
-from .reaper import ReapReport, reap
-from .segfile import (
+from mmshm import config
+from mmshm.metrics import BYTES_IN_USE, SEGMENTS_IN_USE
+from mmshm.segments.reaper import ReapReport, reap
+from mmshm.segments.segfile import (
     HEADER_SIZE,
     STATE_FREED,
     STATE_POOLED,
@@ -70,7 +70,7 @@ from .segfile import (
     unlink_pooled,
 )
 
-#: a :class:`mmshm.segment.Segment` (that module sits above this one: never imported)
+#: a :class:`mmshm.segments.segment.Segment` (that module sits above this one: never imported)
 Segment = Any
 
 log = logging.getLogger("mmshm")
@@ -99,7 +99,7 @@ class SegmentTable:
 
     Attributes:
         lock: re-entrant; guards everything below.
-        segments: name -> :class:`mmshm.segment.Segment`, in the order they
+        segments: name -> :class:`mmshm.segments.segment.Segment`, in the order they
             were registered or last taken from the pool.
         owned_bytes: bytes (header included) of this process's created, not
             yet closed segments.
@@ -223,7 +223,7 @@ class SegmentTable:
         self.maybe_reap(d)
 
     def maybe_reap(self, directory: str | None = None) -> ReapReport | None:
-        """Run :func:`mmshm.reaper.reap` unless this process ran it on
+        """Run :func:`mmshm.segments.reaper.reap` unless this process ran it on
         ``directory`` less than ``MMSHM_REAP_INTERVAL_S`` ago (0 disables).
         Called on a process's first segment in a directory (start-up) and by
         the sweeper thread. Logs and returns None if the pass fails."""

@@ -52,7 +52,7 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from .errors import MmshmError
+from mmshm.errors import MmshmError
 
 log = logging.getLogger("mmshm")
 
@@ -229,7 +229,7 @@ def install_hint() -> str:
     an interpreter: ``-e <checkout>`` for a source checkout (mmshm is
     installed from its repository, not from a package index), else
     ``mmshm==<version>``."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # <checkout>/middleware/hooks/instrumentor.py
     if (root / "pyproject.toml").is_file():
         return f"-e {root}"
     try:
@@ -489,14 +489,14 @@ class Instrumentor:
 
     def say(self, role: str, on: list[str], off: list[tuple[str, str, str]] | tuple = ()
             ) -> None:
-        """Say which paths are on in this process (see :func:`mmshm.report.paths`)."""
-        from mmshm import report
+        """Say which paths are on in this process (see :func:`mmshm.hooks.report.paths`)."""
+        from mmshm.hooks import report
 
         report.paths(self.name, self._state.version or self.version or "?", role, on, off)
 
     def path_off(self, role: str, path: str, reason: str, fix: str) -> None:
-        """A WARNING that ``path`` is off here (see :func:`mmshm.report.path_off`)."""
-        from mmshm import report
+        """A WARNING that ``path`` is off here (see :func:`mmshm.hooks.report.path_off`)."""
+        from mmshm.hooks import report
 
         report.path_off(self.name, self._state.version or self.version or "?", role, path,
                         reason, fix)

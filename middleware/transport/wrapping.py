@@ -22,11 +22,11 @@ from typing import Any
 import msgspec
 import torch
 
-from . import config
-from .errors import FALLBACK_REASONS, MmshmError, failure_reason
-from .handle import ShmTensor
-from .metrics import FALLBACKS
-from .table import TABLE
+from mmshm import config
+from mmshm.errors import FALLBACK_REASONS, MmshmError, failure_reason
+from mmshm.segments.shmtensor import ShmTensor
+from mmshm.metrics import FALLBACKS
+from mmshm.segments.table import TABLE
 
 log = logging.getLogger("mmshm")
 

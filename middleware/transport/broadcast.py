@@ -4,10 +4,10 @@ The source TP rank hands out ``world - 1`` references per handle *before* the
 broadcast, so only metadata crosses the TP group and no rank can drop a count to
 zero while another rank has not opened the segment yet, whatever the timing or
 process group. Every rank materializes after the broadcast; per-request
-failures are combined by the failure agreement (:mod:`mmshm.agreement`:
+failures are combined by the failure agreement (:mod:`mmshm.transport.agreement`:
 element-wise MAX, point to point to the source rank and back; on one node,
 once the group's first broadcast with handles has set it up, through shared
-memory with no message at all, :mod:`mmshm.shmagree`) so that all ranks turn the
+memory with no message at all, :mod:`mmshm.transport.shmagree`) so that all ranks turn the
 same requests into errors. No barrier is used.
 
 Invariants:
@@ -29,13 +29,13 @@ Invariants:
   it, and the source gives them back at once where it can prove that rank
   never opened them (:func:`_give_back_lost`); else the reaper's in-flight
   grace (``MMSHM_IN_FLIGHT_GRACE_S``) does;
-- the handshake (:func:`mmshm.node.handshake`) never raises: a store that
+- the handshake (:func:`mmshm.transport.handshake.handshake`) never raises: a store that
   cannot be reached is as no store; a peer that announced nothing and then
   breaks the broadcast makes a :class:`~mmshm.errors.PeerLostError`.
 
-**Several nodes.** When the TP group spans nodes (:func:`mmshm.node.layout`,
+**Several nodes.** When the TP group spans nodes (:func:`mmshm.transport.topology.layout`,
 learnt once per group) the payloads cross each node boundary once, through
-each other node's leader: :mod:`mmshm.multinode`. A group on one node runs
+each other node's leader: :mod:`mmshm.transport.multinode`. A group on one node runs
 exactly the path of this module, with no message beyond the agreement's
 (none once its shared memory is set up).
 """
@@ -55,8 +55,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import node, segfile, shmagree
-from .agreement import (  # noqa: F401 - re-exported: the wire codes and tags
+from mmshm.segments import node, segfile
+from mmshm.transport import shmagree
+from mmshm.transport import handshake
+from mmshm.transport import topology
+from mmshm.transport.agreement import (  # noqa: F401 - re-exported: the wire codes and tags
     _OTHER,
     _REASON_CODE,
     AGREE_TAG,
@@ -66,8 +69,8 @@ from .agreement import (  # noqa: F401 - re-exported: the wire codes and tags
     _agree_max,
     _agree_post,
 )
-from .codec import HandleMeta
-from .errors import (
+from mmshm.segments.codec import HandleMeta
+from mmshm.errors import (
     HandleStateError,
     MaterializeError,
     MmshmError,
@@ -75,8 +78,8 @@ from .errors import (
     WrongNodeError,
     failure_reason,
 )
-from .handle import ShmTensor
-from .metrics import (
+from mmshm.segments.shmtensor import ShmTensor
+from mmshm.metrics import (
     BROADCAST_BYTES,
     FALLBACKS,
     BROADCAST_SECONDS,
@@ -85,11 +88,11 @@ from .metrics import (
     REFERENCES_HANDED,
     REQUEST_FAILURES,
 )
-from .multinode import P2P_TAG, HandleIndex, _NodePlan  # noqa: F401 - P2P_TAG re-exported
-from .receiving import unwrap_each
-from .segment import SegmentRef
-from .table import TABLE
-from .walker import handles, transform
+from mmshm.transport.multinode import P2P_TAG, HandleIndex, _NodePlan  # noqa: F401 - P2P_TAG re-exported
+from mmshm.transport.receiving import unwrap_each
+from mmshm.segments.segment import SegmentRef
+from mmshm.segments.table import TABLE
+from mmshm.transport.wrapping import handles, transform
 
 log = logging.getLogger("mmshm")
 
@@ -320,7 +323,7 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
     added), and raises :class:`~mmshm.errors.PeerLostError` when a rank of
     the group is lost (the group cannot go on): before the group's first
     broadcast (within the group's timeout: the handshake waits at most half
-    of it, :func:`mmshm.node.handshake_wait`), or after a broadcast (on the
+    of it, :func:`mmshm.transport.handshake.handshake_wait`), or after a broadcast (on the
     source rank and every surviving rank, naming the lost ranks; the
     references handed to a rank lost before its walk ended are given back
     at once where provably unused, see :func:`_give_back_lost`).
@@ -347,10 +350,10 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
         if world > 1:
             # both a dict lookup after the first call; the handshake first, since
             # the layout is a collective that a peer without mmshm never makes
-            verdict = node.handshake(dist_group)
+            verdict = handshake.handshake(dist_group)
             try:
                 if verdict.ok:
-                    lay = node.layout(dist_group)
+                    lay = topology.layout(dist_group)
             except RuntimeError as exc:
                 if isinstance(exc, MmshmError):
                     raise
@@ -365,7 +368,7 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
             if not lay.single and src_group_rank is not None:
                 plan = _NodePlan(lay, dist_group, group_rank, src_group_rank)
                 receivers = len(lay.ranks_on_node_of(src_group_rank)) - 1
-        # one node: the failure agreement through shared memory (mmshm.shmagree)
+        # one node: the failure agreement through shared memory (mmshm.transport.shmagree)
         shm = None
         if world > 1 and plan is None and src_group_rank is not None:
             shm = shmagree.for_group(dist_group, world, group_rank, lay)
@@ -406,8 +409,8 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
 def _inline_broadcast(broadcast_fn, data, rank, dist_group, src, on_failure, role, args,
                       kwargs, missing=()) -> list:
     """The broadcast of a group whose ranks do not all run this mmshm
-    (:func:`mmshm.node.handshake`), or whose nodes cannot be told apart
-    (:attr:`mmshm.node.Layout.id_collision`): the source rank counts each of
+    (:func:`mmshm.transport.handshake.handshake`), or whose nodes cannot be told apart
+    (:attr:`mmshm.transport.topology.Layout.id_collision`): the source rank counts each of
     its handles in ``mmshm_inline_fallbacks_total{reason="group"}``,
     materializes every handle
     into a private tensor first (a request whose handles cannot be read
@@ -597,7 +600,7 @@ def _agree_size(n: int, nh: int, world: int) -> int:
 def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_failure,
                 role: str, src_group_rank: int | None, plan: _NodePlan | None = None,
                 src: int | None = None, added: dict[SegmentRef, int] | None = None,
-                lay: node.Layout | None = None,
+                lay: topology.Layout | None = None,
                 shm: shmagree.ShmAgreement | None = None) -> list:
     if not out:
         if shm is not None:
@@ -623,7 +626,7 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
     posted = None
     try:
         if world > 1 and nh:
-            # one node: through shared memory once set up (mmshm.shmagree),
+            # one node: through shared memory once set up (mmshm.transport.shmagree),
             # else over gloo with the receives posted before the walk, so
             # that the peers' messages find them waiting
             posted = _agree_post(_agree_size(n, nh, world), group, world, group_rank,
@@ -659,7 +662,7 @@ def _unwrap_all(out: list, group, world: int, group_rank: int, copy: bool, on_fa
             (_probe if defer else _give_back)(unw, req_idxs[i], stranded, group_rank)
         lost: list[int] = []
         late: list[int] = []
-        if world > 1:  # the lost flags last (mmshm.agreement)
+        if world > 1:  # the lost flags last (mmshm.transport.agreement)
             flat = torch.from_numpy(np.concatenate([reasons, failed.ravel(), stranded.ravel(),
                                                     opened.ravel(),
                                                     np.zeros(world, dtype=np.int32)]))
@@ -764,14 +767,14 @@ def _wait_gone(ranks: list[int], procs) -> list[int]:
     :data:`_GONE_WAIT_S` for all of them."""
     deadline = time.monotonic() + _GONE_WAIT_S
     while True:
-        gone = [r for r in ranks if node.process_gone(procs[r])]
+        gone = [r for r in ranks if topology.process_gone(procs[r])]
         if len(gone) == len(ranks) or time.monotonic() > deadline:
             return gone
         time.sleep(0.01)
 
 
 def _give_back_lost(unw: _Unwrapper, added: dict[SegmentRef, int], opened: np.ndarray,
-                    lost: list[int], me: int, lay: node.Layout | None) -> None:
+                    lost: list[int], me: int, lay: topology.Layout | None) -> None:
     """On the source rank, one node: give back the references handed out in
     this broadcast to the ranks whose agreement vector never came (``lost``),
     where they can be proved never given back by those ranks, and keep them
@@ -780,7 +783,7 @@ def _give_back_lost(unw: _Unwrapper, added: dict[SegmentRef, int], opened: np.nd
     A lost rank's references for segment S are given back (``len(handles of
     S)`` each) only if all of these hold:
 
-    - the rank's process is gone (:func:`mmshm.node.process_gone`, from the
+    - the rank's process is gone (:func:`mmshm.transport.topology.process_gone`, from the
       pid and start time it gave in the layout): a rank that is only hung
       could still open S later, and give back its reference itself;
     - S's last hand-out is this broadcast's (this pid, the count added here):

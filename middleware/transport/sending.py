@@ -47,14 +47,15 @@ from collections.abc import AsyncIterator, Iterator
 
 import torch
 
-from . import codec, config
-from .codec import HandleMeta
-from .errors import MmshmError
-from .handle import ShmTensor, content_hash
-from .metrics import FANOUT_COPIES, REFERENCES_HANDED
-from .segfile import segment_dir
-from .segment import SegmentRef
-from . import walker
+from mmshm import config
+from mmshm.segments import codec
+from mmshm.segments.codec import HandleMeta
+from mmshm.errors import MmshmError
+from mmshm.segments.shmtensor import ShmTensor, content_hash
+from mmshm.metrics import FANOUT_COPIES, REFERENCES_HANDED
+from mmshm.segments.segfile import segment_dir
+from mmshm.segments.segment import SegmentRef
+from mmshm.transport import wrapping
 
 log = logging.getLogger("mmshm")
 
@@ -344,7 +345,7 @@ class Outbox:
         h = share_segment(t)  # earlier in this message, in this fan-out, or before
         if h is None:
             # looked up per call: tests spy it
-            h = walker.to_shm(t, hash=DIGESTS.get(t), hash_now=hash_now)
+            h = wrapping.to_shm(t, hash=DIGESTS.get(t), hash_now=hash_now)
             if h is None:
                 return None
             self.written += h.nbytes
@@ -358,7 +359,7 @@ class Outbox:
                 h.share(self.hops)
             except (MmshmError, OSError) as exc:
                 h.release()
-                walker.record_fallback(exc)
+                wrapping.record_fallback(exc)
                 return None
         self.handles.append(h)
         REFERENCES_HANDED.labels(path=self.path).inc(1 + self.hops)

@@ -27,15 +27,15 @@ Invariants:
   link did, before the end of their walk) and sends the result to every other
   rank, so that the survivors learn the same lost ranks and the source knows
   that every survivor has finished its walk;
-- on one node (:mod:`mmshm.shmagree`) the same star runs through shared
-  memory when the caller passes the group's :class:`~mmshm.shmagree.ShmAgreement`
+- on one node (:mod:`mmshm.transport.shmagree`) the same star runs through shared
+  memory when the caller passes the group's :class:`~mmshm.transport.shmagree.ShmAgreement`
   and the vector fits its slots (both the same on every rank): no gloo
   message then, the same result, lost and late flags, and the same
   exceptions (a receiver that cannot get the result raises a
   ``RuntimeError``);
 - this module imports nothing of mmshm above the segment layer, the node
-  layer and the errors: the one-node protocol (:mod:`mmshm.broadcast`) and
-  the multi-node path (:mod:`mmshm.multinode`) use it, never the other way
+  layer and the errors: the one-node protocol (:mod:`mmshm.transport.broadcast`) and
+  the multi-node path (:mod:`mmshm.transport.multinode`) use it, never the other way
   round.
 """
 
@@ -44,8 +44,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .errors import MmshmError
-from .shmagree import ShmAgreement
+from mmshm.errors import MmshmError
+from mmshm.transport.shmagree import ShmAgreement
 
 # wire codes of the failure reasons: REASONS[code]; 0 is "ok"
 REASONS = ("ok", "malformed", "not_found", "corrupt", "wrong_node", "emfile", "released",
@@ -75,7 +75,7 @@ def _remote(code: int, where: str) -> _RemoteFailure:
 
 class _ShmPosted:
     """The agreement of one broadcast through shared memory: nothing to post
-    (see :mod:`mmshm.shmagree`)."""
+    (see :mod:`mmshm.transport.shmagree`)."""
 
     __slots__ = ("agr", "size")
 
@@ -96,7 +96,7 @@ class _Posted:
         self.parts = parts  # group rank -> int32 buffer
         self.works = works  # group rank -> the posted receive
         # the group's shared-memory agreement while it is being set up
-        # (stages create and probe: mmshm.shmagree), else None
+        # (stages create and probe: mmshm.transport.shmagree), else None
         self.setup: ShmAgreement | None = None
 
 
@@ -119,11 +119,11 @@ def _agree_post(size: int, group, world: int, group_rank: int, src_group_rank: i
 
     ``shm``: the group's shared-memory agreement (one node). Once set up
     (stage ``on``) and when the vector fits it
-    (:meth:`~mmshm.shmagree.ShmAgreement.fits`, the same on every rank),
+    (:meth:`~mmshm.transport.shmagree.ShmAgreement.fits`, the same on every rank),
     nothing is posted and :func:`_agree_max` agrees through it. Its first
     agreement (stage ``new``) goes over gloo and sets it up: the vector
     carries one more element, first, the probe
-    (:meth:`~mmshm.shmagree.ShmAgreement.setup_code`: whether the source
+    (:meth:`~mmshm.transport.shmagree.ShmAgreement.setup_code`: whether the source
     made the file and every other rank could open it), so that the group
     takes shared memory only if every rank can; :func:`_agree_max` settles
     it."""
@@ -178,9 +178,9 @@ def _agree_max(flat: torch.Tensor, group, world: int, group_rank: int,
 
     ``posted``: this rank's receives, posted by :func:`_agree_post` for a
     vector of the same size (posted here when None); a shared-memory
-    agreement there (one node) runs :meth:`mmshm.shmagree.ShmAgreement.agree`
+    agreement there (one node) runs :meth:`mmshm.transport.shmagree.ShmAgreement.agree`
     instead, with the same result and flags and no message (a receiver
-    raises :class:`mmshm.shmagree.AgreementLost`, a ``RuntimeError``)."""
+    raises :class:`mmshm.transport.shmagree.AgreementLost`, a ``RuntimeError``)."""
     if isinstance(posted, _ShmPosted) and src_group_rank is not None:
         if posted.size != flat.numel():
             raise RuntimeError(f"mmshm: agreement prepared for {posted.size} elements, the "

@@ -1,7 +1,7 @@
 """The reaper: reclaim segments that no live process holds.
 
 A segment is an orphan exactly when no process holds the shared liveness lock
-on its byte 1 (see :mod:`mmshm.segfile`). Every holder (the creator until the
+on its byte 1 (see :mod:`mmshm.segments.segfile`). Every holder (the creator until the
 last reference is gone, every process with a materialized view) holds that
 lock through its open file description, and the kernel drops it when the
 process dies, however it dies. The reaper takes the *exclusive* lock without
@@ -18,7 +18,7 @@ server on the same host.
 of ``mmshm_reaped_segments_total{reason}`` and of :attr:`ReapReport.reasons`):
 
 * ``killed``: some process had the segment open and never closed it cleanly
-  (the segment's holder count, see :mod:`mmshm.segfile`, is above zero with
+  (the segment's holder count, see :mod:`mmshm.segments.segfile`, is above zero with
   no lock held): it was killed, or left without mmshm's exit hook. Or the
   references still counted were *delivered*: readers attached the segment
   for every reference of its last hand-out (the header's hand-out record),
@@ -40,9 +40,9 @@ process that no longer runs are dropped from ``PROMETHEUS_MULTIPROC_DIR``
 ``mmshm_segments_in_use`` and ``mmshm_shm_in_use_bytes`` stop counting them.
 
 The reaper reads segment files only through the public interface of the
-file layer (:func:`~mmshm.segfile.try_lock_unheld`,
-:func:`~mmshm.segfile.read_state`, :func:`~mmshm.segfile.iter_segment_files`);
-the segment table calls it (:meth:`mmshm.table.SegmentTable.maybe_reap`: on
+file layer (:func:`~mmshm.segments.segfile.try_lock_unheld`,
+:func:`~mmshm.segments.segfile.read_state`, :func:`~mmshm.segments.segfile.iter_segment_files`);
+the segment table calls it (:meth:`mmshm.segments.table.SegmentTable.maybe_reap`: on
 a directory's first segment, then from the sweeper thread) and it never
 calls back.
 """
@@ -56,9 +56,9 @@ import time
 
 import msgspec
 
-from . import config
-from .metrics import REAP_REASONS, REAPED_BYTES, REAPED_SEGMENTS, mark_dead_processes
-from .segfile import (
+from mmshm import config
+from mmshm.metrics import REAP_REASONS, REAPED_BYTES, REAPED_SEGMENTS, mark_dead_processes
+from mmshm.segments.segfile import (
     STATE_LIVE,
     boottime_ns,
     iter_segment_files,

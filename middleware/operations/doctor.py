@@ -2,7 +2,7 @@
 
 It checks the segment directory (a tmpfs, big enough for the reserve plus the
 expected load, no orphans), what else fills that file system (the census of
-:mod:`mmshm.status`), the descriptor limit against what a full batch needs,
+:mod:`mmshm.operations.status`), the descriptor limit against what a full batch needs,
 the memory cgroup that tmpfs pages are charged to, the installed SGLang and
 vLLM against the instrumentors' supported ranges, and which server processes
 run under ``mmshm run``.
@@ -19,7 +19,7 @@ formula): the smallest whole number of GiB ``S`` such that::
 about 687 MiB), which gives ``--shm-size=1g``. Other programs' files count at
 their apparent size where that is larger than what they occupy now (a sparse
 ``psm_*`` file of vLLM's message queues wants all of it; see
-:class:`mmshm.status.OtherGroup`).
+:class:`mmshm.operations.status.OtherGroup`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ import resource
 
 import msgspec
 
-from . import config, node, reaper
-from .node import NodeInfo
-from .segfile import segment_dir
-from .status import OtherGroup, mount_of, scan_processes, survey
+from mmshm import config
+from mmshm.segments import node, reaper
+from mmshm.segments.node import NodeInfo
+from mmshm.segments.segfile import segment_dir
+from mmshm.operations.status import OtherGroup, mount_of, scan_processes, survey
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -97,7 +98,7 @@ class DoctorReport(msgspec.Struct):
     cgroup_shmem_bytes: int | None = None
     servers: list[ServerVersion] = msgspec.field(default_factory=list)
     notes: list[str] = msgspec.field(default_factory=list)
-    #: this process's node for the directory (:func:`mmshm.node.describe`)
+    #: this process's node for the directory (:func:`mmshm.segments.node.describe`)
     node: NodeInfo | None = None
 
     @property

@@ -9,11 +9,11 @@ segment layer's interface (:func:`create`, :func:`attach`,
 reference counting; what it builds on is in modules of their own, imported in
 one direction (each uses only those below it):
 
-- :mod:`mmshm.segfile`: the file format, the OFD locks (mutex, liveness,
+- :mod:`mmshm.segments.segfile`: the file format, the OFD locks (mutex, liveness,
   owner), header fields, the descriptor-free mapping;
-- :mod:`mmshm.reaper`: reclaiming segments no live process holds (it uses
-  :mod:`mmshm.segfile` only);
-- :mod:`mmshm.table`: this process's segment table (:data:`~mmshm.table.TABLE`):
+- :mod:`mmshm.segments.reaper`: reclaiming segments no live process holds (it uses
+  :mod:`mmshm.segments.segfile` only);
+- :mod:`mmshm.segments.table`: this process's segment table (:data:`~mmshm.segments.table.TABLE`):
   its open segments and the bytes it owns, the warm pool, the sweeper, what
   it knows of each directory.
 
@@ -22,7 +22,7 @@ Callers import a name from the module that defines it.
 Invariants:
 
 - every reference count change is one read-modify-write under the segment
-  mutex (:func:`mmshm.segfile.update_count`), serialised across threads by
+  mutex (:func:`mmshm.segments.segfile.update_count`), serialised across threads by
   the table's lock as well (OFD locks do
   not exclude threads sharing a descriptor); at zero the segment goes back to
   its owner's pool or is marked freed and unlinked before the mutex is let go,
@@ -49,8 +49,9 @@ import stat
 import sys
 from typing import NamedTuple
 
-from . import config, segfile
-from .errors import (
+from mmshm import config
+from mmshm.segments import segfile
+from mmshm.errors import (
     DescriptorLimitError,
     MmshmError,
     SegmentCorruptError,
@@ -58,14 +59,14 @@ from .errors import (
     SegmentNotFoundError,
     ShmSpaceError,
 )
-from .metrics import (
+from mmshm.metrics import (
     BYTES_IN_USE,
     FREE_BYTES,
     POOL_REQUESTS,
     SEGMENTS_CREATED,
     SEGMENTS_IN_USE,
 )
-from .segfile import (
+from mmshm.segments.segfile import (
     HEADER_SIZE,
     OPEN_FLAGS,
     STATE_FREED,
@@ -83,7 +84,7 @@ from .segfile import (
     take_owner,
     write_new_header,
 )
-from .table import TABLE, size_class
+from mmshm.segments.table import TABLE, size_class
 
 log = logging.getLogger("mmshm")
 
@@ -115,12 +116,12 @@ class Segment:
         self.digest: tuple[int, bytes] | None = None
         # a file this process just created, its payload reserved but never
         # written nor mapped: the first fill writes it with pwrite (see
-        # mmshm.handle), which spares the kernel's zeroing of its pages
+        # mmshm.segments.shmtensor), which spares the kernel's zeroing of its pages
         self.blank = False
         # its payload written with pwrite and never touched through
         # shared_map: a reuse from the pool would fault every page into this
         # process's mapping, unless the sweeper maps them first
-        # (mmshm.table.SegmentTable.warm_pooled)
+        # (mmshm.segments.table.SegmentTable.warm_pooled)
         self.cold = False
 
     # -- reference count -------------------------------------------------
@@ -433,7 +434,7 @@ def mark_cached(name: str) -> bool:
     """Record that a cache of this process (vLLM's multimodal processor cache
     in the EngineCore) keeps views of segment ``name``, so that ``mmshm
     status`` shows the segment as held by that cache, not as a leak. Takes
-    the shared lock on the segment's byte 3 (:func:`mmshm.segfile.mark_cached`),
+    the shared lock on the segment's byte 3 (:func:`mmshm.segments.segfile.mark_cached`),
     which lasts until this process closes the segment. Returns False when
     this process does not have the segment open. Never raises."""
     with TABLE.lock:
@@ -518,7 +519,7 @@ class SegmentRef(NamedTuple):
         return True
 
 
-#: called first thing at exit (mmshm.refdebug's report)
+#: called first thing at exit (mmshm.segments.refdebug's report)
 exit_reporters: list = []
 
 
@@ -572,4 +573,4 @@ def _ensure_exit_hook() -> None:
 
 
 atexit.register(_close_all)
-# a forked child's table is reset by mmshm.table
+# a forked child's table is reset by mmshm.segments.table

@@ -62,8 +62,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-from . import config
-from .metrics import IPC_BYTES, IPC_SECONDS, OBSERVE_ERRORS
+from mmshm import config
+from mmshm.metrics import IPC_BYTES, IPC_SECONDS, OBSERVE_ERRORS
 
 log = logging.getLogger("mmshm")
 

@@ -1,6 +1,6 @@
 """Several nodes: a broadcast's payloads cross each node boundary once.
 
-When the TP group spans nodes (:func:`mmshm.node.layout`, learnt once per
+When the TP group spans nodes (:func:`mmshm.transport.topology.layout`, learnt once per
 group), the source rank hands out references only for the ranks of its own
 node. After its own walk it sends each tensor's payload once to a *leader*
 rank on every other node (its lowest rank), point to point through
@@ -12,14 +12,14 @@ handed out for them) and materialize the local ones.
 
 Invariants:
 
-- a group on one node never gets here: :mod:`mmshm.broadcast` builds a
+- a group on one node never gets here: :mod:`mmshm.transport.broadcast` builds a
   :class:`_NodePlan` only when the layout is not single, so the one-node path
   sends no message with :data:`P2P_TAG`;
 - every rank indexes the batch's handles in the same walk order, and the
   codes and payloads travel in that order;
 - failures (the source could not read a payload, the leader could not make a
   segment) travel with the metadata as reason codes
-  (:mod:`mmshm.agreement`), so the MAX agreement is the same as on one node;
+  (:mod:`mmshm.transport.agreement`), so the MAX agreement is the same as on one node;
 - a reference is given back by the rank that handed it out: stranded
   references come back to the source rank on its node, to the leader on the
   others (:meth:`_NodePlan.give_back_stranded`); on a transport failure the
@@ -40,11 +40,49 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import codec, node
-from .agreement import _OTHER, _REASON_CODE, _remote
-from .errors import DescriptorLimitError, MmshmError, ShmSpaceError, failure_reason
-from .handle import ShmTensor
-from .walker import handles, record_fallback
+from mmshm.errors import DescriptorLimitError, MmshmError, ShmSpaceError, failure_reason
+from mmshm.metrics import INTERNODE_BYTES
+from mmshm.segments import codec
+from mmshm.segments.shmtensor import ShmTensor
+from mmshm.transport import topology
+from mmshm.transport.agreement import _OTHER, _REASON_CODE, _remote
+from mmshm.transport.wrapping import handles, record_fallback
+
+# -- inter-node traffic (also mmshm_internode_bytes_total) -------------------------
+_STATS = {"sent_bytes": 0, "received_bytes": 0, "payloads_sent": 0, "payloads_received": 0}
+
+
+def count_sent(nbytes: int) -> None:
+    """Record one payload of ``nbytes`` sent to a rank on another node."""
+    _STATS["sent_bytes"] += nbytes
+    _STATS["payloads_sent"] += 1
+    INTERNODE_BYTES.inc(nbytes)
+
+
+def count_received(nbytes: int) -> None:
+    """Record one payload of ``nbytes`` received from a rank on another node."""
+    _STATS["received_bytes"] += nbytes
+    _STATS["payloads_received"] += 1
+
+
+def internode_bytes() -> int:
+    """Payload bytes this process has sent to ranks on other nodes (the
+    process-local value of ``mmshm_internode_bytes_total``). Summed over the
+    ranks of a run, it is the run's inter-node payload traffic."""
+    return _STATS["sent_bytes"]
+
+
+def internode_stats() -> dict[str, int]:
+    """This process's inter-node payload counters: ``sent_bytes``,
+    ``received_bytes``, ``payloads_sent``, ``payloads_received``."""
+    return dict(_STATS)
+
+
+def reset_internode_stats() -> None:
+    """Zero the process-local counters (the Prometheus counter is kept)."""
+    for k in _STATS:
+        _STATS[k] = 0
+
 
 # tag of the point-to-point messages of the multi-node path
 P2P_TAG = 0x6D6D
@@ -63,7 +101,7 @@ def _received_inline(meta, nbytes: int, src: int, group) -> torch.Tensor:
     buf = torch.empty(nbytes, dtype=torch.uint8)
     if nbytes:
         dist.recv(buf, src=src, group=group, tag=P2P_TAG)
-        node.count_received(nbytes)
+        count_received(nbytes)
     return buf.view(codec.DTYPES[meta.dtype]).reshape(meta.shape)
 
 
@@ -72,7 +110,7 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class HandleIndex:
-    """The interface between :mod:`mmshm.broadcast`'s walker and this module:
+    """The interface between :mod:`mmshm.transport.broadcast`'s walker and this module:
     a broadcast batch's handles indexed in walk order (the same on every
     rank). The broadcast's ``_Unwrapper`` is one; :class:`_NodePlan` reads
     and replaces entries through these names only, and never imports the
@@ -110,10 +148,10 @@ class _NodePlan:
        before walking; failed handles raise their forwarded reason.
 
     Each method's ``unw`` is the broadcast's walker, a :class:`HandleIndex`
-    (:class:`mmshm.broadcast._Unwrapper`).
+    (:class:`mmshm.transport.broadcast._Unwrapper`).
     """
 
-    def __init__(self, lay: node.Layout, group, group_rank: int, src: int):
+    def __init__(self, lay: topology.Layout, group, group_rank: int, src: int):
         self.lay = lay
         self.group = group
         self.me = group_rank
@@ -190,12 +228,12 @@ class _NodePlan:
                     if sizes[idx]:  # the payload is on its way: take it off the wire
                         dist.recv(torch.empty(sizes[idx], dtype=torch.uint8), src=src,
                                   group=self.group, tag=P2P_TAG)
-                        node.count_received(sizes[idx])
+                        count_received(sizes[idx])
                     unw.state[idx] = exc
                     codes[idx] = _REASON_CODE.get(failure_reason(exc), _OTHER)
                     continue
                 if sizes[idx]:
-                    node.count_received(sizes[idx])
+                    count_received(sizes[idx])
                 made.append(local)
                 unw.order[idx] = local
             wires: list[bytes | None] = [None] * nh
@@ -288,7 +326,7 @@ class _NodePlan:
             works.append(dist.isend(head_t, dst=dst, group=self.group, tag=P2P_TAG))
             for t in tensors:
                 works.append(dist.isend(t, dst=dst, group=self.group, tag=P2P_TAG))
-                node.count_sent(t.numel())
+                count_sent(t.numel())
         for w in works:
             w.wait()
 

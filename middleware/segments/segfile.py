@@ -2,8 +2,8 @@
 
 The lowest layer of the segment code: functions of one open descriptor and
 path, with no process-local state (no registry, no pool, no thread). The
-reaper (:mod:`mmshm.reaper`) and ``mmshm status`` read files through it; the
-segment table (:mod:`mmshm.table`) and :mod:`mmshm.segment` build on it. It
+reaper (:mod:`mmshm.segments.reaper`) and ``mmshm status`` read files through it; the
+segment table (:mod:`mmshm.segments.table`) and :mod:`mmshm.segments.segment` build on it. It
 imports nothing of mmshm but the configuration and the errors. Every
 read-modify-write of a header runs inside :func:`mutex`, and reads its fields
 through :class:`Header`.
@@ -84,8 +84,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
-from . import config
-from .errors import (
+from mmshm import config
+from mmshm.errors import (
     DescriptorLimitError,
     SegmentCorruptError,
     SegmentError,
@@ -149,8 +149,10 @@ _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
 _U32 = struct.Struct("<I")
 
+#: The name prefix of every segment file: spelled here only (NAME_RE, the wire codec,
+#: status's glob, the bench and the tests derive from it).
 PREFIX = "mmshm-"
-NAME_RE = re.compile(r"mmshm-([0-9]{1,10})-([0-9a-f]{16})\Z")
+NAME_RE = re.compile(re.escape(PREFIX) + r"([0-9]{1,10})-([0-9a-f]{16})\Z")
 
 MUTEX_BYTE, LIVE_BYTE, OWNER_BYTE, CACHE_BYTE = 0, 1, 2, 3
 # struct flock on Linux (x86_64, aarch64): short, short, off_t, off_t, pid_t
@@ -341,7 +343,7 @@ def delivered(handed: int, attached: int) -> bool:
     all been attached by readers (``attached`` attaches since): a reference
     counted on a segment nobody holds then belongs to a process that opened
     it and is gone, not to a message still in flight (see
-    :mod:`mmshm.reaper`)."""
+    :mod:`mmshm.segments.reaper`)."""
     return attached >= max(handed, 1)
 
 
@@ -445,7 +447,7 @@ def add_holder(fd: int) -> None:
 def detach(fd: int) -> None:
     """This process closes the segment cleanly: one holder fewer, and the
     time, from which references still in flight get their grace period
-    (``MMSHM_IN_FLIGHT_GRACE_S``, see :mod:`mmshm.reaper`). A file already
+    (``MMSHM_IN_FLIGHT_GRACE_S``, see :mod:`mmshm.segments.reaper`). A file already
     unlinked or truncated, or ``fd`` < 0, is left alone. Never raises."""
     if fd < 0:
         return

@@ -18,7 +18,7 @@ Three shapes of receiver, each with its helper:
   :func:`unwrap_each` materializes each request and turns each failed one
   into ``on_failure(request, error)``.
 
-A materialized view is remembered (:data:`mmshm.sending.SEGMENTS`), so that
+A materialized view is remembered (:data:`mmshm.transport.sending.SEGMENTS`), so that
 sending it on (vLLM's EngineCore to its workers) shares its segment instead
 of copying it. Every failure is counted in
 ``mmshm_materialize_failures_total{reason}`` and, per request or message, in
@@ -36,12 +36,12 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .errors import HandleError, MaterializeError, MmshmError, failure_reason
-from .handle import ShmTensor
-from . import observe
-from .metrics import MATERIALIZE_FAILURES, REQUEST_FAILURES
-from .sending import remember_segment
-from .walker import handles, transform, unwrap
+from mmshm.errors import HandleError, MaterializeError, MmshmError, failure_reason
+from mmshm.segments.shmtensor import ShmTensor
+from mmshm.hooks import observe
+from mmshm.metrics import MATERIALIZE_FAILURES, REQUEST_FAILURES
+from mmshm.transport.sending import remember_segment
+from mmshm.transport.wrapping import handles, transform, unwrap
 
 #: Placeholders returned for handles that could not be opened: tensor -> (error, reason).
 _BROKEN = WeakIdKeyDictionary()

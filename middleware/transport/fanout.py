@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .errors import MmshmError
-from .handle import ShmTensor
-from .sending import FanOut
-from .walker import handles, transform, wrap
+from mmshm.errors import MmshmError
+from mmshm.segments.shmtensor import ShmTensor
+from mmshm.transport.sending import FanOut
+from mmshm.transport.wrapping import handles, transform, wrap
 
 
 def fan_out(obj, n: int, min_bytes: int | None = None, directory: str | None = None) -> list:
@@ -18,7 +18,7 @@ def fan_out(obj, n: int, min_bytes: int | None = None, directory: str | None = N
     references are added per segment (one locked update each) and no payload
     byte is copied. The original handles give their reference to copy 0 and
     are left released: use the copies, not ``obj``. The ``n`` copies count
-    in ``mmshm_fanout_copies_total`` (one :class:`~mmshm.sending.FanOut`,
+    in ``mmshm_fanout_copies_total`` (one :class:`~mmshm.transport.sending.FanOut`,
     the fan-out of the instrumentors' scopes too).
 
     This replaces ``copy.copy(req)`` in SGLang's ``_handle_batch_request``,
