@@ -159,7 +159,7 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
     return out
 
 
-@main.command()
+@main.group(invoke_without_command=True)
 @click.option("--tp", default="2", show_default=True, callback=_int_list,
               help="Comma-separated TP sizes (a gloo group of spawned ranks each).")
 @click.option("--n", "n", default="2", show_default=True, callback=_int_list,
@@ -238,7 +238,11 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     left a shared-memory segment behind, 2 on a usage error (checked before
     anything runs, output paths included), 3 if the bench itself failed (a
     TP rank died or timed out), 4 on a bad MMSHM_* value.
+
+    `mmshm bench serve` runs the benchmarks of a real server instead.
     """
+    if ctx.invoked_subcommand is not None:
+        return  # `mmshm bench serve ...`: its own options
     from click.core import ParameterSource
     from rich.console import Console
 
@@ -319,6 +323,53 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     bad += [f for f in result.get("floors", []) if f.get("problems")]
     if bad or result["leftover_segments"]:
         sys.exit(1)
+
+
+#: ``mmshm bench serve NAME``: the real-server benchmarks, module of mmshm.bench.serve each.
+SERVE = {"ttft": "time to first token, plain server against under mmshm",
+         "transport": "multimodal IPC cost per hop, the server's own transport against mmshm's"}
+
+
+@bench.group(name="serve")
+@click.option("--python", "python", default=None, metavar="PYTHON",
+              type=click.Path(exists=True, dir_okay=False),
+              help="The server's interpreter, which runs the benchmark (e.g. "
+                   ".venvs/sglang-0.5.23-server/bin/python) [default: this one].")
+def serve(python) -> None:
+    """Benchmarks of a real server on this machine (SGLang or vLLM on CPU).
+
+    Each starts the server in turn as configured (127.0.0.1, its own process
+    group, killed on every way out) and prints a table; `mmshm bench serve
+    NAME --help` gives its options. They need the server installed: run
+    them with its interpreter (--python, or that interpreter's `-m
+    mmshm.cli`). The default model is the test harness's tiny Qwen2-VL
+    (.venvs/tiny-qwen2-vl, built when missing).
+    """
+
+
+def _serve_command(name: str, summary: str):
+    @serve.command(name=name, help=f"{summary[0].upper()}{summary[1:]} (its own --help).",
+                   context_settings={"ignore_unknown_options": True,
+                                     "allow_interspersed_args": False},
+                   add_help_option=False)
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    @click.pass_context
+    def command(ctx, args) -> None:
+        prog = f"mmshm bench serve {name}"
+        python = ctx.parent.params["python"]
+        if python is not None:
+            # the server's interpreter runs this command: it replaces this process, so
+            # that signals reach the benchmark (which kills its servers on the way out)
+            os.execv(python, [python, "-m", "mmshm.cli", "bench", "serve", name, *args])
+        import importlib
+
+        sys.exit(importlib.import_module(f"mmshm.bench.serve.{name}").main(list(args), prog=prog))
+
+    return command
+
+
+for _name, _summary in SERVE.items():
+    _serve_command(_name, _summary)
 
 
 def _check_output(path: str | None, option: str) -> None:
@@ -635,6 +686,13 @@ def config_cmd(as_json) -> None:
         con.print(Text("mmshm settings in effect for processes started from this environment:",
                        style="bold"))
         table = _table("variable", "value", "source", "meaning", header=False)
+        # the names are what a user copies: never cut or folded (the longest sets
+        # the column's width); the other columns wrap, and fold a word too long
+        # for them rather than cut it
+        name_col = table.columns[0]
+        name_col.no_wrap, name_col.min_width = True, max(len(r["variable"]) for r in rows)
+        for col in table.columns[1:]:
+            col.overflow = "fold"
         for r in rows:
             _add_row(table, r["variable"], r["shown"], f"[{r['source']}]", r["meaning"],
                      style="red" if r["error"] else None)

