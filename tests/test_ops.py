@@ -126,20 +126,6 @@ def test_config_prints_values_and_sources(monkeypatch):
     assert r.exit_code == 4 and "MMSHM_HASH='x' is not valid: expected lazy or eager" in r.output
 
 
-def test_the_readme_table_matches_the_declarations():
-    """The README's "Configuration" table lists every declared variable once,
-    with the declaration's default (``mmshm.config.VARIABLES``)."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Configuration (`MMSHM_*`)", 1)[1].split("\n## ", 1)[0]
-    rows = [[c.strip() for c in ln.strip().strip("|").split("|")]
-            for ln in section.splitlines() if ln.startswith("| `MMSHM_")]
-    names = [r[0].strip("`") for r in rows]
-    assert sorted(names) == sorted(v.name for v in config.VARIABLES)
-    assert len(names) == len(set(names))
-    defaults = {r[0].strip("`"): r[1].replace("`", "") for r in rows}
-    assert defaults == {v.name: v.shown_default for v in config.VARIABLES}
-
-
 def test_metrics_refresh_zero_is_valid_as_the_server_uses_it(monkeypatch, caplog):
     """``MMSHM_METRICS_REFRESH_S=0`` (refresh only on demand) was rejected by
     the declaration (a CLI exit 4, a warning from ``mmshm run``) although
