@@ -289,9 +289,10 @@ def mem_available_bytes() -> int:
     return 0
 
 
-def _dir_free_bytes(directory: str) -> int:
+def _dir_space(directory: str) -> tuple[int, int]:
+    """``(size, free)`` in bytes of the file system that holds ``directory``."""
     st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
 def our_segments(directory: str, pids: set[int]) -> set[str]:
@@ -772,10 +773,16 @@ def _skip_reason(mode_cls, payload: int, copies: int, tp: int, max_mem: int | No
     if budget is not None and mem > budget:
         return (f"estimated peak memory {mem / 1e9:.1f} GB exceeds the "
                 f"{budget / 1e9:.1f} GB available"), mem, shm
-    free = _dir_free_bytes(directory)
+    size, free = _dir_space(directory)
     if shm > free:
-        return (f"its segments ({shm / 1e9:.1f} GB) exceed the {free / 1e9:.1f} GB free "
-                f"in {directory}"), mem, shm
+        from mmshm.operations.doctor import shm_size_advice, size_fix
+
+        mib = 1 << 20
+        # exact sizes (a 64 MiB /dev/shm and 90 MiB of segments are both "0.1 GB"),
+        # and the fix in mmshm doctor's words, for this load and what else is there now
+        return (f"its segments need {shm} bytes ({shm / mib:.1f} MiB), more than the {free} "
+                f"bytes ({free / mib:.1f} MiB) free in {directory}; fix: "
+                f"{size_fix(shm_size_advice(shm, size - free))}"), mem, shm
     return None, mem, shm
 
 
@@ -825,8 +832,9 @@ def run_bench(cfg: BenchConfig, reporter: Reporter | None = None,
     config.reload()
     settings = config.get()
     directory = settings.dir
-    if not os.path.isdir(directory):
-        raise ValueError(f"segment directory {directory} does not exist (MMSHM_DIR)")
+    unusable = config.dir_problem(directory, create=False)
+    if unusable is not None:
+        raise ValueError(unusable.message())
     existed = {rel for rel in node_dirs(directory, cfg.nodes)
                if os.path.isdir(os.path.join(directory, rel))}
     if cfg.nodes > 1:

@@ -119,17 +119,20 @@ def _check_settings(command: str) -> None:
 
 
 def _dir_error(command: str, directory: str | None) -> None:
-    """Exit with :data:`EXIT_BAD_DIR` and one line if the segment directory
-    cannot be listed."""
+    """Exit with :data:`EXIT_BAD_DIR` and one line (:class:`mmshm.config.DirProblem`)
+    if the segment directory cannot be listed."""
     from mmshm.segments.segfile import segment_dir
 
     d = segment_dir(directory)
-    where = "--dir" if directory is not None else "MMSHM_DIR or the default"
-    try:
-        os.listdir(d)
-    except OSError as exc:
-        click.echo(f"mmshm {command}: error: the segment directory {d} (from {where}) cannot "
-                   f"be read: {exc.strerror}", err=True)
+    where = "--dir" if directory is not None else "MMSHM_DIR"
+    problem = _config.dir_problem(d, create=False, where=where)
+    if problem is None:
+        try:
+            os.listdir(d)
+        except OSError as exc:
+            problem = _config.DirProblem(d, f"it cannot be read ({exc.strerror})", where)
+    if problem is not None:
+        click.echo(f"mmshm {command}: error: {problem.message()}", err=True)
         sys.exit(EXIT_BAD_DIR)
 
 
@@ -186,7 +189,7 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
 @click.option("--min-bytes", type=click.IntRange(min=0), default=None,
               help="Shared-memory threshold in bytes " + _default_help("MMSHM_MIN_BYTES")
                    + ".")
-@click.option("--shm-dir", type=click.Path(exists=True, file_okay=False), default=None,
+@click.option("--shm-dir", type=click.Path(), metavar="DIRECTORY", default=None,
               help="Segment directory " + _default_help("MMSHM_DIR") + ".")
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Simulate this many nodes on this machine (own segment directory and "
@@ -250,6 +253,13 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     from mmshm.bench.report import FULL_WIDTH, PlainReporter, RichReporter, print_result
 
     _check_settings("bench")
+    bad_dir = _config.dir_problem(shm_dir if shm_dir is not None else _config.get().dir,
+                                  create=False,
+                                  where="--shm-dir" if shm_dir is not None else "MMSHM_DIR")
+    if bad_dir is not None:
+        if shm_dir is not None:
+            raise click.BadParameter(bad_dir.message(), param_hint="--shm-dir")
+        raise click.UsageError(bad_dir.message())
     _check_output(json_path, "--json")
     _check_output(plot_path, "--plot")
     if plot_path:
@@ -370,6 +380,22 @@ def _serve_command(name: str, summary: str):
 
 for _name, _summary in SERVE.items():
     _serve_command(_name, _summary)
+
+
+@bench.command(name="hop", context_settings={"ignore_unknown_options": True,
+                                              "allow_interspersed_args": False},
+               add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def hop(args) -> None:
+    """The TP broadcast hop alone, gloo on 127.0.0.1 (its own --help).
+
+    mmshm's broadcast of one SGLang-shaped batch per iteration, per rank,
+    with the share of the failure agreement; --baseline DIR measures
+    another mmshm alternately (mmshm.bench.hop).
+    """
+    from mmshm.bench import hop as hop_bench
+
+    sys.exit(hop_bench.main(list(args), prog="mmshm bench hop"))
 
 
 def _check_output(path: str | None, option: str) -> None:
@@ -678,9 +704,11 @@ def config_cmd(as_json) -> None:
                      "source": source, "allowed": var.allowed, "meaning": var.doc,
                      "error": error})
     unknown = config.unknown_variables()
+    dir_problem = config.dir_problem(d)
     if as_json:
         click.echo(json.dumps({"settings": [{k: v for k, v in r.items() if k != "shown"}
-                                            for r in rows], "unknown": unknown}))
+                                            for r in rows], "unknown": unknown,
+                               "dir_problem": dir_problem and dir_problem.message()}))
     else:
         con = _console()
         con.print(Text("mmshm settings in effect for processes started from this environment:",
@@ -699,6 +727,9 @@ def config_cmd(as_json) -> None:
         _print_table(con, table)
         for name in unknown:
             con.print(Text(f"note: {name} is set but mmshm reads no such variable"))
+        if dir_problem is not None:
+            con.print(Text.assemble(("note: ", "bold yellow"), dir_problem.message(
+                "processes started from this environment send every tensor inline")))
     for exc in bad:
         click.echo(f"mmshm config: error: {exc}", err=True)
     if bad:

@@ -152,8 +152,8 @@ def test_gc_and_status_on_a_missing_directory_exit_5(tmp_path):
     for command in ("gc", "status"):
         r = _invoke(command, "--dir", missing)
         assert r.exit_code == cli.EXIT_BAD_DIR == 5, r.output
-        assert r.output.strip() == (f"mmshm {command}: error: the segment directory {missing} "
-                                    f"(from --dir) cannot be read: No such file or directory")
+        assert r.output.strip() == (f"mmshm {command}: error: " + config.dir_problem(
+            missing, create=False, where="--dir").message())
 
 
 # -- status --------------------------------------------------------------------------------

@@ -186,24 +186,19 @@ class SegmentTable:
         except FileExistsError:
             pass
         except FileNotFoundError:
-            problem = f"its parent {os.path.dirname(directory.rstrip('/')) or '/'} does not exist"
+            pass  # its parent is missing: config.dir_problem says so
         except OSError as exc:
-            problem = f"it cannot be created ({exc.strerror})"
+            problem = config.DirProblem(directory, f"it cannot be created ({exc.strerror})")
         if problem is None:
-            if not os.path.isdir(directory):
-                problem = "it is not a directory"
-            elif not os.access(directory, os.W_OK | os.X_OK):
-                problem = "this process cannot write to it (permissions or a read-only mount)"
-        self._dir_problems[directory] = problem
+            problem = config.dir_problem(directory)  # the one wording (mmshm doctor's too)
+        self._dir_problems[directory] = problem and problem.reason
         if problem is not None and os.environ.get("MMSHM_DIR_PROBLEM_SAID") == directory:
             # ``mmshm run`` said it once for every process of the server
             log.info("mmshm: MMSHM_DIR=%s is unusable (%s); tensors travel inline, as "
-                     "mmshm run said", directory, problem)
+                     "mmshm run said", directory, problem.reason)
         elif problem is not None:
-            log.warning("mmshm: the segment directory MMSHM_DIR=%s cannot hold segments: %s; "
-                        "every tensor travels inline (correct, but without shared memory). "
-                        "Fix: point MMSHM_DIR at a writable directory on a tmpfs, e.g. "
-                        "/dev/shm or a directory under it", directory, problem)
+            log.warning("mmshm: %s", problem.message(
+                "every tensor travels inline (correct, but without shared memory)"))
         return made
 
     def dir_problem(self, directory: str) -> str | None:

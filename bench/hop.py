@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The TP broadcast hop on its own: one SGLang-shaped batch through
 ``mmshm.deferred_unwrap(mmshm.transport.broadcast.broadcast_pyobj)``, gloo on 127.0.0.1.
 
@@ -19,10 +18,14 @@ the mmshm this interpreter imports, ``--rounds`` rounds back to back, and
 prints both side by side with their ratio, so that a loaded host affects
 both alike.
 
-Examples::
+Examples (``python -m mmshm.bench.hop`` takes the same flags)::
 
-    python benchmarks/broadcast_hop.py --tp 2 --k 1,8 --iters 200
-    python benchmarks/broadcast_hop.py --tp 2 --k 1,8 --baseline /tmp/old --rounds 2
+    mmshm bench hop --tp 2 --k 1,8 --iters 200
+    mmshm bench hop --tp 2 --k 1,8 --baseline /tmp/old --rounds 2
+
+With ``--baseline`` each measurement runs in a child interpreter that runs
+this file by its path (``runpy.run_path``, nothing put on ``sys.path``), so
+that the other mmshm needs no copy of it.
 """
 
 from __future__ import annotations
@@ -146,7 +149,11 @@ def _child(args, pythonpath: str | None, k: int, spin_us: float | None = None) -
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--tp", str(args.tp),
+    # this file by its path, whichever mmshm PYTHONPATH gives the child
+    run_file = ("import runpy, sys; path = sys.argv.pop(1); sys.argv[0] = path; "
+                "runpy.run_path(path, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", run_file, os.path.abspath(__file__),
+                          "--tp", str(args.tp),
                           "--k", str(k), "--iters", str(args.iters), "--warmup",
                           str(args.warmup), "--json",
                           *(["--spin-us", str(spin_us)] if spin_us is not None else [])],
@@ -162,8 +169,8 @@ def _row(label: str, res: dict) -> str:
                      for r, v in sorted(res.items()))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--k", default="1,8", help="photos per request, comma separated")
     ap.add_argument("--iters", type=int, default=200)
@@ -173,7 +180,7 @@ def main() -> None:
     ap.add_argument("--spin-us", type=float, help="override mmshm.transport.shmagree.SPIN_S (the new "
                     "code only), microseconds")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     ks = [int(x) for x in args.k.split(",")]
     made = None
     if os.environ.get("MMSHM_DIR") is None:
@@ -189,6 +196,7 @@ def main() -> None:
             if left:
                 print(f"left in {made}: {left}", file=sys.stderr)
             shutil.rmtree(made, ignore_errors=True)
+    return 0
 
 
 def _run(args, ks) -> None:
@@ -215,4 +223,4 @@ def _run(args, ks) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
