@@ -451,3 +451,34 @@ def test_h2d_pieces_without_a_gpu():
     run = _aggregate(base, [{**sample, **one, "h2d_pinned_s": None}], [], {"floor_s": 0.01})
     assert run["h2d_pinned_Bps"] is None and h2d_line(run).endswith("registered: error 1")
     assert h2d_line(base) is None
+
+
+# -- one benchmark home: mmshm bench serve ---------------------------------------------------
+def test_bench_serve_reaches_the_server_benchmarks():
+    """``mmshm bench [options]`` stays the command it was and gains ``serve
+    ttft|transport``: the real-server benchmarks, whose options are their own
+    (their --help, under the subcommand's name)."""
+    from click.testing import CliRunner
+    from mmshm import cli
+
+    r = CliRunner().invoke(cli.main, ["bench", "--help"])
+    assert r.exit_code == 0 and "--quick" in r.output and "serve" in r.output, r.output
+    r = CliRunner().invoke(cli.main, ["bench", "serve", "--help"])
+    assert r.exit_code == 0 and "--python" in r.output, r.output
+    assert "ttft" in r.output and "transport" in r.output
+    for name, flags in (("ttft", ("--server", "--concurrency", "--requests", "--n", "--configs",
+                                  "--model", "--json")),
+                        ("transport", ("--server", "--images", "--requests", "--configs",
+                                       "--resolution", "--model", "--json"))):
+        proc = _cli("bench", "serve", name, "--help", timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.startswith(f"usage: mmshm bench serve {name} "), proc.stdout
+        assert all(f in proc.stdout for f in flags), proc.stdout
+    proc = _cli("bench", "serve", "--python", sys.executable, "transport", "--help", timeout=60)
+    assert proc.returncode == 0 and "usage: mmshm bench serve transport" in proc.stdout
+    proc = _cli("bench", "serve", "ttft", "--server", "tgi", timeout=60)
+    assert proc.returncode == 2 and "invalid choice: 'tgi'" in proc.stderr, proc.stderr
+    proc = _cli("bench", "hop", "--help", timeout=60)  # the broadcast hop alone, likewise
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: mmshm bench hop "), proc.stdout
+    assert "--baseline" in proc.stdout
+

@@ -9,5 +9,5 @@
 
 Each runs with the server's interpreter (``mmshm bench serve --python
 PYTHON NAME``, or ``PYTHON -m mmshm.cli bench serve NAME``). None of them
-imports torch or the server: they talk HTTP to the server's processes.
+imports the server: they talk HTTP to its processes.
 """
