@@ -19,26 +19,18 @@ import gc
 import os
 import secrets
 import shutil
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-import _mp
 from mmshm import config
-from mmshm.segments import segfile
 from mmshm.segments.table import TABLE
+
+from tests.harness.procs import SPAWNED_PIDS
+from tests.harness.segments import SHM_ROOT, created_by, segment_files
 
 
 def _our_shm_files() -> set[str]:
-    ours = {os.getpid()} | _mp.SPAWNED_PIDS
-    out = set()
-    for n in _mp.seg_files(_mp.SHM_ROOT):
-        m = segfile.NAME_RE.match(n)
-        if m is not None and int(m.group(1)) in ours:
-            out.add(n)
-    return out
+    return created_by({os.getpid()} | SPAWNED_PIDS, SHM_ROOT)
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +40,7 @@ def shm_dir(monkeypatch):
     # freezing it keeps each gc.collect() below cheap (torch's heap is large).
     gc.freeze()
     before = _our_shm_files()
-    d = os.path.join(_mp.SHM_ROOT, f"pytest-mmshm-{os.getpid()}-{secrets.token_hex(4)}")
+    d = os.path.join(SHM_ROOT, f"pytest-mmshm-{os.getpid()}-{secrets.token_hex(4)}")
     os.mkdir(d, 0o700)
     monkeypatch.setenv("MMSHM_DIR", d)
     monkeypatch.setenv("MMSHM_REAP_INTERVAL_S", "0")
@@ -65,7 +57,7 @@ def shm_dir(monkeypatch):
         TABLE.sweep()
         TABLE.trim_pool()
         problems = []
-        left = _mp.seg_files(d)
+        left = segment_files(d)
         if left:
             problems.append(f"segments left in MMSHM_DIR: {left}")
         still_open = [n for n in TABLE.names()]
@@ -81,7 +73,7 @@ def shm_dir(monkeypatch):
         shutil.rmtree(d, ignore_errors=True)
         for n in new_in_shm:
             try:
-                os.unlink(os.path.join(_mp.SHM_ROOT, n))
+                os.unlink(os.path.join(SHM_ROOT, n))
             except OSError:
                 pass
         monkeypatch.undo()

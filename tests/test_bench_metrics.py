@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,17 +10,13 @@ import urllib.request
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.harness.ports import free_port
 
 
 @pytest.mark.timeout(180)
 def test_bench_serves_metrics_of_every_process_while_it_runs(shm_dir):
     pytest.importorskip("transformers")
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     p = subprocess.Popen(
         [sys.executable, "-m", "mmshm.cli", "bench", "--tp", "2", "--n", "2", "--images", "1",

@@ -26,18 +26,19 @@ import os
 import pickle
 import random
 import signal
-import sys
 import time
 from collections import Counter
 
 import msgspec
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
-
 import mmshm
-import mmshm_faults as F
 from mmshm.segments import reaper
+
+from tests.harness.procs import fork_ctx, fork_start, join, recv
+from tests.harness.segments import segment_files
+from tests.harness.metrics import metric
+from tests.harness import workers
 
 log = logging.getLogger("tests.figures")
 
@@ -55,54 +56,54 @@ def segdir(shm_dir):
 
 
 def _producer_trial(d: str, rnd: random.Random, seed: int) -> tuple[int, set[str]]:
-    a, b = F.ctx().Pipe()
-    p = F.start(F.w_producer_loop, d, seed, b, name="producer")
-    assert F.recv(a, 30) == "started"
+    a, b = fork_ctx().Pipe()
+    p = fork_start(workers.w_producer_loop, d, seed, b, name="producer")
+    assert recv(a, 30) == "started"
     time.sleep(rnd.uniform(0.0, 0.12))
     p.kill()
-    assert F.join(p) == KILLED
+    assert join(p) == KILLED
     return 1, set()
 
 
 def _consumer_trial(d: str, rnd: random.Random, seed: int) -> tuple[int, set[str]]:
-    ha, hb = F.ctx().Pipe()
-    holder = F.start(F.w_holder, d, rnd.randrange(1 << 16, 24 << 20), seed, 1, hb,
-                     name="holder")
-    data, digest, name = F.recv(ha, 30)
-    ca, cb = F.ctx().Pipe()
-    consumer = F.start(F.w_consumer, d, cb, name="consumer")
+    ha, hb = fork_ctx().Pipe()
+    holder = fork_start(workers.w_holder, d, rnd.randrange(1 << 16, 24 << 20), seed, 1, hb,
+                        name="holder")
+    data, digest, name = recv(ha, 30)
+    ca, cb = fork_ctx().Pipe()
+    consumer = fork_start(workers.w_consumer, d, cb, name="consumer")
     ca.send((data, digest))
-    assert F.recv(ca, 30) == ("materialized", True)
+    assert recv(ca, 30) == ("materialized", True)
     holder_first = rnd.random() < 0.5  # the creator leaves before or after the kill
     if holder_first:
         ha.send("exit")
-        assert F.recv(ha) == "bye"
+        assert recv(ha) == "bye"
     time.sleep(rnd.uniform(0.0, 0.02))
     consumer.kill()
-    assert F.join(consumer) == KILLED
+    assert join(consumer) == KILLED
     if not holder_first:
         ha.send("exit")
-        assert F.recv(ha) == "bye"
-    assert F.join(holder) == 0
+        assert recv(ha) == "bye"
+    assert join(holder) == 0
     return 1, {name}  # the consumer's reference leaked: the reaper's job
 
 
 def _tp_trial(d: str, rnd: random.Random, seed: int) -> tuple[int, set[str]]:
-    ctx = F.ctx()
+    ctx = fork_ctx()
     p_r0, r0_p = ctx.Pipe()
     r0_r1, r1_r0 = ctx.Pipe()
     t_r0, r0_t = ctx.Pipe()
     t_r1, r1_t = ctx.Pipe()
     materialize = rnd.random() < 0.5
-    prod = F.start(F.w_tp_producer, d, seed, p_r0, name="tokenizer")
-    r0 = F.start(F.w_tp_rank0, d, r0_p, r0_r1, r0_t, name="rank0")
-    r1 = F.start(F.w_tp_rank1, d, materialize, r1_r0, r1_t, name="rank1")
-    assert F.recv(t_r1, 30) == ("rank1", True)
+    prod = fork_start(workers.w_tp_producer, d, seed, p_r0, name="tokenizer")
+    r0 = fork_start(workers.w_tp_rank0, d, r0_p, r0_r1, r0_t, name="rank0")
+    r1 = fork_start(workers.w_tp_rank1, d, materialize, r1_r0, r1_t, name="rank1")
+    assert recv(t_r1, 30) == ("rank1", True)
     r1.kill()  # right after the broadcast
-    assert F.recv(t_r0, 30) == ("rank0", True)
-    assert F.join(r1) == KILLED
-    assert F.join(r0) == 0
-    assert F.join(prod) == 0
+    assert recv(t_r0, 30) == ("rank0", True)
+    assert join(r1) == KILLED
+    assert join(r0) == 0
+    assert join(prod) == 0
     return 1, set()
 
 
@@ -126,14 +127,14 @@ def test_chaos_sigkill_trials(segdir):
     rnd = random.Random(SEED)
     kinds = [KINDS[i % len(KINDS)] for i in range(TRIALS)]
     rnd.shuffle(kinds)
-    reaped_segments0 = F.sample("mmshm_reaped_segments_total")
-    reaped_bytes0 = F.sample("mmshm_reaped_bytes_total")
+    reaped_segments0 = metric("mmshm_reaped_segments_total")
+    reaped_bytes0 = metric("mmshm_reaped_bytes_total")
 
-    live_conn, live_end = F.ctx().Pipe()
-    live = F.start(F.w_live_instance, segdir, live_end, name="live-instance")
-    info = F.recv(live_conn, 60)
+    live_conn, live_end = fork_ctx().Pipe()
+    live = fork_start(workers.w_live_instance, segdir, live_end, name="live-instance")
+    info = recv(live_conn, 60)
     live_names = set(info["names"])
-    assert set(F.segment_files(segdir)) == live_names
+    assert set(segment_files(segdir)) == live_names
 
     kills = Counter()
     reclaimed = reclaimed_bytes = 0
@@ -162,20 +163,20 @@ def test_chaos_sigkill_trials(segdir):
         assert [i.name for i in infos if i.orphan] == [], f"trial {trial} ({kind}): orphans"
         assert {i.name for i in infos} == live_names, f"trial {trial} ({kind}): leftovers"
         live_conn.send("verify")
-        assert F.recv(live_conn, 30) is True, f"trial {trial}: the live instance's bytes changed"
+        assert recv(live_conn, 30) is True, f"trial {trial}: the live instance's bytes changed"
         slowest = max(slowest, time.monotonic() - t0)
         if os.environ.get("MMSHM_CHAOS_DEBUG"):
             print(f"trial {trial} {kind} {time.monotonic() - t0:.3f}s {rep.reclaimed}", flush=True)
 
-    assert F.sample("mmshm_reaped_segments_total") - reaped_segments0 == reclaimed
-    assert F.sample("mmshm_reaped_bytes_total") - reaped_bytes0 == reclaimed_bytes
+    assert metric("mmshm_reaped_segments_total") - reaped_segments0 == reclaimed
+    assert metric("mmshm_reaped_bytes_total") - reaped_bytes0 == reclaimed_bytes
     # the handle that stayed in flight through all trials is intact
     h = pickle.loads(info["in_flight"])
     assert mmshm.content_hash(h.materialize(copy=True)) == info["in_flight_hash"]
     live_conn.send("exit")
-    assert F.recv(live_conn) == "bye"
-    assert F.join(live) == 0
-    assert F.segment_files(segdir) == []
+    assert recv(live_conn) == "bye"
+    assert join(live) == 0
+    assert segment_files(segdir) == []
     # diagnostic figures go to the log (pytest -o log_cli=true --log-cli-level=INFO)
     log.info("chaos: %d trials (seed %s), kills %s, reclaimed %d segments / %d bytes, "
              "orphans left 0, live segments intact %d, slowest trial %.2fs", TRIALS, SEED,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import pickle
 
-import _mp
 import mmshm
 import msgspec
 import pytest
@@ -15,6 +14,8 @@ import torch
 from mmshm.segments import codec
 from mmshm.segments.codec import HandleMeta
 from mmshm.segments.shmtensor import _rebuild
+
+from tests.harness.segments import refcount, segment_files
 
 GOOD_NAME = f"mmshm-{os.getpid()}-0123456789abcdef"
 H16 = b"\x01" * 16
@@ -161,11 +162,11 @@ def test_size_larger_than_the_segment(shm_dir, copy):
     with pytest.raises(mmshm.HandleError):
         lie.materialize(copy=copy)
     assert lie.owns_reference  # a failed materialize keeps the reference
-    assert _mp.refcount(m.name) == 2
+    assert refcount(m.name) == 2
     lie.release()
-    assert _mp.refcount(m.name) == 1
+    assert refcount(m.name) == 1
     assert torch.equal(h.materialize(copy=True), t)  # the segment is unharmed
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_bigger_dtype_same_count_is_larger_than_the_segment(shm_dir):
@@ -178,7 +179,7 @@ def test_bigger_dtype_same_count_is_larger_than_the_segment(shm_dir):
     with pytest.raises(mmshm.HandleError):
         lie.materialize()
     del lie
-    assert _mp.refcount(m.name) == 1
+    assert refcount(m.name) == 1
     h.release()
 
 
@@ -210,7 +211,7 @@ def test_unpickling_malformed_handle_gives_broken_handle(shm_dir, data):
     with pytest.raises(mmshm.HandleError):
         again.materialize()
     assert "broken" in repr(again)
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_unpickling_malformed_handle_inside_a_request(shm_dir):
@@ -223,4 +224,4 @@ def test_unpickling_malformed_handle_inside_a_request(shm_dir):
     with pytest.raises(mmshm.HandleError):
         req["bad"].materialize()
     assert torch.equal(req["good"].materialize(copy=True), t)
-    assert _mp.seg_files() == []
+    assert segment_files() == []

@@ -17,12 +17,13 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
-
 import mmshm
-import mmshm_faults as F
 from mmshm.segments import reaper, segfile
 from mmshm.segments.table import TABLE
+
+from tests.harness import ROOT
+from tests.harness.segments import segment_files
+from tests.harness.tensors import pattern
 
 
 def _fds() -> int:
@@ -31,7 +32,7 @@ def _fds() -> int:
 
 def test_a_producer_holds_one_descriptor_per_segment(shm_dir):
     before = _fds()
-    hs = [mmshm.ShmTensor.from_tensor(F.pattern(1 << 16, i)) for i in range(50)]
+    hs = [mmshm.ShmTensor.from_tensor(pattern(1 << 16, i)) for i in range(50)]
     assert _fds() - before == 50
     for h in hs:
         h.release()
@@ -39,7 +40,7 @@ def test_a_producer_holds_one_descriptor_per_segment(shm_dir):
 
 
 def test_views_of_one_segment_share_its_descriptor(shm_dir):
-    t = F.pattern(1 << 18, 2)
+    t = pattern(1 << 18, 2)
     h = mmshm.ShmTensor.from_tensor(t)
     before = _fds()
     views = [h.clone().materialize() for _ in range(10)]
@@ -53,9 +54,9 @@ def test_views_of_one_segment_share_its_descriptor(shm_dir):
 def test_a_reader_under_ulimit_256_holds_twice_the_views(shm_dir):
     """The figure of the note: 94 views before, 188 after (RLIMIT_NOFILE 256,
     MMSHM_FD_RESERVE 64): one descriptor per view."""
-    r = subprocess.run([sys.executable, os.path.join(F.HERE, "fd_views.py"), "300", "256"],
+    r = subprocess.run([sys.executable, "-m", "tests.scripts.fd_views", "300", "256"],
                        capture_output=True, text=True, timeout=110,
-                       env=dict(os.environ, MMSHM_DIR=shm_dir))
+                       env=dict(os.environ, MMSHM_DIR=shm_dir), cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert "error" not in res, res
@@ -64,13 +65,13 @@ def test_a_reader_under_ulimit_256_holds_twice_the_views(shm_dir):
     # every descriptor number below 256 - 64 is usable; a few are the interpreter's
     assert 180 <= res["reader_views"] <= 192 - 3
     assert res["reader_fds"] <= res["reader_views"] + 10
-    assert F.segment_files(shm_dir) == []
+    assert segment_files(shm_dir) == []
 
 
 def test_the_liveness_lock_lasts_while_a_mapping_does_without_any_descriptor(shm_dir):
     """What the design relies on: a mapping keeps the open file description,
     and with it the shared liveness lock, after its descriptor is closed."""
-    t = F.pattern(1 << 16, 4)
+    t = pattern(1 << 16, 4)
     h = mmshm.ShmTensor.from_tensor(t)
     h.share(1)  # the reference the mapping below stands for
     fd = os.open(os.path.join(shm_dir, h.name), os.O_RDWR)

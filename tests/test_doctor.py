@@ -18,12 +18,16 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
-
 import mmshm
-import mmshm_faults as F
 from mmshm.operations import doctor
 from mmshm.segments import reaper
+
+from tests.harness.procs import fork_start, join
+from tests.harness.segments import segment_files
+from tests.harness.metrics import metric
+from tests.harness.shm import run_in_tmpfs, unshare_reason
+from tests.harness.tensors import pattern
+from tests.harness import workers
 
 MiB = 1 << 20
 CLI = [sys.executable, "-c", "import sys; from mmshm.cli import main; sys.exit(main())"]
@@ -51,10 +55,10 @@ def _flat(text: str) -> str:
 
 
 def _orphans(d: str, sizes: list[int]) -> dict[str, int]:
-    before = set(F.segment_files(d))
-    p = F.start(F.w_orphan_maker, d, sizes)
-    assert F.join(p, 30) == 0
-    names = set(F.segment_files(d)) - before
+    before = set(segment_files(d))
+    p = fork_start(workers.w_orphan_maker, d, sizes)
+    assert join(p, 30) == 0
+    names = set(segment_files(d)) - before
     return {n: os.path.getsize(os.path.join(d, n)) for n in names}
 
 
@@ -62,13 +66,13 @@ def _orphans(d: str, sizes: list[int]) -> dict[str, int]:
 @pytest.mark.fault
 @pytest.mark.timeout(120)
 def test_doctor_in_a_64mib_tmpfs_names_the_problem_and_the_fix():
-    why = F.unshare_reason()
+    why = unshare_reason()
     if why:
         pytest.skip(why)
     _cli()
     script = ('out=$("$@" doctor 2>&1); rc=$?; echo "rc=$rc"; printf "%s\n" "$out"; '
               'echo ----; "$@" doctor --json; echo "rc=$?"')
-    r = F.run_in_tmpfs(["sh", "-c", script, "sh", *CLI], size="64m", timeout=110)
+    r = run_in_tmpfs(["sh", "-c", script, "sh", *CLI], size="64m", timeout=110)
     assert r.returncode == 0, r.stderr
     human, machine = r.stdout.split("----\n")
     rc_line, human = human.split("\n", 1)
@@ -155,7 +159,7 @@ def test_doctor_missing_directory_still_reports_the_host(tmp_path, monkeypatch):
 @pytest.mark.timeout(60)
 def test_gc_dry_run_lists_orphans_then_gc_removes_them(segdir):
     sizes = _orphans(segdir, [1 << 16, 1 << 18, 1 << 20])
-    live = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 3), directory=segdir)
+    live = mmshm.ShmTensor.from_tensor(pattern(1 << 17, 3), directory=segdir)
     total = sum(sizes.values())
     try:
         r = _invoke("gc", "--dir", segdir, "--dry-run")
@@ -165,7 +169,7 @@ def test_gc_dry_run_lists_orphans_then_gc_removes_them(segdir):
             assert n in text
         assert live.name not in text
         assert "3" in text and str(total) in text
-        assert set(F.segment_files(segdir)) == set(sizes) | {live.name}  # nothing removed
+        assert set(segment_files(segdir)) == set(sizes) | {live.name}  # nothing removed
 
         r = _invoke("gc", "--dir", segdir, "--dry-run", "--json")
         js = json.loads(r.stdout)
@@ -173,16 +177,16 @@ def test_gc_dry_run_lists_orphans_then_gc_removes_them(segdir):
         assert (js["reclaimed"], js["reclaimed_bytes"], js["live"]) == (3, total, 1)
         assert sorted(js["names"]) == sorted(sizes)
 
-        segs0 = F.sample("mmshm_reaped_segments_total")
+        segs0 = metric("mmshm_reaped_segments_total")
         r = _invoke("gc", "--dir", segdir)
         assert r.exit_code == 0, r.output
         text = _flat(r.output)
         for n in sizes:
             assert n in text
         assert str(total) in text
-        assert F.segment_files(segdir) == [live.name]  # the live one is kept
-        assert F.sample("mmshm_reaped_segments_total") - segs0 == 3
-        assert torch_equal_bytes(live, F.pattern(1 << 17, 3))
+        assert segment_files(segdir) == [live.name]  # the live one is kept
+        assert metric("mmshm_reaped_segments_total") - segs0 == 3
+        assert torch_equal_bytes(live, pattern(1 << 17, 3))
 
         r = _invoke("gc", "--dir", segdir, "--json")
         js = json.loads(r.stdout)
@@ -206,7 +210,7 @@ def test_gc_console_script_in_a_subprocess(segdir):
                        timeout=100, check=False)
     assert r.returncode == 0, r.stderr
     assert next(iter(sizes)) in _flat(r.stdout)
-    assert F.segment_files(segdir) == []
+    assert segment_files(segdir) == []
 
 
 
@@ -225,7 +229,7 @@ def test_gc_prints_one_summary_per_reclaim_and_the_reaper_still_warns(segdir):
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "reclaimed" in ln]
     assert len(lines) == 1 and lines[0].startswith("mmshm gc: reclaimed 1 "), lines
-    assert F.segment_files(segdir) == []
+    assert segment_files(segdir) == []
     _orphans(segdir, [1 << 16])
     records: list[logging.LogRecord] = []
     h = logging.Handler()

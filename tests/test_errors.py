@@ -10,19 +10,16 @@
 from __future__ import annotations
 
 import errno
-import json
-import os
 import pickle
-import sys
 from concurrent.futures.process import _ExceptionWithTraceback
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
-
 import mmshm
-import mmshm_faults as F
 from mmshm import errors
+
+from tests.harness.shm import run_script
+from tests.harness.tensors import pattern
 
 
 def _examples() -> list[BaseException]:
@@ -96,7 +93,7 @@ def test_the_issue_reproducer_keeps_message_reason_and_filename():
 
 
 def test_a_materialize_error_whose_request_cannot_be_pickled_keeps_the_rest():
-    h = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 1))
+    h = mmshm.ShmTensor.from_tensor(pattern(1 << 17, 1))
     h.release()  # a released handle refuses pickling, as in a failed request
     e = mmshm.MaterializeError("failed", request={"feature": h}, reason="not_found", ranks=[0])
     back = pickle.loads(pickle.dumps(e))
@@ -107,11 +104,7 @@ def test_a_materialize_error_whose_request_cannot_be_pickled_keeps_the_rest():
 @pytest.mark.fault
 @pytest.mark.timeout(180)
 def test_process_pool_race_for_the_last_space_gives_typed_errors_and_strands_nothing():
-    F.skip_without_unshare()
-    r = F.run_in_tmpfs([sys.executable, os.path.join(F.HERE, "pool_race.py")],
-                       size="64m", timeout=170)
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = run_script("pool_race", size="64m", timeout=170)
     assert res["other"] == []  # no BrokenProcessPool, no TypeError
     assert res["pool_usable"] is True
     assert res["bytes_equal"] and res["handles"] >= 3

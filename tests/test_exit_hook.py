@@ -5,22 +5,20 @@ too (mmshm never imports the package itself)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
-
-import mmshm_faults as F
 from mmshm.segments import segment
+
+from tests.harness.procs import track
+from tests.harness.segments import segment_files
+from tests.harness import workers
 
 multiprocess = pytest.importorskip("multiprocess")
 
 
 def _child_leaves_a_pooled_segment(directory: str) -> None:
     # no torch here: a fork child must not meet the parent's OpenMP pool
-    F.use_dir(directory, MMSHM_POOL="1", MMSHM_POOL_IDLE_S="600")
+    workers.use_dir(directory, MMSHM_POOL="1", MMSHM_POOL_IDLE_S="600")
     seg = segment.create(1 << 20)
     # back to this process's pool: only its exit hook unlinks it
     assert segment.update_refcount(seg.name, -1) == 0
@@ -32,7 +30,7 @@ def test_a_multiprocess_child_runs_the_exit_hook(shm_dir):
     p = multiprocess.get_context("fork").Process(target=_child_leaves_a_pooled_segment,
                                                  args=(shm_dir,))
     p.start()
-    F.track(p.pid)
+    track(p.pid)
     p.join(30)
     assert p.exitcode == 0
-    assert F.segment_files(shm_dir) == []  # without the hook: the pooled segment stays
+    assert segment_files(shm_dir) == []  # without the hook: the pooled segment stays

@@ -7,45 +7,30 @@ tmpfs mounted on /dev/shm (Docker's default size); they need root."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
-import _mp
 import pytest
+
+from tests.harness.procs import run_child, signal_name
+from tests.harness.segments import segment_files
+from tests.harness.shm import private_shm_prefix, skip_without_unshare
+from tests.harness import children
 
 pytestmark = pytest.mark.timeout(120)
 
-_MOUNT = ('mount -t tmpfs -o size=64m tmpfs /dev/shm && '
-          'MMSHM_DIR=/dev/shm exec "$0" -c "$1"')
-
-
-def _can_unshare() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (unshare -m and mount)"
-    if shutil.which("unshare") is None:
-        return "unshare is not installed"
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"],
-                           capture_output=True, timeout=30, check=False)
-    if probe.returncode != 0:
-        return f"unshare -m / mount not permitted here: {probe.stderr.decode().strip()}"
-    return None
-
-
 def run_in_small_tmpfs(script: str, **env) -> subprocess.CompletedProcess:
-    reason = _can_unshare()
-    if reason:
-        pytest.skip(reason)
+    """Run ``script`` in a child Python with a private 64 MiB tmpfs on
+    /dev/shm as its ``MMSHM_DIR``; skip where that cannot be had."""
+    skip_without_unshare()
     e = {k: v for k, v in os.environ.items() if k != "MMSHM_DIR"}
-    e.update(MMSHM_REAP_INTERVAL_S="0", **env)
-    proc = subprocess.run(["unshare", "-m", "sh", "-c", _MOUNT, sys.executable,
-                           textwrap.dedent(script)],
-                          capture_output=True, text=True, timeout=100, env=e,
-                          check=False)
+    e.update(MMSHM_DIR="/dev/shm", MMSHM_REAP_INTERVAL_S="0", **env)
+    proc = subprocess.run(private_shm_prefix() + [sys.executable, "-c", textwrap.dedent(script)],
+                          capture_output=True, text=True, timeout=100, env=e, check=False)
     code = proc.returncode
     # the shell execs Python, so a signal shows as a negative code (128 + n if not)
-    assert code == 0, (f"child {_mp.signal_name(code)}"
+    assert code == 0, (f"child {signal_name(code)}"
                        f"{' (SIGBUS?)' if code in (-7, 135) else ''}\n"
                        f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
@@ -188,16 +173,16 @@ def test_budget_guard_keeps_the_reserve_free():
 
 # -- truncation by a third party ----------------------------------------------------
 def test_truncated_segment_in_the_creating_process(shm_dir):
-    res, code = _mp.run_child(_mp.truncate_in_creator, 100)
-    assert code == 0, _mp.signal_name(code)
+    res, code = run_child(children.truncate_in_creator, 100)
+    assert code == 0, signal_name(code)
     assert res == {False: "SegmentCorruptError", True: "SegmentCorruptError", "left": []}, res
 
 
 def test_header_truncated_by_third_party_does_not_kill_the_creator(shm_dir):
     try:
-        res, code = _mp.run_child(_mp.truncate_header_then_sweep)
-        assert code == 0, _mp.signal_name(code)
+        res, code = run_child(children.truncate_header_then_sweep)
+        assert code == 0, signal_name(code)
         assert res == {"ok": True}
     finally:
-        for n in _mp.seg_files():  # the corrupt file cannot be released by count
+        for n in segment_files():  # the corrupt file cannot be released by count
             os.unlink(os.path.join(shm_dir, n))

@@ -8,12 +8,16 @@ import gc
 import os
 import pickle
 
-import _mp
 import mmshm
 import pytest
 import torch
 from mmshm.segments import codec, segfile
 from mmshm.segments.table import TABLE
+
+from tests.harness.procs import run_child, signal_name
+from tests.harness.segments import refcount, seg_dir, segment_files
+from tests.harness.tensors import as_bytes, make_tensor
+from tests.harness import children
 
 # the dtypes the issue names; each must be supported
 REQUIRED_DTYPES = (
@@ -70,12 +74,12 @@ def test_roundtrip_every_dtype_and_layout(shm_dir, dtype, layout):
         assert got.shape == t.shape
         assert got.dtype == dtype
         assert got.device.type == "cpu"
-        assert torch.equal(_mp.as_bytes(got), _mp.as_bytes(t))
-    assert torch.equal(_mp.as_bytes(view), _mp.as_bytes(private))
-    assert len(_mp.seg_files()) <= 1  # only the view's segment may still exist
+        assert torch.equal(as_bytes(got), as_bytes(t))
+    assert torch.equal(as_bytes(view), as_bytes(private))
+    assert len(segment_files()) <= 1  # only the view's segment may still exist
     del view
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_large_tensor_roundtrip(shm_dir):
@@ -96,7 +100,7 @@ def test_large_tensor_roundtrip(shm_dir):
 def test_unsupported_tensors_raise_type_error(shm_dir, make):
     with pytest.raises(TypeError):
         mmshm.ShmTensor.from_tensor(make())
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_unsupported_dtype_raises_type_error(shm_dir):
@@ -106,7 +110,7 @@ def test_unsupported_dtype_raises_type_error(shm_dir):
         with pytest.raises(TypeError):
             mmshm.ShmTensor.from_tensor(t)
     finally:
-        assert _mp.seg_files() == []
+        assert segment_files() == []
 
 
 def test_hash_argument_and_validation(shm_dir):
@@ -117,7 +121,7 @@ def test_hash_argument_and_validation(shm_dir):
     for bad in (b"x" * 15, b"x" * 33):
         with pytest.raises(ValueError):
             mmshm.ShmTensor.from_tensor(t, hash=bad)
-    assert _mp.seg_files() == []
+    assert segment_files() == []
     # content_hash does not depend on the layout
     m = torch.randn(30, 40)
     assert mmshm.content_hash(m.t()) == mmshm.content_hash(m.t().contiguous())
@@ -127,11 +131,11 @@ def test_hash_argument_and_validation(shm_dir):
 # -- ownership ----------------------------------------------------------------------------
 def test_dropped_unmaterialized_handle_releases(shm_dir):
     h = mmshm.ShmTensor.from_tensor(torch.ones(1000))
-    assert _mp.seg_files() == [h.name]
-    assert _mp.refcount(h.name) == 1
+    assert segment_files() == [h.name]
+    assert refcount(h.name) == 1
     del h
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
     assert TABLE.names() == []
 
 
@@ -141,86 +145,86 @@ def test_materialize_moves_reference_to_tensor_and_views(shm_dir):
     name = h.name
     v = h.materialize(copy=False)
     assert not h.owns_reference
-    assert _mp.refcount(name) == 1
+    assert refcount(name) == 1
     views = [v[3:9], v.t(), v.reshape(-1), v[0]]
     del h  # the handle no longer owns anything: dropping it changes nothing
     gc.collect()
-    assert _mp.refcount(name) == 1
+    assert refcount(name) == 1
     del v
     gc.collect()
     # views of the tensor keep the reference alive
-    assert _mp.seg_files() == [name]
+    assert segment_files() == [name]
     assert torch.equal(views[0], t[3:9])
     assert torch.equal(views[1], t.t())
     last = views.pop()
     del views
     gc.collect()
-    assert _mp.seg_files() == [name]
+    assert segment_files() == [name]
     assert torch.equal(last, t[0])
     del last
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_materialize_copy_releases_at_once(shm_dir):
     t = torch.randn(100, 100)
     h = mmshm.ShmTensor.from_tensor(t)
     other = h.clone()
-    assert _mp.refcount(h.name) == 2
+    assert refcount(h.name) == 2
     c = h.materialize(copy=True)
     assert torch.equal(c, t)
     assert not h.owns_reference
-    assert _mp.refcount(h.name) == 1  # released immediately, no gc needed
+    assert refcount(h.name) == 1  # released immediately, no gc needed
     c2 = other.materialize(copy=True)
-    assert _mp.seg_files() == []  # the last copy unlinked it
+    assert segment_files() == []  # the last copy unlinked it
     assert torch.equal(c2, t)
 
 
 def test_release_is_idempotent(shm_dir):
     h = mmshm.ShmTensor.from_tensor(torch.ones(1000))
     keep = h.clone()
-    assert _mp.refcount(h.name) == 2
+    assert refcount(h.name) == 2
     h.release()
-    assert _mp.refcount(h.name) == 1
+    assert refcount(h.name) == 1
     h.release()
     h.release()
-    assert _mp.refcount(h.name) == 1
+    assert refcount(h.name) == 1
     del h
     gc.collect()
-    assert _mp.refcount(keep.name) == 1
+    assert refcount(keep.name) == 1
     keep.release()
     keep.release()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 7])
 def test_share_adds_exactly_k(shm_dir, k):
     h = mmshm.ShmTensor.from_tensor(torch.ones(1000))
     h.share(k)
-    assert _mp.refcount(h.name) == 1 + k
+    assert refcount(h.name) == 1 + k
     h.share(2)
-    assert _mp.refcount(h.name) == 3 + k
+    assert refcount(h.name) == 3 + k
     with pytest.raises(ValueError):
         h.share(-1)
-    assert _mp.refcount(h.name) == 3 + k
+    assert refcount(h.name) == 3 + k
     # hand the extra references to handle objects, as receivers would
     blob = pickle.dumps(h)
     receivers = [pickle.loads(blob) for _ in range(k + 2)]
     assert all(r.owns_reference for r in receivers)
     del receivers
     gc.collect()
-    assert _mp.refcount(h.name) == 1
+    assert refcount(h.name) == 1
     h.release()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 @pytest.mark.parametrize("protocol", range(2, pickle.HIGHEST_PROTOCOL + 1))
 def test_pickling_has_no_side_effect(shm_dir, protocol):
     t = torch.randn(256, 256)  # 256 KiB payload
     h = mmshm.ShmTensor.from_tensor(t)
-    before = _mp.refcount(h.name)
+    before = refcount(h.name)
     blobs = [pickle.dumps(h, protocol=protocol) for _ in range(5)]
-    assert _mp.refcount(h.name) == before == 1
+    assert refcount(h.name) == before == 1
     assert all(len(b) < 256 for b in blobs)  # metadata only
     assert h.owns_reference
     h.share(1)
@@ -248,7 +252,7 @@ def test_materializing_a_released_handle_raises(shm_dir):
         keep.materialize()
     with pytest.raises(mmshm.HandleStateError):
         keep.materialize(copy=True)
-    assert _mp.refcount(keep.name) == 1
+    assert refcount(keep.name) == 1
     del v
 
 
@@ -257,18 +261,18 @@ def test_copy_and_deepcopy_add_a_reference(shm_dir):
     h = mmshm.ShmTensor.from_tensor(t)
     c = copy.copy(h)
     assert c is not h and c.owns_reference
-    assert _mp.refcount(h.name) == 2
+    assert refcount(h.name) == 2
     d = copy.deepcopy(h)
-    assert _mp.refcount(h.name) == 3
+    assert refcount(h.name) == 3
     nested = copy.deepcopy({"items": [h, h]})  # the memo makes it one copy
-    extra = _mp.refcount(h.name) - 3
+    extra = refcount(h.name) - 3
     assert extra == len({id(x) for x in nested["items"]})
     assert all(x.owns_reference for x in nested["items"])
     for x in (c, d, h):
         assert torch.equal(x.materialize(copy=True), t)
     del nested
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_copy_on_write(shm_dir):
@@ -286,7 +290,7 @@ def test_copy_on_write(shm_dir):
     assert torch.equal(seen_before, t)
     assert torch.equal(seen_after, t)
     # and the segment's bytes are untouched
-    fd = os.open(os.path.join(_mp.seg_dir(), name), os.O_RDONLY)
+    fd = os.open(os.path.join(seg_dir(), name), os.O_RDONLY)
     try:
         raw = os.pread(fd, t.numel() * 4, segfile.HEADER_SIZE)
     finally:
@@ -294,7 +298,7 @@ def test_copy_on_write(shm_dir):
     assert raw == t.numpy().tobytes()
     del va, seen_before, seen_after
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_encode_decode_roundtrip(shm_dir):
@@ -302,13 +306,13 @@ def test_encode_decode_roundtrip(shm_dir):
     h = mmshm.ShmTensor.from_tensor(t)
     wire = h.encode()
     assert isinstance(wire, bytes) and len(wire) < 100
-    assert _mp.refcount(h.name) == 1  # encode has no side effect
+    assert refcount(h.name) == 1  # encode has no side effect
     h.share(1)
     r = mmshm.ShmTensor.decode(wire)
     assert r.meta == h.meta
     assert torch.equal(r.materialize(copy=True), t)
     assert torch.equal(h.materialize(copy=True), t)
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_zero_element_handle(shm_dir):
@@ -317,7 +321,7 @@ def test_zero_element_handle(shm_dir):
     assert h.nbytes == 0
     v = h.materialize()
     assert v.shape == (0, 5) and v.dtype == torch.float16
-    assert _mp.seg_files() == []  # nothing to map: released at once
+    assert segment_files() == []  # nothing to map: released at once
 
 
 def test_repr_does_not_raise(shm_dir):
@@ -387,9 +391,9 @@ def test_threads_sharing_one_descriptor_are_serialized(shm_dir, monkeypatch):
         t.join()
     assert errors == []
     gc.collect()
-    assert _mp.refcount(h.name) == 1
+    assert refcount(h.name) == 1
     h.release()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 # -- content hash: lazy by default, eager on request --------------------------------
@@ -410,7 +414,7 @@ def _count_blake3(monkeypatch) -> list:
 
 
 def test_hash_is_lazy_computed_once_per_segment_and_then_carried(shm_dir, monkeypatch):
-    t = _mp.make_tensor(41, (300, 300))
+    t = make_tensor(41, (300, 300))
     calls = _count_blake3(monkeypatch)
     h = mmshm.ShmTensor.from_tensor(t)
     assert calls == []  # nothing hashed while wrapping
@@ -425,30 +429,30 @@ def test_hash_is_lazy_computed_once_per_segment_and_then_carried(shm_dir, monkey
     assert other.meta.hash == b""  # a clone made before the hash was computed
     assert other.hash == h.hash and len(calls) == n  # memoized on the segment
     other.share(1)
-    res, code = _mp.run_child(_mp.hash_pickled, pickle.dumps(other))
-    assert code == 0, _mp.signal_name(code)
+    res, code = run_child(children.hash_pickled, pickle.dumps(other))
+    assert code == 0, signal_name(code)
     assert res["carried"] == res["hash"] == h.hash  # it travelled: not recomputed there
     h.release()
     other.release()
 
 
 def test_receiver_computes_a_hash_that_was_not_carried(shm_dir):
-    t = _mp.make_tensor(42, (256, 512))
+    t = make_tensor(42, (256, 512))
     h = mmshm.ShmTensor.from_tensor(t)
     h.share(1)
-    res, code = _mp.run_child(_mp.hash_pickled, pickle.dumps(h))
-    assert code == 0, _mp.signal_name(code)
+    res, code = run_child(children.hash_pickled, pickle.dumps(h))
+    assert code == 0, signal_name(code)
     assert res["carried"] == b""
     assert res["hash"] == res["of_view"] == mmshm.content_hash(t)
     h.release()
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_eager_hash_is_computed_at_creation(shm_dir, monkeypatch):
     monkeypatch.setenv("MMSHM_HASH", "eager")
     mmshm.config.reload()
-    t = _mp.make_tensor(43, (128, 128))
+    t = make_tensor(43, (128, 128))
     h = mmshm.ShmTensor.from_tensor(t)
     assert h.meta.hash == mmshm.content_hash(t)
     assert codec.decode(h.encode()).hash == h.meta.hash
@@ -534,13 +538,13 @@ def test_a_failed_write_into_a_new_file_is_typed_and_leaves_nothing(shm_dir, mon
     assert ei.value.errno == 5
     monkeypatch.undo()
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_hash_now_false_and_given_hashes_win_over_eager(shm_dir, monkeypatch):
     monkeypatch.setenv("MMSHM_HASH", "eager")
     mmshm.config.reload()
-    t = _mp.make_tensor(44, (64, 64))
+    t = make_tensor(44, (64, 64))
     off = mmshm.ShmTensor.from_tensor(t, hash_now=False)
     assert off.meta.hash == b"" and off.hash == mmshm.content_hash(t)
     given = mmshm.ShmTensor.from_tensor(t, hash=b"\x05" * 16, hash_now=True)
@@ -562,7 +566,7 @@ def test_bad_hash_setting_warns_and_uses_the_default(monkeypatch, caplog):
 
 
 def test_lazy_hash_needs_the_reference(shm_dir):
-    h = mmshm.ShmTensor.from_tensor(_mp.make_tensor(44, (64, 64)))
+    h = mmshm.ShmTensor.from_tensor(make_tensor(44, (64, 64)))
     v = h.materialize()
     with pytest.raises(mmshm.HandleStateError):
         h.hash  # noqa: B018 - the view holds the reference now
@@ -574,8 +578,8 @@ def test_lazy_hash_needs_the_reference(shm_dir):
 
 
 def test_lazy_hash_of_a_reused_pool_segment_is_of_the_new_bytes(pool):
-    a = _mp.make_tensor(45, (256, 256))
-    b = _mp.make_tensor(46, (256, 256))
+    a = make_tensor(45, (256, 256))
+    b = make_tensor(46, (256, 256))
     h = mmshm.ShmTensor.from_tensor(a)
     assert h.hash == mmshm.content_hash(a)
     name = h.name

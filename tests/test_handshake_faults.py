@@ -3,7 +3,7 @@ peer does, a broadcast completes on the safe path or raises a typed
 :class:`mmshm.PeerLostError` within the group's own timeout, and the
 references handed to a peer the broadcast found lost are given back at once.
 
-Each case runs real gloo process groups on 127.0.0.1 (``_mp.run_group``); the
+Each case runs real gloo process groups on 127.0.0.1 (``run_group``); the
 rank functions live here, at top level, so that spawned children can import
 them.
 """
@@ -17,9 +17,12 @@ import signal
 import time
 from datetime import timedelta
 
-import _mp
 import mmshm
 import pytest
+
+from tests.harness.procs import run_group
+from tests.harness.segments import refcount, segment_files
+from tests.harness import children
 
 GROUP_TIMEOUT_S = 10.0  # the timeout of the process group under test
 
@@ -43,9 +46,9 @@ def _wait_gone(timeout: float = 5.0) -> tuple[list[str], float]:
     """Poll the segment directory until it is empty (or ``timeout``):
     (what is left, seconds waited)."""
     t0 = time.monotonic()
-    while _mp.seg_files() and time.monotonic() - t0 < timeout:
+    while segment_files() and time.monotonic() - t0 < timeout:
         time.sleep(0.05)
-    return _mp.seg_files(), time.monotonic() - t0
+    return segment_files(), time.monotonic() - t0
 
 
 # -- children ------------------------------------------------------------------------
@@ -68,7 +71,7 @@ def rank_store_gone(rank: int, world: int, seed: int) -> dict:
     keep = _keep_warnings()
     res: dict = {}
     if rank == 0:
-        one = mmshm.wrap(_mp._request(1, seed), min_bytes=1024)
+        one = mmshm.wrap(children.request(1, seed), min_bytes=1024)
         copies = mmshm.fan_out(one, 2, min_bytes=1024)
         blob = pickle.dumps(copies[1])
         for h in mmshm.handles(copies[1]):
@@ -87,7 +90,7 @@ def rank_store_gone(rank: int, world: int, seed: int) -> dict:
     if rank in (0, 1):
         if rank == 1:
             out = bcast(None, rank, mine, 0)
-        _mp._check_request(out[0], 1, seed)
+        children.check_request(out[0], 1, seed)
         del out
         gc.collect()
         return {}
@@ -112,7 +115,7 @@ def rank_store_gone(rank: int, world: int, seed: int) -> dict:
     if rank == 2:
         del req
     if out is not None:
-        _mp._check_request(out[0], 1, seed)
+        children.check_request(out[0], 1, seed)
         res["handles"] = len(mmshm.handles(out))
         del out
     gc.collect()
@@ -133,7 +136,7 @@ def rank_dies_first(rank: int, world: int, seed: int) -> dict:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(1.0)  # rank 2 is gone (its sockets closed at once)
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
-    reqs = [mmshm.wrap(_mp._request(0, seed), min_bytes=1024)] if rank == 0 else None
+    reqs = [mmshm.wrap(children.request(0, seed), min_bytes=1024)] if rank == 0 else None
     t0 = time.monotonic()
     try:
         bcast(reqs, rank, group, 0)
@@ -178,7 +181,7 @@ def rank_killed_after_receive(rank: int, world: int, seed: int, opened: bool) ->
     res: dict = {}
     reqs = None
     if rank == 0:
-        reqs = [mmshm.wrap(_mp._request(i, seed), min_bytes=1024) for i in range(3)]
+        reqs = [mmshm.wrap(children.request(i, seed), min_bytes=1024) for i in range(3)]
         names = [h.name for h in mmshm.handles(reqs)]
     t0 = time.monotonic()
     try:
@@ -194,7 +197,7 @@ def rank_killed_after_receive(rank: int, world: int, seed: int, opened: bool) ->
     if rank == 0:
         res["names"] = names
         res["left"], res["waited"] = _wait_gone(3.0)
-        res["counts"] = {n: _mp.refcount(n) for n in res["left"]}
+        res["counts"] = {n: refcount(n) for n in res["left"]}
     dist.barrier(group=survivors)
     return res
 
@@ -207,7 +210,7 @@ def test_store_host_gone_before_another_groups_first_broadcast(shm_dir):
     default group's store, has exited: the handshake cannot reach the store,
     which means what "no store" means (one WARNING, the shared-memory path,
     agreed by both ranks), never an exception into the server."""
-    res = _mp.run_group(rank_store_gone, 4, 61, timeout=100)
+    res = run_group(rank_store_gone, 4, 61, timeout=100)
     for r in (2, 3):
         assert res[r]["raised"] is None, res[r]
         assert res[r]["handles"] == 0, res[r]  # materialized: tensors, bytes checked
@@ -215,7 +218,7 @@ def test_store_host_gone_before_another_groups_first_broadcast(shm_dir):
         assert len(warned) == 1, res[r]["warnings"]
         assert "cannot be reached" in warned[0] and "Fix:" in warned[0], warned[0]
         assert res[r]["s"] < GROUP_TIMEOUT_S, res[r]
-    assert _mp.seg_files(shm_dir) == []
+    assert segment_files(shm_dir) == []
 
 
 @pytest.mark.multiproc
@@ -225,7 +228,7 @@ def test_rank_dies_before_first_broadcast_is_typed_and_bounded(shm_dir, monkeypa
     PeerLostError naming it within the group's own timeout (10 s here), not
     after MMSHM_HANDSHAKE_S (60 s), and nothing is left."""
     monkeypatch.setenv("MMSHM_HANDSHAKE_S", "60")
-    res = _mp.run_group(rank_dies_first, 3, 71, timeout=100, killed=(2,))
+    res = run_group(rank_dies_first, 3, 71, timeout=100, killed=(2,))
     assert set(res) == {0, 1}
     for r in (0, 1):
         assert res[r]["raised"] == "PeerLostError", res[r]
@@ -242,7 +245,7 @@ def test_rank_killed_after_receive_gives_its_references_back(shm_dir, opened):
     a PeerLostError naming it, and the references handed to it are given
     back at once (the segments go within seconds, not after the in-flight
     grace of MMSHM_IN_FLIGHT_GRACE_S = 300 s), never twice."""
-    res = _mp.run_group(rank_killed_after_receive, 3, 81, opened, timeout=100, killed=(2,))
+    res = run_group(rank_killed_after_receive, 3, 81, opened, timeout=100, killed=(2,))
     assert set(res) == {0, 1}
     for r in (0, 1):
         assert res[r]["raised"] == "PeerLostError" and res[r]["runtime"], res[r]
@@ -263,4 +266,4 @@ def test_rank_killed_after_receive_gives_its_references_back(shm_dir, opened):
 
     rep = reap(shm_dir)
     assert {k: v for k, v in rep.reasons.items() if v} == {"killed": 1}, rep
-    assert _mp.seg_files(shm_dir) == []
+    assert segment_files(shm_dir) == []

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import textwrap
 
-import _mp
 import pytest
 import torch
 from mmshm import ShmTensor, integrations
@@ -31,6 +30,9 @@ from mmshm.transport import receiving, sending
 from mmshm.errors import MaterializeError
 from mmshm.hooks.instrumentor import Instrumentor, Target, UnsupportedVersionError
 from mmshm.transport.wrapping import transform
+
+from tests.harness.segments import refcount, segment_files
+from tests.harness.metrics import metric
 
 FRONTEND = '''
 import pickle
@@ -144,9 +146,9 @@ def _pixels(seed: int = 0) -> torch.Tensor:
 
 
 def _counts():
-    return (_mp.metric("mmshm_references_handed_total", path="send"),
-            _mp.metric("mmshm_fanout_copies_total"),
-            _mp.metric("mmshm_segments_created_total"))
+    return (metric("mmshm_references_handed_total", path="send"),
+            metric("mmshm_fanout_copies_total"),
+            metric("mmshm_segments_created_total"))
 
 
 def test_a_third_server_is_instrumented_through_the_interface_as_is(toy, shm_dir):
@@ -166,8 +168,8 @@ def test_a_third_server_is_instrumented_through_the_interface_as_is(toy, shm_dir
     client.add_request({"pixel_values": t}, n=3)
     handed, copies, created = (a - b for a, b in zip(_counts(), before))
     assert (handed, copies, created) == (3, 3, 1)  # written once for the 3 copies
-    [name] = _mp.seg_files(shm_dir)
-    assert _mp.refcount(name, shm_dir) == 3  # the fan-out's own reference is back
+    [name] = segment_files(shm_dir)
+    assert refcount(name, shm_dir) == 3  # the fan-out's own reference is back
     assert all(len(m) < 2000 for m in client.wire)  # metadata only, not 1.2 MB
 
     reqs = engine.receive(client.wire)
@@ -175,7 +177,7 @@ def test_a_third_server_is_instrumented_through_the_interface_as_is(toy, shm_dir
     assert all(torch.equal(r["pixel_values"], t) for r in reqs)
     del reqs
     gc.collect()
-    assert _mp.seg_files(shm_dir) == []
+    assert segment_files(shm_dir) == []
 
     toy.uninstrument()
     assert frontend.encode is original_encode and toy.patched == {}
@@ -255,7 +257,7 @@ def test_a_failed_send_gives_back_every_reference(toy, shm_dir):
     with pytest.raises(ConnectionError):
         client.send({"pixel_values": _pixels(), "fail": True})
     gc.collect()
-    assert _mp.seg_files(shm_dir) == [] and client.wire == []
+    assert segment_files(shm_dir) == [] and client.wire == []
 
 
 def test_a_tensor_still_in_a_live_segment_is_shared_not_copied(toy, shm_dir):
@@ -266,10 +268,10 @@ def test_a_tensor_still_in_a_live_segment_is_shared_not_copied(toy, shm_dir):
     client = frontend.Client()
     client.send({"pixel_values": t})
     client.send({"pixel_values": t})  # the first segment is still held by message 1
-    assert len(_mp.seg_files(shm_dir)) == 1
+    assert len(segment_files(shm_dir)) == 1
     t.add_(1)  # modified in place: its bytes are no longer the segment's
     client.send({"pixel_values": t})
-    assert len(_mp.seg_files(shm_dir)) == 2
+    assert len(segment_files(shm_dir)) == 2
     got = engine.receive(client.wire)
     assert torch.equal(got[2]["pixel_values"], t) and not torch.equal(got[0]["pixel_values"], t)
     del got
@@ -286,7 +288,7 @@ def test_a_handle_that_cannot_be_opened_becomes_that_requests_error(toy, shm_dir
     del first
     gc.collect()  # the last release: the segment is gone
     client.send({"pixel_values": _pixels(2)})
-    assert len(_mp.seg_files(shm_dir)) == 1
+    assert len(segment_files(shm_dir)) == 1
     got = engine.receive(client.wire)
     errors = [r for r in got if isinstance(r, MaterializeError)]
     assert len(errors) == 1 and errors[0].reason == "not_found"
@@ -392,10 +394,10 @@ def test_a_fan_out_copies_a_tensor_again_once_it_is_modified_in_place(toy, shm_d
     with sending.fanning_out():
         client.send({"pixel_values": t})
         client.send({"pixel_values": t})  # shares the first copy's segment
-        assert len(_mp.seg_files(shm_dir)) == 1
+        assert len(segment_files(shm_dir)) == 1
         t.mul_(2)
         client.send({"pixel_values": t})  # new bytes, new segment
-        assert len(_mp.seg_files(shm_dir)) == 2
+        assert len(segment_files(shm_dir)) == 2
     got = engine.receive(client.wire)
     assert torch.equal(got[2]["pixel_values"], t)
     assert torch.equal(got[0]["pixel_values"], got[1]["pixel_values"])
@@ -419,7 +421,7 @@ def test_a_remembered_segment_is_shared_and_given_back_in_its_own_directory(shm_
     t = _pixels()
     first = sending.Outbox()
     h1 = first.put(t)  # written into a segment of shm_dir, remembered
-    assert h1 is not None and _mp.seg_files(shm_dir) == [h1.name]
+    assert h1 is not None and segment_files(shm_dir) == [h1.name]
     other = os.path.join(shm_dir, "other")
     os.mkdir(other, 0o700)
     monkeypatch.setenv("MMSHM_DIR", other)
@@ -428,11 +430,11 @@ def test_a_remembered_segment_is_shared_and_given_back_in_its_own_directory(shm_
     h2 = second.put(t)
     assert h2 is not None, "the remembered segment was not shared"
     assert (h2.name, h2.directory) == (h1.name, shm_dir) and h2.is_local()
-    assert _mp.refcount(h1.name, shm_dir) == 3  # h1's, and h2's 1 + hops
+    assert refcount(h1.name, shm_dir) == 3  # h1's, and h2's 1 + hops
     assert torch.equal(h2.clone().materialize(copy=True), t)
     second.abandon()
-    assert _mp.refcount(h1.name, shm_dir) == 1
+    assert refcount(h1.name, shm_dir) == 1
     monkeypatch.setenv("MMSHM_DIR", shm_dir)  # h1 was made for MMSHM_DIR (no directory)
     config.reload()
     first.abandon()
-    assert _mp.seg_files(shm_dir) == [] and os.listdir(other) == []
+    assert segment_files(shm_dir) == [] and os.listdir(other) == []

@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import urllib.request
 from pathlib import Path
 
 import mmshm
@@ -31,6 +30,9 @@ from mmshm.segments.table import TABLE
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.harness.metrics import scrape
+from tests.harness.segments import segment_files
 
 REPO = Path(__file__).resolve().parents[1]
 metrics.init()  # the samples read below exist (at 0) before any event
@@ -63,10 +65,6 @@ SEG_KEYS = (k("mmshm_segments_created_total"), k("mmshm_shm_written_bytes_total"
             k("mmshm_segments_in_use"), k("mmshm_shm_in_use_bytes"))
 FALLBACK_KEYS = tuple(k("mmshm_inline_fallbacks_total", reason=r)
                       for r in metrics.FALLBACK_REASONS)
-
-
-def segment_files(d) -> list[str]:
-    return sorted(n for n in os.listdir(d) if n.startswith("mmshm-"))
 
 
 def assert_no_segments(d) -> None:
@@ -412,12 +410,6 @@ def test_label_values_are_preinitialised():
 
 
 # -- exporter ---------------------------------------------------------------------------------
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        assert r.status == 200
-        return r.read().decode()
-
-
 @pytest.mark.timeout(60)
 def test_start_exporter_serves_render(private_dir):
     metrics.stop_exporter()

@@ -15,7 +15,6 @@ import os
 import pickle
 import shutil
 
-import _mp
 import mmshm
 import msgspec
 import pytest
@@ -26,6 +25,12 @@ from mmshm.transport import handshake
 from mmshm.transport import multinode
 from mmshm.transport import topology
 from mmshm.segments.codec import HandleMeta
+
+from tests.harness.procs import run_group
+from tests.harness.segments import header, refcount, seg_dir, segment_files
+from tests.harness.metrics import fallbacks_total, metric
+from tests.harness.tensors import make_tensor, same
+from tests.harness import children
 
 NODES = 2
 WORLD = 4  # 2 nodes x 2 ranks
@@ -43,11 +48,11 @@ def _enter_node(rank: int, world: int, base: str, nodes: int = NODES, env=None) 
 
 def _live_files(directory: str | None = None) -> list[str]:
     """Segments in the directory that are in use (not idle in a warm pool)."""
-    d = directory or _mp.seg_dir()
+    d = directory or seg_dir()
     out = []
-    for n in _mp.seg_files(d):
+    for n in segment_files(d):
         try:
-            if _mp.header(n, d)[2] == segfile.STATE_LIVE:
+            if header(n, d)[2] == segfile.STATE_LIVE:
                 out.append(n)
         except OSError:
             pass
@@ -60,7 +65,7 @@ def _errors(out) -> dict:
 
 
 def _item(seed: int, nbytes: int):
-    return {"modality": "image", "feature": _mp.make_tensor(seed, (nbytes // 1024, 256))}
+    return {"modality": "image", "feature": make_tensor(seed, (nbytes // 1024, 256))}
 
 
 def _sized_request(i: int, seed: int, nbytes: int):
@@ -69,13 +74,13 @@ def _sized_request(i: int, seed: int, nbytes: int):
 
 def _check_sized(got, i: int, seed: int, nbytes: int) -> None:
     want = _sized_request(i, seed, nbytes)["mm_inputs"]["mm_items"][0]["feature"]
-    assert _mp.same(got["mm_inputs"]["mm_items"][0]["feature"], want), f"request {i}"
+    assert same(got["mm_inputs"]["mm_items"][0]["feature"], want), f"request {i}"
 
 
 def _assert_nodes_empty(base: str, nodes: int = NODES) -> None:
     for k in range(nodes):
         d = node.simulated_dir(base, k)
-        assert _mp.seg_files(d) == [], f"left over on node {k}: {_mp.seg_files(d)}"
+        assert segment_files(d) == [], f"left over on node {k}: {segment_files(d)}"
 
 
 # -- children ------------------------------------------------------------------------
@@ -92,17 +97,17 @@ def rank_nodes(rank: int, world: int, base: str, seed: int, rounds: int, nodes: 
     for rnd in range(rounds):
         s = seed + rnd
         before = multinode.internode_stats()
-        metric0 = _mp.metric("mmshm_internode_bytes_total")
-        created0 = _mp.metric("mmshm_segments_created_total")
+        metric0 = metric("mmshm_internode_bytes_total")
+        created0 = metric("mmshm_segments_created_total")
         info: dict = {}
         if rank == 0:
             if fanout:
-                one = mmshm.wrap(_mp._request(1, s), min_bytes=1024)
+                one = mmshm.wrap(children.request(1, s), min_bytes=1024)
                 reqs = mmshm.fan_out(one, 4, min_bytes=1024)
                 mmshm.release(one)
                 del one
             else:
-                reqs = [mmshm.wrap(_mp._request(i, s), min_bytes=1024) for i in range(4)]
+                reqs = [mmshm.wrap(children.request(i, s), min_bytes=1024) for i in range(4)]
             segs = {h.name: h.nbytes for h in mmshm.handles(reqs)}
             info["payload"] = sum(segs.values())
             info["handles"] = len(segs)
@@ -114,21 +119,21 @@ def rank_nodes(rank: int, world: int, base: str, seed: int, rounds: int, nodes: 
         for i, req in enumerate(out):
             if fanout:
                 req = {**req, "rid": "req-1"}
-            _mp._check_request(req, 1 if fanout else i, s)
+            children.check_request(req, 1 if fanout else i, s)
         del req  # holds views
         assert not mmshm.handles(out)
         # while every rank holds its views: each node's segments count its 2 ranks
         live = _live_files()
         info["live"] = len(live)
-        info["counts"] = sorted({_mp.refcount(n) for n in live})
+        info["counts"] = sorted({refcount(n) for n in live})
         dist.barrier()  # verification only (not part of the transport)
         del out
         gc.collect()
         dist.barrier()
         after = multinode.internode_stats()
         info["stats"] = {key: after[key] - before[key] for key in after}
-        info["metric"] = _mp.metric("mmshm_internode_bytes_total") - metric0
-        info["created"] = _mp.metric("mmshm_segments_created_total") - created0
+        info["metric"] = metric("mmshm_internode_bytes_total") - metric0
+        info["created"] = metric("mmshm_segments_created_total") - created0
         info["live_after"] = _live_files()
         dist.barrier()  # before the source rank makes the next round's segments
         res["rounds"].append(info)
@@ -142,7 +147,7 @@ def rank_foreign_handle(rank: int, world: int, base: str, seed: int) -> dict:
     import torch.distributed as dist
 
     k = _enter_node(rank, world, base)
-    t = _mp.make_tensor(seed, (128, 1024))
+    t = make_tensor(seed, (128, 1024))
     res: dict = {"node": k}
     if rank == 0:
         h = mmshm.ShmTensor.from_tensor(t)
@@ -158,7 +163,7 @@ def rank_foreign_handle(rank: int, world: int, base: str, seed: int) -> dict:
     dist.barrier()
     if rank == 1:
         v = h.materialize()
-        res["ok"] = _mp.same(v, t)
+        res["ok"] = same(v, t)
         del v
         gc.collect()
     elif k == 1:
@@ -180,10 +185,10 @@ def rank_foreign_handle(rank: int, world: int, base: str, seed: int) -> dict:
     dist.barrier()
     if rank == 2:
         decoy = os.path.join(node.simulated_dir(base, 1), name)
-        res["decoy_count"] = _mp.refcount(name)  # the copy was never touched
+        res["decoy_count"] = refcount(name)  # the copy was never touched
         os.unlink(decoy)
     if rank == 0:
-        res["count"] = _mp.refcount(name)  # rank 1's reference came back
+        res["count"] = refcount(name)  # rank 1's reference came back
         h.release()
     dist.barrier()
     return res
@@ -195,7 +200,7 @@ def rank_wrong_node_request(rank: int, world: int, base: str, seed: int) -> dict
     k = _enter_node(rank, world, base)
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
     if rank == 0:
-        reqs = [mmshm.wrap(_mp._request(i, seed), min_bytes=1024) for i in range(3)]
+        reqs = [mmshm.wrap(children.request(i, seed), min_bytes=1024) for i in range(3)]
         other = 1  # node 1's id (simulate() sets MMSHM_NODE_ID to the node's index)
         assert other != node.node_id()
         for item in reqs[1]["mm_inputs"]["mm_items"]:
@@ -208,7 +213,7 @@ def rank_wrong_node_request(rank: int, world: int, base: str, seed: int) -> dict
     errors = _errors(out)
     for i, r in enumerate(out):
         if i not in errors:
-            _mp._check_request(r, i, seed)
+            children.check_request(r, i, seed)
         else:
             assert not any(h.owns_reference for h in mmshm.handles(r.request))
     del out, r
@@ -249,7 +254,7 @@ def rank_node_failures(rank: int, world: int, base: str, seed: int) -> dict:
                 for i, n in enumerate(SIZES)]
         item = reqs[3]["mm_inputs"]["mm_items"][0]
         item["feature"].release()
-        item["feature"] = _mp._missing_handle()  # names a segment that is gone
+        item["feature"] = children.missing_handle()  # names a segment that is gone
         payload = sum(SIZES) - SIZES[3]
         out = bcast(reqs, rank, None, 0)
     else:
@@ -268,7 +273,7 @@ def rank_node_failures(rank: int, world: int, base: str, seed: int) -> dict:
     return {"node": k, "errors": errors, "sent": multinode.internode_bytes() - sent0,
             "payload": payload, "live": _live_files(),
             "received": multinode.internode_stats()["received_bytes"],
-            "fallbacks": _mp.fallbacks_total()}
+            "fallbacks": fallbacks_total()}
 
 
 def rank_one_node(rank: int, world: int, seed: int, dirs: list | None) -> dict:
@@ -307,13 +312,13 @@ def rank_one_node(rank: int, world: int, seed: int, dirs: list | None) -> dict:
     payload = 0
     for rnd in range(3):
         if rank == 0:
-            reqs = [mmshm.wrap(_mp._request(i, seed + rnd), min_bytes=1024) for i in range(2)]
+            reqs = [mmshm.wrap(children.request(i, seed + rnd), min_bytes=1024) for i in range(2)]
             payload += sum(h.nbytes for h in mmshm.handles(reqs))
             out = bcast(reqs, rank, None, 0)
         else:
             out = bcast(None, rank, None, 0)
         for i, r in enumerate(out):
-            _mp._check_request(r, i, seed + rnd)
+            children.check_request(r, i, seed + rnd)
         del out, r
         gc.collect()
     lay = topology.layout()
@@ -344,14 +349,14 @@ def rank_skew(rank: int, world: int, base: str, seed: int, peer: str) -> dict:
     res: dict = {"rounds": []}
     for rnd in range(2):
         if rank == 0:
-            reqs = [mmshm.wrap(_mp._request(i, seed + rnd), min_bytes=1024) for i in range(2)]
+            reqs = [mmshm.wrap(children.request(i, seed + rnd), min_bytes=1024) for i in range(2)]
             out = bcast(reqs, rank, None, 0)
             del reqs
         else:
             out = bcast(None, rank, None, 0)
         res["rounds"].append({"handles": len(mmshm.handles(out)), "n": len(out)})
         for i, req in enumerate(out):
-            _mp._check_request(req, i, seed + rnd)
+            children.check_request(req, i, seed + rnd)
         del out, req
         gc.collect()
     if not plain:
@@ -359,7 +364,7 @@ def rank_skew(rank: int, world: int, base: str, seed: int, peer: str) -> dict:
         res["verdict"] = (v.ok, v.reason)
     res["warnings"] = [m for m in records if "inline" in m]
     res["sent"] = multinode.internode_bytes()
-    res["group_fallbacks"] = _mp.metric("mmshm_inline_fallbacks_total", reason="group")
+    res["group_fallbacks"] = metric("mmshm_inline_fallbacks_total", reason="group")
     res["live"] = _live_files()
     return res
 
@@ -389,7 +394,7 @@ def rank_dead_peer(rank: int, world: int, base: str, seed: int) -> dict:
         except SystemExit:
             return {}
         return {"error": "did not die"}
-    reqs = [mmshm.wrap(_mp._request(i, seed), min_bytes=1024) for i in range(2)]
+    reqs = [mmshm.wrap(children.request(i, seed), min_bytes=1024) for i in range(2)]
     t0 = _time.monotonic()
     try:
         bcast(reqs, rank, None, 0)
@@ -427,7 +432,7 @@ def rank_id_collision(rank: int, world: int, base: str, seed: int, how: str) -> 
     logging.getLogger("mmshm").addHandler(Keep())
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
     if rank == 0:
-        reqs = [mmshm.wrap(_mp._request(i, seed), min_bytes=1024) for i in range(2)]
+        reqs = [mmshm.wrap(children.request(i, seed), min_bytes=1024) for i in range(2)]
         out = bcast(reqs, rank, None, 0)
         del reqs
     else:
@@ -435,9 +440,9 @@ def rank_id_collision(rank: int, world: int, base: str, seed: int, how: str) -> 
     res = {"handles": len(mmshm.handles(out)), "collision": topology.layout().id_collision,
            "warnings": [m for m in records if "same node id" in m],
            "sent": multinode.internode_bytes(),
-           "group_fallbacks": _mp.metric("mmshm_inline_fallbacks_total", reason="group")}
+           "group_fallbacks": metric("mmshm_inline_fallbacks_total", reason="group")}
     for i, req in enumerate(out):
-        _mp._check_request(req, i, seed)
+        children.check_request(req, i, seed)
     del out, req
     gc.collect()
     res["live"] = _live_files()
@@ -459,7 +464,7 @@ def test_nodes_bytes_references_and_internode_traffic(shm_dir, monkeypatch, node
     monkeypatch.setenv("MMSHM_POOL", pool)
     monkeypatch.setenv("MMSHM_POOL_IDLE_S", "60")
     rounds = 2
-    res = _mp.run_group(rank_nodes, WORLD, shm_dir, 21, rounds, nodes, fanout, timeout=180)
+    res = run_group(rank_nodes, WORLD, shm_dir, 21, rounds, nodes, fanout, timeout=180)
     node_of = [node.node_of_rank(r, WORLD, nodes) for r in range(WORLD)]
     assert [res[r]["node"] for r in range(WORLD)] == node_of
     ids = [res[r]["node_id"] for r in range(WORLD)]
@@ -497,7 +502,7 @@ def test_nodes_bytes_references_and_internode_traffic(shm_dir, monkeypatch, node
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_foreign_handle_is_wrong_node(shm_dir):
-    res = _mp.run_group(rank_foreign_handle, WORLD, shm_dir, 22, timeout=180)
+    res = run_group(rank_foreign_handle, WORLD, shm_dir, 22, timeout=180)
     assert res[1]["ok"] is True
     for r in (2, 3):
         assert res[r]["is_local"] is False
@@ -512,7 +517,7 @@ def test_foreign_handle_is_wrong_node(shm_dir):
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_wrong_node_request_fails_on_every_rank(shm_dir):
-    res = _mp.run_group(rank_wrong_node_request, WORLD, shm_dir, 23, timeout=180)
+    res = run_group(rank_wrong_node_request, WORLD, shm_dir, 23, timeout=180)
     for r in range(WORLD):
         assert res[r]["errors"] == {1: ("wrong_node", [0, 1, 2, 3])}, (r, res[r])
     _assert_nodes_empty(shm_dir)
@@ -521,7 +526,7 @@ def test_wrong_node_request_fails_on_every_rank(shm_dir):
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_failures_on_one_node_agreed_by_all_ranks(shm_dir):
-    res = _mp.run_group(rank_node_failures, WORLD, shm_dir, 24, timeout=180)
+    res = run_group(rank_node_failures, WORLD, shm_dir, 24, timeout=180)
     expected = {3: ("not_found", [0, 1, 2, 3]), 4: ("malformed", [1])}
     for r in range(WORLD):
         assert res[r]["errors"] == expected, (r, res[r]["errors"])
@@ -540,7 +545,7 @@ def test_failures_on_one_node_agreed_by_all_ranks(shm_dir):
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_one_node_pays_one_gather_and_nothing_else(shm_dir):
-    res = _mp.run_group(rank_one_node, 2, 25, None, timeout=120)
+    res = run_group(rank_one_node, 2, 25, None, timeout=120)
     for r in range(2):
         assert res[r]["single"] is True and res[r]["nodes"] == [[0, 1]]
         # 3 calls: only the first one's agreement crosses gloo (the other rank's
@@ -548,7 +553,7 @@ def test_one_node_pays_one_gather_and_nothing_else(shm_dir):
         # agreement (mmshm.transport.shmagree) that the next two use: no gloo message at all
         assert res[r]["calls"] == {"gather": 1, "p2p": 0, "agree": 2}, res[r]
         assert res[r]["sent"] == 0
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 @pytest.mark.multiproc
@@ -559,13 +564,13 @@ def test_two_segment_directories_are_two_nodes(shm_dir):
     dirs = [os.path.join(shm_dir, "a"), os.path.join(shm_dir, "b")]
     for d in dirs:
         os.mkdir(d, 0o700)
-    res = _mp.run_group(rank_one_node, 2, 26, dirs, timeout=120)
+    res = run_group(rank_one_node, 2, 26, dirs, timeout=120)
     for r in range(2):
         assert res[r]["single"] is False and res[r]["nodes"] == [[0], [1]]
         assert res[r]["calls"]["gather"] == 1
     assert res[0]["sent"] == res[0]["payload"] > 0 and res[1]["sent"] == 0
     for d in dirs:
-        assert _mp.seg_files(d) == []
+        assert segment_files(d) == []
 
 
 # -- in-process: identity, wire, handles --------------------------------------------
@@ -689,20 +694,20 @@ def test_foreign_handle_in_process_is_never_opened(shm_dir):
     with pytest.raises(mmshm.WrongNodeError):
         foreign.share(1)
     foreign.release()  # dropped without touching this node's segment of that name
-    assert _mp.refcount(h.name) == 1
+    assert refcount(h.name) == 1
     assert torch.equal(h.materialize(copy=True), t)
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_from_writer(shm_dir):
-    t = _mp.make_tensor(27, (64, 512))
+    t = make_tensor(27, (64, 512))
 
     def write(dst):
         dst.copy_(t.reshape(-1).view(torch.uint8))
 
     h = mmshm.ShmTensor.from_writer(t.numel() * 4, torch.float32, tuple(t.shape), write)
     assert h.hash == mmshm.content_hash(t)
-    assert _mp.same(h.materialize(copy=True), t)
+    assert same(h.materialize(copy=True), t)
     with pytest.raises(mmshm.HandleError):
         mmshm.ShmTensor.from_writer(10, torch.float32, (3,), write)
 
@@ -714,7 +719,7 @@ def test_from_writer(shm_dir):
     z = mmshm.ShmTensor.from_writer(0, torch.float16, (0, 3), fail)  # not called
     assert z.materialize().shape == (0, 3)
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 @pytest.mark.multiproc
@@ -726,7 +731,7 @@ def test_version_skew_goes_inline_never_wrong_bytes(shm_dir, monkeypatch, peer):
     tensors inline (bytes equal on both ranks), with a WARNING naming the
     rank, and nothing is left in either node's directory."""
     monkeypatch.setenv("MMSHM_HANDSHAKE_S", "3")
-    res = _mp.run_group(rank_skew, 2, shm_dir, 31, peer, timeout=150)
+    res = run_group(rank_skew, 2, shm_dir, 31, peer, timeout=150)
     for r in (0, 1):
         assert res[r]["rounds"] == [{"handles": 0, "n": 2}] * 2, (r, res[r])
         assert res[r]["sent"] == 0  # no payload went over the multi-node path
@@ -753,11 +758,11 @@ def test_dead_remote_rank_is_a_bounded_typed_failure(shm_dir):
     """A remote rank that dies after the broadcast: PeerLostError (a
     RuntimeError, as the torch.distributed error it wraps) within the
     process group's timeout, and the source node keeps no segment."""
-    res = _mp.run_group(rank_dead_peer, 2, shm_dir, 41, timeout=90)
+    res = run_group(rank_dead_peer, 2, shm_dir, 41, timeout=90)
     assert res[1] == {}
     r = res[0]
     assert r["raised"] == "PeerLostError" and r["runtime"] and r["ranks"] == [1], r
-    assert r["s"] < 30, r  # _mp's groups time out after 30 s; a closed socket is at once
+    assert r["s"] < 30, r  # run_group's groups time out after 30 s; a closed socket is at once
     assert r["live"] == [], r
     _assert_nodes_empty(shm_dir, 2)
 
@@ -772,7 +777,7 @@ def test_node_id_collision_goes_inline(shm_dir, how):
     rank and the group carries its tensors inline, counted, with a WARNING
     naming the fix; before, the override case failed every request with
     ``not_found`` on the other node."""
-    res = _mp.run_group(rank_id_collision, 2, shm_dir, 51, how, timeout=90)
+    res = run_group(rank_id_collision, 2, shm_dir, 51, how, timeout=90)
     for r in (0, 1):
         assert res[r]["collision"] is True and res[r]["handles"] == 0, res[r]
         assert res[r]["sent"] == 0 and res[r]["live"] == [], res[r]

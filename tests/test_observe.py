@@ -14,11 +14,8 @@ import torch
 import zmq
 from mmshm import config
 from mmshm.hooks import observe
-from prometheus_client import REGISTRY
 
-
-def _sample(name: str, **labels) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+from tests.harness.metrics import metric
 
 
 @pytest.fixture
@@ -45,28 +42,28 @@ def _labels(hop, transport="server", server="test"):
 
 def test_a_hop_records_seconds_and_bytes_under_its_transport(mode):
     mode("observe")
-    before = _sample("mmshm_ipc_bytes_sum", **_labels("h1"))
+    before = metric("mmshm_ipc_bytes_sum", **_labels("h1"))
     with observe.hop("test", "h1") as t:
         t.add(1000)
         observe.add_bytes(234)
-    assert _sample("mmshm_ipc_bytes_sum", **_labels("h1")) - before == 1234
-    assert _sample("mmshm_ipc_seconds_count", **_labels("h1")) >= 1
+    assert metric("mmshm_ipc_bytes_sum", **_labels("h1")) - before == 1234
+    assert metric("mmshm_ipc_seconds_count", **_labels("h1")) >= 1
     mode("shm")
     with observe.hop("test", "h1"):
         observe.add_bytes(5)
-    assert _sample("mmshm_ipc_bytes_sum", **_labels("h1", "mmshm")) == 5
+    assert metric("mmshm_ipc_bytes_sum", **_labels("h1", "mmshm")) == 5
 
 
 def test_what_raised_or_was_skipped_records_nothing(mode):
     mode("observe")
-    n0 = _sample("mmshm_ipc_seconds_count", **_labels("h2"))
+    n0 = metric("mmshm_ipc_seconds_count", **_labels("h2"))
     with pytest.raises(KeyError):  # the server's exception goes on unchanged
         with observe.hop("test", "h2") as t:
             t.add(10)
             raise KeyError("the server's")
     with observe.hop("test", "h2") as t:
         t.skip = True
-    assert _sample("mmshm_ipc_seconds_count", **_labels("h2")) == n0
+    assert metric("mmshm_ipc_seconds_count", **_labels("h2")) == n0
     assert observe.current() is None
     observe.add_bytes(7)  # no hop open: nothing, no error
 
@@ -76,8 +73,8 @@ def test_a_joined_hop_counts_into_the_open_one_and_records_once(mode):
     unwrap inside its timed finalize: one observation per batch); alone, or
     inside another hop, it is a message of its own."""
     mode("observe")
-    n = lambda h: _sample("mmshm_ipc_seconds_count", **_labels(h))  # noqa: E731
-    b = lambda h: _sample("mmshm_ipc_bytes_sum", **_labels(h))  # noqa: E731
+    n = lambda h: metric("mmshm_ipc_seconds_count", **_labels(h))  # noqa: E731
+    b = lambda h: metric("mmshm_ipc_bytes_sum", **_labels(h))  # noqa: E731
     n0, b0 = n("j1"), b("j1")
     with observe.hop("test", "j1") as outer:
         for size in (100, 200):
@@ -108,13 +105,13 @@ def test_send_pyobj_puts_the_same_bytes_on_the_wire_and_counts_them(mode, taps):
         b.connect("inproc://mmshm-observe-test")
         obj = {"pixel_values": torch.arange(100_000, dtype=torch.float32), "rid": "r1"}
         want = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
-        s0 = _sample("mmshm_ipc_bytes_sum", **_labels("send"))
-        r0 = _sample("mmshm_ipc_bytes_sum", **_labels("recv"))
+        s0 = metric("mmshm_ipc_bytes_sum", **_labels("send"))
+        r0 = metric("mmshm_ipc_bytes_sum", **_labels("recv"))
         with observe.zmq_hop("test", "send"):
             a.send_pyobj(obj, protocol=pickle.HIGHEST_PROTOCOL)
         raw = b.recv()
         assert raw == want  # byte for byte what pyzmq's own send_pyobj sends
-        assert _sample("mmshm_ipc_bytes_sum", **_labels("send")) - s0 == len(want)
+        assert metric("mmshm_ipc_bytes_sum", **_labels("send")) - s0 == len(want)
         # outside a zmq hop: pyzmq's own function, nothing recorded
         a.send_pyobj(obj, protocol=pickle.HIGHEST_PROTOCOL)
         with observe.zmq_hop("test", "recv"):
@@ -122,9 +119,9 @@ def test_send_pyobj_puts_the_same_bytes_on_the_wire_and_counts_them(mode, taps):
             with pytest.raises(zmq.Again):  # nothing queued: no message, nothing recorded
                 b.recv_pyobj(zmq.NOBLOCK)
         assert torch.equal(got["pixel_values"], obj["pixel_values"]) and got["rid"] == "r1"
-        assert _sample("mmshm_ipc_bytes_sum", **_labels("send")) - s0 == len(want)
-        assert _sample("mmshm_ipc_bytes_sum", **_labels("recv")) - r0 == len(want)
-        assert _sample("mmshm_ipc_bytes_count", **_labels("recv")) >= 1
+        assert metric("mmshm_ipc_bytes_sum", **_labels("send")) - s0 == len(want)
+        assert metric("mmshm_ipc_bytes_sum", **_labels("recv")) - r0 == len(want)
+        assert metric("mmshm_ipc_bytes_count", **_labels("recv")) >= 1
     finally:
         a.close(linger=0)
         b.close(linger=0)
@@ -142,12 +139,12 @@ def test_a_failed_timing_is_counted_and_the_message_goes_through(mode, taps, mon
     try:
         a.bind("inproc://mmshm-observe-broken")
         b.connect("inproc://mmshm-observe-broken")
-        e0 = _sample("mmshm_observe_errors_total", server="test", hop="broken")
+        e0 = metric("mmshm_observe_errors_total", server="test", hop="broken")
         monkeypatch.setattr(observe, "IPC_SECONDS", Broken())
         with observe.zmq_hop("test", "broken"):
             a.send_pyobj([1, 2, 3])
         assert b.recv_pyobj() == [1, 2, 3]
-        assert _sample("mmshm_observe_errors_total", server="test", hop="broken") - e0 == 1
+        assert metric("mmshm_observe_errors_total", server="test", hop="broken") - e0 == 1
     finally:
         a.close(linger=0)
         b.close(linger=0)
@@ -161,13 +158,13 @@ def test_the_broadcast_tap_counts_what_torch_distributed_sends(mode, taps, tmp_p
                             world_size=1)
     try:
         data = torch.zeros(12345, dtype=torch.uint8)
-        b0 = _sample("mmshm_ipc_bytes_sum", **_labels("bcast"))
+        b0 = metric("mmshm_ipc_bytes_sum", **_labels("bcast"))
         with observe.hop("test", "bcast") as t:
             t.count_broadcasts = True
             dist.broadcast(torch.tensor([12345], dtype=torch.long), src=0)
             dist.broadcast(data, src=0)
         dist.broadcast(data, src=0)  # no hop asked: not counted
-        assert _sample("mmshm_ipc_bytes_sum", **_labels("bcast")) - b0 == 12345 + 8
+        assert metric("mmshm_ipc_bytes_sum", **_labels("bcast")) - b0 == 12345 + 8
         # a receiver's clock starts once the size broadcast has returned
         with observe.hop("test", "bcast") as t:
             t.count_broadcasts = t.clock_at_first_broadcast = True
@@ -215,7 +212,7 @@ def test_a_stamp_from_another_process_times_the_gap_on_one_clock(mode, tmp_path)
     addr = observe.stamp_address("test", str(tmp_path))
     rx = observe.StampReceiver("test", "stamp_hop", [addr])
     try:
-        n0 = _sample("mmshm_ipc_seconds_count", **_labels("stamp_hop"))
+        n0 = metric("mmshm_ipc_seconds_count", **_labels("stamp_hop"))
         t0 = time.monotonic_ns()
         subprocess.run([sys.executable, "-c",
                         "import sys; from mmshm.hooks import observe; "
@@ -225,8 +222,8 @@ def test_a_stamp_from_another_process_times_the_gap_on_one_clock(mode, tmp_path)
         assert rx.take("other") is None  # read, kept for its own key
         seconds = rx.observe("req-9", t1, 1234)
         assert seconds is not None and 0 <= seconds <= (t1 - t0) / 1e9
-        assert _sample("mmshm_ipc_seconds_count", **_labels("stamp_hop")) == n0 + 1
-        assert _sample("mmshm_ipc_bytes_sum", **_labels("stamp_hop")) >= 1234
+        assert metric("mmshm_ipc_seconds_count", **_labels("stamp_hop")) == n0 + 1
+        assert metric("mmshm_ipc_bytes_sum", **_labels("stamp_hop")) >= 1234
         assert rx.observe("req-9", t1, 1) is None  # taken once: no second observation
     finally:
         rx.close()
@@ -237,11 +234,11 @@ def test_a_stamp_that_cannot_go_or_makes_no_sense_is_no_observation(mode, tmp_pa
     it at WARNING; a stamp from the future (another clock) is counted, not
     recorded; the keys kept for undecoded messages are bounded."""
     mode("shm")
-    errs = _sample("mmshm_observe_errors_total", server="test", hop="stamp_gone")
+    errs = metric("mmshm_observe_errors_total", server="test", hop="stamp_gone")
     with caplog.at_level(logging.WARNING, logger="mmshm"):
         assert not observe.send_stamp("test", "stamp_gone", observe.stamp_address("nobody"),
                                       "r")
-    assert _sample("mmshm_observe_errors_total", server="test", hop="stamp_gone") == errs + 1
+    assert metric("mmshm_observe_errors_total", server="test", hop="stamp_gone") == errs + 1
     addr = observe.stamp_address("test-2", str(tmp_path))
     rx = observe.StampReceiver("test", "stamp_odd", [addr])
     try:
@@ -250,11 +247,11 @@ def test_a_stamp_that_cannot_go_or_makes_no_sense_is_no_observation(mode, tmp_pa
             rx2 = observe.StampReceiver("test", "stamp_odd", [addr])
         assert rx2.socks == [] and "stamp channel could not be opened" in caplog.text
         assert observe.send_stamp("test", "stamp_odd", addr, "future", ns=10**18)
-        n = _sample("mmshm_ipc_seconds_count", **_labels("stamp_odd", "mmshm"))
-        e = _sample("mmshm_observe_errors_total", server="test", hop="stamp_odd")
+        n = metric("mmshm_ipc_seconds_count", **_labels("stamp_odd", "mmshm"))
+        e = metric("mmshm_observe_errors_total", server="test", hop="stamp_odd")
         assert rx.observe("future", 5, 1) is None
-        assert _sample("mmshm_ipc_seconds_count", **_labels("stamp_odd", "mmshm")) == n
-        assert _sample("mmshm_observe_errors_total", server="test", hop="stamp_odd") == e + 1
+        assert metric("mmshm_ipc_seconds_count", **_labels("stamp_odd", "mmshm")) == n
+        assert metric("mmshm_observe_errors_total", server="test", hop="stamp_odd") == e + 1
         for i in range(observe.STAMPS_KEPT + 5):
             rx.pending[f"k{i}"] = i
         assert rx.take("k0") is None and rx.take(f"k{observe.STAMPS_KEPT + 4}") is not None

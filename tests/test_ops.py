@@ -17,11 +17,12 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
-
-import mmshm_faults as F
 from mmshm import cli, config
 from mmshm.operations import doctor, status
+
+from tests.harness.procs import fork_ctx, fork_start, join, recv
+from tests.harness.segments import segment_files
+from tests.harness import workers
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,17 +160,17 @@ def test_gc_and_status_on_a_missing_directory_exit_5(tmp_path):
 # -- status --------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_status_per_process_orphans_and_other_files(shm_dir):
-    orphan_maker = F.start(F.w_orphan_maker, shm_dir, [1 << 16])
-    assert F.join(orphan_maker, 60) == 0
-    orphans = set(F.segment_files(shm_dir))
+    orphan_maker = fork_start(workers.w_orphan_maker, shm_dir, [1 << 16])
+    assert join(orphan_maker, 60) == 0
+    orphans = set(segment_files(shm_dir))
     others = {"nccl-shm-test-1": 3 * MiB, "psm_0123abcd": MiB, "sem.mp-test": 4096}
     for name, size in others.items():
         with open(os.path.join(shm_dir, name), "wb") as f:
             f.write(b"\1" * size)
-    parent, child = F.ctx().Pipe()
-    owner = F.start(F.w_pool_owner, shm_dir, child)
+    parent, child = fork_ctx().Pipe()
+    owner = fork_start(workers.w_pool_owner, shm_dir, child)
     try:
-        live, pooled = F.recv(parent, 60)
+        live, pooled = recv(parent, 60)
         rep = status.status(shm_dir)
         procs = {p.pid: p for p in rep.processes}
         assert owner.pid in procs, rep.processes
@@ -198,14 +199,14 @@ def test_status_per_process_orphans_and_other_files(shm_dir):
         js = json.loads(_invoke("status", "--dir", shm_dir, "--json").stdout)
         assert any(q["pid"] == owner.pid and q["pooled"] == 1 for q in js["processes"])
         # read-only: nothing changed
-        assert set(F.segment_files(shm_dir)) == orphans | {live, pooled}
+        assert set(segment_files(shm_dir)) == orphans | {live, pooled}
     finally:
         parent.send("exit")
-        assert F.recv(parent, 30) == "bye"
-        assert F.join(owner, 30) == 0
+        assert recv(parent, 30) == "bye"
+        assert join(owner, 30) == 0
         for name in others:
             os.unlink(os.path.join(shm_dir, name))
-    assert F.segment_files(shm_dir) == sorted(orphans)
+    assert segment_files(shm_dir) == sorted(orphans)
     from mmshm.segments import reaper
 
     assert reaper.reap(shm_dir).reclaimed == 1
@@ -382,10 +383,10 @@ def test_status_summary_does_not_say_held_for_live_segments(shm_dir):
     """The `held` column counts segments opened from another process's handle;
     the summary counts the segments some process keeps (owners and pools):
     another word, so that "2 held" never stands above a column of 0s."""
-    parent, child = F.ctx().Pipe()
-    owner = F.start(F.w_pool_owner, shm_dir, child)
+    parent, child = fork_ctx().Pipe()
+    owner = fork_start(workers.w_pool_owner, shm_dir, child)
     try:
-        F.recv(parent, 60)
+        recv(parent, 60)
         r = _invoke("status", "--dir", shm_dir)
         assert r.exit_code == 0, r.output
         summary = next(ln for ln in r.output.splitlines() if ln.startswith("segments:"))
@@ -393,8 +394,8 @@ def test_status_summary_does_not_say_held_for_live_segments(shm_dir):
         assert " held" not in summary, summary
     finally:
         parent.send("exit")
-        assert F.recv(parent, 30) == "bye"
-        assert F.join(owner, 30) == 0
+        assert recv(parent, 30) == "bye"
+        assert join(owner, 30) == 0
 
 
 
@@ -653,11 +654,11 @@ def test_status_says_which_process_keeps_a_segment_in_its_cache(shm_dir):
 
     h = ShmTensor.from_tensor(torch.ones(1 << 18))
     h.share(1)
-    parent, child = F.ctx().Pipe()
-    holder = F.start(F.w_cache_holder, shm_dir, child)
+    parent, child = fork_ctx().Pipe()
+    holder = fork_start(workers.w_cache_holder, shm_dir, child)
     try:
         parent.send(pickle.dumps(h))
-        assert F.recv(parent, 30) is True
+        assert recv(parent, 30) is True
         h.release()  # the writer lets go: only the cache's view keeps it
         rep = status.status(shm_dir)
         (p,) = [p for p in rep.processes if p.pid == holder.pid]
@@ -673,6 +674,6 @@ def test_status_says_which_process_keeps_a_segment_in_its_cache(shm_dir):
         assert (pj["cached"], pj["cached_bytes"]) == (1, s.bytes)
     finally:
         parent.send("exit")
-        assert F.recv(parent, 30) == "bye"
-        assert F.join(holder, 30) == 0
-    assert F.segment_files(shm_dir) == []
+        assert recv(parent, 30) == "bye"
+        assert join(holder, 30) == 0
+    assert segment_files(shm_dir) == []

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 
-import _mp
 import blake3
 import numpy as np
 import pytest
@@ -23,6 +22,8 @@ import mmshm
 from mmshm import config
 from mmshm.segments import shmtensor
 from mmshm.segments.table import TABLE
+
+from tests.harness.segments import segment_files
 
 MIB = 1 << 20
 CHUNK = shmtensor.PARALLEL_CHUNK
@@ -127,7 +128,7 @@ def test_a_failed_pwrite_in_the_third_chunk_is_typed_leaves_nothing_and_no_write
     assert len(calls) == seen, "a helper wrote after from_tensor returned"
     monkeypatch.undo()
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_the_caller_returns_only_when_no_helper_runs_a_task():

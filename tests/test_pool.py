@@ -3,45 +3,43 @@
 from __future__ import annotations
 
 import gc
-import json
 import os
 import pickle
 import signal
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
-
-import _mp
-import mmshm_faults as F
 import mmshm
 from mmshm import config
 from mmshm.segments import reaper, segfile, table
 from mmshm.segments.table import TABLE
 from mmshm.errors import SegmentNotFoundError
 
+from tests.harness.procs import spawn_ctx
+from tests.harness.segments import header, refcount, segment_files
+from tests.harness.metrics import metric
+from tests.harness.shm import run_script
+
 MiB = 1 << 20
 
 
 def _hits() -> float:
-    return _mp.metric("mmshm_pool_requests_total", result="hit")
+    return metric("mmshm_pool_requests_total", result="hit")
 
 
 def test_released_segment_returns_to_the_pool_and_is_reused(pool):
     a = mmshm.ShmTensor.from_tensor(torch.full((MiB,), 1.0))
     name = a.name
     a.release()
-    assert _mp.seg_files() == [name]  # pooled, not unlinked
-    assert _mp.header(name)[2] == segfile.STATE_POOLED
+    assert segment_files() == [name]  # pooled, not unlinked
+    assert header(name)[2] == segfile.STATE_POOLED
     hits = _hits()
     b = mmshm.ShmTensor.from_tensor(torch.full((MiB,), 2.0))
     assert b.name == name and b.meta.gen == 1
     assert _hits() - hits == 1
     assert torch.equal(b.materialize(copy=True), torch.full((MiB,), 2.0))
-    assert _mp.seg_files() == [name]
+    assert segment_files() == [name]
 
 
 def test_size_classes_bound_the_slack():
@@ -73,11 +71,7 @@ def test_size_classes_keep_the_slack_below_an_eighth_as_documented():
 ])
 def test_a_small_tmpfs_holds_as_many_pooled_tensors_as_the_slack_allows(size, tensor, count,
                                                                          reserve):
-    F.skip_without_unshare()
-    r = F.run_in_tmpfs([sys.executable, os.path.join(F.HERE, "pool_fit.py"), str(tensor),
-                        str(count), reserve], size=size, timeout=110)
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = run_script("pool_fit", str(tensor), str(count), reserve, size=size, timeout=110)
     assert (res["shm"], res["inline"]) == (count, 0), res
     assert sum(res["fallbacks"].values()) == 0 and res["bytes_equal"]
     assert res["left"] == []
@@ -116,18 +110,18 @@ def test_a_stale_handle_cannot_read_a_reused_segment(pool):
     with pytest.raises(SegmentNotFoundError):
         stale.share(1)
     stale.disown()
-    assert _mp.refcount(again.name) == 1  # the stale handle touched nothing
+    assert refcount(again.name) == 1  # the stale handle touched nothing
     again.release()
 
 
 def test_idle_segments_are_trimmed(pool, monkeypatch):
     h = mmshm.ShmTensor.from_tensor(torch.ones(MiB))
     h.release()
-    assert len(_mp.seg_files()) == 1
+    assert len(segment_files()) == 1
     monkeypatch.setenv("MMSHM_POOL_IDLE_S", "0")
     config.reload()
     TABLE.sweep()  # first sweep stamps idle_since, idle 0 s: gone
-    assert _mp.seg_files() == []
+    assert segment_files() == []
     assert TABLE.names() == []
 
 
@@ -138,7 +132,7 @@ def test_pool_respects_its_byte_cap(pool, monkeypatch):
     for h in hs:
         h.release()
     TABLE.sweep()
-    kept = _mp.seg_files()
+    kept = segment_files()
     assert 1 <= len(kept) <= 3
     assert sum(os.path.getsize(os.path.join(pool, n)) for n in kept) <= 3 * MiB
 
@@ -146,28 +140,28 @@ def test_pool_respects_its_byte_cap(pool, monkeypatch):
 def test_budget_guard_trims_the_pool_before_falling_back(pool, monkeypatch):
     h = mmshm.ShmTensor.from_tensor(torch.ones(MiB))  # 4 MiB class with header
     h.release()
-    assert len(_mp.seg_files()) == 1
+    assert len(segment_files()) == 1
     monkeypatch.setenv("MMSHM_MAX_BYTES", str(5 * MiB))
     config.reload()
-    before = _mp.metric("mmshm_inline_fallbacks_total", reason="budget")
+    before = metric("mmshm_inline_fallbacks_total", reason="budget")
     big = torch.ones(2 * MiB)  # an 8 MiB+ class: does not fit beside the pooled one
     w = mmshm.wrap([big], min_bytes=1)
     assert isinstance(w[0], torch.Tensor)  # over the cap even alone: inline
-    assert _mp.metric("mmshm_inline_fallbacks_total", reason="budget") - before == 1
+    assert metric("mmshm_inline_fallbacks_total", reason="budget") - before == 1
     monkeypatch.setenv("MMSHM_MAX_BYTES", str(12 * MiB))
     config.reload()
     w = mmshm.wrap([big], min_bytes=1)  # fits once the idle pooled segment is trimmed
     assert isinstance(w[0], mmshm.ShmTensor)
-    assert h.name not in _mp.seg_files()
+    assert h.name not in segment_files()
     del w
     gc.collect()
 
 
 def test_fan_out_of_8_writes_the_payload_once(pool):
     t = torch.rand(512, 1024)
-    written = _mp.metric("mmshm_shm_written_bytes_total")
+    written = metric("mmshm_shm_written_bytes_total")
     copies = mmshm.fan_out({"mm_items": [{"feature": t}]}, 8, min_bytes=1)
-    assert _mp.metric("mmshm_shm_written_bytes_total") - written == t.numel() * 4
+    assert metric("mmshm_shm_written_bytes_total") - written == t.numel() * 4
     views = [mmshm.unwrap(c)["mm_items"][0]["feature"] for c in copies]
     assert all(torch.equal(v, t) for v in views)
     del copies, views
@@ -192,17 +186,17 @@ def _mp_use(d):
 
 @pytest.mark.timeout(120)
 def test_owner_exit_unlinks_its_pool_and_hands_live_segments_to_their_last_release(pool):
-    c = _mp.ctx()
+    c = spawn_ctx()
     q = c.Queue()
     p = c.Process(target=_owner_then_exit, args=(pool, q))
     p.start()
     blob, pooled = q.get(timeout=60), q.get(timeout=60)
     p.join(60)
     assert p.exitcode == 0
-    assert pooled not in _mp.seg_files()  # the owner emptied its pool on the way out
+    assert pooled not in segment_files()  # the owner emptied its pool on the way out
     h = pickle.loads(blob)
     assert torch.equal(h.materialize(copy=True), torch.ones(MiB))  # released: last ref
-    assert _mp.seg_files() == []  # owner gone: the last release unlinked, no pool
+    assert segment_files() == []  # owner gone: the last release unlinked, no pool
 
 
 def _owner_killed(d, conn):
@@ -215,7 +209,7 @@ def _owner_killed(d, conn):
 
 @pytest.mark.timeout(120)
 def test_a_sigkilled_owners_pool_is_reclaimed_by_the_reaper(pool):
-    c = _mp.ctx()
+    c = spawn_ctx()
     a, b = c.Pipe()
     p = c.Process(target=_owner_killed, args=(pool, b))
     p.start()
@@ -223,7 +217,7 @@ def test_a_sigkilled_owners_pool_is_reclaimed_by_the_reaper(pool):
     name = a.recv()
     p.join(60)
     assert p.exitcode == -signal.SIGKILL
-    assert _mp.seg_files() == [name]
+    assert segment_files() == [name]
     rep = reaper.reap(pool)
     assert rep.names == [name]
-    assert _mp.seg_files() == []
+    assert segment_files() == []

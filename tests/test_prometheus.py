@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -32,6 +31,8 @@ from pathlib import Path
 
 import pytest
 from mmshm import metrics
+
+from tests.harness.ports import free_port
 
 yaml = pytest.importorskip("yaml")  # PyYAML (comes with transformers, in the test extra)
 
@@ -352,12 +353,6 @@ PIPELINE = textwrap.dedent("""
     print("DONE", flush=True)
     sys.stdin.read()  # stay alive (scraped) until killed or stdin closes
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(url: str, timeout: float = 10) -> dict:

@@ -15,20 +15,22 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import sys
 import time
 
 import msgspec
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
-
 import mmshm
-import mmshm_faults as F
 from mmshm import config
 from mmshm.segments import reaper, segment
 from mmshm.segments.table import TABLE
 from mmshm.segments import segfile
+
+from tests.harness.procs import fork_ctx, fork_start, join, recv
+from tests.harness.segments import segment_files
+from tests.harness.metrics import delta, metric
+from tests.harness.tensors import pattern
+from tests.harness import workers
 
 KILLED = -signal.SIGKILL
 HDR = segfile.HEADER_SIZE
@@ -42,16 +44,16 @@ def segdir(shm_dir):
 
 def _orphans(d: str, sizes: list[int]) -> dict[str, int]:
     """Segments whose creator exited without releasing: name -> file size."""
-    before = set(F.segment_files(d))
-    p = F.start(F.w_orphan_maker, d, sizes)
-    assert F.join(p, 30) == 0
-    names = set(F.segment_files(d)) - before
+    before = set(segment_files(d))
+    p = fork_start(workers.w_orphan_maker, d, sizes)
+    assert join(p, 30) == 0
+    names = set(segment_files(d)) - before
     assert len(names) == len(sizes)
     return {n: os.path.getsize(os.path.join(d, n)) for n in names}
 
 
 def _reaped_counters() -> tuple[float, float]:
-    return F.sample("mmshm_reaped_segments_total"), F.sample("mmshm_reaped_bytes_total")
+    return metric("mmshm_reaped_segments_total"), metric("mmshm_reaped_bytes_total")
 
 
 # -- pid reuse ------------------------------------------------------------------------
@@ -60,20 +62,20 @@ def test_live_segment_whose_creator_pid_looks_dead_is_never_reclaimed(segdir, mo
     """(a) another server's live segment; its creator pid is reported dead (as
     if the pid had been reused or the view were wrong): never reclaimed."""
     monkeypatch.setattr(reaper, "pid_alive", lambda pid: False)
-    a, b = F.ctx().Pipe()
-    server = F.start(F.w_segment_holder, segdir, 3 << 20, "0", b)
-    name, _ = F.recv(a, 30)
+    a, b = fork_ctx().Pipe()
+    server = fork_start(workers.w_segment_holder, segdir, 3 << 20, "0", b)
+    name, _ = recv(a, 30)
     (info,) = reaper.scan(segdir)
     assert (info.name, info.creator_alive, info.orphan) == (name, False, False)
     rep = reaper.reap(segdir)
     assert (rep.reclaimed, rep.live, rep.names) == (0, 1, [])
     assert reaper.reap(segdir, dry_run=True).reclaimed == 0
     a.send("verify")
-    assert F.recv(a) is True  # intact and readable
+    assert recv(a) is True  # intact and readable
     a.send("exit")
-    assert F.recv(a) == "bye"
-    assert F.join(server) == 0
-    assert F.segment_files(segdir) == []
+    assert recv(a) == "bye"
+    assert join(server) == 0
+    assert segment_files(segdir) == []
 
 
 @pytest.mark.timeout(60)
@@ -81,23 +83,23 @@ def test_segment_held_after_its_creator_was_killed_is_not_reclaimed(segdir, monk
     """The creator is SIGKILLed (its pid is free for reuse) while a consumer
     still holds a view: live until the consumer goes too."""
     monkeypatch.setattr(reaper, "pid_alive", lambda pid: False)
-    ha, hb = F.ctx().Pipe()
-    creator = F.start(F.w_holder, segdir, 2 << 20, 5, 1, hb)
-    data, digest, name = F.recv(ha, 30)
-    ca, cb = F.ctx().Pipe()
-    consumer = F.start(F.w_consumer, segdir, cb)
+    ha, hb = fork_ctx().Pipe()
+    creator = fork_start(workers.w_holder, segdir, 2 << 20, 5, 1, hb)
+    data, digest, name = recv(ha, 30)
+    ca, cb = fork_ctx().Pipe()
+    consumer = fork_start(workers.w_consumer, segdir, cb)
     ca.send((data, digest))
-    assert F.recv(ca, 30) == ("materialized", True)
+    assert recv(ca, 30) == ("materialized", True)
     creator.kill()
-    assert F.join(creator) == KILLED
+    assert join(creator) == KILLED
     rep = reaper.reap(segdir)
     assert (rep.reclaimed, rep.live) == (0, 1)
-    assert F.segment_files(segdir) == [name]
+    assert segment_files(segdir) == [name]
     consumer.kill()
-    assert F.join(consumer) == KILLED
+    assert join(consumer) == KILLED
     rep = reaper.reap(segdir)
     assert (rep.reclaimed, rep.names) == (1, [name])
-    assert F.segment_files(segdir) == []
+    assert segment_files(segdir) == []
 
 
 @pytest.mark.timeout(60)
@@ -117,7 +119,7 @@ def test_orphan_whose_creator_pid_looks_alive_is_reclaimed(segdir, monkeypatch):
     assert rep.reclaimed_bytes == sum(sizes.values()) == HDR * 3 + (1 << 16) + (1 << 20) + (3 << 20)
     segs1, bytes1 = _reaped_counters()
     assert (segs1 - segs0, bytes1 - bytes0) == (3, rep.reclaimed_bytes)
-    assert F.segment_files(segdir) == []
+    assert segment_files(segdir) == []
 
 
 @pytest.mark.timeout(60)
@@ -132,7 +134,7 @@ def test_orphan_named_after_a_live_unrelated_pid_is_reclaimed(segdir):
         reused, os.getpid(), True, True)
     rep = reaper.reap(segdir)
     assert (rep.reclaimed, rep.names) == (1, [reused])
-    assert F.segment_files(segdir) == []
+    assert segment_files(segdir) == []
 
 
 # -- what the reaper must never touch ---------------------------------------------------
@@ -177,30 +179,30 @@ def test_dry_run_reports_without_unlinking_or_counting(segdir):
     rep = reaper.reap(segdir, dry_run=True)
     assert rep.dry_run and (rep.reclaimed, rep.reclaimed_bytes) == (2, sum(sizes.values()))
     assert sorted(rep.names) == sorted(sizes)
-    assert sorted(F.segment_files(segdir)) == sorted(sizes)
+    assert sorted(segment_files(segdir)) == sorted(sizes)
     assert _reaped_counters() == (segs0, bytes0)
     rep = reaper.reap(segdir)
-    assert rep.reclaimed == 2 and F.segment_files(segdir) == []
+    assert rep.reclaimed == 2 and segment_files(segdir) == []
 
 
 @pytest.mark.timeout(60)
 def test_a_new_process_reaps_on_start_up_and_keeps_live_segments(segdir):
     sizes = _orphans(segdir, [1 << 16, 1 << 16])
-    a, b = F.ctx().Pipe()
-    live = F.start(F.w_segment_holder, segdir, 1 << 16, "0", b)
-    live_name, _ = F.recv(a, 30)
-    assert set(F.segment_files(segdir)) == set(sizes) | {live_name}
-    c, d = F.ctx().Pipe()
-    starter = F.start(F.w_segment_holder, segdir, 1 << 16, "60", d)  # reaper on
-    new_name, _ = F.recv(c, 30)  # its first creation ran the start-up pass
-    assert set(F.segment_files(segdir)) == {live_name, new_name}
+    a, b = fork_ctx().Pipe()
+    live = fork_start(workers.w_segment_holder, segdir, 1 << 16, "0", b)
+    live_name, _ = recv(a, 30)
+    assert set(segment_files(segdir)) == set(sizes) | {live_name}
+    c, d = fork_ctx().Pipe()
+    starter = fork_start(workers.w_segment_holder, segdir, 1 << 16, "60", d)  # reaper on
+    new_name, _ = recv(c, 30)  # its first creation ran the start-up pass
+    assert set(segment_files(segdir)) == {live_name, new_name}
     for conn, p in ((a, live), (c, starter)):
         conn.send("verify")
-        assert F.recv(conn) is True
+        assert recv(conn) is True
         conn.send("exit")
-        assert F.recv(conn) == "bye"
-        assert F.join(p) == 0
-    assert F.segment_files(segdir) == []
+        assert recv(conn) == "bye"
+        assert join(p) == 0
+    assert segment_files(segdir) == []
 
 
 @pytest.mark.timeout(30)
@@ -214,7 +216,7 @@ def test_maybe_reap_is_throttled_and_can_be_disabled(segdir, monkeypatch):
     assert first is not None and first.directory == segdir
     _orphans(segdir, [1 << 16])
     assert TABLE.maybe_reap(segdir) is None  # within the interval: no pass
-    assert len(F.segment_files(segdir)) == 1
+    assert len(segment_files(segdir)) == 1
     assert reaper.reap(segdir).reclaimed == 1
 
 
@@ -230,20 +232,20 @@ def test_reaper_racing_a_creation_never_leaves_a_live_segment_unlinked(segdir, m
             raced.append(reaper.reap(segdir).names)
 
     monkeypatch.setattr(segment, "_check_fd", check_fd_then_reap)
-    t = F.pattern(1 << 20, 9)
+    t = pattern(1 << 20, 9)
     h = mmshm.ShmTensor.from_tensor(t, directory=segdir)
     monkeypatch.setattr(segment, "_check_fd", real_check_fd)
     try:
         assert raced, "the race window was not hit"
         # the handle must name a file another process can open
         assert os.path.exists(os.path.join(segdir, h.name))
-        c, d = F.ctx().Pipe()
-        p = F.start(F.w_consumer, segdir, d)
+        c, d = fork_ctx().Pipe()
+        p = fork_start(workers.w_consumer, segdir, d)
         h.share(1)
         c.send((pickle.dumps(h), h.hash))
-        assert F.recv(c, 30) == ("materialized", True)
+        assert recv(c, 30) == ("materialized", True)
         p.kill()
-        assert F.join(p) == KILLED
+        assert join(p) == KILLED
         segment.update_refcount(h.name, -1, segdir)  # the consumer's reference
     finally:
         h.release()
@@ -253,12 +255,12 @@ def test_reaper_racing_a_creation_never_leaves_a_live_segment_unlinked(segdir, m
 def _writer_exits_cleanly(d: str, nbytes: int, seed: int) -> tuple[bytes, bytes, str]:
     """A writer hands one reference to a pickled handle (in flight: nobody
     opened it yet), releases its own and exits normally."""
-    a, b = F.ctx().Pipe()
-    p = F.start(F.w_holder, d, nbytes, seed, 1, b)
-    data, digest, name = F.recv(a, 30)
+    a, b = fork_ctx().Pipe()
+    p = fork_start(workers.w_holder, d, nbytes, seed, 1, b)
+    data, digest, name = recv(a, 30)
     a.send("exit")
-    assert F.recv(a) == "bye"
-    assert F.join(p) == 0
+    assert recv(a) == "bye"
+    assert join(p) == 0
     return data, digest, name
 
 
@@ -283,7 +285,7 @@ class _Records:
 
 
 def _by_reason() -> dict[str, float]:
-    return {r: F.sample("mmshm_reaped_segments_total", {"reason": r})
+    return {r: metric("mmshm_reaped_segments_total", reason=r)
             for r in reaper.REASONS}
 
 
@@ -300,7 +302,7 @@ def test_references_in_flight_survive_the_writers_clean_exit(segdir):
     assert (info.name, info.orphan, info.reason) == (name, False, "in_flight")
     late = pickle.loads(data)  # the late reader finds every byte
     assert mmshm.content_hash(late.materialize(copy=True)) == digest
-    assert F.segment_files(segdir) == []  # its release was the last
+    assert segment_files(segdir) == []  # its release was the last
 
 
 @pytest.mark.timeout(60)
@@ -310,16 +312,14 @@ def test_references_in_flight_are_reclaimed_once_the_grace_period_is_over(segdir
     data, _, name = _writer_exits_cleanly(segdir, 1 << 20, 22)
     assert reaper.reap(segdir).in_flight == 1
     time.sleep(0.6)
-    before, bytes0 = _by_reason(), F.sample("mmshm_reaped_bytes_total",
-                                            {"reason": "in_flight_expired"})
+    before, bytes0 = _by_reason(), metric("mmshm_reaped_bytes_total", reason="in_flight_expired")
     with _Records() as logged:
         rep = reaper.reap(segdir)
     assert (rep.reclaimed, rep.names, rep.in_flight) == (1, [name], 0)
     assert rep.reasons == {"killed": 0, "in_flight_expired": 1}
     after = _by_reason()
     assert {r: after[r] - before[r] for r in after} == {"killed": 0, "in_flight_expired": 1}
-    assert F.sample("mmshm_reaped_bytes_total",
-                    {"reason": "in_flight_expired"}) - bytes0 == HDR + (1 << 20)
+    assert metric("mmshm_reaped_bytes_total", reason="in_flight_expired") - bytes0 == HDR + (1 << 20)
     assert len(logged) == 1 and "reason=in_flight_expired" in logged[0]
     assert "MMSHM_IN_FLIGHT_GRACE_S=0.5s" in logged[0] and "crashed" not in logged[0]
     late = pickle.loads(data)
@@ -330,11 +330,11 @@ def test_references_in_flight_are_reclaimed_once_the_grace_period_is_over(segdir
 
 @pytest.mark.timeout(60)
 def test_a_killed_writer_with_references_in_flight_is_reclaimed_at_once(segdir):
-    a, b = F.ctx().Pipe()
-    p = F.start(F.w_holder, segdir, 1 << 20, 23, 1, b)
-    data, _, name = F.recv(a, 30)
+    a, b = fork_ctx().Pipe()
+    p = fork_start(workers.w_holder, segdir, 1 << 20, 23, 1, b)
+    data, _, name = recv(a, 30)
     p.kill()
-    assert F.join(p) == KILLED
+    assert join(p) == KILLED
     before = _by_reason()
     with _Records() as logged:
         rep = reaper.reap(segdir)  # the default grace period: it does not apply
@@ -349,13 +349,13 @@ def test_a_killed_writer_with_references_in_flight_is_reclaimed_at_once(segdir):
 @pytest.mark.timeout(60)
 def test_a_reader_killed_after_the_writers_clean_exit_is_reclaimed_at_once(segdir):
     data, digest, name = _writer_exits_cleanly(segdir, 1 << 20, 24)
-    ca, cb = F.ctx().Pipe()
-    consumer = F.start(F.w_consumer, segdir, cb)
+    ca, cb = fork_ctx().Pipe()
+    consumer = fork_start(workers.w_consumer, segdir, cb)
     ca.send((data, digest))
-    assert F.recv(ca, 30) == ("materialized", True)
+    assert recv(ca, 30) == ("materialized", True)
     assert reaper.reap(segdir).live == 1
     consumer.kill()
-    assert F.join(consumer) == KILLED
+    assert join(consumer) == KILLED
     rep = reaper.reap(segdir)
     assert (rep.names, rep.reasons["killed"]) == ([name], 1)
 
@@ -377,15 +377,15 @@ def test_mmshm_gc_keeps_references_in_flight_and_reclaims_the_killed(segdir):
     assert r.exit_code == 0, r.output
     assert "reclaimed 1 orphaned segment(s)" in r.output and "1 killed" in r.output
     assert "1 with references in flight" in r.output
-    assert F.segment_files(segdir) == [in_flight]
+    assert segment_files(segdir) == [in_flight]
     # a new process's start-up pass keeps it too
-    c, d = F.ctx().Pipe()
-    starter = F.start(F.w_segment_holder, segdir, 1 << 16, "60", d)
-    new_name, _ = F.recv(c, 30)
-    assert sorted(F.segment_files(segdir)) == sorted([in_flight, new_name])
+    c, d = fork_ctx().Pipe()
+    starter = fork_start(workers.w_segment_holder, segdir, 1 << 16, "60", d)
+    new_name, _ = recv(c, 30)
+    assert sorted(segment_files(segdir)) == sorted([in_flight, new_name])
     c.send("exit")
-    assert F.recv(c) == "bye"
-    assert F.join(starter) == 0
+    assert recv(c) == "bye"
+    assert join(starter) == 0
     late = pickle.loads(data)
     assert mmshm.content_hash(late.clone().materialize(copy=True)) == digest
     # --grace 0: the operator's way to let them go now
@@ -395,7 +395,7 @@ def test_mmshm_gc_keeps_references_in_flight_and_reclaims_the_killed(segdir):
     with pytest.raises(mmshm.SegmentNotFoundError):
         late.materialize()
     late.release()
-    assert F.segment_files(segdir) == []
+    assert segment_files(segdir) == []
 
 
 @pytest.mark.parametrize("bad", ["abc", "-5", "nan", "inf"])
@@ -419,7 +419,7 @@ def test_status_counts_references_in_flight_apart_from_orphans(segdir):
     assert (rep.orphans, rep.in_flight, rep.in_flight_bytes) == (0, 1, HDR + (1 << 20))
     late = pickle.loads(data)  # the late reader takes the last reference
     assert mmshm.content_hash(late.materialize(copy=True)) == digest
-    assert F.segment_files(segdir) == []
+    assert segment_files(segdir) == []
 
 
 @pytest.mark.timeout(60)
@@ -429,18 +429,18 @@ def test_a_reference_a_killed_reader_had_opened_is_reclaimed_at_once(segdir):
     content hash) is SIGKILLed owning its reference, the writer exits
     cleanly: reclaimed at the first pass, reason ``killed``. A reference
     handed out that nobody ever opened is still kept for the grace."""
-    a, b = F.ctx().Pipe()
-    writer = F.start(F.w_holder, segdir, 1 << 20, 31, 1, b)
-    data, digest, name = F.recv(a, 30)
-    ra, rb = F.ctx().Pipe()
-    reader = F.start(F.w_hash_reader, segdir, rb)
+    a, b = fork_ctx().Pipe()
+    writer = fork_start(workers.w_holder, segdir, 1 << 20, 31, 1, b)
+    data, digest, name = recv(a, 30)
+    ra, rb = fork_ctx().Pipe()
+    reader = fork_start(workers.w_hash_reader, segdir, rb)
     ra.send(data)
-    assert F.recv(ra, 30) == digest  # it opened the segment and read every byte
+    assert recv(ra, 30) == digest  # it opened the segment and read every byte
     reader.kill()
-    assert F.join(reader) == KILLED
+    assert join(reader) == KILLED
     a.send("exit")
-    assert F.recv(a) == "bye"
-    assert F.join(writer) == 0
+    assert recv(a) == "bye"
+    assert join(writer) == 0
     kept_data, kept_digest, kept = _writer_exits_cleanly(segdir, 1 << 18, 32)
     from mmshm.operations import status
 
@@ -450,9 +450,9 @@ def test_a_reference_a_killed_reader_had_opened_is_reclaimed_at_once(segdir):
     rep = reaper.reap(segdir)
     assert (rep.names, rep.reasons) == ([name], {"killed": 1, "in_flight_expired": 0}), rep
     assert (rep.in_flight, rep.in_flight_bytes) == (1, HDR + (1 << 18))
-    assert F.delta(before, _by_reason()) == {"killed": 1, "in_flight_expired": 0}
+    assert delta(before, _by_reason()) == {"killed": 1, "in_flight_expired": 0}
     (info,) = reaper.scan(segdir)
     assert (info.name, info.orphan, info.reason) == (kept, False, "in_flight")
     late = pickle.loads(kept_data)  # the late reader of the other one finds every byte
     assert mmshm.content_hash(late.materialize(copy=True)) == kept_digest
-    assert F.segment_files(segdir) == []
+    assert segment_files(segdir) == []

@@ -13,12 +13,12 @@ import textwrap
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
-
 import mmshm
-import mmshm_faults as F
 from mmshm.segments import shmtensor, reaper, refdebug, segfile, segment
 from mmshm.segments.table import TABLE
+
+from tests.harness.segments import segment_files
+from tests.harness.tensors import pattern
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_off_by_default_nothing_is_wrapped(shm_dir):
 
 
 def test_hand_over_after_share_is_reported_as_a_leak(shm_dir, debug_refs, caplog):
-    h = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 1))
+    h = mmshm.ShmTensor.from_tensor(pattern(1 << 17, 1))
     h.share(1)  # share-here
     data = pickle.dumps(h)
     with caplog.at_level(logging.ERROR, logger="mmshm"):
@@ -60,11 +60,11 @@ def test_hand_over_after_share_is_reported_as_a_leak(shm_dir, debug_refs, caplog
     assert segment.update_refcount(h.name, 0) == 2  # the leak is real: one receiver, two refs
     pickle.loads(data).release()
     assert segment.update_refcount(h.name, -1) == 0  # give the leaked one back by hand
-    assert F.segment_files(shm_dir) == []
+    assert segment_files(shm_dir) == []
 
 
 def test_two_pickles_then_share_and_hand_over_is_not_a_leak(shm_dir, debug_refs):
-    h = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 2))
+    h = mmshm.ShmTensor.from_tensor(pattern(1 << 17, 2))
     h.share(1)
     a, b = pickle.dumps(h), pickle.dumps(h)
     h.hand_over()
@@ -74,7 +74,7 @@ def test_two_pickles_then_share_and_hand_over_is_not_a_leak(shm_dir, debug_refs)
 
 
 def test_a_use_after_release_names_the_release(shm_dir, debug_refs):
-    h = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 3))
+    h = mmshm.ShmTensor.from_tensor(pattern(1 << 17, 3))
     h.release()  # released-here
     with pytest.raises(mmshm.HandleStateError) as ei:
         h.materialize()
@@ -83,7 +83,7 @@ def test_a_use_after_release_names_the_release(shm_dir, debug_refs):
 
 
 def test_references_held_are_listed_with_where_they_were_taken(shm_dir, debug_refs):
-    h = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 4))  # taken-here
+    h = mmshm.ShmTensor.from_tensor(pattern(1 << 17, 4))  # taken-here
     v = h.clone().materialize()  # view-here
     refs = refdebug.held()
     assert sorted(r.kind for r in refs) == ["handle", "view"]
@@ -119,7 +119,7 @@ def _run(code: str, shm_dir: str, stdin: bytes = b"", debug: str = "1"):
 def test_a_forgotten_share_names_the_release_in_the_other_process(shm_dir, debug_refs):
     """The issue's case: two sends, one reference: the first receiver frees
     the segment; the second gets SegmentNotFoundError naming that call."""
-    h = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 5))
+    h = mmshm.ShmTensor.from_tensor(pattern(1 << 17, 5))
     first, second = pickle.dumps(h), pickle.dumps(h)  # share(1) forgotten
     h.hand_over()
     r = _run(_RECEIVER, shm_dir, first)
@@ -151,7 +151,7 @@ def test_the_creator_cannot_read_a_segment_freed_in_another_process(shm_dir, mon
     (on a loaded host it could run while the receiver does)."""
     with monkeypatch.context() as mp:
         mp.setattr(TABLE, "sweep", lambda: 0)  # the background thread's
-        h = mmshm.ShmTensor.from_tensor(F.pattern(1 << 17, 6))
+        h = mmshm.ShmTensor.from_tensor(pattern(1 << 17, 6))
         first, second = pickle.dumps(h), pickle.dumps(h)  # share(1) forgotten
         h.hand_over()
         r = _run(_RECEIVER, shm_dir, first, debug="0")

@@ -22,18 +22,21 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
-
 import mmshm
-import mmshm_faults as F
 from mmshm import config
 from mmshm.segments import segfile, segment
 from mmshm.segments.table import TABLE
 
+from tests.harness.procs import fork_ctx, fork_start, join, recv, track
+from tests.harness.segments import segment_files
+from tests.harness.metrics import delta, fallbacks
+from tests.harness.shm import run_in_tmpfs, run_script, skip_without_unshare
+from tests.harness.tensors import pattern
+from tests.harness import workers
+
 log = logging.getLogger("tests.figures")
 
 MiB = 1 << 20
-SCRIPTS = F.HERE
 
 
 @pytest.fixture
@@ -41,12 +44,6 @@ def segdir(shm_dir):
     """The private segment directory the project conftest gives every test
     (also ``MMSHM_DIR``; checked empty, with nothing left open, afterwards)."""
     return shm_dir
-
-
-def _needs_unshare():
-    why = F.unshare_reason()
-    if why:
-        pytest.skip(why)
 
 
 def _set_env(monkeypatch, **kv):
@@ -61,13 +58,13 @@ def _set_env(monkeypatch, **kv):
 @pytest.mark.timeout(300)
 def test_container_burst_tp2_n4_200_photos_in_64mib(tmp_path):
     """The issue's container burst. The summary line is meant to be quoted."""
-    _needs_unshare()
+    skip_without_unshare()
     pytest.importorskip("transformers")
     pytest.importorskip("skimage")
     out = tmp_path / "burst.json"
-    r = F.run_in_tmpfs([sys.executable, os.path.join(SCRIPTS, "burst.py"), "--requests", "200",
-                        "--n", "4", "--tp", "2", "--out", str(out), "--timeout", "120"],
-                       size="64m", timeout=280)
+    r = run_in_tmpfs([sys.executable, "-m", "tests.scripts.burst", "--requests", "200",
+                      "--n", "4", "--tp", "2", "--out", str(out), "--timeout", "120"],
+                     size="64m", timeout=280)
     assert out.exists(), f"the driver died (rc {r.returncode}):\n{r.stderr[-4000:]}"
     res = json.loads(out.read_text())
     # diagnostic figures go to the log (pytest -o log_cli=true --log-cli-level=INFO);
@@ -116,11 +113,7 @@ def test_container_burst_tp2_n4_200_photos_in_64mib(tmp_path):
 @pytest.mark.fault
 @pytest.mark.timeout(120)
 def test_foreign_fill_gives_budget_fallbacks_not_errors():
-    _needs_unshare()
-    r = F.run_in_tmpfs([sys.executable, os.path.join(SCRIPTS, "tmpfs_scenarios.py")],
-                       size="64m", timeout=110)
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = run_script("tmpfs_scenarios", size="64m", timeout=110)
     fill = res["fill"]
     assert res["free_after_fill"] < 0.11 * res["fs_size"]
     assert fill["errors"] == []
@@ -144,23 +137,23 @@ def test_foreign_fill_gives_budget_fallbacks_not_errors():
 
 
 def _wrap_burst(tensors, d):
-    before = F.fallbacks()
+    before = fallbacks()
     w = mmshm.wrap({"mm_items": [{"feature": t} for t in tensors]}, directory=d)
     feats = [it["feature"] for it in w["mm_items"]]
-    return w, feats, F.delta(before, F.fallbacks())
+    return w, feats, delta(before, fallbacks())
 
 
 @pytest.mark.timeout(60)
 def test_budget_max_bytes_cap(segdir, monkeypatch):
     _set_env(monkeypatch, MMSHM_MAX_BYTES=3 * MiB, MMSHM_MIN_FREE_BYTES=0)
-    tensors = [F.pattern(MiB, i) for i in range(5)]
+    tensors = [pattern(MiB, i) for i in range(5)]
     w, feats, d = _wrap_burst(tensors, segdir)
     kinds = [type(f).__name__ for f in feats]
     # 1 MiB + one 4 KiB header each: two fit under 3 MiB, the third would not
     assert kinds == ["ShmTensor", "ShmTensor", "Tensor", "Tensor", "Tensor"]
     assert d == {"enospc": 0, "budget": 3, "emfile": 0, "other": 0}
     assert all(torch.equal(f, t) for f, t in zip(feats[2:], tensors[2:]))
-    assert len(F.segment_files(segdir)) == 2
+    assert len(segment_files(segdir)) == 2
     mmshm.release(w)
     del w, feats
     # released in this process: the budget is free again at once
@@ -174,12 +167,12 @@ def test_budget_max_bytes_cap(segdir, monkeypatch):
 def test_budget_min_free_bytes(segdir, monkeypatch):
     st = os.statvfs(segdir)
     free = st.f_bavail * st.f_frsize
-    tensors = [F.pattern(256 << 10, i) for i in range(3)]
+    tensors = [pattern(256 << 10, i) for i in range(3)]
     _set_env(monkeypatch, MMSHM_MIN_FREE_BYTES=free + (1 << 30))  # reserve > free space
     w, feats, d = _wrap_burst(tensors, segdir)
     assert all(isinstance(f, torch.Tensor) for f in feats)
     assert d == {"enospc": 0, "budget": 3, "emfile": 0, "other": 0}
-    assert F.segment_files(segdir) == []
+    assert segment_files(segdir) == []
     _set_env(monkeypatch, MMSHM_MIN_FREE_BYTES=0)
     w, feats, d = _wrap_burst(tensors, segdir)
     assert all(isinstance(f, mmshm.ShmTensor) for f in feats)
@@ -195,19 +188,19 @@ def test_budget_ignores_segments_freed_by_another_process(segdir, monkeypatch):
     producer's next segment of the same size must not be refused."""
     _set_env(monkeypatch, MMSHM_MAX_BYTES=3 * MiB, MMSHM_MIN_FREE_BYTES=0,
              MMSHM_SWEEP_INTERVAL_S=3600)
-    t = F.pattern(2 * MiB, 1)
+    t = pattern(2 * MiB, 1)
     h = mmshm.ShmTensor.from_tensor(t, directory=segdir)
     h.share(1)
     data = pickle.dumps(h)
     h.release()
-    a, b = F.ctx().Pipe()
-    consumer = F.start(F.w_release_on_command, segdir, b)
+    a, b = fork_ctx().Pipe()
+    consumer = fork_start(workers.w_release_on_command, segdir, b)
     a.send(data)
-    assert F.recv(a, 30) == "ready"
+    assert recv(a, 30) == "ready"
     a.send("release")  # the last reference goes away in the other process
-    assert F.recv(a, 30)[0] is None
-    assert F.join(consumer) == 0
-    assert F.segment_files(segdir) == []
+    assert recv(a, 30)[0] is None
+    assert join(consumer) == 0
+    assert segment_files(segdir) == []
     w, feats, d = _wrap_burst([t], segdir)
     try:
         assert isinstance(feats[0], mmshm.ShmTensor), d
@@ -232,13 +225,13 @@ print("OK" if ok else "BAD", flush=True)
 
 @pytest.mark.timeout(120)
 def test_resource_tracker_independence(segdir):
-    t = F.pattern(3 * MiB + 5, 11)
+    t = pattern(3 * MiB + 5, 11)
     h = mmshm.ShmTensor.from_tensor(t, directory=segdir)
     h.share(1)
     env = dict(os.environ, MMSHM_DIR=segdir, PYTHONWARNINGS="default")
     p = subprocess.Popen([sys.executable, "-c", _CHILD, pickle.dumps(h).hex(), h.hash.hex()],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-    F.TRACKED_PIDS.add(p.pid)
+    track(p.pid)
     out, err = p.communicate(timeout=100)
     assert p.returncode == 0, err
     assert out.strip() == "OK"
@@ -248,30 +241,30 @@ def test_resource_tracker_independence(segdir):
     assert segment.update_refcount(h.name, 0, segdir) == 1
     assert torch.equal(h.clone().materialize(copy=True), t)
     h.release()
-    assert F.segment_files(segdir) == []
+    assert segment_files(segdir) == []
 
 
 # -- a segment that disappears or shrinks under us -------------------------------------
 @pytest.mark.timeout(60)
 def test_unlinked_while_mapped_views_survive_and_release_tolerates_enoent(segdir, caplog):
     caplog.set_level(logging.WARNING, logger="mmshm")
-    t = F.pattern(2 * MiB, 21).view(512, -1)
+    t = pattern(2 * MiB, 21).view(512, -1)
     h = mmshm.ShmTensor.from_tensor(t, directory=segdir)
     h.share(2)
     data = pickle.dumps(h)
     path = os.path.join(segdir, h.name)
-    a, b = F.ctx().Pipe()
-    other = F.start(F.w_release_on_command, segdir, b)  # holds a never-attached handle
+    a, b = fork_ctx().Pipe()
+    other = fork_start(workers.w_release_on_command, segdir, b)  # holds a never-attached handle
     a.send(data)
-    assert F.recv(a, 30) == "ready"
+    assert recv(a, 30) == "ready"
     v = pickle.loads(data).materialize()
     assert torch.equal(v, t)
     os.unlink(path)  # a third party (systemd's RemoveIPC) removes the file
     assert torch.equal(v, t)  # existing views keep working
     v2 = v.clone()
     a.send("release")
-    err, records, still_owns = F.recv(a, 30)
-    assert F.join(other) == 0
+    err, records, still_owns = recv(a, 30)
+    assert join(other) == 0
     assert err is None and not still_owns
     assert records == [], records  # ENOENT is not worth a warning
     h.release()
@@ -286,16 +279,16 @@ def test_unlinked_while_mapped_views_survive_and_release_tolerates_enoent(segdir
 
 @pytest.mark.timeout(60)
 def test_creator_lets_go_of_a_segment_unlinked_by_a_third_party(segdir):
-    h = mmshm.ShmTensor.from_tensor(F.pattern(2 * MiB, 22), directory=segdir)
+    h = mmshm.ShmTensor.from_tensor(pattern(2 * MiB, 22), directory=segdir)
     h.share(1)
-    a, b = F.ctx().Pipe()
-    other = F.start(F.w_release_on_command, segdir, b)
+    a, b = fork_ctx().Pipe()
+    other = fork_start(workers.w_release_on_command, segdir, b)
     a.send(pickle.dumps(h))
-    assert F.recv(a, 30) == "ready"
+    assert recv(a, 30) == "ready"
     os.unlink(os.path.join(segdir, h.name))  # RemoveIPC
     a.send("release")
-    assert F.recv(a, 30)[0] is None
-    assert F.join(other) == 0
+    assert recv(a, 30)[0] is None
+    assert join(other) == 0
     h.release()
     TABLE.sweep()
     assert h.name not in TABLE.names()
@@ -303,32 +296,32 @@ def test_creator_lets_go_of_a_segment_unlinked_by_a_third_party(segdir):
 
 @pytest.mark.timeout(60)
 def test_truncated_before_attach_is_a_typed_error_not_sigbus(segdir):
-    t = F.pattern(4 * MiB, 31)
+    t = pattern(4 * MiB, 31)
     h = mmshm.ShmTensor.from_tensor(t, directory=segdir)
     h.share(2)  # the worker unpickles the handle twice
     os.truncate(os.path.join(segdir, h.name), segfile.HEADER_SIZE + 100)
-    a, b = F.ctx().Pipe()
-    p = F.start(F.w_truncated_attach, segdir, pickle.dumps(h), b)
-    res = F.recv(a, 30)
-    assert F.join(p) == 0  # never SIGBUS (-7)
+    a, b = fork_ctx().Pipe()
+    p = fork_start(workers.w_truncated_attach, segdir, pickle.dumps(h), b)
+    res = recv(a, 30)
+    assert join(p) == 0  # never SIGBUS (-7)
     assert res["direct"].startswith("SegmentCorruptError"), res
     assert "truncated" in res["direct"]
     assert res["copy"].startswith("SegmentCorruptError"), res
     assert res["deferred"] == ("MaterializeError", "corrupt")
     h.release()
-    assert F.segment_files(segdir) == []
+    assert segment_files(segdir) == []
 
 
 # -- descriptor exhaustion ---------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_descriptor_exhaustion_falls_back_inline_with_emfile(segdir):
-    fh = mmshm.ShmTensor.from_tensor(F.pattern(MiB, 41), directory=segdir)
+    fh = mmshm.ShmTensor.from_tensor(pattern(MiB, 41), directory=segdir)
     try:
         fh.share(1)
-        a, b = F.ctx().Pipe()
-        p = F.start(F.w_emfile, segdir, 10, 256 << 10, pickle.dumps(fh), b)
-        res = F.recv(a, 30)
-        assert F.join(p) == 0
+        a, b = fork_ctx().Pipe()
+        p = fork_start(workers.w_emfile, segdir, 10, 256 << 10, pickle.dumps(fh), b)
+        res = recv(a, 30)
+        assert join(p) == 0
         assert res["fd_reserve"] == 64
         # RLIMIT_NOFILE lowered to leave at most three descriptors below
         # MMSHM_FD_RESERVE: some tensors got segments, the rest went inline

@@ -10,7 +10,6 @@ import pickle
 import re
 import stat
 
-import _mp
 import mmshm
 import pytest
 import torch
@@ -18,9 +17,15 @@ from mmshm.segments import segfile, segment
 from mmshm.segments.table import TABLE
 from mmshm.segments.codec import HandleMeta
 
+from tests.harness.procs import run_child, signal_name
+from tests.harness.segments import header, refcount, seg_dir, segment_files
+from tests.harness.metrics import fallbacks_total
+from tests.harness.tensors import make_tensor, same
+from tests.harness import children
+
 
 def _path(name: str) -> str:
-    return os.path.join(_mp.seg_dir(), name)
+    return os.path.join(seg_dir(), name)
 
 
 def test_created_with_mode_0600_and_naming_scheme(shm_dir):
@@ -35,9 +40,9 @@ def test_created_with_mode_0600_and_naming_scheme(shm_dir):
     assert stat.S_ISREG(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o600
     assert st.st_uid == os.geteuid()
-    assert _mp.seg_files() == [h.name]
+    assert segment_files() == [h.name]
     h.release()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_header_size_and_space_reserved(shm_dir):
@@ -48,7 +53,7 @@ def test_header_size_and_space_reserved(shm_dir):
         assert st.st_size == segfile.HEADER_SIZE + nbytes
         # posix_fallocate reserved every page before anything was written
         assert st.st_blocks * 512 >= segfile.HEADER_SIZE + nbytes
-        magic, version, state, size, count, pid, created_ns, gen, flags = _mp.header(seg.name)
+        magic, version, state, size, count, pid, created_ns, gen, flags = header(seg.name)
         assert magic == segfile.MAGIC
         assert version == segfile.VERSION
         assert state == segfile.STATE_LIVE
@@ -60,7 +65,7 @@ def test_header_size_and_space_reserved(shm_dir):
         assert seg.refcount() == 1
     finally:
         assert segment.update_refcount(seg.name, -1) == 0
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_names_are_unique(shm_dir):
@@ -68,10 +73,10 @@ def test_names_are_unique(shm_dir):
     names = {h.name for h in hs}
     assert len(names) == 64
     assert len({n.rsplit("-", 1)[1] for n in names}) == 64
-    assert sorted(names) == _mp.seg_files()
+    assert sorted(names) == segment_files()
     del hs
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_o_excl_skips_an_existing_name(shm_dir, monkeypatch):
@@ -89,7 +94,7 @@ def test_o_excl_skips_an_existing_name(shm_dir, monkeypatch):
     finally:
         h.release()
         os.unlink(_path(taken))
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_o_excl_does_not_follow_a_symlink_at_the_new_name(shm_dir, monkeypatch, tmp_path):
@@ -120,10 +125,10 @@ def test_every_name_taken_gives_segment_error_and_inline_fallback(shm_dir, monke
             segment.create(100)
         assert ei.value.errno == errno.EEXIST
         t = torch.ones(1000)
-        before = _mp.fallbacks_total()
+        before = fallbacks_total()
         out = mmshm.wrap({"x": t}, min_bytes=1)
         assert out["x"] is t
-        assert _mp.fallbacks_total() - before == 1
+        assert fallbacks_total() - before == 1
         with open(_path(taken), "rb") as f:
             assert f.read() == b"x"
     finally:
@@ -134,16 +139,16 @@ def test_refcount_updates_and_last_release_unlinks(shm_dir):
     seg = segment.create(4096)
     name = seg.name
     assert segment.update_refcount(name, 2) == 3
-    assert _mp.refcount(name) == 3
+    assert refcount(name) == 3
     assert segment.update_refcount(name, -1) == 2
     assert segment.update_refcount(name, -1) == 1
-    assert _mp.seg_files() == [name]
+    assert segment_files() == [name]
     assert segment.update_refcount(name, -1) == 0
-    assert _mp.seg_files() == []
+    assert segment_files() == []
     # a freed segment cannot be resurrected, and nothing is re-created
     with pytest.raises(mmshm.SegmentNotFoundError):
         segment.update_refcount(name, 1)
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_creator_keeps_descriptor_until_last_release(shm_dir):
@@ -161,37 +166,37 @@ def test_creator_keeps_descriptor_until_last_release(shm_dir):
 def test_truncated_segment_gives_corrupt_error_in_consumer(shm_dir):
     """Truncated before the consumer attaches: SegmentCorruptError, in the
     consumer process, for copy=False and copy=True, and never SIGBUS."""
-    t = _mp.make_tensor(7, (100, 400))
+    t = make_tensor(7, (100, 400))
     h = mmshm.ShmTensor.from_tensor(t)
     h.share(1)
     blob = pickle.dumps(h)
     os.truncate(_path(h.name), segfile.HEADER_SIZE + 100)
-    res, code = _mp.run_child(_mp.consume_truncated, blob)
-    assert code == 0, _mp.signal_name(code)
+    res, code = run_child(children.consume_truncated, blob)
+    assert code == 0, signal_name(code)
     assert res[False] == "SegmentCorruptError" and res["False-is-corrupt"], res
     assert res[True] == "SegmentCorruptError" and res["True-is-corrupt"], res
     assert res["owns_after"] is True  # a failed materialize keeps the reference
-    assert _mp.refcount(h.name) == 1  # the consumer gave its reference back
+    assert refcount(h.name) == 1  # the consumer gave its reference back
     h.release()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 @pytest.mark.parametrize("copy", [False, True])
 def test_unlinked_by_third_party_while_view_is_mapped(shm_dir, copy):
-    t = _mp.make_tensor(3, (256, 256))
+    t = make_tensor(3, (256, 256))
     h = mmshm.ShmTensor.from_tensor(t)
     other = h.clone()
     v = h.materialize()
     os.unlink(_path(h.name))  # e.g. an operator's rm /dev/shm/mmshm-*
-    assert _mp.same(v, t)  # the mapping keeps the pages
+    assert same(v, t)  # the mapping keeps the pages
     part = v[10:20]
     del v
     gc.collect()
-    assert _mp.same(part, t[10:20])
+    assert same(part, t[10:20])
     # the other holder's bytes are still reachable through this process's descriptor,
     # and releasing tolerates the missing file
     got = other.materialize(copy=copy)
-    assert _mp.same(got, t)
+    assert same(got, t)
     del got, part
     gc.collect()
     other.release()
@@ -228,11 +233,11 @@ def test_symlink_in_place_of_a_segment_is_refused(shm_dir):
             segment.attach(fake_name)
         fake.release()  # refused too: it must not touch the real segment
         assert not fake.owns_reference
-        assert _mp.refcount(real.name) == 1
+        assert refcount(real.name) == 1
         assert torch.equal(real.materialize(copy=True), t)
     finally:
         os.unlink(_path(fake_name))
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_foreign_file_with_a_valid_name_is_corrupt(shm_dir):

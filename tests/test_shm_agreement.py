@@ -2,7 +2,7 @@
 (:mod:`mmshm.transport.shmagree`): the same outcome as the gloo agreement, no gloo
 message, and every fault typed, within the group's timeout, nothing left.
 
-Multi-process tests: gloo on 127.0.0.1 (``tests/_mp.py``), groups with a
+Multi-process tests: gloo on 127.0.0.1 (``tests/children.py``), groups with a
 short timeout, a private segment directory.
 """
 
@@ -16,20 +16,23 @@ from datetime import timedelta
 
 import pytest
 
-import _mp
 import mmshm
 from mmshm.segments import node
 from mmshm.transport import shmagree
 from mmshm.transport import topology
+
+from tests.harness.procs import run_group, spawn
+from tests.harness.segments import SHM_ROOT, seg_dir, segment_files
+from tests.harness import children
 
 GROUP_TIMEOUT_S = 6.0  # the timeout of the process group under test
 
 
 def _wait_empty(timeout: float = 5.0) -> tuple[list[str], float]:
     t0 = time.monotonic()
-    while os.listdir(_mp.seg_dir()) and time.monotonic() - t0 < timeout:
+    while os.listdir(seg_dir()) and time.monotonic() - t0 < timeout:
         time.sleep(0.05)
-    return sorted(os.listdir(_mp.seg_dir())), time.monotonic() - t0
+    return sorted(os.listdir(seg_dir())), time.monotonic() - t0
 
 
 def _count_agreement_messages() -> dict:
@@ -78,9 +81,9 @@ def rank_same_errors(rank: int, world: int, seed: int, bad_rank: int, capacity: 
     if capacity is not None:  # vectors longer than this take the gloo agreement
         shmagree.CAPACITY = capacity
     calls = _count_agreement_messages()
-    runs = [_mp.rank_failures(rank, world, seed + k, bad_rank) for k in range(3)]
+    runs = [children.rank_failures(rank, world, seed + k, bad_rank) for k in range(3)]
     return {"errors": [r["errors"] for r in runs], "calls": calls, "rounds": _rounds(),
-            "stage": _agr().stage, "files": sorted(os.listdir(_mp.seg_dir())),
+            "stage": _agr().stage, "files": sorted(os.listdir(seg_dir())),
             "names": [n for r in runs for n in r["names"]]}
 
 
@@ -94,8 +97,8 @@ def test_same_errors_on_every_rank_with_no_gloo_message(shm_dir, path):
     through shared memory with no gloo message of the agreement, or over gloo
     when the vector does not fit a slot (decided from its size, alike on
     every rank)."""
-    res = _mp.run_group(rank_same_errors, 3, 61, 2, None if path == "shm" else 4,
-                        timeout=200)
+    res = run_group(rank_same_errors, 3, 61, 2, None if path == "shm" else 4,
+                    timeout=200)
     for r in range(3):
         assert res[r]["errors"] == [{1: ("not_found", [0, 1, 2]), 4: ("malformed", [2])}] * 3, \
             res[r]
@@ -120,11 +123,11 @@ def _broadcast_rounds(rank: int, world: int, seed: int, rounds: int, group=None,
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
     for rnd in range(rounds):
         src = rnd % world if moving_src else 0
-        reqs = ([mmshm.wrap(_mp._request(i, seed + rnd), min_bytes=1024) for i in range(2)]
+        reqs = ([mmshm.wrap(children.request(i, seed + rnd), min_bytes=1024) for i in range(2)]
                 if rank == src else None)
         out = bcast(reqs, rank, group, src)
         for i, r in enumerate(out):
-            _mp._check_request(r, i, seed + rnd)
+            children.check_request(r, i, seed + rnd)
         del out, reqs, r
         gc.collect()
 
@@ -135,7 +138,7 @@ def rank_many_rounds(rank: int, world: int, seed: int) -> dict:
     import torch.distributed as dist
 
     dist.barrier()
-    return {"calls": calls, "rounds": _rounds(), "files": sorted(os.listdir(_mp.seg_dir()))}
+    return {"calls": calls, "rounds": _rounds(), "files": sorted(os.listdir(seg_dir()))}
 
 
 @pytest.mark.multiproc
@@ -145,7 +148,7 @@ def test_rounds_with_changing_sources(shm_dir):
     on every rank; after the first, which sets it up, every agreement goes
     through shared memory (no gloo message), and nothing is left in the
     segment directory (the agreement file went at the end of the setup)."""
-    res = _mp.run_group(rank_many_rounds, 3, 62, timeout=150)
+    res = run_group(rank_many_rounds, 3, 62, timeout=150)
     for r in range(3):
         assert res[r]["calls"] == {"agree": _setup_messages(r, 0)}, res[r]
         assert res[r]["rounds"] == 11, res[r]
@@ -177,14 +180,14 @@ def rank_killed(rank: int, world: int, seed: int, victim: int, src: int) -> dict
     for rnd[0] in range(3):
         reqs = None
         if rank == src:
-            reqs = [mmshm.wrap(_mp._request(i, seed + rnd[0]), min_bytes=1024)
+            reqs = [mmshm.wrap(children.request(i, seed + rnd[0]), min_bytes=1024)
                     for i in range(3)]
             names = [h.name for h in mmshm.handles(reqs)]
         t0 = time.monotonic()
         try:
             out = bcast(reqs, rank, group, src)
             for i, r in enumerate(out):
-                _mp._check_request(r, i, seed + rnd[0])
+                children.check_request(r, i, seed + rnd[0])
             res["raised"] = None
             del out, r
         except Exception as exc:  # noqa: BLE001
@@ -210,7 +213,7 @@ def test_receiver_killed_before_its_slot(shm_dir):
     timeout (long before it: the lock is tested every few milliseconds),
     and the references handed to it are given back at once: the directory
     is empty within seconds."""
-    res = _mp.run_group(rank_killed, 3, 63, 2, 0, timeout=100, killed=(2,))
+    res = run_group(rank_killed, 3, 63, 2, 0, timeout=100, killed=(2,))
     for r in (0, 1):
         assert res[r]["raised"] == "PeerLostError" and res[r]["runtime"], res[r]
         assert res[r]["ranks"] == [2], res[r]
@@ -228,7 +231,7 @@ def test_source_killed_before_the_result(shm_dir):
     within the group's timeout (its lock is gone); the segments it made are
     reclaimed by the reaper's first pass (their creator was killed), and
     nothing else is left."""
-    res = _mp.run_group(rank_killed, 3, 64, 1, 1, timeout=100, killed=(1,))
+    res = run_group(rank_killed, 3, 64, 1, 1, timeout=100, killed=(1,))
     for r in (0, 2):
         assert res[r]["raised"] == "PeerLostError" and res[r]["runtime"], res[r]
         assert res[r]["s"] < GROUP_TIMEOUT_S, res[r]
@@ -274,7 +277,7 @@ def rank_file_fault(rank: int, world: int, seed: int, fault: str) -> dict:
     dist.barrier(group=group)
     agr = _agr(group)
     return {"stage": agr.stage, "fd": agr.fd, "calls": calls, "said": said,
-            "files": sorted(os.listdir(_mp.seg_dir()))}
+            "files": sorted(os.listdir(seg_dir()))}
 
 
 @pytest.mark.multiproc
@@ -285,7 +288,7 @@ def test_agreement_file_gone_or_changed_keeps_gloo(shm_dir, fault):
     other ranks open it: they say so at WARNING, the probe tells every rank
     alike, and the group keeps the gloo agreement (every broadcast right,
     its messages counted), nothing left behind."""
-    res = _mp.run_group(rank_file_fault, 3, 65, fault, timeout=120)
+    res = run_group(rank_file_fault, 3, 65, fault, timeout=120)
     for r in range(3):
         assert res[r]["stage"] == "off" and res[r]["fd"] is None, res[r]
         assert res[r]["calls"] == {"agree": 4 * (4 if r == 0 else 2)}, res[r]
@@ -313,12 +316,12 @@ def rank_two_nodes(rank: int, world: int, base: str, seed: int) -> dict:
 def test_simulated_nodes_keep_the_gloo_agreement(shm_dir):
     """Four ranks on two simulated nodes (node.simulate): no shared-memory
     agreement is made, and every round's agreement goes over gloo."""
-    res = _mp.run_group(rank_two_nodes, 4, shm_dir, 66, timeout=150)
+    res = run_group(rank_two_nodes, 4, shm_dir, 66, timeout=150)
     for r in range(4):
         assert res[r]["single"] is False and res[r]["shm"] is None, res[r]
         assert res[r]["calls"]["agree"] == (2 * 3 * 2 if r == 0 else 2 * 2), res[r]
     for k in range(2):
-        assert _mp.seg_files(node.simulated_dir(shm_dir, k)) == []
+        assert segment_files(node.simulated_dir(shm_dir, k)) == []
 
 
 # -- a file left by processes all killed inside the first round ------------------------
@@ -335,7 +338,7 @@ def test_reaper_reclaims_a_file_whose_ranks_were_killed(shm_dir):
     """Every rank killed inside the setup round (before the source unlinks
     the file): the name is a segment name nobody holds, and the reaper's first
     pass reclaims it as ``killed``."""
-    p = _mp.start(_make_and_die, shm_dir)
+    p = spawn(_make_and_die, shm_dir)
     p.join(60)
     assert p.exitcode == -signal.SIGKILL
     left = os.listdir(shm_dir)
@@ -358,7 +361,7 @@ def test_decision_is_the_layouts(shm_dir, monkeypatch):
 # -- ranks that the layout calls one node but that do not share a directory ------------
 def rank_disagree(rank: int, world: int, seed: int, dirs: list) -> dict:
     calls = _count_agreement_messages()
-    res = _mp.rank_wrong_dir(rank, world, seed, dirs)
+    res = children.rank_wrong_dir(rank, world, seed, dirs)
     agr = _agr()
     res.update(calls=calls, stage=agr.stage, fd=agr.fd)
     return res
@@ -373,10 +376,10 @@ def test_ranks_that_do_not_share_a_directory_keep_gloo(shm_dir, monkeypatch):
     import shutil
 
     monkeypatch.setenv("MMSHM_NODE_ID", "7")
-    other = os.path.join(_mp.SHM_ROOT, f"pytest-mmshm-other-{secrets.token_hex(4)}")
+    other = os.path.join(SHM_ROOT, f"pytest-mmshm-other-{secrets.token_hex(4)}")
     os.mkdir(other, 0o700)
     try:
-        res = _mp.run_group(rank_disagree, 2, 67, [shm_dir, other], timeout=120)
+        res = run_group(rank_disagree, 2, 67, [shm_dir, other], timeout=120)
         for r in range(2):
             assert res[r]["errors"] == {0: ("not_found", [1])}, res[r]
             assert res[r]["stage"] == "off" and res[r]["fd"] is None, res[r]

@@ -7,18 +7,21 @@ import dataclasses
 import gc
 from typing import Any, NamedTuple
 
-import _mp
 import mmshm
 import msgspec
 import pytest
 import torch
 from mmshm import config
 
+from tests.harness.segments import refcount, segment_files
+from tests.harness.metrics import fallbacks_total
+from tests.harness.tensors import make_tensor, same
+
 BIG = 64 * 1024  # bytes; tensors below are wrapped with min_bytes=BIG
 
 
 def big(seed: int, dtype=torch.float32) -> torch.Tensor:
-    return _mp.make_tensor(seed, (64, 1024 // dtype.itemsize), dtype)  # 64 KiB
+    return make_tensor(seed, (64, 1024 // dtype.itemsize), dtype)  # 64 KiB
 
 
 class ItemStruct(msgspec.Struct):
@@ -149,7 +152,7 @@ def test_wrap_unwrap_roundtrip(shm_dir, case):
     assert type(wrapped) is type(obj)
     hs = leaves(wrapped)
     assert all(isinstance(h, mmshm.ShmTensor) for h in hs), hs
-    assert len(_mp.seg_files()) == 2
+    assert len(segment_files()) == 2
     assert sorted(h.name for h in mmshm.handles(wrapped)) == sorted(h.name for h in hs)
     # the input is untouched
     got = leaves(obj)
@@ -160,21 +163,21 @@ def test_wrap_unwrap_roundtrip(shm_dir, case):
     assert type(back) is type(obj)
     out = leaves(back)
     assert all(isinstance(x, torch.Tensor) for x in out)
-    assert _mp.same(out[0], a) and _mp.same(out[1], b)
+    assert same(out[0], a) and same(out[1], b)
     assert out[0] is not a
     # the handles inside `wrapped` gave their references to the tensors
     assert not any(h.owns_reference for h in hs)
     del back, out, wrapped, hs
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_unwrap_copy_true_releases_at_once(shm_dir):
     a = big(3)
     wrapped = mmshm.wrap({"a": a, "l": [a + 1]}, min_bytes=BIG)
     back = mmshm.unwrap(wrapped, copy=True)
-    assert _mp.seg_files() == []
-    assert _mp.same(back["a"], a) and _mp.same(back["l"][0], a + 1)
+    assert segment_files() == []
+    assert same(back["a"], a) and same(back["l"][0], a + 1)
 
 
 def test_other_fields_are_preserved(shm_dir):
@@ -184,7 +187,7 @@ def test_other_fields_are_preserved(shm_dir):
     assert w.mm_items[0].modality == "video" and w.mm_items[0].offsets == [1, 2]
     back = mmshm.unwrap(w)
     assert back.mm_items[0].modality == "video"
-    assert _mp.same(back.mm_items[0].feature, obj.mm_items[0].feature)
+    assert same(back.mm_items[0].feature, obj.mm_items[0].feature)
 
 
 def test_min_bytes_threshold(shm_dir, monkeypatch):
@@ -196,9 +199,9 @@ def test_min_bytes_threshold(shm_dir, monkeypatch):
     assert w["below"] is below
     assert isinstance(w["at"], mmshm.ShmTensor)
     assert isinstance(w["above"], mmshm.ShmTensor)
-    assert len(_mp.seg_files()) == 2
+    assert len(segment_files()) == 2
     mmshm.release(w)
-    assert _mp.seg_files() == []
+    assert segment_files() == []
     # the default comes from MMSHM_MIN_BYTES
     monkeypatch.setenv("MMSHM_MIN_BYTES", "1001")
     config.reload()
@@ -214,13 +217,13 @@ def test_min_bytes_threshold(shm_dir, monkeypatch):
     assert isinstance(w["small"], torch.Tensor)
     assert isinstance(w["big"], mmshm.ShmTensor)
     mmshm.release(w)
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_nothing_to_wrap_returns_the_same_object(shm_dir):
     obj = Req("r", [ItemStruct(torch.zeros(3))], {"x": [1, 2]})
     assert mmshm.wrap(obj, min_bytes=BIG) is obj
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_input_is_not_mutated(shm_dir):
@@ -240,8 +243,8 @@ def test_input_is_not_mutated(shm_dir):
     assert isinstance(w.extra["meta"].feature, mmshm.ShmTensor)
     back = mmshm.unwrap(w)
     assert isinstance(w.mm_items[0].feature, mmshm.ShmTensor)  # unwrap does not mutate
-    assert _mp.same(back.mm_items[0].feature, a)
-    assert _mp.same(back.extra["meta"].feature, a)
+    assert same(back.mm_items[0].feature, a)
+    assert same(back.extra["meta"].feature, a)
 
 
 def test_same_tensor_twice_gives_two_valid_handles(shm_dir):
@@ -251,19 +254,19 @@ def test_same_tensor_twice_gives_two_valid_handles(shm_dir):
     assert isinstance(h1, mmshm.ShmTensor) and isinstance(h2, mmshm.ShmTensor)
     assert h1 is not h2
     assert h1.name == h2.name  # one segment
-    assert _mp.seg_files() == [h1.name]
-    assert _mp.refcount(h1.name) == 2  # one reference per handle object
+    assert segment_files() == [h1.name]
+    assert refcount(h1.name) == 2  # one reference per handle object
     v1 = h1.materialize()
     del w, h1
     gc.collect()
     v2 = h2.materialize()
-    assert _mp.same(v1, t) and _mp.same(v2, t)
+    assert same(v1, t) and same(v2, t)
     del v1
     gc.collect()
-    assert _mp.seg_files() == [h2.name]
+    assert segment_files() == [h2.name]
     del v2
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_handles_and_release(shm_dir):
@@ -271,7 +274,7 @@ def test_handles_and_release(shm_dir):
     hs = mmshm.handles(w)
     assert len(hs) == 3 and all(isinstance(h, mmshm.ShmTensor) for h in hs)
     assert mmshm.release(w) == 3
-    assert _mp.seg_files() == []
+    assert segment_files() == []
     assert not any(h.owns_reference for h in hs)
 
 
@@ -284,7 +287,7 @@ def test_unwrap_failure_releases_every_handle(shm_dir):
     with pytest.raises(mmshm.SegmentNotFoundError):
         mmshm.unwrap([good, missing, good2])
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -292,11 +295,11 @@ def test_unsupported_tensors_stay_inline_silently(shm_dir):
     q = torch.quantize_per_tensor(torch.randn(1 << 16), 0.1, 0, torch.qint8)
     s = torch.randn(256, 256).to_sparse()
     m = torch.empty(1 << 16, device="meta")
-    before = _mp.fallbacks_total()
+    before = fallbacks_total()
     w = mmshm.wrap({"q": q, "s": s, "m": m}, min_bytes=1)
     assert w["q"] is q and w["s"] is s and w["m"] is m
-    assert _mp.fallbacks_total() == before
-    assert _mp.seg_files() == []
+    assert fallbacks_total() == before
+    assert segment_files() == []
 
 
 def test_unsupported_dtype_stays_inline(shm_dir):
@@ -313,7 +316,7 @@ def test_disabled_transport_leaves_everything_inline(shm_dir, monkeypatch):
     config.reload()
     obj = {"a": big(14)}
     assert mmshm.wrap(obj, min_bytes=1) is obj
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_unwrap_leaves_plain_tensors_alone(shm_dir):
@@ -334,8 +337,8 @@ def test_instances_of_one_class_with_different_attributes(shm_dir):
     assert isinstance(w2.feature, mmshm.ShmTensor) and isinstance(w2.late, mmshm.ShmTensor)
     assert not hasattr(w2, "other") and not hasattr(w1, "late")
     b1, b2 = mmshm.unwrap([w1, w2])
-    assert _mp.same(b1.other, first.other)
-    assert _mp.same(b2.feature, second.feature) and _mp.same(b2.late, second.late)
+    assert same(b1.other, first.other)
+    assert same(b2.feature, second.feature) and same(b2.late, second.late)
 
 
 def test_sequences_of_scalars_are_kept_and_a_tensor_among_them_is_found(shm_dir):
@@ -361,8 +364,8 @@ def test_sequences_of_scalars_are_kept_and_a_tensor_among_them_is_found(shm_dir)
     assert isinstance(w["mixed"][50_000], mmshm.ShmTensor) and w["mixed"][:3] == [0, 1, 2]
     assert isinstance(w["nt"][1], mmshm.ShmTensor)
     back = mmshm.unwrap(w)
-    assert _mp.same(back["mixed"][50_000], t1) and _mp.same(back["nt"][1], t2)
+    assert same(back["mixed"][50_000], t1) and same(back["nt"][1], t2)
     assert req["mixed"][50_000] is t1  # the input is not mutated
     del back, w
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []

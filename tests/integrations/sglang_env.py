@@ -1,7 +1,7 @@
 """Import a real SGLang release on CPU and drive its transport code.
 
 Used by test_sglang.py in the per-release virtualenvs that
-tests/integrations/run_sglang.py builds, and by the child processes those
+``python -m tests.run sglang`` builds, and by the child processes those
 tests start (spawned ranks, the ``mmshm run`` child, the small-tmpfs child).
 """
 
@@ -13,8 +13,9 @@ import glob
 import inspect
 import os
 import pickle
-import sys
 import types
+
+from tests.harness.segments import segment_files
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUBS = os.path.join(HERE, "stubs")
@@ -33,9 +34,7 @@ def add_stubs() -> None:
     """Put the triton / torchvision / sgl_kernel stubs on sys.path (and on
     PYTHONPATH for children), and keep torch from believing triton exists
     (:func:`cpu_stubs.use`)."""
-    if STUBS not in sys.path:
-        sys.path.insert(0, STUBS)
-    import cpu_stubs
+    from tests.integrations.stubs import cpu_stubs
 
     cpu_stubs.use(export=True)
 
@@ -241,10 +240,7 @@ def remove_segments(names, root: str = "/dev/shm") -> None:
     """Unlink what a test's SGLang code left in ``root``, except files a live
     process maps or holds open: another program's (a server's ring buffer)
     with a name of the same shape is never touched."""
-    e2e = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "e2e")
-    if e2e not in sys.path:
-        sys.path.append(e2e)
-    from server import mapped_shm_names  # tests/e2e/server.py
+    from tests.harness.segments import mapped_shm_names
 
     held = mapped_shm_names(root)
     for n in names:
@@ -376,7 +372,7 @@ def rank_main(rank, port, zport, modes, queue):
             gc.collect()
             dist.barrier()  # every rank dropped its tensors
             d = os.environ.get("MMSHM_DIR", "/dev/shm")
-            results[mode]["left"] = sorted(n for n in os.listdir(d) if n.startswith("mmshm-"))
+            results[mode]["left"] = segment_files(d)
         for s in (pull, pull_rpc, push):
             if s is not None:
                 s.close(linger=0)

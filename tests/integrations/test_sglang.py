@@ -1,6 +1,6 @@
 """mmshm against the real SGLang code of one release, on CPU.
 
-Runs only in the per-release virtualenvs of tests/integrations/run_sglang.py
+Runs only in the per-release virtualenvs of ``python -m tests.run sglang``
 (``MMSHM_SGLANG_RELEASE`` is set there); skipped everywhere else. Each bug the
 release has is reproduced twice: without mmshm the test asserts the failure,
 with mmshm instrumented the same scenario passes, with the bytes equal on
@@ -15,9 +15,7 @@ import multiprocessing as mp
 import os
 import pickle
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,14 +25,20 @@ import pytest
 
 RELEASE = os.environ.get("MMSHM_SGLANG_RELEASE")
 if not RELEASE:
-    pytest.skip("SGLang integration tests run in tests/integrations/run_sglang.py's venvs",
+    pytest.skip("SGLang integration tests run in `python -m tests.run sglang`'s venvs",
                 allow_module_level=True)
 
 import mmshm
-import sglang_env as E
+from tests.integrations import sglang_env as E
 import torch
 from mmshm import integrations
 from mmshm.integrations import sglang as glue
+
+from tests.harness import ROOT
+from tests.harness.metrics import metric
+from tests.harness.ports import free_port
+from tests.harness.segments import segment_files
+from tests.harness.shm import private_shm_prefix, skip_without_unshare
 
 V = tuple(int(x) for x in RELEASE.split("."))
 HAS_FANOUT_BUG = V <= (0, 5, 12)  # copies share mm_items: FileNotFoundError
@@ -52,23 +56,12 @@ def clean(ns):
     """No instrumentation unless a test asks; SGLang's own segments removed."""
     mmshm.uninstrument("sglang")
     E.configure(ns.mm)
-    before = E.sglang_segments()
+    before = E.sglangsegment_files()
     yield
     mmshm.uninstrument("sglang")
     gc.collect()
-    leaked = E.sglang_segments() - before
-    E.remove_segments(leaked)
-
-
-def _segments(d=None):
-    d = d or mmshm.config.get().dir
-    return sorted(n for n in os.listdir(d) if n.startswith("mmshm-"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    leaked = E.sglangsegment_files() - before
+    E.removesegment_files(leaked)
 
 
 def test_release_is_the_one_under_test(ns):
@@ -128,14 +121,14 @@ def test_fanout_with_mmshm(ns):
     metas = [E.items(r)[0].feature for r in received]
     assert all(isinstance(h, mmshm.ShmTensor) for h in metas)
     assert len({h.name for h in metas}) == 1, "one shared segment for all copies"
-    assert len(_segments()) == 1
+    assert len(segment_files()) == 1
     assert all(len(b) < 16384 for b in sock.sent), "metadata only on the socket"
     out = glue._local_unwrap(received)
     want = E.feature_digest(E.expected_feature(0))
     assert [E.feature_digest(E.items(r)[0].feature) for r in out] == [want] * n
     del out, received, metas
     gc.collect()
-    assert _segments() == []
+    assert segment_files() == []
 
 
 # -- parallel sampling through the real _handle_batch_request ------------------------
@@ -287,7 +280,7 @@ def test_fanout_writes_once_through_handle_batch_request(ns, request, pooled):
     with pytest.raises((MmshmError, OSError)):
         segment.update_refcount(made[0], 0)
     if not pooled:
-        assert _segments() == []
+        assert segment_files() == []
 
 
 def test_fanout_without_the_scope_writes_again(ns, monkeypatch):
@@ -331,14 +324,14 @@ def test_fanout_scope_releases_when_the_request_fails(ns):
         asyncio.run(drive())
     # the scope gave its reference back; the warm-up's message, which no
     # scheduler will receive now, holds the only one left
-    (name,) = _segments()
+    (name,) = segment_files()
     from mmshm.segments import segment
 
     assert segment.update_refcount(name, 0) == 1
     received = [pickle.loads(b) for b in sched.sock.sent]
     del received  # received and dropped: released
     gc.collect()
-    assert _segments() == []
+    assert segment_files() == []
 
 
 def test_dispatch_failure_releases(ns):
@@ -351,7 +344,7 @@ def test_dispatch_failure_releases(ns):
     with pytest.raises(RuntimeError):
         E.send_one(ns, E.make_request(ns, [E.expected_feature(1)]), Broken())
     gc.collect()
-    assert _segments() == []
+    assert segment_files() == []
 
 
 # -- content hash ------------------------------------------------------------------------
@@ -391,7 +384,7 @@ def test_hash_is_carried_and_transport_independent(ns, monkeypatch):
     assert calls == [] and item.hash == h
     del item, handle, via_shm
     gc.collect()
-    assert _segments() == []
+    assert segment_files() == []
 
 
 def test_unhashed_items_are_hashed_in_the_copy_pass(ns, monkeypatch):
@@ -421,7 +414,7 @@ def test_unhashed_items_are_hashed_in_the_copy_pass(ns, monkeypatch):
     assert E.items(req)[0].hash is None, "the request itself is not modified"
     mmshm.release(sent)
     gc.collect()
-    assert _segments() == []
+    assert segment_files() == []
 
 
 def test_item_whose_segment_vanished_before_hashing_stays_unhashed(ns, caplog):
@@ -434,7 +427,7 @@ def test_item_whose_segment_vanished_before_hashing_stays_unhashed(ns, caplog):
     h2 = h.clone()
     h.release()
     h2.release()  # the last reference: the segment is gone
-    assert name not in _segments()
+    assert name not in segment_files()
     orphan = mmshm.ShmTensor(h2.meta)  # a handle whose segment no longer exists
     item = ns.sb.MultimodalDataItem(modality=ns.sb.Modality.IMAGE, feature=orphan,
                                     offsets=[(0, 4)])
@@ -485,12 +478,9 @@ def test_unsupported_version_refuses(ns, monkeypatch):
 
 # -- per-hop timing: the scheduler hops timed alike in both modes -------------------------
 def _ipc(hop, what="count", transport="server"):
-    from prometheus_client import REGISTRY
-
-    return REGISTRY.get_sample_value(f"mmshm_ipc_{'bytes' if what == 'bytes' else 'seconds'}"
-                                     f"_{'sum' if what == 'bytes' else what}",
-                                     {"server": "sglang", "hop": hop,
-                                      "transport": transport}) or 0.0
+    return metric(f"mmshm_ipc_{'bytes' if what == 'bytes' else 'seconds'}"
+                  f"_{'sum' if what == 'bytes' else what}",
+                  server="sglang", hop=hop, transport=transport)
 
 
 @pytest.fixture
@@ -586,7 +576,7 @@ def test_materialize_hop_is_the_whole_finalize(ns, monkeypatch, instrumented, mo
     assert all(torch.equal(i.feature, f) for i, f in zip(got, feats, strict=True))
     del reqs, got
     gc.collect()
-    assert _segments() == []
+    assert segment_files() == []
 
 
 # -- TP broadcast over gloo, the real receive path --------------------------------------
@@ -596,7 +586,7 @@ def test_tp2_receive_path():
     modes = (["inline"] if PIXELS_IN_BROADCAST else []) + ["mmshm"]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port, zport = _free_port(), _free_port()
+    port, zport = free_port(), free_port()
     procs = [ctx.Process(target=E.rank_main, args=(r, port, zport, modes, q)) for r in (0, 1)]
     for p in procs:
         p.start()
@@ -632,15 +622,13 @@ def test_tp2_receive_path():
 
 # -- a full /dev/shm: SIGBUS -----------------------------------------------------------
 def _in_small_tmpfs(mode: str):
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare for a private 64 MiB tmpfs")
-    code = f"import sglang_env; sglang_env.tmpfs_child({mode!r})"
+    skip_without_unshare()
+    code = f"from tests.integrations import sglang_env; sglang_env.tmpfs_child({mode!r})"
     env = dict(os.environ, MMSHM_DIR="/dev/shm", MMSHM_REAP_INTERVAL_S="0",
-               PYTHONPATH=os.pathsep.join([E.HERE, E.STUBS]))
-    cmd = ["unshare", "-m", "sh", "-c",
-           ("mount --make-rprivate / 2>/dev/null; mount -t tmpfs -o size=64m tmpfs /dev/shm "
-            f'&& exec "{sys.executable}" -c "$0"'), code]
-    p = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300)
+               PYTHONPATH=os.pathsep.join([str(ROOT), E.STUBS]))
+    cmd = private_shm_prefix() + [sys.executable, "-c", code]
+    p = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
     if "mount" in p.stderr and p.returncode not in (0, -signal.SIGBUS, 128 + signal.SIGBUS):
         pytest.skip(f"cannot mount a private tmpfs: {p.stderr[-300:]}")
     return p
@@ -674,16 +662,14 @@ def test_mmshm_run_instruments_spawn_children(tmp_path):
     (orig_site / "sitecustomize.py").write_text(
         "import os\nos.environ['MMSHM_TEST_ORIGINAL_SITECUSTOMIZE'] = '1'\n")
     script = tmp_path / "server.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(textwrap.dedent("""
         import multiprocessing as mp
         import os
         import sys
 
-        sys.path.insert(0, {E.HERE!r})
-
 
         def child(q):
-            import sglang_env
+            from tests.integrations import sglang_env
             ns = sglang_env.load(scheduler=False)
             from mmshm import integrations
             q.put((integrations.get("sglang").instrumented,
@@ -704,7 +690,7 @@ def test_mmshm_run_instruments_spawn_children(tmp_path):
             print("PARENT", os.environ.get("MMSHM_TEST_ORIGINAL_SITECUSTOMIZE"),
                   os.environ.get("MMSHM_INSTRUMENT"), flush=True)
     """))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(orig_site), E.STUBS]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(orig_site), E.STUBS, str(ROOT)]))
     env.pop("MMSHM_INSTRUMENT", None)
     cmd = [sys.executable, "-c", "from mmshm.cli import main; main()", "run", "--",
            sys.executable, str(script)]

@@ -30,7 +30,7 @@ and dropped everything it received, or for :data:`WAIT_S` if the source
 cannot return first (a barrier holds it): the window is hit every time, not
 by chance.
 
-Runs only in tests/integrations/run_sglang.py's per-release venvs
+Runs only in ``python -m tests.run sglang``'s per-release venvs
 (``MMSHM_SGLANG_RELEASE``); skipped elsewhere.
 """
 
@@ -48,12 +48,16 @@ import pytest
 
 RELEASE = os.environ.get("MMSHM_SGLANG_RELEASE")
 if not RELEASE:
-    pytest.skip("SGLang integration tests run in tests/integrations/run_sglang.py's venvs",
+    pytest.skip("SGLang integration tests run in `python -m tests.run sglang`'s venvs",
                 allow_module_level=True)
 
-import _mp
 import mmshm
-import sglang_env as E
+from tests.integrations import sglang_env as E
+
+from tests.harness import procs
+from tests.harness.procs import run_group
+from tests.harness.segments import segment_files
+from tests.harness.tensors import same
 
 V = tuple(int(x) for x in RELEASE.split("."))
 #: 0.5.9 materializes on TP rank 0 before it broadcasts: the pixels are
@@ -257,7 +261,7 @@ def rank_dp_attention(rank: int, world: int, mode: str, marker_dir: str, wait_s:
     out["rids"] = [r.rid for r in reqs]
     features = [_feature_of(r) for r in reqs]
     out["kinds"] = [type(f).__name__ for f in features]  # or what stands for a failure
-    out["ok"] = [_mp.same(f, _feature(dp, int(r.rid.split("-")[1])))
+    out["ok"] = [same(f, _feature(dp, int(r.rid.split("-")[1])))
                  for f, r in zip(features, reqs)]
     del features
     del reqs
@@ -267,13 +271,13 @@ def rank_dp_attention(rank: int, world: int, mode: str, marker_dir: str, wait_s:
     return out
 
 
-_RANK_MAIN = _mp._rank_main
+_RANK_MAIN = procs._rank_main
 
 
 def _rank_main_then_exit(target, rank, world, port, q, args) -> None:
-    """:func:`_mp._rank_main`, then ``os._exit``: a spawned child's interpreter
+    """:func:`tests.harness.procs._rank_main`, then ``os._exit``: a spawned child's interpreter
     teardown with torch and SGLang imported takes more than the 10 s that
-    :func:`_mp.stop_all` grants on a loaded 2-core host (measured: 6 s for
+    :func:`~tests.harness.procs.stop_all` grants on a loaded 2-core host (measured: 6 s for
     torch alone at a load of 30), and the rank would be SIGKILLed."""
     try:
         _RANK_MAIN(target, rank, world, port, q, args)
@@ -286,8 +290,8 @@ def _rank_main_then_exit(target, rank, world, port, q, args) -> None:
 
 
 def _run(mode: str, tmp_path, monkeypatch) -> dict:
-    monkeypatch.setattr(_mp, "_rank_main", _rank_main_then_exit)
-    return _mp.run_group(rank_dp_attention, WORLD, mode, str(tmp_path), WAIT_S, timeout=300)
+    monkeypatch.setattr(procs, "_rank_main", _rank_main_then_exit)
+    return run_group(rank_dp_attention, WORLD, mode, str(tmp_path), WAIT_S, timeout=300)
 
 
 def _gone(names) -> list[str]:
@@ -385,4 +389,4 @@ def test_dp_attention_race_with_mmshm(ns, request, tmp_path, monkeypatch):
         assert r["rids"] == [f"dp{r['dp']}-{i}" for i in range(N_REQS)]
         assert r["kinds"] == ["Tensor"] * N_REQS and all(r["ok"]), f"bytes differ: {r}"
         assert max(r["sizes"]) < 16384, f"the broadcast carried {max(r['sizes'])} bytes"
-    assert _mp.seg_files() == []
+    assert segment_files() == []

@@ -1,6 +1,6 @@
 """mmshm's vLLM instrumentor against the real vLLM 0.33 modules, on CPU.
 
-Run by ``tests/integrations/run_vllm.sh`` in a virtualenv that holds vLLM
+Run by ``python -m tests.run vllm`` in a virtualenv that holds vLLM
 0.33.0 (``--no-deps``) and the pure-Python packages its engine, serial and
 shm_broadcast modules import; skipped where vLLM is not installed.
 
@@ -35,11 +35,7 @@ pytest.importorskip("vllm")
 import torch
 import zmq
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-import _mp
 import vllm.v1.serial_utils as su
-import vllm_procs
 import wrapt
 from mmshm import config, integrations
 from mmshm.hooks import instrumentor
@@ -47,7 +43,11 @@ from mmshm.segments import codec, segment
 from mmshm.segments.table import TABLE
 from mmshm.integrations import UnsupportedVersionError
 from mmshm.integrations import vllm as mv
-from prometheus_client import REGISTRY
+
+from tests.integrations import vllm_procs
+from tests.harness.metrics import metric
+from tests.harness.procs import track
+from tests.harness.segments import SHM_ROOT, segment_files
 
 su.PIN_MEMORY = False  # no CUDA here: decoders must not pin
 
@@ -89,14 +89,6 @@ def _recv(conn, timeout: float = 180):
     return msg
 
 
-def _metric(name: str, labels: dict | None = None) -> float:
-    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
-
-
-def _segments(d: str) -> list[str]:
-    return _mp.seg_files(d)
-
-
 # -- fixtures -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def instrumented():
@@ -119,7 +111,7 @@ class Engine:
         self.proc = SPAWN.Process(target=vllm_procs.engine_main,
                                   args=(child, self.address, _env(**env)), daemon=True)
         self.proc.start()
-        _mp.SPAWNED_PIDS.add(self.proc.pid)
+        track(self.proc.pid)
         msg = _recv(self.conn, 300)
         provider = "NoneType" if self.mode == "observe" else "ShmTensorProvider"
         assert msg[0] == "ready" and msg[2] == provider, msg
@@ -271,7 +263,7 @@ def _assert_same(got: dict, req) -> None:
 
 def _assert_clean(d: str) -> None:
     gc.collect()
-    assert _segments(d) == []
+    assert segment_files(d) == []
 
 
 # -- version gate, patching, restoring ------------------------------------------
@@ -529,8 +521,8 @@ def test_request_roundtrip_real_encoder_decoder(eng, shm_dir, thresholds, monkey
     req = _edge_case_request(f"rt-{thresholds}", big)
     tensor_bytes = sum(t.numel() * t.element_size()
                        for t in vllm_procs.request_tensors(req).values())
-    written = _metric("mmshm_shm_written_bytes_total")
-    created = _metric("mmshm_segments_created_total")
+    written = metric("mmshm_shm_written_bytes_total")
+    created = metric("mmshm_segments_created_total")
     [got] = send_and_take(eng, client, [req])
     _assert_same(got, req)
     sent = client.input_socket.payload_bytes(0)
@@ -539,7 +531,7 @@ def test_request_roundtrip_real_encoder_decoder(eng, shm_dir, thresholds, monkey
         assert len(client.input_socket.sent[0]) == 3  # identity, type, one msgpack frame
         assert sent < 8192, sent
         assert all(g["segment"] for g in got["tensors"].values())
-        assert _metric("mmshm_segments_created_total") - created == 10
+        assert metric("mmshm_segments_created_total") - created == 10
     else:
         # large tensors travel as handles; what vLLM already inlines stays inline
         inline = sum(t.numel() * t.element_size() for t in vllm_procs.request_tensors(req).values()
@@ -550,7 +542,7 @@ def test_request_roundtrip_real_encoder_decoder(eng, shm_dir, thresholds, monkey
             assert bool(g["segment"]) == (nbytes >= 65536), path
             assert g["mapped"] == (nbytes >= 65536), path  # zero-copy views of the segment
     assert sent < tensor_bytes / 100
-    assert _metric("mmshm_shm_written_bytes_total") - written <= tensor_bytes
+    assert metric("mmshm_shm_written_bytes_total") - written <= tensor_bytes
     _assert_clean(shm_dir)
 
 
@@ -559,20 +551,20 @@ def test_non_add_messages_keep_vllm_path(eng, shm_dir):
     x = torch.randn(256, 1024)
     client._send_input(EngineCoreRequestType.UTILITY, (0, 1, "collective_rpc", (x,)))
     assert client.input_socket.payload_bytes() >= x.nbytes  # vLLM's own out-of-band frame
-    assert _segments(shm_dir) == []
+    assert segment_files(shm_dir) == []
 
 
 def test_budget_fallback_is_inline_and_counted(eng, shm_dir, monkeypatch):
     monkeypatch.setenv("MMSHM_MAX_BYTES", "4096")
     config.reload()
-    before = _metric("mmshm_inline_fallbacks_total", {"reason": "budget"})
+    before = metric("mmshm_inline_fallbacks_total", reason="budget")
     client = sync_client(eng)
     req = make_request("fallback", [{"pixel_values": torch.randn(512, 1024)}])
     [got] = send_and_take(eng, client, [req])
     _assert_same(got, req)
     assert got["tensors"]["mm[0].pixel_values"]["segment"] is None
     assert client.input_socket.payload_bytes(0) >= 512 * 1024 * 4
-    assert _metric("mmshm_inline_fallbacks_total", {"reason": "budget"}) > before
+    assert metric("mmshm_inline_fallbacks_total", reason="budget") > before
     _assert_clean(shm_dir)
 
 
@@ -581,7 +573,7 @@ def test_unopenable_handle_fails_only_its_request(eng, shm_dir):
     req = make_request("doomed", [{"pixel_values": torch.randn(512, 1024)}])
     client.add_request(req)
     [frames] = client.input_socket.sent
-    [name] = _segments(shm_dir)
+    [name] = segment_files(shm_dir)
     os.unlink(os.path.join(shm_dir, name))  # a third party removed it in flight
     eng.router.send_multipart(frames)
     [got] = eng.take(1)
@@ -622,7 +614,7 @@ def _image(seed: int = 0) -> torch.Tensor:
 
 def _check_fanout(eng, shm_dir, got, req, written, n):
     image = req.mm_features[0].data["pixel_values"].data
-    assert _metric("mmshm_shm_written_bytes_total") - written == image.nbytes  # 1x, not 4x
+    assert metric("mmshm_shm_written_bytes_total") - written == image.nbytes  # 1x, not 4x
     assert [g["n"] for g in got] == [1] * n  # the children
     names = {g["tensors"]["mm[0].pixel_values"]["segment"] for g in got}
     assert len(names) == 1 and None not in names  # one segment shared by the children
@@ -637,7 +629,7 @@ def test_parallel_sampling_sync_shares_one_segment(eng, shm_dir):
     req = make_request("par-sync", [{"pixel_values": _image(1)}], n=4)
     engine = SimpleNamespace(input_processor=_InputProcessor(), output_processor=_outputs(),
                              engine_core=client)
-    written = _metric("mmshm_shm_written_bytes_total")
+    written = metric("mmshm_shm_written_bytes_total")
     LLMEngine.add_request(engine, req.request_id, req, req.sampling_params)
     assert len(client.input_socket.sent) == 4
     assert max(client.input_socket.payload_bytes(i) for i in range(4)) < 4096
@@ -661,7 +653,7 @@ def test_parallel_sampling_async_shares_one_segment(eng, shm_dir):
         input_processor=_InputProcessor(), _run_output_handler=lambda: None,
         output_processor=_outputs(), check_admission=lambda *a, **k: None,
         engine_core=client, log_requests=False, abort=noop)
-    written = _metric("mmshm_shm_written_bytes_total")
+    written = metric("mmshm_shm_written_bytes_total")
 
     async def main():
         await AsyncLLM.add_request(engine, req.request_id, req, req.sampling_params)
@@ -708,7 +700,7 @@ class Readers:
             p = SPAWN.Process(target=vllm_procs.reader_main,
                               args=(child, mine, rank, self._env(rank)), daemon=True)
             p.start()
-            _mp.SPAWNED_PIDS.add(p.pid)
+            track(p.pid)
             self.conns.append(conn)
             self.procs.append(p)
         for c in self.conns:
@@ -829,7 +821,7 @@ def test_message_queue_three_way(rdr, shm_dir, monkeypatch):
     results["vLLM tensor arena"] = rdr.run("arena", [lambda: image] * REPS)
     assert mv.enable_broadcast(rdr.queues["default"])
     assert not mv.enable_broadcast(rdr.queues["arena"])
-    src = _metric("mmshm_broadcast_seconds_count", {"role": "src"})
+    src = metric("mmshm_broadcast_seconds_count", role="src")
     results["mmshm (tensor from the frontend's segment)"] = rdr.run(
         "default", [lambda: _frontend_view(image)] * REPS)
     results["mmshm (new tensor, fresh segment)"] = rdr.run("default", [lambda: image] * REPS)
@@ -847,7 +839,7 @@ def test_message_queue_three_way(rdr, shm_dir, monkeypatch):
                 assert "error" not in r, (mode, r)
                 assert r["digests"] == {"x": want}, mode
                 assert r["shared"] == (["x"] if mode.startswith("mmshm") else []), mode
-    assert _metric("mmshm_broadcast_seconds_count", {"role": "src"}) - src == 3 * REPS + 1
+    assert metric("mmshm_broadcast_seconds_count", role="src") - src == 3 * REPS + 1
     dst = rdr.metric("mmshm_broadcast_seconds_count", {"role": "dst"})
     assert all(v is not None and v >= 3 * REPS + 1 for v in dst), dst
     rows = {mode: _summary(r) for mode, r in results.items()}
@@ -883,9 +875,9 @@ def test_message_queue_fallback_and_references(rdr, shm_dir, monkeypatch):
     x = torch.randn(256, 1024)
     monkeypatch.setenv("MMSHM_MAX_BYTES", "4096")
     config.reload()
-    before = _metric("mmshm_inline_fallbacks_total", {"reason": "budget"})
+    before = metric("mmshm_inline_fallbacks_total", reason="budget")
     [row] = rdr.run("default", [lambda: x])
-    assert _metric("mmshm_inline_fallbacks_total", {"reason": "budget"}) > before
+    assert metric("mmshm_inline_fallbacks_total", reason="budget") > before
     for r in row["readers"]:
         assert r["digests"] == {"x": vllm_procs.digest(x)} and r["shared"] == []
     monkeypatch.delenv("MMSHM_MAX_BYTES")
@@ -921,7 +913,7 @@ def test_message_queue_fallback_and_references(rdr, shm_dir, monkeypatch):
             q.enqueue({"x": view, "t_enqueue": 0.0})
         with pytest.raises(TimeoutError):
             q.enqueue({"x": x, "t_enqueue": 0.0})
-        assert _segments(shm_dir) == [name]  # only the view's own segment
+        assert segment_files(shm_dir) == [name]  # only the view's own segment
         assert segment.attach(name).refcount() == 1
     finally:
         q.acquire_write = real
@@ -944,14 +936,14 @@ def test_message_queue_multinode_local_handles_remote_inline(rdr, shm_dir):
                                          "memory, 1 remote reader inline")
     image = _image(7)
     want = {"x": vllm_procs.digest(image)}
-    refs0 = _metric("mmshm_references_handed_total", {"path": "broadcast"})
-    inter0 = _metric("mmshm_internode_bytes_total")
+    refs0 = metric("mmshm_references_handed_total", path="broadcast")
+    inter0 = metric("mmshm_internode_bytes_total")
     # one message written before anyone reads: the handle's references, in flight
     mq.enqueue({"x": image, "t_enqueue": time.monotonic()}, timeout=60)
-    [name] = _segments(shm_dir)
+    [name] = segment_files(shm_dir)
     assert segment.attach(name).refcount() == 2  # one per local reader, none for the writer
-    assert _metric("mmshm_references_handed_total", {"path": "broadcast"}) - refs0 == 2
-    assert _metric("mmshm_internode_bytes_total") - inter0 == image.nbytes
+    assert metric("mmshm_references_handed_total", path="broadcast") - refs0 == 2
+    assert metric("mmshm_internode_bytes_total") - inter0 == image.nbytes
     reports = rdr.read("multinode", [0, 1, 2])
     # then a fresh tensor and one already in the frontend's segment, read as they come
     rows = [{"readers": reports}] + rdr.run(
@@ -963,8 +955,8 @@ def test_message_queue_multinode_local_handles_remote_inline(rdr, shm_dir):
             assert r["digests"] == want and r["shared"] == ["x"]
         assert "error" not in remote and remote["remote"], remote
         assert remote["digests"] == want and remote["shared"] == []
-    assert _metric("mmshm_references_handed_total", {"path": "broadcast"}) - refs0 == 6
-    assert _metric("mmshm_internode_bytes_total") - inter0 == 3 * image.nbytes
+    assert metric("mmshm_references_handed_total", path="broadcast") - refs0 == 6
+    assert metric("mmshm_internode_bytes_total") - inter0 == 3 * image.nbytes
     [failures] = rdr.metric("mmshm_materialize_failures_total", {"reason": "wrong_node"},
                             ranks=(2,))
     assert not failures  # the remote reader never saw a handle
@@ -1002,7 +994,7 @@ def test_message_queue_multinode_failures_keep_references(rdr, shm_dir):
     try:
         with pytest.raises(TimeoutError):
             mq.enqueue({"x": x, "t_enqueue": 0.0}, timeout=60)
-        assert _segments(shm_dir) == []
+        assert segment_files(shm_dir) == []
     finally:
         del mq.acquire_write
     # nobody got the failed message: the next one is the first each reader sees
@@ -1017,7 +1009,7 @@ def test_message_queue_multinode_failures_keep_references(rdr, shm_dir):
 def _psm_files() -> set[str]:
     """Names of multiprocessing.shared_memory segments (vLLM's ring buffers and
     tensor arenas) in /dev/shm."""
-    return {n for n in os.listdir(_mp.SHM_ROOT) if n.startswith("psm_")}
+    return {n for n in os.listdir(SHM_ROOT) if n.startswith("psm_")}
 
 
 def _orphans(names: set[str]) -> set[str]:
@@ -1031,7 +1023,7 @@ def _orphans(names: set[str]) -> set[str]:
                 mapped |= {n for n in names if n in f.read()}
         except OSError:
             continue
-    return {n for n in names - mapped if os.path.exists(os.path.join(_mp.SHM_ROOT, n))}
+    return {n for n in names - mapped if os.path.exists(os.path.join(SHM_ROOT, n))}
 
 
 @pytest.mark.timeout(120)
@@ -1073,7 +1065,7 @@ def test_bench_runs_vllm_transport_modes(shm_dir, tmp_path):
     assert runs["mmshm"]["broadcast_bytes"] * 1000 < vllm
     # the queues' ring buffers and arena are gone from /dev/shm with the TP ranks
     assert not _orphans(_psm_files() - psm_before)
-    assert not _segments(shm_dir)
+    assert not segment_files(shm_dir)
 
 
 # -- the EngineCore's multimodal receiver cache (issue 24) --------------------------------------
@@ -1163,19 +1155,19 @@ def test_a_freed_request_lets_go_of_its_segments_despite_stale_references(instru
     request = Request.from_engine_core_request(req, None)  # as preprocess_add_request does
     assert request.mm_features is req.mm_features or \
         request.mm_features[0] is req.mm_features[0]
-    assert len(_segments(shm_dir)) == 1
+    assert len(segment_files(shm_dir)) == 1
     request.status = RequestStatus.FINISHED_ABORTED
     Scheduler._free_request(_bare_scheduler(), request, delay_free_blocks=True)
     gc.collect()
     # `req` and `request` still referenced, as in vLLM's input thread
-    assert _segments(shm_dir) == [], "the freed request's segment is still held"
+    assert segment_files(shm_dir) == [], "the freed request's segment is still held"
     assert req.mm_features[0].data is None
     assert req.mm_features[1].data["pixel_values"].data is plain
     del request, req
     _assert_clean(shm_dir)
 
 
-def test_a_request_whose_preprocessing_fails_lets_go_of_its_segments(instrumented, shm_dir,
+def test_a_request_whose_preprocessing_fails_lets_go_of_itssegment_files(instrumented, shm_dir,
                                                                       monkeypatch):
     """A request vLLM cannot pre-process (it answers it with an error) never
     reaches the scheduler: the instrumented ``preprocess_add_request`` drops
@@ -1195,7 +1187,7 @@ def test_a_request_whose_preprocessing_fails_lets_go_of_its_segments(instrumente
     with pytest.raises(ValueError, match="cannot pre-process"):
         core.preprocess_add_request(req)
     gc.collect()
-    assert _segments(shm_dir) == [], "the failed request's segment is still held"
+    assert segment_files(shm_dir) == [], "the failed request's segment is still held"
     del req
     _assert_clean(shm_dir)
 
@@ -1310,7 +1302,7 @@ def test_a_missing_stamp_is_a_missing_observation(engine, shm_dir, caplog):
     c = sync_client(engine)
     c.input_address = "ipc:///nonexistent/elsewhere.sock"
     before = engine.metrics()
-    errs = _metric("mmshm_observe_errors_total", {"server": "vllm", "hop": "zmq_transfer"})
+    errs = metric("mmshm_observe_errors_total", server="vllm", hop="zmq_transfer")
     req = make_request("zt-nostamp", [{"pixel_values": _image(3)}])
     with caplog.at_level(logging.WARNING, logger="mmshm"):
         got = send_and_take(engine, c, [req])
@@ -1319,8 +1311,7 @@ def test_a_missing_stamp_is_a_missing_observation(engine, shm_dir, caplog):
     assert (_hop(after, "engine_decode", "mmshm", "n")
             - _hop(before, "engine_decode", "mmshm", "n")) == 1
     assert _hop(after, "zmq_transfer", "mmshm", "n") == _hop(before, "zmq_transfer", "mmshm", "n")
-    assert _metric("mmshm_observe_errors_total",
-                   {"server": "vllm", "hop": "zmq_transfer"}) == errs + 1
+    assert metric("mmshm_observe_errors_total", server="vllm", hop="zmq_transfer") == errs + 1
     del got, req
     gc.collect()
     _assert_clean(shm_dir)

@@ -1,6 +1,6 @@
 """Container burst driver (issue 3), meant to run inside a 64 MiB tmpfs:
 
-    unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && python burst.py --out R.json'
+    unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && python -m tests.scripts.burst --out R.json'
 
 This process is the tokenizer (producer). It turns a real photo into Qwen2-VL
 pixel_values ([4784, 1176] float32, about 22 MB), makes every request distinct
@@ -21,21 +21,15 @@ import multiprocessing as mp
 import os
 import pickle
 import random
-import re
-import socket
 import sys
 import time
 from datetime import timedelta
 
-NAME_RE = re.compile(r"mmshm-([0-9]{1,10})-([0-9a-f]{16})\Z")
-REASONS = ("enospc", "budget", "emfile", "other")
+from tests.harness.metrics import delta, fallbacks, metric
+from tests.harness.ports import free_port
+from tests.harness.segments import pid_of
+
 SHAPE = (4784, 1176)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_main(rank: int, world: int, port: int, conn, out_path: str, timeout_s: float) -> None:
@@ -128,14 +122,9 @@ def main() -> int:
     import mmshm
     import torch
     from mmshm import config
-    from prometheus_client import REGISTRY
 
     config.reload()
     t_start = time.monotonic()
-
-    def fallbacks():
-        return {r: REGISTRY.get_sample_value("mmshm_inline_fallbacks_total", {"reason": r}) or 0.0
-                for r in REASONS}
 
     st = os.statvfs(args.dir)
     fs_size = st.f_blocks * st.f_frsize
@@ -167,8 +156,8 @@ def main() -> int:
 
     rng = random.Random(args.seed)
     before = fallbacks()
-    created0 = REGISTRY.get_sample_value("mmshm_segments_created_total") or 0.0
-    hits0 = REGISTRY.get_sample_value("mmshm_pool_requests_total", {"result": "hit"}) or 0.0
+    created0 = metric("mmshm_segments_created_total")
+    hits0 = metric("mmshm_pool_requests_total", result="hit")
     inline_tensors = 0
     shm_tensors = 0
     bursts = []
@@ -222,9 +211,8 @@ def main() -> int:
             error = error or f"{p.name} hung"
         exitcodes[p.name] = p.exitcode
     after = fallbacks()
-    created = int((REGISTRY.get_sample_value("mmshm_segments_created_total") or 0.0) - created0)
-    hits = int((REGISTRY.get_sample_value("mmshm_pool_requests_total", {"result": "hit"})
-                or 0.0) - hits0)
+    created = int(metric("mmshm_segments_created_total") - created0)
+    hits = int(metric("mmshm_pool_requests_total", result="hit") - hits0)
     rank_stats = []
     for path in outs:
         try:
@@ -238,8 +226,8 @@ def main() -> int:
 
     TABLE.sweep()
     TABLE.trim_pool()
-    leftovers = sorted(n for n in os.listdir(args.dir) if NAME_RE.match(n))
-    fb = {r: int(after[r] - before[r]) for r in REASONS}
+    leftovers = sorted(n for n in os.listdir(args.dir) if pid_of(n) is not None)
+    fb = delta(before, after)
     # 64 MiB, 16 MiB reserve: two 21.5 MiB segments fit at once, a third does not
     expected_inline = sum(max(0, b - 2) for b in bursts)
     result = {
@@ -249,7 +237,7 @@ def main() -> int:
         "expected_inline": expected_inline,
         "exitcodes": exitcodes, "crashes": sum(1 for c in exitcodes.values() if c != 0),
         "leftovers": leftovers, "other_files": sorted(
-            n for n in os.listdir(args.dir) if not NAME_RE.match(n)),
+            n for n in os.listdir(args.dir) if pid_of(n) is None),
         "ranks": rank_stats, "error": error, "seconds": round(time.monotonic() - t_start, 1),
     }
     with open(args.out, "w") as f:

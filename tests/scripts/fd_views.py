@@ -8,7 +8,7 @@
   descriptors it then has open, and whether ``materialize(copy=True)`` still
   works while they are held.
 
-Usage: ``python fd_views.py [N] [LIMIT]``. The reader is a forked child.
+Usage: ``python -m tests.scripts.fd_views [N] [LIMIT]`` (from the repository root). The reader is a forked child.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ import os
 import pickle
 import resource
 import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 
 def nfds() -> int:
@@ -32,7 +29,7 @@ def main() -> int:
     limit = int(sys.argv[2]) if len(sys.argv) > 2 else 256
     import mmshm
     import torch
-    from mmshm_faults import pattern
+    from tests.harness.tensors import pattern
 
     torch.set_num_threads(1)  # the forked reader must not meet a parent's thread pool
     src = pattern(1 << 16, 1)

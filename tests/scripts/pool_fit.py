@@ -1,7 +1,7 @@
 """How many tensors of one size a small tmpfs holds with the warm pool on
 (issue 14, item 4), run inside
 
-    unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && python pool_fit.py 8388608 8 0'
+    unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && python -m tests.scripts.pool_fit 8388608 8 0'
 
 Arguments: tensor bytes, how many to wrap, ``MMSHM_MIN_FREE_BYTES`` (``-`` for
 the default reserve). Every tensor is wrapped and kept; prints one JSON
@@ -15,9 +15,6 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
 
 def main() -> int:
     nbytes, count, reserve = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -29,7 +26,9 @@ def main() -> int:
     from mmshm import config
     from mmshm.segments import segfile, table
     from mmshm.segments.table import TABLE
-    from mmshm_faults import delta, fallbacks, pattern, segment_files
+    from tests.harness.metrics import delta, fallbacks
+    from tests.harness.segments import segment_files
+    from tests.harness.tensors import pattern
 
     config.reload()
     before = fallbacks()

@@ -1,7 +1,7 @@
 """A ``ProcessPoolExecutor`` race for the last space in a small tmpfs (issue 14),
 run inside
 
-    unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && python pool_race.py'
+    unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && python -m tests.scripts.pool_race'
 
 Workers (fork) each make one 12 MiB segment, hand its reference to the parent
 in the pickled handle, and return it. The tmpfs runs out: half the workers have
@@ -23,9 +23,6 @@ import os
 import pickle
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
 MiB = 1 << 20
 SIZE = 12 * MiB
 
@@ -36,7 +33,7 @@ _GUARD = None  # the real budget guard (a worker runs several tasks)
 def make(i: int, guard: bool) -> tuple[bytes, bytes]:
     import mmshm
     from mmshm.segments import segment
-    from mmshm_faults import pattern
+    from tests.harness.tensors import pattern
 
     global _GUARD
     if _GUARD is None:
@@ -59,7 +56,7 @@ def main() -> int:
     os.environ["MMSHM_POOL"] = "0"
     import mmshm
     from mmshm import config
-    from mmshm_faults import segment_files
+    from tests.harness.segments import segment_files
 
     config.reload()
     out: dict = {"errors": [], "handles": 0, "bytes_equal": True, "other": []}

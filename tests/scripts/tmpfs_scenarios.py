@@ -1,6 +1,6 @@
 """Budget scenarios in a small private tmpfs (issue 3), run inside
 
-    unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && python tmpfs_scenarios.py'
+    unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && python -m tests.scripts.tmpfs_scenarios'
 
 * ``fill``: an unrelated file fills the tmpfs to 90%, then a burst of wraps
   (and a fan-out): every tensor travels inline with reason ``budget`` (the
@@ -19,9 +19,6 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
 MiB = 1 << 20
 
 
@@ -35,7 +32,9 @@ def main() -> int:
     from mmshm import config
     from mmshm.segments import reaper
     from mmshm.segments.table import TABLE
-    from mmshm_faults import delta, fallbacks, pattern, segment_files
+    from tests.harness.metrics import delta, fallbacks
+    from tests.harness.segments import segment_files
+    from tests.harness.tensors import pattern
 
     config.reload()
     out: dict = {}

@@ -67,7 +67,7 @@ def _patch_host_pool(module) -> None:
 def install_hooks() -> None:
     """Post-import hooks (wrapt) for the SGLang code a CPU-only server cannot
     run as it is; called at interpreter start by ``zzz_cpu_stubs.pth`` in
-    the server environments (``tests/integrations/run_sglang.py``).
+    the server environments (``python -m tests.run sglang``).
     Only :data:`HOST_POOL`: its host KV pool allocator, on a host without
     CUDA, becomes :func:`host_pool_alloc`."""
     import wrapt

@@ -1,170 +1,29 @@
-"""Shared helpers for the fault tests (issue 3): process workers, counters, hygiene.
+"""Forkserver workers of the fault tests (issue 3): servers' processes that
+create, hold, hand over and die.
 
-Workers are plain module-level functions so that a ``forkserver`` context can
-start them: the fork server imports this module (and with it torch and mmshm)
-once, and every worker is then a cheap fork of it. Workers talk to the test
-over ``multiprocessing`` pipes and never touch the test's segments except
-through pickled handles.
+Workers are plain module-level functions so that a ``forkserver`` context
+(:func:`tests.harness.procs.fork_ctx`, which preloads torch and mmshm) can
+start them cheaply: ``fork_start(workers.w_holder, directory, ...)``. They
+talk to the test over ``multiprocessing`` pipes and never touch the test's
+segments except through pickled handles; each starts with :func:`use_dir`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import multiprocessing
 import os
 import pickle
 import random
-import re
 import resource
-import shutil
-import subprocess
-import sys
-import time
 
 import mmshm
 import torch
 from mmshm.segments import segment
 from mmshm.segments.table import TABLE
-from prometheus_client import REGISTRY
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-NAME_RE = re.compile(r"mmshm-([0-9]{1,10})-([0-9a-f]{16})\Z")
-FALLBACK_REASONS = ("enospc", "budget", "emfile", "other")  # a tensor's own reasons
-
-#: pids of every process a test started (their segments are the test's business)
-TRACKED_PIDS: set[int] = {os.getpid()}
-
-
-# -- hygiene -------------------------------------------------------------------
-def segment_files(directory: str) -> list[str]:
-    try:
-        return sorted(n for n in os.listdir(directory) if NAME_RE.match(n))
-    except FileNotFoundError:
-        return []
-
-
-def ours_in_dev_shm() -> set[str]:
-    """``mmshm-*`` files in /dev/shm created by this test process or one it started."""
-    return {n for n in segment_files("/dev/shm") if int(NAME_RE.match(n).group(1)) in TRACKED_PIDS}
-
-
-def track(pid: int) -> None:
-    """Record a child's pid (its ``mmshm-*`` files are the tests' business);
-    the project conftest checks /dev/shm against ``_mp.SPAWNED_PIDS``."""
-    TRACKED_PIDS.add(pid)
-    mp_helpers = sys.modules.get("_mp")
-    if mp_helpers is not None:
-        mp_helpers.SPAWNED_PIDS.add(pid)
-
-
-@functools.lru_cache(maxsize=1)
-def unshare_reason() -> str | None:
-    """None if ``unshare -m`` plus a tmpfs mount works here, else why not."""
-    if os.geteuid() != 0:
-        return "needs root for a private tmpfs (unshare -m)"
-    if shutil.which("unshare") is None:
-        return "unshare(1) is not installed"
-    r = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
-                       check=False, capture_output=True, timeout=30)
-    if r.returncode != 0:
-        return f"unshare -m / mount tmpfs failed: {r.stderr.decode(errors='replace').strip()}"
-    return None
-
-
-def skip_without_unshare() -> None:
-    """Skip the calling test when a private tmpfs cannot be had (see
-    :func:`unshare_reason`)."""
-    why = unshare_reason()
-    if why:
-        import pytest
-
-        pytest.skip(why)
-
-
-def run_in_tmpfs(argv: list[str], size: str = "64m", env: dict | None = None,
-                 timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``argv`` with a private ``size`` tmpfs mounted on /dev/shm (Docker's
-    default is 64m), in a new mount namespace; returns the completed process."""
-    cmd = ("mount -t tmpfs -o size=" + size + " tmpfs /dev/shm && exec \"$@\"")
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MMSHM_")}
-    full_env.update(env or {})
-    p = subprocess.Popen(["unshare", "-m", "sh", "-c", cmd, "sh", *argv],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=REPO)
-    track(p.pid)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        raise AssertionError(f"{argv} ran past {timeout}s:\n{err.decode(errors='replace')}")
-    return subprocess.CompletedProcess(argv, p.returncode, out.decode(), err.decode())
-
-
-# -- metrics -------------------------------------------------------------------
-def fallbacks() -> dict[str, float]:
-    return {r: REGISTRY.get_sample_value("mmshm_inline_fallbacks_total", {"reason": r}) or 0.0
-            for r in FALLBACK_REASONS}
-
-
-def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
-    return {k: int(after[k] - before[k]) for k in before}
-
-
-def sample(name: str, labels: dict | None = None) -> float:
-    """One sample's value; without ``labels``, the sum over every label set."""
-    if labels is None:
-        return sum(s.value for m in REGISTRY.collect() for s in m.samples if s.name == name)
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-# -- process plumbing -----------------------------------------------------------
-_CTX = None
-
-
-def ctx():
-    """A forkserver context that preloads torch and mmshm (Python 3.11's fork
-    server ignores the parent's sys.path when preloading, so this module
-    itself is imported by each child, cheaply, from the sys.path it gets)."""
-    global _CTX
-    if _CTX is None:
-        _CTX = multiprocessing.get_context("forkserver")
-        if HERE not in sys.path:
-            sys.path.insert(0, HERE)
-        _CTX.set_forkserver_preload(["torch", "prometheus_client", "blake3", "msgspec", "mmshm",
-                                     "mmshm.segments.reaper"])
-    return _CTX
-
-
-def start(target, *args, name: str | None = None):
-    p = ctx().Process(target=target, args=args, name=name, daemon=True)
-    p.start()
-    track(p.pid)
-    return p
-
-
-def recv(conn, timeout: float = 10.0):
-    if not conn.poll(timeout):
-        raise TimeoutError(f"no message within {timeout}s")
-    return conn.recv()
-
-
-def join(p, timeout: float = 10.0) -> int:
-    p.join(timeout)
-    if p.exitcode is None:
-        p.kill()
-        p.join(5)
-        raise TimeoutError(f"{p.name} (pid {p.pid}) did not finish within {timeout}s")
-    return p.exitcode
-
-
-def pattern(nbytes: int, seed: int) -> torch.Tensor:
-    """A reproducible uint8 tensor of ``nbytes`` bytes (cheap to make)."""
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
-    reps = -(-nbytes // 4096)
-    return base.repeat(reps)[:nbytes].clone()
+from tests.harness.metrics import delta, fallbacks
+from tests.harness.segments import segment_files
+from tests.harness.tensors import pattern
 
 
 # -- workers ----------------------------------------------------------------------
@@ -483,13 +342,3 @@ def w_emfile(directory: str, ntensors: int, nbytes: int, foreign: bytes, conn) -
     res["left"] = segment_files(directory)
     res["open_segments"] = TABLE.names()
     conn.send(res)
-
-
-def wait_gone(paths, timeout: float = 5.0) -> bool:
-    """Poll until none of ``paths`` exists (for finalizers in other processes)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not any(os.path.exists(p) for p in paths):
-            return True
-        time.sleep(0.01)
-    return not any(os.path.exists(p) for p in paths)

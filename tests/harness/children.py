@@ -1,284 +1,28 @@
-"""Helpers shared by the core tests, and the child-process entry points.
+"""Spawn targets of the core tests: TP ranks, hand-overs, faults.
 
-Children are started from the ``spawn`` context, so every function a child
-runs lives here, at top level, importable by name. Children inherit
-``MMSHM_DIR`` (and the other ``MMSHM_*`` settings) through ``os.environ``.
+Each runs in a child started by :mod:`tests.harness.procs` (``run_group``
+for the ranks of a gloo group: ``target(rank, world, *args)``;
+``run_child``/``run_children``/``spawn`` for the others), so each lives at
+the top level of this module, importable by name. The requests are shaped
+like SGLang's (``mm_inputs.mm_items[j].feature``) and rebuilt alike in every
+process from a seed (:func:`request`, :func:`check_request`).
 """
 
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
 import pickle
-import signal
-import socket
 import time
 import traceback
-from datetime import timedelta
 
-SHM_ROOT = "/dev/shm"
-
-# pids of every child the tests started (the conftest's /dev/shm check uses them)
-SPAWNED_PIDS: set[int] = set()
-
-
-# -- inspection helpers (parent and children) ----------------------------------
-def seg_dir() -> str:
-    from mmshm import config
-
-    return config.get().dir
-
-
-def seg_files(directory: str | None = None) -> list[str]:
-    """Names of ``mmshm-*`` entries (files, links, anything) in ``directory``."""
-    d = directory or seg_dir()
-    try:
-        return sorted(n for n in os.listdir(d) if n.startswith("mmshm-"))
-    except FileNotFoundError:
-        return []
-
-
-def header(name: str, directory: str | None = None) -> tuple:
-    """The decoded header of segment ``name``: (magic, version, state,
-    payload size, refcount, creator pid, created ns, reserved)."""
-    from mmshm.segments import segfile
-
-    path = os.path.join(directory or seg_dir(), name)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        return segfile.read_header(fd, path)
-    finally:
-        os.close(fd)  # OFD locks: closing this descriptor drops nobody's lock
-
-
-def refcount(name: str, directory: str | None = None) -> int:
-    """The reference count stored in the segment's header."""
-    return header(name, directory)[4]
-
-
-def metric(name: str, **labels) -> float:
-    """Current value of a Prometheus sample in the default registry (0 if unset)."""
-    from prometheus_client import REGISTRY
-
-    v = REGISTRY.get_sample_value(name, labels or None)
-    return 0.0 if v is None else v
-
-
-def fallbacks_total() -> float:
-    """Sum of ``mmshm_inline_fallbacks_total`` over every reason."""
-    from prometheus_client import REGISTRY
-
-    total = 0.0
-    for fam in REGISTRY.collect():
-        for s in fam.samples:
-            if s.name == "mmshm_inline_fallbacks_total":
-                total += s.value
-    return total
-
-
-def as_bytes(t):
-    """A tensor's bytes in C order as a flat uint8 tensor (NaN-safe compare)."""
-    import torch
-
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def same(a, b) -> bool:
-    """Same shape, dtype and bytes."""
-    import torch
-
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            and a.shape == b.shape and a.dtype == b.dtype
-            and torch.equal(as_bytes(a), as_bytes(b)))
-
-
-def make_tensor(seed: int, shape=(64, 300), dtype=None):
-    """A deterministic tensor; every process rebuilds the same one from ``seed``."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    dtype = dtype or torch.float32
-    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize),
-                        dtype=torch.uint8, generator=g)
-    if dtype == torch.bool:
-        raw = raw % 2
-    return raw.view(dtype)
-
-
-def signal_name(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-# -- process management (parent) ----------------------------------------------
-def ctx():
-    return mp.get_context("spawn")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(target, *args) -> mp.Process:
-    p = ctx().Process(target=target, args=args, daemon=True)
-    p.start()
-    SPAWNED_PIDS.add(p.pid)
-    return p
-
-
-def stop_all(procs, timeout: float = 10.0) -> None:
-    """Join every process; kill the ones that do not exit in time."""
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-
-
-def collect(q, n: int, timeout: float, procs=(), killed=()) -> list:
-    """Read ``n`` results ``(key, status, payload)`` from ``q``; fail with the
-    child's traceback on an error, or with the exit codes on a timeout.
-    ``killed``: processes expected to die by SIGKILL (not a failure)."""
-    import queue
-
-    out = []
-    deadline = time.monotonic() + timeout
-    while len(out) < n:
-        try:
-            item = q.get(timeout=0.25)
-        except queue.Empty:
-            dead = [p for p in procs
-                    if p.exitcode not in (None, 0) and not (p in killed and p.exitcode == -9)]
-            if dead or time.monotonic() > deadline:
-                states = ", ".join(f"pid {p.pid}: {signal_name(p.exitcode)}" for p in procs)
-                raise AssertionError(f"children did not report ({len(out)}/{n}): {states}")
-            continue
-        key, status, payload = item
-        if status != "ok":
-            raise AssertionError(f"child {key} failed:\n{payload}")
-        out.append((key, payload))
-    return out
-
-
-def run_group(target, world: int, *args, timeout: float = 90.0, killed=()) -> dict:
-    """Run ``target(rank, world, *args)`` on ``world`` spawned processes joined
-    in a gloo process group on 127.0.0.1; return ``{rank: result}``.
-
-    Asserts that every child reported success and exited with code 0, but
-    the ranks in ``killed``, which must die by SIGKILL (report nothing)."""
-    c = ctx()
-    q = c.Queue()
-    port = free_port()
-    procs = [c.Process(target=_rank_main, args=(target, rank, world, port, q, args), daemon=True)
-             for rank in range(world)]
-    dying = [procs[r] for r in killed]
-    try:
-        for p in procs:
-            p.start()
-            SPAWNED_PIDS.add(p.pid)
-        res = dict(collect(q, world - len(dying), timeout, procs, dying))
-    finally:
-        stop_all(procs)
-    for r, p in enumerate(procs):
-        want = -signal.SIGKILL if r in killed else 0
-        assert p.exitcode == want, f"rank {r} pid {p.pid}: {signal_name(p.exitcode)}"
-    return res
-
-
-def _rank_main(target, rank, world, port, q, args) -> None:
-    import torch.distributed as dist
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=30))
-        try:
-            result = target(rank, world, *args)
-        finally:
-            gc.collect()
-        q.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        q.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_children(target, arglist, timeout: float = 60.0) -> list:
-    """Run ``target(*args)`` for each ``args`` of ``arglist``, each in its own
-    spawned process, all at once; return the results in order. Asserts that
-    every child reported success and exited with code 0."""
-    c = ctx()
-    q = c.Queue()
-    procs = [c.Process(target=_keyed_main, args=(i, target, q, args), daemon=True)
-             for i, args in enumerate(arglist)]
-    try:
-        for p in procs:
-            p.start()
-            SPAWNED_PIDS.add(p.pid)
-        res = dict(collect(q, len(procs), timeout, procs))
-    finally:
-        stop_all(procs)
-    for p in procs:
-        assert p.exitcode == 0, f"child pid {p.pid}: {signal_name(p.exitcode)}"
-    return [res[i] for i in range(len(procs))]
-
-
-def _keyed_main(key, target, q, args) -> None:
-    try:
-        q.put((key, "ok", target(*args)))
-    except BaseException:  # noqa: BLE001
-        q.put((key, "error", traceback.format_exc()))
-
-
-def run_child(target, *args, timeout: float = 60.0):
-    """Run ``target(*args)`` in one spawned process and return
-    ``(result, exitcode)``; result is None if the child died before reporting."""
-    import queue
-
-    c = ctx()
-    q = c.Queue()
-    p = c.Process(target=_child_main, args=(target, q, args), daemon=True)
-    p.start()
-    SPAWNED_PIDS.add(p.pid)
-    result = None
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                status, payload = q.get(timeout=0.25)
-                if status != "ok":
-                    raise AssertionError(f"child failed:\n{payload}")
-                result = payload
-                break
-            except queue.Empty:
-                if p.exitcode is not None or time.monotonic() > deadline:
-                    break
-    finally:
-        stop_all([p])
-    return result, p.exitcode
-
-
-def _child_main(target, q, args) -> None:
-    try:
-        q.put(("ok", target(*args)))
-    except BaseException:  # noqa: BLE001
-        q.put(("error", traceback.format_exc()))
+from tests.harness.metrics import metric
+from tests.harness.segments import refcount, seg_dir, segment_files
+from tests.harness.tensors import make_tensor, same
 
 
 # -- children: TP ranks ------------------------------------------------------------
-def _request(i: int, seed: int):
+def request(i: int, seed: int):
     """A request shaped like SGLang's: mm_inputs.mm_items[j].feature."""
     import torch
 
@@ -290,10 +34,10 @@ def _request(i: int, seed: int):
             "mm_inputs": {"mm_items": items, "small": torch.arange(4)}}
 
 
-def _check_request(got, i: int, seed: int) -> None:
+def check_request(got, i: int, seed: int) -> None:
     import torch
 
-    want = _request(i, seed)
+    want = request(i, seed)
     assert got["rid"] == want["rid"]
     assert len(got["mm_inputs"]["mm_items"]) == len(want["mm_inputs"]["mm_items"])
     for a, b in zip(got["mm_inputs"]["mm_items"], want["mm_inputs"]["mm_items"]):
@@ -312,7 +56,7 @@ def rank_broadcast(rank: int, world: int, n_req: int, seed: int) -> dict:
     names: list[str] = []
     handed = metric("mmshm_references_handed_total", path="broadcast")
     if rank == 0:
-        reqs = [mmshm.wrap(_request(i, seed), min_bytes=1024) for i in range(n_req)]
+        reqs = [mmshm.wrap(request(i, seed), min_bytes=1024) for i in range(n_req)]
         names = [h.name for h in mmshm.handles(reqs)]
         assert len(names) == sum(1 + i % 2 for i in range(n_req))
         assert all(refcount(n) == 1 for n in names)
@@ -321,7 +65,7 @@ def rank_broadcast(rank: int, world: int, n_req: int, seed: int) -> dict:
         out = bcast(None, rank, None, 0)
     assert len(out) == n_req
     for i, req in enumerate(out):
-        _check_request(req, i, seed)
+        check_request(req, i, seed)
     assert not mmshm.handles(out)
     # verification only (not part of the transport): all ranks hold their views
     dist.barrier()
@@ -357,25 +101,26 @@ def rank_early_unlink(rank: int, world: int, seed: int, delay_s: float) -> dict:
 
     bcast = mmshm.deferred_unwrap(slow_broadcast, copy=(rank == 0))
     if rank == 0:
-        reqs = [mmshm.wrap(_request(i, seed), min_bytes=1024) for i in range(3)]
+        reqs = [mmshm.wrap(request(i, seed), min_bytes=1024) for i in range(3)]
         names = [h.name for h in mmshm.handles(reqs)]
         out = bcast(reqs, rank, None, 0)
     else:
         names = []
         out = bcast(None, rank, None, 0)
     for i, req in enumerate(out):
-        _check_request(req, i, seed)
+        check_request(req, i, seed)
     del out
     gc.collect()
     return {"names": names, "count_seen": waited["count_seen"]}
 
 
-def _missing_handle():
+def missing_handle():
     """A handle naming a segment that does not exist (well-formed metadata)."""
     import mmshm
     from mmshm.segments.codec import HandleMeta
+    from mmshm.segments.segfile import PREFIX
 
-    meta = HandleMeta(f"mmshm-{os.getpid()}-00000000deadbeef", 4096, 0, (1024,), b"\0" * 16)
+    meta = HandleMeta(f"{PREFIX}{os.getpid()}-00000000deadbeef", 4096, 0, (1024,), b"\0" * 16)
     return mmshm.ShmTensor(meta)
 
 
@@ -398,13 +143,13 @@ def rank_failures(rank: int, world: int, seed: int, bad_rank: int) -> dict:
     bcast = mmshm.deferred_unwrap(one_rank_breaks)
     names: list[str] = []
     if rank == 0:
-        reqs = [mmshm.wrap(_request(i, seed), min_bytes=1024) for i in range(5)]
+        reqs = [mmshm.wrap(request(i, seed), min_bytes=1024) for i in range(5)]
         # request 1: its handles name a segment that is gone
         for item in reqs[1]["mm_inputs"]["mm_items"]:
             item["feature"].release()
-            item["feature"] = _missing_handle()
+            item["feature"] = missing_handle()
         # request 3: everything inline (below the threshold)
-        reqs[3] = _request(3, seed)
+        reqs[3] = request(3, seed)
         names = [h.name for i in (0, 2, 4) for h in mmshm.handles(reqs[i])]
         # a broadcast that fails gives back the references it handed out
         def broken_broadcast(*args, **kwargs):
@@ -428,7 +173,7 @@ def rank_failures(rank: int, world: int, seed: int, bad_rank: int) -> dict:
             errors[i] = (r.reason, list(r.ranks) if r.ranks is not None else None)
             assert not any(h.owns_reference for h in mmshm.handles(r.request))
         else:
-            _check_request(r, i, seed)
+            check_request(r, i, seed)
     del out
     gc.collect()
     return {"errors": errors, "names": names}
@@ -448,7 +193,7 @@ def rank_wrong_dir(rank: int, world: int, seed: int, dirs: list) -> dict:
     node.system_facts = lambda directory=None: "one node"
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
     if rank == 0:
-        reqs = [mmshm.wrap(_request(0, seed), min_bytes=1024), _request(1, seed)]
+        reqs = [mmshm.wrap(request(0, seed), min_bytes=1024), request(1, seed)]
         out = bcast(reqs, rank, None, 0)
     else:
         out = bcast(None, rank, None, 0)
@@ -457,7 +202,7 @@ def rank_wrong_dir(rank: int, world: int, seed: int, dirs: list) -> dict:
         if isinstance(r, mmshm.MaterializeError):
             errors[i] = (r.reason, list(r.ranks) if r.ranks is not None else None)
         else:
-            _check_request(r, i, seed)
+            check_request(r, i, seed)
     del out
     gc.collect()
     return {"errors": errors}
@@ -507,7 +252,7 @@ def chain_stage(inq, outq, resq, stage: int, seed: int, shape, dtype_name: str) 
     try:
         blob = inq.get(timeout=60)
         h = pickle.loads(blob)
-        info = {"stage": stage, "name": h.name, "files": seg_files(),
+        info = {"stage": stage, "name": h.name, "files": segment_files(),
                 "created": metric("mmshm_segments_created_total")}
         if outq is not None:
             h.share(1)
@@ -568,7 +313,7 @@ def truncate_in_creator(keep_bytes: int) -> dict:
             out[copy] = type(exc).__name__
         h.release()
         gc.collect()
-    out["left"] = seg_files()
+    out["left"] = segment_files()
     return out
 
 
@@ -599,7 +344,7 @@ def rank_shared_handles(rank: int, world: int, seed: int) -> dict:
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
     names: list[str] = []
     if rank == 0:
-        req = mmshm.wrap(_request(1, seed), min_bytes=1024)
+        req = mmshm.wrap(request(1, seed), min_bytes=1024)
         twin = copy.copy(req)  # shares mm_inputs, hence the handle objects
         names = [h.name for h in mmshm.handles(req)]
         out = bcast([req, twin], rank, None, 0)
@@ -608,13 +353,13 @@ def rank_shared_handles(rank: int, world: int, seed: int) -> dict:
     kinds = [type(r).__name__ for r in out]
     for r in out:
         if not isinstance(r, mmshm.MaterializeError):
-            _check_request(r, 1, seed)
+            check_request(r, 1, seed)
     del out
     gc.collect()
     return {"kinds": kinds, "names": names}
 
 
-def _mappings_of(name: str) -> int:
+def mappings_of(name: str) -> int:
     """How many mappings of segment file ``name`` this process has."""
     with open("/proc/self/maps") as f:
         return sum(1 for line in f if line.rstrip().endswith("/" + name))
@@ -628,7 +373,7 @@ def rank_fanout_one_mapping(rank: int, world: int, seed: int, n: int) -> dict:
 
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
     if rank == 0:
-        req = mmshm.wrap(_request(1, seed), min_bytes=1024)
+        req = mmshm.wrap(request(1, seed), min_bytes=1024)
         copies = mmshm.fan_out(req, n, min_bytes=1024)
         mmshm.release(req)
         out = bcast(copies, rank, None, 0)
@@ -636,12 +381,12 @@ def rank_fanout_one_mapping(rank: int, world: int, seed: int, n: int) -> dict:
     else:
         out = bcast(None, rank, None, 0)
     for r in out:
-        _check_request(r, 1, seed)
+        check_request(r, 1, seed)
     feats = [[it["feature"] for it in r["mm_inputs"]["mm_items"]] for r in out]
     ptrs = [[f.data_ptr() for f in fs] for fs in feats]
     tensors = len({id(f) for fs in feats for f in fs})
-    segs = sorted(n_ for n_ in os.listdir(seg_dir()) if n_.startswith("mmshm-"))
-    maps = {s_: _mappings_of(s_) for s_ in segs}
+    segs = segment_files()
+    maps = {s_: mappings_of(s_) for s_ in segs}
     refs = {s_: refcount(s_) for s_ in segs}
     # a write by one copy is seen by its twins on this rank, and by no other rank
     before = float(feats[0][0].view(-1)[0])
@@ -680,7 +425,7 @@ def rank_subgroups(rank: int, world: int, seed: int) -> dict:
         breaks_on_rank_3.armed = rnd == 0
         s = seed + rnd + 10 * g
         if rank == src:
-            reqs = [mmshm.wrap(_request(i, s), min_bytes=1024) for i in range(3)]
+            reqs = [mmshm.wrap(request(i, s), min_bytes=1024) for i in range(3)]
             out = bcast(reqs, rank, mine, src)
             del reqs
         else:
@@ -689,7 +434,7 @@ def rank_subgroups(rank: int, world: int, seed: int) -> dict:
             if isinstance(r, mmshm.MaterializeError):
                 failures.append((rnd, i, r.reason, r.ranks))
             else:
-                _check_request(r, i, s)
+                check_request(r, i, s)
         del out
         gc.collect()
         dist.barrier(group=mine)  # verification only: both ranks dropped their views

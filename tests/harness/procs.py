@@ -1,0 +1,247 @@
+"""Child processes of the tests: gloo process groups, single children,
+forkserver workers, and the pids whose segments are the tests' business.
+
+Children start from the ``spawn`` context (or the forkserver's), so every
+function a child runs lives at the top level of an importable module
+(:mod:`tests.harness.children`, :mod:`tests.harness.workers`, or the test
+module itself). Children inherit ``MMSHM_DIR`` (and the other ``MMSHM_*``
+settings) through ``os.environ``, and the parent's ``sys.path`` through
+multiprocessing's preparation data (the repository root, where pytest put it).
+Every wait is bounded: a child that does not report in time fails the test
+with every child's exit state, and is killed.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+from datetime import timedelta
+
+from tests.harness.ports import free_port
+
+#: pids of every child the tests started: the conftest's /dev/shm check
+#: covers the segments they create (see :func:`track`).
+SPAWNED_PIDS: set[int] = set()
+
+
+def track(pid: int) -> None:
+    """Record a child's pid: its ``mmshm-*`` files in /dev/shm are the tests'
+    business (the conftest fails a test that leaves one)."""
+    SPAWNED_PIDS.add(pid)
+
+
+def signal_name(code: int | None) -> str:
+    """A process's exit code in words (``killed by SIGKILL``, ``exit code 1``)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# -- spawned children ------------------------------------------------------------------
+def spawn_ctx():
+    """The ``spawn`` multiprocessing context."""
+    return mp.get_context("spawn")
+
+
+def spawn(target, *args) -> mp.Process:
+    """Start ``target(*args)`` in a spawned daemon process (tracked)."""
+    p = spawn_ctx().Process(target=target, args=args, daemon=True)
+    p.start()
+    track(p.pid)
+    return p
+
+
+def stop_all(procs, timeout: float = 10.0) -> None:
+    """Join every process; kill the ones that do not exit in ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def collect(q, n: int, timeout: float, procs=(), killed=()) -> list:
+    """Read ``n`` results ``(key, status, payload)`` from ``q``; fail with the
+    child's traceback on an error, or with the exit codes on a timeout.
+    ``killed``: processes expected to die by SIGKILL (not a failure)."""
+    out = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n:
+        try:
+            item = q.get(timeout=0.25)
+        except queue.Empty:
+            dead = [p for p in procs
+                    if p.exitcode not in (None, 0) and not (p in killed and p.exitcode == -9)]
+            if dead or time.monotonic() > deadline:
+                states = ", ".join(f"pid {p.pid}: {signal_name(p.exitcode)}" for p in procs)
+                raise AssertionError(f"children did not report ({len(out)}/{n}): {states}")
+            continue
+        key, status, payload = item
+        if status != "ok":
+            raise AssertionError(f"child {key} failed:\n{payload}")
+        out.append((key, payload))
+    return out
+
+
+def run_group(target, world: int, *args, timeout: float = 90.0, killed=()) -> dict:
+    """Run ``target(rank, world, *args)`` on ``world`` spawned processes joined
+    in a gloo process group on 127.0.0.1 (30 s collective timeout); return
+    ``{rank: result}``.
+
+    Asserts that every child reported success within ``timeout`` seconds and
+    exited with code 0, but the ranks in ``killed``, which must die by
+    SIGKILL (report nothing)."""
+    c = spawn_ctx()
+    q = c.Queue()
+    port = free_port()
+    procs = [c.Process(target=_rank_main, args=(target, rank, world, port, q, args), daemon=True)
+             for rank in range(world)]
+    dying = [procs[r] for r in killed]
+    try:
+        for p in procs:
+            p.start()
+            track(p.pid)
+        res = dict(collect(q, world - len(dying), timeout, procs, dying))
+    finally:
+        stop_all(procs)
+    for r, p in enumerate(procs):
+        want = -signal.SIGKILL if r in killed else 0
+        assert p.exitcode == want, f"rank {r} pid {p.pid}: {signal_name(p.exitcode)}"
+    return res
+
+
+def _rank_main(target, rank, world, port, q, args) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=30))
+        try:
+            result = target(rank, world, *args)
+        finally:
+            gc.collect()
+        q.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_children(target, arglist, timeout: float = 60.0) -> list:
+    """Run ``target(*args)`` for each ``args`` of ``arglist``, each in its own
+    spawned process, all at once; return the results in order. Asserts that
+    every child reported success and exited with code 0."""
+    c = spawn_ctx()
+    q = c.Queue()
+    procs = [c.Process(target=_keyed_main, args=(i, target, q, args), daemon=True)
+             for i, args in enumerate(arglist)]
+    try:
+        for p in procs:
+            p.start()
+            track(p.pid)
+        res = dict(collect(q, len(procs), timeout, procs))
+    finally:
+        stop_all(procs)
+    for p in procs:
+        assert p.exitcode == 0, f"child pid {p.pid}: {signal_name(p.exitcode)}"
+    return [res[i] for i in range(len(procs))]
+
+
+def _keyed_main(key, target, q, args) -> None:
+    try:
+        q.put((key, "ok", target(*args)))
+    except BaseException:  # noqa: BLE001
+        q.put((key, "error", traceback.format_exc()))
+
+
+def run_child(target, *args, timeout: float = 60.0):
+    """Run ``target(*args)`` in one spawned process and return
+    ``(result, exitcode)``; result is None if the child died before reporting."""
+    c = spawn_ctx()
+    q = c.Queue()
+    p = c.Process(target=_child_main, args=(target, q, args), daemon=True)
+    p.start()
+    track(p.pid)
+    result = None
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status, payload = q.get(timeout=0.25)
+                if status != "ok":
+                    raise AssertionError(f"child failed:\n{payload}")
+                result = payload
+                break
+            except queue.Empty:
+                if p.exitcode is not None or time.monotonic() > deadline:
+                    break
+    finally:
+        stop_all([p])
+    return result, p.exitcode
+
+
+def _child_main(target, q, args) -> None:
+    try:
+        q.put(("ok", target(*args)))
+    except BaseException:  # noqa: BLE001
+        q.put(("error", traceback.format_exc()))
+
+
+# -- forkserver workers ------------------------------------------------------------------
+_FORK_CTX = None
+
+
+def fork_ctx():
+    """A forkserver context that preloads torch and mmshm: every worker is a
+    cheap fork of a server that imported them once. (Python 3.11's fork
+    server ignores the parent's ``sys.path`` when preloading: it finds
+    :mod:`tests.harness.workers` when started from the repository root, and
+    skips it otherwise; each worker gets the parent's ``sys.path`` with its
+    preparation data and imports its target's module from there.)"""
+    global _FORK_CTX
+    if _FORK_CTX is None:
+        _FORK_CTX = mp.get_context("forkserver")
+        _FORK_CTX.set_forkserver_preload(["torch", "prometheus_client", "blake3", "msgspec",
+                                          "mmshm", "mmshm.segments.reaper",
+                                          "tests.harness.workers"])
+    return _FORK_CTX
+
+
+def fork_start(target, *args, name: str | None = None):
+    """Start ``target(*args)`` as a forkserver daemon worker (tracked)."""
+    p = fork_ctx().Process(target=target, args=args, name=name, daemon=True)
+    p.start()
+    track(p.pid)
+    return p
+
+
+def recv(conn, timeout: float = 10.0):
+    """The next message on ``conn``; TimeoutError after ``timeout`` seconds."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no message within {timeout}s")
+    return conn.recv()
+
+
+def join(p, timeout: float = 10.0) -> int:
+    """Wait for ``p`` and return its exit code; kill it and raise
+    TimeoutError if it does not finish within ``timeout`` seconds."""
+    p.join(timeout)
+    if p.exitcode is None:
+        p.kill()
+        p.join(5)
+        raise TimeoutError(f"{p.name} (pid {p.pid}) did not finish within {timeout}s")
+    return p.exitcode
