@@ -67,27 +67,9 @@ def refcount(name: str, directory: str | None = None) -> int:
 
 def mapped_shm_names(root: str = SHM_ROOT, pgid: int | None = None) -> set[str]:
     """Names of files under ``root`` that some live process maps or holds
-    open (with ``pgid``: a process of that process group)."""
-    prefix = root.rstrip("/") + "/"
-    out = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            if pgid is not None:
-                with open(f"/proc/{pid}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
-                        continue
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    i = line.find(prefix)
-                    if i >= 0:
-                        out.add(line[i + len(prefix):].split()[0])
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(prefix):
-                    out.add(target[len(prefix):])
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
+    open (with ``pgid``: a process of that process group). The product's
+    :func:`mmshm.bench.serve.servers.mapped_shm_names` (its servers' leak
+    clean-up uses it), imported when called (``mmshm.bench`` loads torch)."""
+    from mmshm.bench.serve.servers import mapped_shm_names as product_mapped_shm_names
 
+    return product_mapped_shm_names(root, pgid)
