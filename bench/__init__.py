@@ -9,7 +9,15 @@ same run (a warm memcpy of the payload plus a metadata-only broadcast). See
 the transports.
 """
 
+import contextlib
+
 from .modes import MODES, Mode, get_mode, register
+
+# vllm, vllm-arena: vLLM's own transport code (imports vllm only when run), registered
+# here, after mmshm.bench.modes (which it imports) has loaded; importing any module
+# of mmshm.bench runs this first
+with contextlib.suppress(Exception):  # a broken optional module must not break the others
+    from . import vllm_modes  # noqa: F401 - registers its modes
 from .runner import (
     DEFAULT_IMAGES,
     DEFAULT_MODES,

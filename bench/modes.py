@@ -28,7 +28,7 @@ baseline) and ``mmshm``, plus, not run by default, ``mmshm-hash-given``
 of ``MMSHM_HASH=eager``), and ``sglang`` (SGLang's own transport code, when sglang is
 importable; skipped otherwise). ``vllm`` and ``vllm-arena`` (vLLM 0.33.0's own
 transport code, its default path and its tensor arena, when vllm is importable;
-skipped otherwise) live in :mod:`mmshm.bench.vllm_modes`, imported at the end.
+skipped otherwise) live in :mod:`mmshm.bench.vllm_modes`, which the package registers.
 """
 
 from __future__ import annotations
@@ -798,7 +798,3 @@ class SglangMode(FreshSegmentMode):
             out[i] = mmshm.MaterializeError(f"sglang: request {i}: {why}", request=out[i])
         return out
 
-
-# -- vllm, vllm-arena: vLLM's own transport code (imports vllm only when run) ---------
-with contextlib.suppress(Exception):  # a broken optional module must not break the others
-    from . import vllm_modes  # noqa: F401 - registers its modes

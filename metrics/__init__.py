@@ -471,7 +471,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 if "prometheus_client" in sys.modules or any(os.environ.get(v) for v in _MULTIPROC_ENV):
     init()  # the storage mode is already decided: nothing to wait for
 
-# The exporter needs the objects above.
+# The exporter needs the objects above: it gets them through this module, handed
+# over here (it imports nothing of the package, so the two make no import cycle).
 from .exporter import (
     DEFAULT_ADDR,
     maybe_start_exporter_from_env,
@@ -480,6 +481,9 @@ from .exporter import (
     start_exporter,
     stop_exporter,
 )
+from .exporter import attach as _attach_exporter
+
+_attach_exporter(sys.modules[__name__])
 
 __all__ = [
     "BROADCAST_BYTES",

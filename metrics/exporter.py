@@ -32,6 +32,16 @@ DEFAULT_ADDR = "127.0.0.1"
 _lock = threading.Lock()
 _mp_registry = None  # CollectorRegistry with the multiprocess collector
 _server = None  # (httpd, thread) of this process's exporter
+#: the mmshm.metrics package, handed over once its metrics exist (:func:`attach`):
+#: what a scrape refreshes, and the storage mode. This module imports nothing of
+#: the package (the package imports it).
+_package = None
+
+
+def attach(package) -> None:
+    """Called by :mod:`mmshm.metrics` at its import, with itself."""
+    global _package
+    _package = package
 
 
 class _RefreshingMultiProcessCollector:
@@ -44,10 +54,8 @@ class _RefreshingMultiProcessCollector:
         self._inner = multiprocess.MultiProcessCollector(None, path=path)
 
     def collect(self):
-        from . import refresh
-
         try:
-            refresh()
+            _package.refresh()
         except Exception as exc:  # noqa: BLE001 - never fail a scrape over this
             log.debug("mmshm: refreshing metrics failed: %s", exc)
         return self._inner.collect()
@@ -63,9 +71,7 @@ def registry():
     global _mp_registry
     from prometheus_client import REGISTRY, CollectorRegistry
 
-    from . import multiprocess_enabled
-
-    if not multiprocess_enabled():
+    if not _package.multiprocess_enabled():
         return REGISTRY
     with _lock:
         if _mp_registry is None:

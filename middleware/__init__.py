@@ -6,6 +6,17 @@ Public API:
     fan_out          parallel-sampling copies sharing one segment per tensor
     deferred_unwrap  wrap a ``broadcast_pyobj``-like function (metadata only)
     broadcast_pyobj  a mirror of SGLang's CPU broadcast, for tests and the bench
+
+Layers, bottom-up (a module imports only its own layer or lower ones, and no
+import cycle exists, lazy imports included: tests/test_layout.py):
+    mmshm.errors, mmshm.config   typed errors; the MMSHM_* settings
+    mmshm.metrics                Prometheus series and the exporter
+    mmshm.hooks                  instrumentor, "on:" lines, hop timer; no transport
+    mmshm.segments               segment files, owners, ShmTensor
+    mmshm.transport              wrap/unwrap, one hop's two ends, the TP broadcast
+    mmshm.integrations           one package per server (SGLang, vLLM)
+    mmshm.operations, mmshm.bench  status, doctor, `mmshm run`; the benchmark
+    mmshm.cli                    the `mmshm` command
 """
 
 from mmshm.errors import (
@@ -22,6 +33,19 @@ from mmshm.errors import (
     ShmSpaceError,
     WrongNodeError,
 )
+
+from mmshm import config as _config
+
+
+def _registered_instrumentors() -> dict[str, str]:
+    """The names ``MMSHM_INSTRUMENT`` may list (mmshm.config asks; the settings
+    import no layer above them, so the package root wires them here)."""
+    from mmshm.hooks.instrumentor import registered
+
+    return registered()
+
+
+_config.set_instrumentor_source(_registered_instrumentors)
 
 # The rest imports torch: loaded on first use (PEP 562), so that `mmshm --help`,
 # `mmshm doctor`, `mmshm gc` and the start-up hook stay fast.

@@ -12,10 +12,12 @@ In dependency order:
   and its sweeper;
 - :mod:`~mmshm.segments.segment`: one mapped segment and its references;
 - :mod:`~mmshm.segments.codec`: a handle's wire metadata (:class:`HandleMeta`);
+- :mod:`~mmshm.segments.refdebug`: reference debugging (``MMSHM_DEBUG_REFS``); it
+  wraps the module below, which hands itself over at import;
 - :mod:`~mmshm.segments.shmtensor`: :class:`~mmshm.ShmTensor`, the picklable,
-  refcounted handle to a tensor in a segment;
-- :mod:`~mmshm.segments.refdebug`: reference debugging (``MMSHM_REFDEBUG``).
+  refcounted handle to a tensor in a segment.
 
 May import: :mod:`mmshm.errors`, :mod:`mmshm.config`, :mod:`mmshm.metrics`,
-:mod:`mmshm.hooks`, and modules listed before it here.
+:mod:`mmshm.hooks`, and modules listed before it here (tests/test_layout.py's
+``LAYERS`` is the rule).
 """

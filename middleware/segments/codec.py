@@ -24,8 +24,8 @@ from typing import Annotated
 import msgspec
 import torch
 
-from mmshm.segments import node as _node
 from mmshm.errors import HandleError
+from mmshm.segments import node as _node
 from mmshm.segments.segfile import PREFIX
 
 # Append-only: the position is the wire code. Names missing from this torch

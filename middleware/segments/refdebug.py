@@ -39,8 +39,8 @@ import weakref
 
 import msgspec
 
-from mmshm.segments import shmtensor, segfile, segment
 from mmshm.errors import HandleStateError, SegmentNotFoundError
+from mmshm.segments import segfile, segment
 
 log = logging.getLogger("mmshm")
 
@@ -81,6 +81,10 @@ _handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _views: dict[tuple[str, int], list[HeldRef]] = {}
 _leaks: list[str] = []
 _installed: dict[str, object] = {}
+#: mmshm.segments.shmtensor, which hands itself over when it loads (:func:`attach`):
+#: this module wraps it and never imports it
+_target = None
+_pending = False  # install() came before ShmTensor was loaded: installed when it is
 _reported_pid = 0
 _notes_written = 0
 
@@ -194,11 +198,28 @@ def _wrap(obj, attr: str, make) -> None:
     setattr(obj, attr, make(orig))
 
 
+def attach(module, on: bool) -> None:
+    """Called by :mod:`mmshm.segments.shmtensor` at its import, with itself:
+    the module :func:`install` wraps; ``on`` (``MMSHM_DEBUG_REFS``) installs
+    now, as does an :func:`install` made before the module was loaded."""
+    global _target
+    _target = module
+    if on or _pending:
+        install()
+
+
 def install() -> None:
     """Wrap ``ShmTensor``'s reference operations to record and check them
-    (idempotent). :func:`uninstall` restores them."""
+    (idempotent). :func:`uninstall` restores them. Before
+    :mod:`mmshm.segments.shmtensor` is loaded, they are wrapped when it is."""
+    global _pending
     if _installed:
         return
+    if _target is None:
+        _pending = True
+        return
+    _pending = False
+    shmtensor = _target
     cls = shmtensor.ShmTensor
 
     def track(h, taken: str) -> None:
@@ -364,6 +385,8 @@ def install() -> None:
 
 def uninstall() -> None:
     """Undo :func:`install` and forget what was recorded."""
+    global _pending
+    _pending = False
     for obj, attr, orig in _installed.values():
         setattr(obj, attr, orig)
     _installed.clear()
@@ -377,5 +400,5 @@ def uninstall() -> None:
 
 def installed() -> bool:
     """Whether reference debugging is on in this process."""
-    return bool(_installed)
+    return bool(_installed) or _pending
 

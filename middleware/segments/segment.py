@@ -50,7 +50,6 @@ import sys
 from typing import NamedTuple
 
 from mmshm import config
-from mmshm.segments import segfile
 from mmshm.errors import (
     DescriptorLimitError,
     MmshmError,
@@ -66,6 +65,7 @@ from mmshm.metrics import (
     SEGMENTS_CREATED,
     SEGMENTS_IN_USE,
 )
+from mmshm.segments import segfile
 from mmshm.segments.segfile import (
     HEADER_SIZE,
     OPEN_FLAGS,

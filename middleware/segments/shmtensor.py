@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import queue
+import sys
 import threading
 import weakref
 
@@ -23,8 +24,6 @@ import numpy as np
 import torch
 
 from mmshm import config
-from mmshm.segments import codec, node, segment
-from mmshm.segments.codec import HandleMeta
 from mmshm.errors import (
     HandleError,
     HandleStateError,
@@ -34,6 +33,8 @@ from mmshm.errors import (
     WrongNodeError,
 )
 from mmshm.metrics import SHM_WRITTEN_BYTES
+from mmshm.segments import codec, node, refdebug, segment
+from mmshm.segments.codec import HandleMeta
 from mmshm.segments.segfile import HEADER_SIZE, os_error
 from mmshm.segments.segment import SegmentRef
 
@@ -930,7 +931,5 @@ def _rebuild_broken(message: str) -> ShmTensor:
     return ShmTensor(None, error=HandleError(message))
 
 
-if config.get().debug_refs:  # MMSHM_DEBUG_REFS=1: wraps the methods above
-    from mmshm.segments import refdebug
-
-    refdebug.install()
+# MMSHM_DEBUG_REFS=1: refdebug wraps the methods above (off: nothing is installed)
+refdebug.attach(sys.modules[__name__], config.get().debug_refs)

@@ -55,10 +55,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mmshm.errors import (
+    HandleStateError,
+    MaterializeError,
+    MmshmError,
+    PeerLostError,
+    WrongNodeError,
+    failure_reason,
+)
+from mmshm.metrics import (
+    BROADCAST_BYTES,
+    FALLBACKS,
+    BROADCAST_SECONDS,
+    MATERIALIZE_FAILURES,
+    MATERIALIZE_SECONDS,
+    REFERENCES_HANDED,
+    REQUEST_FAILURES,
+)
 from mmshm.segments import node, segfile
-from mmshm.transport import shmagree
-from mmshm.transport import handshake
-from mmshm.transport import topology
+from mmshm.segments.codec import HandleMeta
+from mmshm.segments.segment import SegmentRef
+from mmshm.segments.shmtensor import ShmTensor
+from mmshm.segments.table import TABLE
+from mmshm.transport import handshake, shmagree, topology
 from mmshm.transport.agreement import (  # noqa: F401 - re-exported: the wire codes and tags
     _OTHER,
     _REASON_CODE,
@@ -69,29 +88,12 @@ from mmshm.transport.agreement import (  # noqa: F401 - re-exported: the wire co
     _agree_max,
     _agree_post,
 )
-from mmshm.segments.codec import HandleMeta
-from mmshm.errors import (
-    HandleStateError,
-    MaterializeError,
-    MmshmError,
-    PeerLostError,
-    WrongNodeError,
-    failure_reason,
+from mmshm.transport.multinode import (  # noqa: F401 - P2P_TAG re-exported
+    P2P_TAG,
+    HandleIndex,
+    _NodePlan,
 )
-from mmshm.segments.shmtensor import ShmTensor
-from mmshm.metrics import (
-    BROADCAST_BYTES,
-    FALLBACKS,
-    BROADCAST_SECONDS,
-    MATERIALIZE_FAILURES,
-    MATERIALIZE_SECONDS,
-    REFERENCES_HANDED,
-    REQUEST_FAILURES,
-)
-from mmshm.transport.multinode import P2P_TAG, HandleIndex, _NodePlan  # noqa: F401 - P2P_TAG re-exported
 from mmshm.transport.receiving import unwrap_each
-from mmshm.segments.segment import SegmentRef
-from mmshm.segments.table import TABLE
 from mmshm.transport.wrapping import handles, transform
 
 log = logging.getLogger("mmshm")

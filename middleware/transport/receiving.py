@@ -37,9 +37,9 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mmshm.errors import HandleError, MaterializeError, MmshmError, failure_reason
-from mmshm.segments.shmtensor import ShmTensor
 from mmshm.hooks import observe
 from mmshm.metrics import MATERIALIZE_FAILURES, REQUEST_FAILURES
+from mmshm.segments.shmtensor import ShmTensor
 from mmshm.transport.sending import remember_segment
 from mmshm.transport.wrapping import handles, transform, unwrap
 

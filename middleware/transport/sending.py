@@ -48,13 +48,13 @@ from collections.abc import AsyncIterator, Iterator
 import torch
 
 from mmshm import config
+from mmshm.errors import MmshmError
+from mmshm.metrics import FANOUT_COPIES, REFERENCES_HANDED
 from mmshm.segments import codec
 from mmshm.segments.codec import HandleMeta
-from mmshm.errors import MmshmError
-from mmshm.segments.shmtensor import ShmTensor, content_hash
-from mmshm.metrics import FANOUT_COPIES, REFERENCES_HANDED
 from mmshm.segments.segfile import segment_dir
 from mmshm.segments.segment import SegmentRef
+from mmshm.segments.shmtensor import ShmTensor, content_hash
 from mmshm.transport import wrapping
 
 log = logging.getLogger("mmshm")

@@ -24,8 +24,8 @@ import torch
 
 from mmshm import config
 from mmshm.errors import FALLBACK_REASONS, MmshmError, failure_reason
-from mmshm.segments.shmtensor import ShmTensor
 from mmshm.metrics import FALLBACKS
+from mmshm.segments.shmtensor import ShmTensor
 from mmshm.segments.table import TABLE
 
 log = logging.getLogger("mmshm")
