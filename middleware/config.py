@@ -480,3 +480,87 @@ def value(name: str, environ=None, warn: bool = True) -> object:
 def get() -> Settings:
     """Return the cached settings (read from the environment on first use)."""
     return _settings if _settings is not None else reload()
+
+
+# -- the segment directory: one wording for "it cannot hold segments" -----------------
+@dataclass(frozen=True)
+class DirProblem:
+    """Why a segment directory cannot hold segments, worded once for the
+    library's WARNING (:meth:`mmshm.segments.table.SegmentTable.ensure_dir`),
+    ``mmshm doctor``, ``status``, ``gc``, ``config`` and ``bench``
+    (:func:`dir_problem` finds it).
+
+    Attributes:
+        directory: the directory, as given.
+        reason: why, e.g. ``"its parent /srv does not exist"``.
+        where: what named it: ``"MMSHM_DIR"`` (or its default), or the
+            command's option (``"--dir"``, ``"--shm-dir"``).
+    """
+
+    directory: str
+    reason: str
+    where: str = "MMSHM_DIR"
+
+    @property
+    def problem(self) -> str:
+        """``the segment directory MMSHM_DIR=/x cannot hold segments: <reason>``."""
+        return (f"the segment directory {self.where}={self.directory} cannot hold segments: "
+                f"{self.reason}")
+
+    @property
+    def fix(self) -> str:
+        """What to do: point it at a writable directory on a tmpfs."""
+        return (f"point {self.where} at a writable directory on a tmpfs, e.g. /dev/shm or a "
+                f"directory under it"
+                + ("" if self.where == "MMSHM_DIR" else " (servers read MMSHM_DIR)"))
+
+    def message(self, meanwhile: str = "") -> str:
+        """One line: the problem, ``meanwhile`` (what happens until it is
+        fixed) when given, and the fix."""
+        return self.problem + (f"; {meanwhile}" if meanwhile else "") + f". Fix: {self.fix}"
+
+    def __str__(self) -> str:
+        return self.message()
+
+
+def dir_problem(directory: str, *, create: bool = True,
+                where: str = "MMSHM_DIR") -> DirProblem | None:
+    """Why ``directory`` cannot hold segments, or None if it can. Only looks:
+    nothing is created or changed.
+
+    Args:
+        directory: the segment directory (``MMSHM_DIR``, or a command's option).
+        create: True for a process that makes segments: a missing directory
+            whose parent exists and is writable is fine (the library creates
+            it, mode 0700, at its first segment); the directory must be
+            writable. False for the commands that look at an existing one
+            (``status``, ``gc``, ``doctor``, ``bench``): it must exist and be
+            readable.
+        where: what named it, for the message (:attr:`DirProblem.where`).
+    """
+    import stat
+
+    def problem(reason: str) -> DirProblem:
+        return DirProblem(directory, reason, where)
+
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        parent = os.path.dirname(directory.rstrip("/")) or "/"
+        if not os.path.isdir(parent):
+            return problem(f"its parent {parent} does not exist")
+        if not create:
+            return problem("it does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return problem(f"it does not exist and this process cannot create it in {parent} "
+                           f"(permissions or a read-only mount)")
+        return None
+    except OSError as exc:
+        return problem(f"it cannot be read ({exc.strerror})")
+    if not stat.S_ISDIR(st.st_mode):
+        return problem("it is not a directory")
+    if create and not os.access(directory, os.W_OK | os.X_OK):
+        return problem("this process cannot write to it (permissions or a read-only mount)")
+    if not create and not os.access(directory, os.R_OK | os.X_OK):
+        return problem("this process cannot read it (permissions)")
+    return None

@@ -6,12 +6,15 @@ import dataclasses
 import gc
 from typing import Any
 
-import _mp
 import mmshm
 import msgspec
 import pytest
 import torch
 from mmshm.segments.codec import HandleMeta
+
+from tests.harness.segments import refcount, segment_files
+from tests.harness.metrics import metric
+from tests.harness.tensors import make_tensor, same
 
 
 class MMItem(msgspec.Struct):
@@ -33,7 +36,7 @@ class GenerateReq:
 
 
 def make_req(seeds=(1, 2)) -> tuple[GenerateReq, list[torch.Tensor]]:
-    ts = [_mp.make_tensor(s, (128, 256)) for s in seeds]  # 128 KiB each
+    ts = [make_tensor(s, (128, 256)) for s in seeds]  # 128 KiB each
     req = GenerateReq("rid", MMInputs([MMItem(t) for t in ts]), {"n": 4, "temperature": 0.7})
     return req, ts
 
@@ -44,36 +47,36 @@ def features(req) -> list:
 
 def test_fan_out_four_first_copy_consumed_before_the_others(shm_dir):
     req, ts = make_req()
-    created = _mp.metric("mmshm_segments_created_total")
-    written = _mp.metric("mmshm_shm_written_bytes_total")
-    fan = _mp.metric("mmshm_fanout_copies_total")
+    created = metric("mmshm_segments_created_total")
+    written = metric("mmshm_shm_written_bytes_total")
+    fan = metric("mmshm_fanout_copies_total")
     copies = mmshm.fan_out(req, 4, min_bytes=1024)
     assert len(copies) == 4
     # the payload was written once: one segment per tensor
-    assert _mp.metric("mmshm_segments_created_total") - created == len(ts)
-    assert _mp.metric("mmshm_shm_written_bytes_total") - written == sum(t.nbytes for t in ts)
-    assert _mp.metric("mmshm_fanout_copies_total") - fan == 4
+    assert metric("mmshm_segments_created_total") - created == len(ts)
+    assert metric("mmshm_shm_written_bytes_total") - written == sum(t.nbytes for t in ts)
+    assert metric("mmshm_fanout_copies_total") - fan == 4
     names = [h.name for h in features(copies[0])]
-    assert sorted(names) == _mp.seg_files()
+    assert sorted(names) == segment_files()
     for c in copies:
         assert [h.name for h in features(c)] == names
     # exactly n - 1 references were added: the count is n
-    assert [_mp.refcount(n) for n in names] == [4, 4]
+    assert [refcount(n) for n in names] == [4, 4]
     # copy 1 is consumed (unwrap + del) and released before copies 2-4 are opened
     first = mmshm.unwrap(copies[0])
-    assert all(_mp.same(a, b) for a, b in zip(features(first), ts))
+    assert all(same(a, b) for a, b in zip(features(first), ts))
     del first
     gc.collect()
     assert mmshm.release(copies[0]) == 2  # already spent: changes nothing
-    assert [_mp.refcount(n) for n in names] == [3, 3]
+    assert [refcount(n) for n in names] == [3, 3]
     for i in (1, 2, 3):
         got = mmshm.unwrap(copies[i])
-        assert all(_mp.same(a, b) for a, b in zip(features(got), ts)), f"copy {i + 1}"
+        assert all(same(a, b) for a, b in zip(features(got), ts)), f"copy {i + 1}"
         del got
         gc.collect()
         if i < 3:
-            assert [_mp.refcount(n) for n in names] == [3 - i, 3 - i]
-    assert _mp.seg_files() == []
+            assert [refcount(n) for n in names] == [3 - i, 3 - i]
+    assert segment_files() == []
     # the caller's request still holds its tensors
     assert all(a is b for a, b in zip(features(req), ts))
 
@@ -111,62 +114,62 @@ def test_copies_are_independent(shm_dir):
     # c0 dropped its second item's handle (replaced above): its reference went with it
     gc.collect()
     names = [h.name for h in features(copies[1])]
-    assert [_mp.refcount(n) for n in names] == [4, 3]
+    assert [refcount(n) for n in names] == [4, 3]
     for c in copies[1:]:
         got = mmshm.unwrap(c)
-        assert all(_mp.same(a, b) for a, b in zip(features(got), ts))
+        assert all(same(a, b) for a, b in zip(features(got), ts))
     del got, c, c0, c1, copies
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_dropping_unconsumed_copies_releases_everything(shm_dir):
     req, _ = make_req()
     copies = mmshm.fan_out(req, 4, min_bytes=1024)
-    assert len(_mp.seg_files()) == 2
+    assert len(segment_files()) == 2
     del copies[2]
     gc.collect()
-    assert [_mp.refcount(n) for n in _mp.seg_files()] == [3, 3]
+    assert [refcount(n) for n in segment_files()] == [3, 3]
     del copies
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_fan_out_of_a_wrapped_request_adds_n_minus_1(shm_dir):
     req, ts = make_req()
     wrapped = mmshm.wrap(req, min_bytes=1024)
     names = [h.name for h in features(wrapped)]
-    created = _mp.metric("mmshm_segments_created_total")
+    created = metric("mmshm_segments_created_total")
     copies = mmshm.fan_out(wrapped, 3)
-    assert _mp.metric("mmshm_segments_created_total") == created  # nothing new
-    assert [_mp.refcount(n) for n in names] == [3, 3]
+    assert metric("mmshm_segments_created_total") == created  # nothing new
+    assert [refcount(n) for n in names] == [3, 3]
     # the originals handed their reference to the copies
     assert not any(h.owns_reference for h in features(wrapped))
     for c in copies:
         got = mmshm.unwrap(c, copy=True)
-        assert all(_mp.same(a, b) for a, b in zip(features(got), ts))
-    assert _mp.seg_files() == []
+        assert all(same(a, b) for a, b in zip(features(got), ts))
+    assert segment_files() == []
 
 
 def test_fan_out_one(shm_dir):
     req, ts = make_req()
     (only,) = mmshm.fan_out(req, 1, min_bytes=1024)
-    assert [_mp.refcount(n) for n in _mp.seg_files()] == [1, 1]
+    assert [refcount(n) for n in segment_files()] == [1, 1]
     got = mmshm.unwrap(only, copy=True)
-    assert all(_mp.same(a, b) for a, b in zip(features(got), ts))
-    assert _mp.seg_files() == []
+    assert all(same(a, b) for a, b in zip(features(got), ts))
+    assert segment_files() == []
 
 
 def test_same_tensor_in_two_items(shm_dir):
-    t = _mp.make_tensor(9, (128, 256))
+    t = make_tensor(9, (128, 256))
     req = GenerateReq("rid", MMInputs([MMItem(t), MMItem(t)]), {})
     copies = mmshm.fan_out(req, 3, min_bytes=1024)
-    (name,) = _mp.seg_files()
-    assert _mp.refcount(name) == 6  # two handle objects per copy
+    (name,) = segment_files()
+    assert refcount(name) == 6  # two handle objects per copy
     for c in copies:
         got = mmshm.unwrap(c, copy=True)
-        assert all(_mp.same(x, t) for x in features(got))
-    assert _mp.seg_files() == []
+        assert all(same(x, t) for x in features(got))
+    assert segment_files() == []
 
 
 def test_invalid_n(shm_dir):
@@ -174,20 +177,20 @@ def test_invalid_n(shm_dir):
     for n in (0, -1):
         with pytest.raises(ValueError):
             mmshm.fan_out(req, n, min_bytes=1024)
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_missing_segment_rolls_back(shm_dir):
-    good = mmshm.ShmTensor.from_tensor(_mp.make_tensor(10, (64, 64)))
+    good = mmshm.ShmTensor.from_tensor(make_tensor(10, (64, 64)))
     missing = mmshm.ShmTensor(HandleMeta("mmshm-1-00000000deadbeef", 4, 0, (1,), b"\0" * 16))
     req = GenerateReq("rid", MMInputs([MMItem(good), MMItem(missing)]), {})
     with pytest.raises(mmshm.SegmentNotFoundError):
         mmshm.fan_out(req, 4)
-    assert _mp.refcount(good.name) == 1  # the n - 1 added to `good` were taken back
+    assert refcount(good.name) == 1  # the n - 1 added to `good` were taken back
     assert good.owns_reference
     missing.release()
     good.release()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def _fake_tp_group(monkeypatch, world: int) -> None:
@@ -221,13 +224,13 @@ def test_source_rank_sends_one_handle_per_segment_and_rolls_back(shm_dir, monkey
     what they were; releasing the copies then frees everything."""
     copies, names, _ = _fanned_copies(monkeypatch, world=3)
     assert len(names) == 2 and len(mmshm.handles(copies)) == 8
-    assert [_mp.refcount(n) for n in names] == [4, 4]
+    assert [refcount(n) for n in names] == [4, 4]
     seen: dict = {}
 
     def failing_broadcast(data, rank, group, src):
         hs = mmshm.handles(data)
         seen["objects"] = len({id(h) for h in hs})
-        seen["counts"] = [_mp.refcount(n) for n in names]
+        seen["counts"] = [refcount(n) for n in names]
         seen["distinct_items"] = len({id(r.mm_inputs.mm_items[0]) for r in data})
         raise RuntimeError("the TP group went away")
 
@@ -236,11 +239,11 @@ def test_source_rank_sends_one_handle_per_segment_and_rolls_back(shm_dir, monkey
     assert seen["objects"] == 2            # not 8
     assert seen["counts"] == [3, 3]        # the source's view-to-be + 2 other ranks
     assert seen["distinct_items"] == 4     # the copies' containers stay their own
-    assert [_mp.refcount(n) for n in names] == [4, 4]
+    assert [refcount(n) for n in names] == [4, 4]
     assert all(h.owns_reference for h in mmshm.handles(copies))
     mmshm.release(copies)
     gc.collect()
-    assert _mp.seg_files() == []
+    assert segment_files() == []
 
 
 def test_source_rank_collapse_then_materialize(shm_dir, monkeypatch):
@@ -256,11 +259,11 @@ def test_source_rank_collapse_then_materialize(shm_dir, monkeypatch):
     feats = [[it.feature for it in r.mm_inputs.mm_items] for r in out]
     assert len({id(f) for fs in feats for f in fs}) == 8
     for fs in feats:
-        assert all(_mp.same(f, t) for f, t in zip(fs, ts))
+        assert all(same(f, t) for f, t in zip(fs, ts))
     assert len({fs[0].data_ptr() for fs in feats}) == 1
-    assert [_mp.refcount(n) for n in names] == [2, 2]  # this rank's mapping + rank 1's
+    assert [refcount(n) for n in names] == [2, 2]  # this rank's mapping + rank 1's
     del out, feats, fs
     gc.collect()
     for n in names:
         mmshm.segments.segment.update_refcount(n, -1)  # rank 1's, never used
-    assert _mp.seg_files() == []
+    assert segment_files() == []

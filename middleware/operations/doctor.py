@@ -120,7 +120,11 @@ def shm_size_advice(expected_bytes: int, other_bytes: int = 0) -> int:
     return gib
 
 
-def _size_fix(gib: int) -> str:
+def size_fix(gib: int) -> str:
+    """The fix for a segment directory too small for the load: ``gib`` GiB of
+    shared memory (:func:`shm_size_advice`) with docker, on Kubernetes, or
+    ``MMSHM_DIR`` elsewhere. ``mmshm bench`` says the same when it skips a
+    mode for space."""
     return (f"give the container {gib} GiB of shared memory: docker run --shm-size={gib}g "
             f"(or --ipc=host); on Kubernetes mount an emptyDir with medium: Memory and "
             f"sizeLimit: {gib}Gi at /dev/shm; or point MMSHM_DIR at a larger tmpfs")
@@ -254,16 +258,15 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
         assumption = "as given with --expected-bytes"
     problems: list[Problem] = []
     notes: list[str] = []
-    try:
-        st = os.statvfs(d)
-        if not os.path.isdir(d):
-            raise NotADirectoryError(20, "Not a directory")
-    except OSError as exc:
-        fix = ("create it, or give --dir a tmpfs directory (servers use MMSHM_DIR, default "
-               "/dev/shm)" if directory is not None else
-               "create it or set MMSHM_DIR to a tmpfs directory (default /dev/shm)")
-        problems.append(Problem(f"the segment directory {d} cannot be read: {exc.strerror}",
-                                fix))
+    where = "--dir" if directory is not None else "MMSHM_DIR"
+    unusable = config.dir_problem(d, create=False, where=where)
+    if unusable is None:
+        try:
+            st = os.statvfs(d)
+        except OSError as exc:
+            unusable = config.DirProblem(d, f"it cannot be read ({exc.strerror})", where)
+    if unusable is not None:
+        problems.append(Problem(unusable.problem, unusable.fix))
         soft_l, hard_l, need = _descriptors(expected, 0, problems)
         limit, usage, shmem = memory_cgroup()
         return DoctorReport(d, "missing", 0, 0, 0, expected, 0, 0, 0, 0, problems,
@@ -302,7 +305,7 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
             f"{d} is only {size // MiB} MiB: NCCL's reserve ({reserve // MiB} MiB) plus the "
             f"expected multimodal load ({expected // MiB} MiB) do not fit, so most tensors "
             f"will travel inline (slow) instead of through shared memory",
-            _size_fix(gib)))
+            size_fix(gib)))
     elif free + sum(i.bytes for i in orphans) < reserve + expected:
         top = ", ".join(f"{g.owner} {g.bytes // MiB} MiB" for g in others[:3])
         problems.append(Problem(
@@ -310,7 +313,7 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
             f"({reserve // MiB} MiB) plus the expected load ({expected // MiB} MiB)"
             + (f"; other programs' files take {other_bytes // MiB} MiB ({top})"
                if others else ""),
-            "see what fills it with `mmshm status`, run `mmshm gc`, or " + _size_fix(gib)))
+            "see what fills it with `mmshm status`, run `mmshm gc`, or " + size_fix(gib)))
     soft_l, hard_l, need = _descriptors(expected, size, problems)
     limit, usage, shmem = memory_cgroup()
     if limit is not None and usage is not None and limit - usage < expected:
