@@ -617,28 +617,10 @@ SGLANG_COMMON = "sglang.srt.utils.common"
 # SGLang 0.5.23 names its segments sgl_shm_<kind>_<pid>_<rand> (make_shm_name);
 # older releases let SharedMemory pick psm_<rand>.
 SGLANG_SHM_DIR = "/dev/shm"
-# CPU stand-ins for triton / torchvision used by the integration tests.
-_SGLANG_STUBS = os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), "tests", "integrations", "stubs")
-
-
-def _sglang_add_stubs() -> None:
-    """On a CPU-only host SGLang needs importable ``triton`` / ``torchvision``
-    modules: put the test suite's stubs on ``sys.path`` when the real ones are
-    missing, and keep torch from believing triton exists (the stubs'
-    ``cpu_stubs.use``)."""
-    import importlib.util
-    import sys
-
-    if (importlib.util.find_spec("triton") is not None
-            and importlib.util.find_spec("torchvision") is not None):
-        return
-    if not os.path.isdir(_SGLANG_STUBS) or _SGLANG_STUBS in sys.path:
-        return
-    sys.path.insert(0, _SGLANG_STUBS)
-    import cpu_stubs
-
-    cpu_stubs.use()
+#: SGLang's run-time imports a CPU-only host lacks: its server environments
+#: (``.venvs/sglang-<release>-server``, tests/integrations/run_sglang.py) have
+#: CPU stand-ins for them installed.
+SGLANG_NEEDS = ("triton", "torchvision")
 
 
 _SGLANG: dict = {}
@@ -667,7 +649,15 @@ def load_sglang():
 
         if importlib.util.find_spec("sglang") is None:
             raise ImportError("sglang is not installed in this interpreter")
-        _sglang_add_stubs()
+        missing = [m for m in SGLANG_NEEDS if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ImportError(f"SGLang needs {' and '.join(missing)}, not installed in this "
+                              f"interpreter (a server environment such as "
+                              f".venvs/sglang-0.5.23-server has CPU stand-ins for them)")
+        if importlib.util.find_spec("cpu_stubs") is not None:
+            import cpu_stubs  # those stand-ins' helper, installed beside them
+
+            cpu_stubs.use()  # torch must not take the triton stand-in for triton
         mm = importlib.import_module(SGLANG_MM)
         common = importlib.import_module(SGLANG_COMMON)
         for sym in ("ShmPointerMMData", "_wrap_tensor_or_list", "_unwrap_tensor_or_list",
@@ -721,7 +711,8 @@ class SglangMode(FreshSegmentMode):
 
     @classmethod
     def unavailable(cls) -> str | None:
-        return import_failure(load_sglang, "SGLang", "sglang", ".venvs/sglang-0.5.23")
+        return import_failure(load_sglang, "SGLang", "sglang",
+                              ".venvs/sglang-0.5.23-server")
 
     # -- producer --------------------------------------------------------------
     def before_send(self, req) -> None:

@@ -482,3 +482,16 @@ def test_bench_serve_reaches_the_server_benchmarks():
     assert proc.returncode == 0 and proc.stdout.startswith("usage: mmshm bench hop "), proc.stdout
     assert "--baseline" in proc.stdout
 
+
+def test_bench_homes_edit_no_sys_path():
+    """bench/ and benchmarks/ reach the rest of the tree by imports only: no
+    ``sys.path`` edit (into tests/, or into each other)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    edit = re.compile(r"sys\.path\s*(\[|\.insert|\.append|\.extend|\+=|=[^=])")
+    found = [f"{f.relative_to(root)}:{i}" for d in ("bench", "benchmarks")
+             for f in sorted((root / d).rglob("*.py"))
+             for i, line in enumerate(f.read_text().splitlines(), 1) if edit.search(line)]
+    assert found == []
