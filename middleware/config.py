@@ -5,8 +5,8 @@ them (tests change the environment and call it).
 
 Every variable is declared once, in :data:`VARIABLES`: its name, type,
 default, bounds and documentation (:class:`Variable`). Parsing, the
-warnings, ``mmshm config``, the command line's help and the README's
-"Configuration" table (``tests/test_ops.py`` checks it) come from there.
+warnings, ``mmshm config``, the command line's help and the table of
+``docs/configuration.md`` (``tests/test_docs.py`` checks it) come from there.
 
 Bad values: a value a variable does not accept never stops a process. The
 settings fall back to that variable's default and log one WARNING naming the
@@ -176,7 +176,7 @@ class Variable:
             ``choices``), ``port`` or ``instrumentors``.
         default: the value used when unset or bad (None: unset, or computed
             where it is used; ``default_text`` says how).
-        doc: what it does, one line (``mmshm config``, the README table).
+        doc: what it does, one line (``mmshm config``, docs/configuration.md).
         minimum, maximum: bounds of a number (None: none); ``minimum`` is
             excluded when ``above_minimum``.
         choices: the values a ``choice`` accepts.
@@ -224,7 +224,7 @@ class Variable:
 
     @property
     def shown_default(self) -> str:
-        """The default as the README table, ``mmshm config`` and the CLI
+        """The default as docs/configuration.md, ``mmshm config`` and the CLI
         help show it: ``65536``, ``/dev/shm``, ``1``, ``unset``."""
         if self.default_text is not None:
             return self.default_text
