@@ -1,7 +1,7 @@
 """mmshm against a real SGLang 0.5.23 server with data parallelism on CPU:
 ``--dp-size 2 --tp 1``, SGLang's data-parallel controller between the
 tokenizer and one scheduler per DP rank (each bound to a core of its own),
-the tiny Qwen2-VL of ``tiny_model.py``, the real OpenAI client.
+the tiny Qwen2-VL of ``tests/harness/models.py``, the real OpenAI client.
 
 Run by ``tests/integrations/run_sglang.py`` for 0.5.23 (its
 ``E2E_TESTS_BY_RELEASE``), in ``.venvs/sglang-0.5.23-server`` with
@@ -55,7 +55,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import needs_e2e
+
+from tests.harness.servers import needs_e2e
 
 RELEASE = os.environ.get("MMSHM_SGLANG_RELEASE", "0.0.0")
 V = tuple(int(x) for x in RELEASE.split("."))
@@ -67,7 +68,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"
+MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"  # models.model_dir("qwen2-vl")
 PRIVATE_SHM = os.geteuid() == 0 and shutil.which("unshare") is not None
 DP = 2
 MAX_TOKENS = 8
@@ -90,15 +91,13 @@ STATE: dict = {}  # what the cases hand on (not printed)
 
 
 def _server_mod():
-    sys.path.insert(0, str(Path(__file__).parent))
-    import server  # tests/e2e/server.py: process group, bounded, killed on every path
+    from tests.harness import servers  # process group, bounded, killed on every path
 
-    return server
+    return servers
 
 
 def _faults_mod():
-    sys.path.insert(0, str(Path(__file__).parent))
-    import faults
+    from tests.harness import faults
 
     return faults
 
@@ -106,10 +105,9 @@ def _faults_mod():
 @pytest.fixture(scope="module")
 def env(request):
     """The model, the photos, the log folder and the segment directory."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import tiny_model
+    from tests.harness import models
 
-    tiny_model.build(MODEL_DIR)
+    models.build(MODEL_DIR)
     server = _server_mod()
     logs = Path(tempfile.mkdtemp(prefix=f"sglang-dp-e2e-{RELEASE}-"))
     shm = server.mount_tmpfs("mmshm-dp-e2e-shm-", "1g") if PRIVATE_SHM else None

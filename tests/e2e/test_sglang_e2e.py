@@ -26,7 +26,7 @@ many cases against it:
    server's segments are reclaimed before its first request; a graceful
    stop leaves nothing.
 
-Faults under load (``tests/e2e/faults.py``), on servers already running: an
+Faults under load (``tests/harness/faults.py``), on servers already running: an
 abort storm (30 streamed requests of 1-3 small photos, n 1-4, 4 at a time,
 the client closing them at random points), then rejected requests (too many
 images, over the context length, corrupt or non-image data URLs), then the
@@ -49,7 +49,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -58,7 +57,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import needs_e2e
+
+from tests.harness.servers import needs_e2e
 
 pytestmark = needs_e2e("sglang")
 
@@ -68,7 +68,7 @@ HAS_FANOUT_BUG = V <= (0, 5, 12)
 HAS_SIGBUS = V <= (0, 5, 15)
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"
+MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"  # models.model_dir("qwen2-vl")
 SMALL_SHM = os.geteuid() == 0 and shutil.which("unshare") is not None
 NO_SMALL_SHM = "needs root and unshare for a private 64 MiB /dev/shm"
 TP = 2
@@ -78,7 +78,7 @@ BURST = 4  # 4 x 22.5 MB photos in flight: more than a 64 MiB /dev/shm holds
 #: are unlinked as the scheduler receives them, so only those made while it is
 #: busy with a prefill pile up; 8 photos make that pile outgrow 64 MiB.
 PLAIN_BURST = 8
-#: The faults under load (tests/e2e/faults.py): storm requests, 4 at a time;
+#: The faults under load (tests/harness/faults.py): storm requests, 4 at a time;
 #: images per request the servers allow (--limit-mm-data-per-request); the
 #: pool's idle time the servers run with (MMSHM_POOL_IDLE_S).
 STORM_SHOTS, STORM_CONCURRENCY, MAX_IMAGES, POOL_IDLE_S = 30, 4, 3, 2.0
@@ -86,7 +86,7 @@ STORM_SHOTS, STORM_CONCURRENCY, MAX_IMAGES, POOL_IDLE_S = 30, 4, 3, 2.0
 #: with HTTP 500 "Internal server error: ..." (0.5.23: 400); its plain
 #: server does the same (asserted below).
 BAD_IMAGE_500 = V <= (0, 5, 9)
-#: The model's context length (max_position_embeddings of tiny_model.py)
+#: The model's context length (max_position_embeddings of tests/harness/models.py)
 #: and the tiny tokenizer's tokens per " hello".
 CONTEXT, TOKENS_PER_WORD = 32768, 3
 
@@ -98,19 +98,17 @@ FAULTS: dict = {"records": {}, "errors": {}, "urls": None}
 
 # -- the servers -------------------------------------------------------------------
 def _import_server():
-    sys.path.insert(0, str(Path(__file__).parent))
-    import server  # tests/e2e/server.py: process group, bounded, killed on every path
+    from tests.harness import servers  # process group, bounded, killed on every path
 
-    return server
+    return servers
 
 
 @pytest.fixture(scope="module")
 def env(request):
     """The model, the log folder and the segment directory of this module."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import tiny_model
+    from tests.harness import models
 
-    tiny_model.build(MODEL_DIR)
+    models.build(MODEL_DIR)
     logs = Path(tempfile.mkdtemp(prefix=f"sglang-e2e-{RELEASE}-"))
     shm = None
     server = _import_server()
@@ -220,7 +218,7 @@ def _hops(m0: str, m1: str, transport: str) -> dict:
     return out
 
 
-# -- faults under load (tests/e2e/faults.py) -------------------------------------------
+# -- faults under load (tests/harness/faults.py) -------------------------------------------
 def _faults(env, srv, name: str, mmshm: bool, fixed) -> None:
     """The abort storm, the rejects and the checks on the running ``srv``;
     the record goes to ``S["faults"][name]`` (its summary to the figures, the
@@ -232,7 +230,7 @@ def _faults(env, srv, name: str, mmshm: bool, fixed) -> None:
     images); plain 0.5.9 only n=1 (its n>1 bug kills the scheduler, phase 1).
     ``mmshm status`` and ``gc`` run in the server's mount namespace (its
     /dev/shm is the test's tmpfs) or on the private segment directory."""
-    import faults
+    from tests.harness import faults
 
     try:
         if FAULTS["urls"] is None:
@@ -269,7 +267,7 @@ def _fault_record(name: str) -> dict:
 def _assert_refusals(rec: dict, plain: dict | None) -> None:
     """Every reject refused: HTTP 4xx, or 0.5.9's own 500 for an image it
     cannot load; with the plain server's record, the same status per case."""
-    import faults
+    from tests.harness import faults
 
     for r in rec["rejects"]:
         ok = faults.refused(r) or (BAD_IMAGE_500 and r["status"] == 500
@@ -491,7 +489,7 @@ def test_mmshm_server_faults_under_load(env):
     explain, no orphan for ``mmshm gc --dry-run``, the directory empty; the
     counters agree (segments in use == files, pool misses == creations,
     nothing reaped, no failure)."""
-    import faults
+    from tests.harness import faults
 
     rec = _fault_record("mmshm")
     plain = FAULTS["records"].get("plain")
@@ -500,12 +498,14 @@ def test_mmshm_server_faults_under_load(env):
     assert rec["fixed_equal"] and rec["fixed_after"] == S["plain"][0], rec
     assert rec["alive"]
     # the storm went through mmshm: segments made (or reused) for its photos,
-    # each file made counted once, and none of SGLang's own psm_* segments
+    # each file made counted once, and none of SGLang's own psm_* (0.5.9) or
+    # sgl_shm_mm_* (0.5.23) segments
     assert rec["counters"]["created"] + rec["counters"]["pool_hits"] >= 1, rec["counters"]
     if "watch" in rec:  # the servers' /dev/shm is the test's tmpfs
         assert rec["watch"]["mmshm-*"]["made"] == rec["counters"]["created"], \
             (rec["watch"], rec["counters"])
         assert rec["watch"]["psm_*"]["made"] == 0, rec["watch"]
+        assert rec["watch"]["sgl_shm_mm_*"]["made"] == 0, rec["watch"]  # 0.5.23's own
     problems = [p for p in faults.problems(rec)
                 if not p.startswith(("reject ", "storm request "))]  # judged above
     assert not problems, problems

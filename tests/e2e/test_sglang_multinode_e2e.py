@@ -24,7 +24,9 @@ file order, each starting both nodes once:
 3. under ``mmshm run`` again: node 1 reclaims the killed node's segments
    before its first request; a graceful stop leaves nothing on either node.
 4. ``--tp 4`` (two ranks per node, a 4-head build of the tiny model),
-   observed then under mmshm: the answer is the same, and plain sends the
+   observed and under mmshm, the two servers side by side (each node of
+   each on a tmpfs of its own; a start is mostly one process at a time
+   importing Python): the answer is the same, and plain sends the
    pixels to each of node 1's ranks where mmshm sends them once to the node
    (inter-node bytes plain / mmshm = 2).
 """
@@ -43,7 +45,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import needs_e2e
+
+from tests.harness.servers import needs_e2e
 
 pytestmark = [needs_e2e("sglang"),
               pytest.mark.skipif(not (os.geteuid() == 0 and shutil.which("unshare")
@@ -55,7 +58,7 @@ pytestmark = [needs_e2e("sglang"),
 RELEASE = os.environ.get("MMSHM_SGLANG_RELEASE", "0.0.0")
 V = tuple(int(x) for x in RELEASE.split("."))
 ROOT = Path(__file__).resolve().parents[2]
-MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"
+MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"  # models.model_dir("qwen2-vl")
 #: the same tiny Qwen2-VL with 4 heads, which TP=4 can shard
 MODEL4_DIR = ROOT / ".venvs" / "tiny-qwen2-vl-4heads"
 NODES = 2
@@ -71,19 +74,19 @@ S: dict = {}
 
 
 def _server():
-    """tests/e2e/server.py (on sys.path: tests/e2e/conftest.py puts it there)."""
-    import server
+    """tests/harness/servers.py."""
+    from tests.harness import servers
 
-    return server
+    return servers
 
 
 @pytest.fixture(scope="module")
 def env(request):
     """The model, the logs, and one tmpfs per node that becomes its /dev/shm."""
-    import tiny_model
+    from tests.harness import models
 
-    tiny_model.build(MODEL_DIR)
-    model4 = tiny_model.build(MODEL4_DIR, heads=4)
+    models.build(MODEL_DIR)
+    model4 = models.build(MODEL4_DIR, heads=4)
     logs = Path(tempfile.mkdtemp(prefix=f"sglang-multinode-{RELEASE}-"))
     server = _server()
     shms = []
@@ -105,12 +108,13 @@ class Nodes:
     health endpoint). Under mmshm, node 1's own exporter
     (``MMSHM_METRICS_PORT``) shows its processes' metrics."""
 
-    def __init__(self, env, name: str, mode: str, node1_pool_idle_s: str = "2", tp: int = TP):
+    def __init__(self, env, name: str, mode: str, node1_pool_idle_s: str = "2", tp: int = TP,
+                 shm: list[Path] | None = None):
         srv = _server()
         per_node = tp // NODES
         dist_port = srv.free_port()
         self.metrics_port = srv.free_port()
-        self.shm = env["shm"]
+        self.shm = env["shm"] if shm is None else shm
         self.nodes = []
         for k in range(NODES):
             port = srv.free_port()
@@ -216,14 +220,14 @@ def _stop_clean(g: Nodes, env, key: str) -> None:
     ``S[key + "others_after_stop"]``)."""
     g.stop()
     S[f"{key}left_after_stop"] = [g.segments(k) for k in range(NODES)]
-    S[f"{key}others_after_stop"] = _others(env)
+    S[f"{key}others_after_stop"] = _others(g.shm)
     assert S[f"{key}left_after_stop"] == [[], []]
 
 
-def _others(env) -> list[list[str]]:
-    """What is left in each node's /dev/shm besides mmshm's segments
-    (SGLang's own files, for the record)."""
-    return [sorted(n for n in os.listdir(d) if not n.startswith("mmshm-")) for d in env["shm"]]
+def _others(shms: list[Path]) -> list[list[str]]:
+    """What is left in each node's /dev/shm (``shms``) besides mmshm's
+    segments (SGLang's own files, for the record)."""
+    return [sorted(n for n in os.listdir(d) if not n.startswith("mmshm-")) for d in shms]
 
 
 # -- 1. SGLang's own transport across nodes ---------------------------------------------
@@ -368,12 +372,13 @@ def test_two_ranks_per_node_plain_and_mmshm(env):
     t0 = time.monotonic()
     remote_ranks = TP4 - TP4 // NODES
     photo, text = GREEDY[0]
-    res: dict = {}
-    for mode in ("observe", "shm"):
-        g = Nodes(env, f"tp4-{mode}", mode, tp=TP4)
+    srv = _server()
+
+    def run(mode: str, shm: list[Path]) -> str:
+        g = Nodes(env, f"tp4-{mode}", mode, tp=TP4, shm=shm)
         try:
             a0, b0 = g.metrics(0), g.metrics(1)
-            res[mode] = g.ask(photo, text)[0]
+            answer = g.ask(photo, text)[0]
             a1, b1 = g.metrics(0), g.metrics(1)
             if mode == "observe":
                 sent = _hop_bytes(a0, a1, "broadcast_src", "server")
@@ -388,8 +393,21 @@ def test_two_ranks_per_node_plain_and_mmshm(env):
                 S["tp4_left_before_stop"] = _wait_no_segments(g)
                 assert S["tp4_left_before_stop"] == [[], []]
             _stop_clean(g, env, f"tp4_{mode}_")
+            return answer
         finally:
             g.kill()
+
+    # the two servers side by side (each node of each on its own tmpfs): a
+    # start is mostly one process at a time importing Python
+    shms = {mode: [srv.mount_tmpfs(f"mmshm-tp4-{mode}-node{k}-", "256m") for k in range(NODES)]
+            for mode in ("observe", "shm")}
+    try:
+        out = srv.in_parallel(*[lambda m=m: run(m, shms[m]) for m in ("observe", "shm")],
+                              return_exceptions=True)
+    finally:
+        for d in [d for ds in shms.values() for d in ds]:
+            srv.unmount_tmpfs(d)
+    res = {"observe": srv.result(out[0]), "shm": srv.result(out[1])}
     S["tp4_texts"] = res
     assert res["shm"] == res["observe"]
     ratio = S["tp4_plain_internode_bytes"] / S["tp4_mmshm"]["internode"]

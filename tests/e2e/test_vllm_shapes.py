@@ -68,15 +68,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import needs_e2e
+
+from tests.harness import faults, matrix, models
+from tests.harness.servers import (
+    ROOT, Server, data_url, free_port, metric, needs_e2e, report_figures, segments, series,
+    vllm_argv, vllm_env)
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(2400)]
-
-import faults  # noqa: E402
-import matrix  # noqa: E402
-from server import (  # noqa: E402
-    ROOT, Server, data_url, free_port, metric, report_figures, segments, series, vllm_argv,
-    vllm_env)
 
 #: pixel_values of one 720p photo through Qwen2-VL's processor: [4784, 1176] float32.
 IMAGE_BYTES = 4784 * 1176 * 4
@@ -116,9 +114,7 @@ def _say(msg: str) -> None:
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    import tiny_model
-
-    return tiny_model.build(str(ROOT / ".venvs" / "models" / "tiny-qwen2-vl"))
+    return models.build(models.model_dir("qwen2-vl"))
 
 
 @pytest.fixture(scope="module")

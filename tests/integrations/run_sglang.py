@@ -10,7 +10,7 @@ Usage::
 After the module-level tests, the real-server e2e tests
 (tests/e2e/test_sglang_e2e.py on one node, then
 tests/e2e/test_sglang_multinode_e2e.py on two simulated nodes; for 0.5.23
-also the model matrix, tests/e2e/test_sglang_matrix.py) run for 0.5.9
+also the model matrix, tests/e2e/test_matrix.py) run for 0.5.9
 and 0.5.23 in
 ``.venvs/sglang-<version>-server`` (the lean environment plus what a server
 needs, and the stubs installed as packages); ``--no-e2e`` skips them.
@@ -102,7 +102,7 @@ E2E_TESTS = [ROOT / "tests" / "e2e" / "test_sglang_e2e.py",
 #: a PD decode instance (--disaggregation-mode decode, one start), and data
 #: parallelism (--dp-size 2, plain and under mmshm run: two starts).
 E2E_TESTS_BY_RELEASE: dict[str, list[Path]] = {
-    "0.5.23": [ROOT / "tests" / "e2e" / "test_sglang_matrix.py",
+    "0.5.23": [ROOT / "tests" / "e2e" / "test_matrix.py",
                ROOT / "tests" / "e2e" / "test_sglang_pd_e2e.py",
                ROOT / "tests" / "e2e" / "test_sglang_dp_e2e.py"],
 }

@@ -310,8 +310,7 @@ def _window(res: dict) -> dict:
 
 
 def _figures(request, tmp_path, mode: str, res: dict) -> None:
-    sys.path.insert(0, os.path.join(E.HERE, "..", "e2e"))
-    from server import report_figures
+    from tests.harness.servers import report_figures
 
     payload = _feature(0, 0).numel() * 4
     report_figures(request, f"SGLang {RELEASE} DP attention ({mode})", {

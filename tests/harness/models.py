@@ -77,7 +77,7 @@ before it had other families.
 
     build(path, family="qwen2-vl", heads=2) -> str   # the model directory
     model_dir(family) -> Path                         # <repo>/.venvs/tiny-<family>
-    python tests/e2e/tiny_model.py [--family F] [--heads N] DIR
+    python -m tests.harness.models [--family F] [--heads N] DIR
 """
 
 from __future__ import annotations
@@ -833,7 +833,7 @@ def build(path: str | os.PathLike, heads: int = HEADS, family: str = "qwen2-vl")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python tests/e2e/tiny_model.py",
+    ap = argparse.ArgumentParser(prog="python -m tests.harness.models",
                                  description="Build a tiny random-weight model offline.")
     ap.add_argument("dir")
     ap.add_argument("--family", default="qwen2-vl", choices=FAMILIES)

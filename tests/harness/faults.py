@@ -44,6 +44,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+#: The servers' own shared-memory segments, watched beside mmshm's: ``psm_*``
+#: (Python's ``multiprocessing.shared_memory``: SGLang up to 0.5.15, vLLM)
+#: and SGLang 0.5.23's ``sgl_shm_mm_<pid>_<hex>`` (its ``ShmPointerMMData``).
+SERVER_OWN = ("psm_*", "sgl_shm_mm_*")
 #: Where the client gives up on a request (see :func:`storm`).
 POINTS = ("preparing", "before_first", "after_first", "mid_stream", "full")
 PROMPT = "Describe the pictures."
@@ -57,8 +61,7 @@ def small_photo_urls(count: int = 4, size: tuple[int, int] = SMALL) -> list[str]
     resized to ``size`` (width, height in pixels), as PNG data URLs."""
     from mmshm.bench.photos import _load_rgb, available_photos
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from server import data_url
+    from tests.harness.servers import data_url
 
     names = available_photos()
     if not names:
@@ -400,8 +403,7 @@ def counter_deltas(before: str, after: str) -> dict:
     """The :data:`COUNTERS` between two Prometheus expositions, and the
     gauges ``mmshm_segments_in_use`` / ``mmshm_shm_in_use_bytes`` of
     ``after`` (``in_use``, ``in_use_bytes``)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from server import metric
+    from tests.harness.servers import metric
 
     out = {k: metric(after, name, **lab) - metric(before, name, **lab)
            for k, (name, lab) in COUNTERS.items()}
@@ -518,8 +520,7 @@ def group_shm_files(pgid: int, root: str = "/dev/shm") -> list[str]:
     """Names of the files under ``root`` that a process of process group
     ``pgid`` maps or holds open (a server on the host's /dev/shm, beside other
     programs' files)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from server import mapped_shm_names
+    from tests.harness.servers import mapped_shm_names
 
     return sorted(mapped_shm_names(root, pgid=pgid))
 
@@ -547,9 +548,10 @@ def run_faults(client, model: str, urls: list[str], shots: list[Shot],
         metrics: a callable giving the server's Prometheus exposition (for
             mmshm's counters), or None.
         shm_root: the server's /dev/shm as this process sees it, when it is
-            the server's own (a private tmpfs): its ``psm_*`` (the server's
-            own shared memory) and ``mmshm-*`` files are watched (made,
-            removed, peak) over the storm and counted after it.
+            the server's own (a private tmpfs): the server's own shared
+            memory (``psm_*``; SGLang 0.5.23's ``sgl_shm_mm_*``, see
+            :data:`SERVER_OWN`) and mmshm's ``mmshm-*`` files are watched
+            (made, removed, peak) over the storm and counted after it.
         pgid: the server's process group: the /dev/shm files its processes
             map or hold open, before and after (a server on the host's
             /dev/shm, beside other programs' files).
@@ -568,7 +570,7 @@ def run_faults(client, model: str, urls: list[str], shots: list[Shot],
     m0 = metrics() if metrics is not None and mm is not None else None
     if pgid is not None:
         rec["group_files_before"] = group_shm_files(pgid)
-    watches = ([ShmWatch(shm_root, ("psm_*",)), ShmWatch(shm_root, ("mmshm-*",))]
+    watches = ([ShmWatch(shm_root, (p,)) for p in (*SERVER_OWN, "mmshm-*")]
                if shm_root is not None else [])
     for w in watches:
         w.__enter__()
@@ -582,6 +584,7 @@ def run_faults(client, model: str, urls: list[str], shots: list[Shot],
     if watches:
         rec["watch"] = {w.patterns[0]: w.figures() for w in watches}
         rec["psm_after_storm"] = len(shm_files(shm_root, ("psm_*",)))
+        rec["sgl_shm_mm_after_storm"] = len(shm_files(shm_root, ("sgl_shm_mm_*",)))
     if list_segments is not None:
         rec["segments_after_storm"] = len(list_segments())
     rec["rejects"] = rejects(client, model, cases)
@@ -593,6 +596,7 @@ def run_faults(client, model: str, urls: list[str], shots: list[Shot],
         time.sleep(idle_s + 1.0)
     if shm_root is not None:
         rec["psm_after_idle"] = len(shm_files(shm_root, ("psm_*",)))
+        rec["sgl_shm_mm_after_idle"] = len(shm_files(shm_root, ("sgl_shm_mm_*",)))
     if pgid is not None:
         rec["group_files_after"] = group_shm_files(pgid)
     rec["fixed_after"] = fixed()
@@ -610,7 +614,8 @@ def summary(rec: dict) -> dict:
     out = {"storm": {k: rec["storm"][k] for k in ("shots", "outcomes", "seconds")},
            "rejects": {r["case"]: r["status"] for r in rec["rejects"]},
            "fixed_equal": rec["fixed_equal"], "seconds": rec["seconds"]}
-    for k in ("watch", "psm_after_storm", "psm_after_idle", "segments_after_storm"):
+    for k in ("watch", "psm_after_storm", "psm_after_idle", "sgl_shm_mm_after_storm",
+              "sgl_shm_mm_after_idle", "segments_after_storm"):
         if k in rec:
             out[k] = rec[k]
     if "settle" in rec:

@@ -11,6 +11,14 @@ the test session.
 Helpers for the requests: :func:`data_url` turns a ``PIL.Image`` into a
 base64 data URL the OpenAI client sends, :func:`metric` reads one series
 from a Prometheus exposition, :func:`segments` lists mmshm's segment files.
+
+Sharing the two cores: :func:`start_all` starts several servers side by
+side (a start is mostly one process at a time importing Python and loading
+a model, so two take little more than one), :func:`in_parallel` runs their
+requests side by side; :func:`private_shm_prefix` gives a server a private
+/dev/shm (a tmpfs of :func:`mount_tmpfs`), and :func:`host_shm_new` says what
+servers left in the host's /dev/shm. :func:`needs_e2e` marks a test that
+needs a real server.
 """
 
 from __future__ import annotations
@@ -433,3 +441,102 @@ def sglang_env(**extra) -> dict:
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.update(extra)
     return env
+
+
+# -- several servers at once; private /dev/shm; the host's /dev/shm --------------------------
+def start_all(*servers: Server) -> tuple[Server, ...]:
+    """Launch every server of ``servers`` at once, then wait for each to be
+    ready: a start is mostly one process at a time importing Python and
+    loading a model (one core of two busy), so two starts side by side take
+    far less than two in a row. If one fails, every one of them is killed
+    and its :class:`ServerDied` raised."""
+    try:
+        for s in servers:
+            s.launch()
+        for s in servers:
+            s.wait_ready()
+    except BaseException:
+        for s in servers:
+            s.kill()
+        raise
+    return servers
+
+
+def in_parallel(*calls, return_exceptions: bool = False) -> list:
+    """Run the zero-argument callables ``calls`` in threads of their own and
+    return their results in order, once all are done (e.g. the cases of a
+    plain and an mmshm server, each one request at a time, against two
+    servers side by side). The first exception raised by one of them is
+    raised then; with ``return_exceptions`` it takes that call's place in
+    the list instead (see :func:`result`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    # openai imports httpx lazily on its first client: two threads racing on
+    # that import see a partly initialized module, so it happens here first
+    import openai
+
+    openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="none", max_retries=0).close()
+    with ThreadPoolExecutor(len(calls)) as ex:
+        futures = [ex.submit(c) for c in calls]
+        if not return_exceptions:
+            return [f.result() for f in futures]
+        return [f.exception() or f.result() for f in futures]
+
+
+def result(value):
+    """``value`` of :func:`in_parallel` with ``return_exceptions``: raised if
+    it is an exception, else returned."""
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def private_shm_prefix(shm_dir: str | os.PathLike) -> list[str]:
+    """Words that run a command in a private mount namespace whose /dev/shm
+    is ``shm_dir`` (bind-mounted; a tmpfs of :func:`mount_tmpfs` or a
+    directory of the host's): what the server makes there, its own files
+    included (SGLang's ``sgl_shm_mq_*`` and ``sglang_loads_*``, which a TP=2
+    server leaves after a clean stop), never reaches the host's /dev/shm.
+    Needs root and ``unshare`` (see :data:`PRIVATE_SHM`)."""
+    return ["unshare", "-m", "sh", "-c",
+            f'mount --make-rprivate / && mount --bind {shm_dir} /dev/shm && exec "$0" "$@"']
+
+
+#: Whether :func:`private_shm_prefix` can work here.
+PRIVATE_SHM = os.geteuid() == 0 and __import__("shutil").which("unshare") is not None
+#: /dev/shm files the servers (and mmshm) make: what must never be left in
+#: the host's /dev/shm by a test (see :func:`host_shm_new`).
+SERVER_SHM_PATTERNS = ("sgl_shm_*", "sglang_loads_*", "psm_*", "vllm_dist_*", "mmshm-*")
+
+
+def host_shm_files(patterns: tuple[str, ...] = SERVER_SHM_PATTERNS) -> set[str]:
+    """Names of the regular files directly under the host's /dev/shm that
+    match ``patterns`` (directories, such as a test's segment directory,
+    are not listed)."""
+    import fnmatch
+
+    out = set()
+    for n in os.listdir("/dev/shm"):
+        if any(fnmatch.fnmatchcase(n, p) for p in patterns) and \
+                os.path.isfile(os.path.join("/dev/shm", n)):
+            out.add(n)
+    return out
+
+
+def host_shm_new(before: set[str], patterns: tuple[str, ...] = SERVER_SHM_PATTERNS) -> list[str]:
+    """The files of :func:`host_shm_files` that were not there ``before``:
+    what servers started since then left in the host's /dev/shm (under the
+    heavy-run lock no other server runs beside them)."""
+    return sorted(host_shm_files(patterns) - before)
+
+
+def needs_e2e(server: str):
+    """A skip mark for a real-server test of ``server`` (``sglang``,
+    ``vllm``): it runs only from its runner, in the server's own environment
+    with ``MMSHM_E2E`` naming the server; elsewhere (the main suite's
+    environment has no server) it skips with that reason."""
+    import pytest
+
+    return pytest.mark.skipif(os.environ.get("MMSHM_E2E") != server,
+                              reason=f"real-server e2e test: run by its runner script with "
+                                     f"MMSHM_E2E={server} in the server's environment")

@@ -1,7 +1,7 @@
 """The model matrix of the e2e tests: families, requests, expected bytes, metric deltas.
 
 Server-independent (vLLM's and SGLang's matrix tests both use it): which
-tiny model each family is (``tiny_model.build(dir, family=...)``), what each
+tiny model each family is (``models.build(dir, family=...)``), what each
 request sends, and what mmshm must have done for it, computed offline with
 the model's own HF processor.
 
@@ -75,7 +75,7 @@ class Case:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One model family of the matrix: ``name`` (``tiny_model``'s family),
+    """One model family of the matrix: ``name`` (``tests/harness/models.py``'s family),
     the HF ``architecture``, its ``modalities`` and its request ``cases``."""
 
     name: str
@@ -140,10 +140,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 
 
 def model(family: str) -> str:
-    """The family's tiny model directory, built if needed (see ``tiny_model``)."""
-    import tiny_model
+    """The family's tiny model directory, built if needed (see
+    ``tests/harness/models.py``)."""
+    from tests.harness import models
 
-    return tiny_model.build(tiny_model.model_dir(family), family=family)
+    return models.build(models.model_dir(family), family=family)
 
 
 # -- media ---------------------------------------------------------------------------
@@ -344,7 +345,7 @@ DELTAS = {
 
 def deltas(before: str, after: str) -> dict[str, float]:
     """:data:`DELTAS` between two expositions of the server's ``/metrics``."""
-    from server import metric
+    from tests.harness.servers import metric
 
     return {short: metric(after, name, **labels) - metric(before, name, **labels)
             for short, (name, labels) in DELTAS.items()}
