@@ -56,12 +56,12 @@ def clean(ns):
     """No instrumentation unless a test asks; SGLang's own segments removed."""
     mmshm.uninstrument("sglang")
     E.configure(ns.mm)
-    before = E.sglangsegment_files()
+    before = E.sglang_segments()
     yield
     mmshm.uninstrument("sglang")
     gc.collect()
-    leaked = E.sglangsegment_files() - before
-    E.removesegment_files(leaked)
+    leaked = E.sglang_segments() - before
+    E.remove_segments(leaked)
 
 
 def test_release_is_the_one_under_test(ns):
