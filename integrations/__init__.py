@@ -1,21 +1,18 @@
-"""Instrumentors: one module per server, glue only.
+"""Instrumentors: one package per server, glue only, all of one shape.
 
-Each server's module (``sglang.py``, ``vllm.py``) subclasses
-:class:`mmshm.hooks.instrumentor.Instrumentor` and declares only what is its own:
-the import package and distribution names, the supported release range (a
-PEP 440 specifier), its :class:`~mmshm.hooks.instrumentor.Target` list, and the
-wrappers that connect the server's call sites to the core. The machinery they
-share is in the core, where a third server's integration uses it as is:
-
-- :mod:`mmshm.hooks.instrumentor`: the version gate, the check of every target in
-  the server's source before anything is imported, wrapt post-import hooks,
-  ``instrument()`` / ``uninstrument()`` (all or nothing, idempotent);
-- :mod:`mmshm.transport.sending`: one message's references (``sending()`` and its
-  ``Outbox``), parallel sampling's shared segments (``fanning_out()``,
-  ``fanned_out()``), the tensor-to-segment memo and content hashes;
-- :mod:`mmshm.transport.receiving`: materializing in a decoder, an unpickler or a
-  batch of requests, with each failure turned into that request's error;
-- :mod:`mmshm.transport.broadcast`: the deferred unwrap around a ``broadcast_pyobj``.
+``sglang/`` and ``vllm/`` (a third server copies them) each hold the same files:
+``__init__.py`` (the :class:`~mmshm.hooks.instrumentor.Instrumentor` subclass,
+its one table of :class:`~mmshm.hooks.instrumentor.Target` rows, each naming the
+shm-mode wrapper, the observe-mode wrapper and the hop timer, and an index of
+the hooks), ``server.py`` (the server's own names), ``requests.py`` (frontend ->
+scheduler/engine), ``workers.py`` (the TP/worker path), ``disagg.py``
+(disaggregation), ``timing.py`` (the hops, :func:`mmshm.hooks.observe.timed`)
+and ``roles.py`` (each process's "on:" line, one
+:class:`~mmshm.hooks.instrumentor.Role` record). The machinery they share is in
+the core: :mod:`mmshm.hooks` (the version gate, the source check, wrapt
+post-import hooks, the mode dispatch, the hop timer, the "on:" line) and
+:mod:`mmshm.transport` (references, fan-out, materializing, the deferred unwrap).
+Per-server notes: docs/sglang.md, docs/vllm.md.
 
 On an unsupported version, or a symbol that moved, ``instrument()`` refuses
 with :class:`UnsupportedVersionError` and patches nothing.

@@ -26,7 +26,8 @@ import torch
 from mmshm import ShmTensor
 from mmshm.operations import status
 from mmshm.segments import segfile
-from mmshm.integrations import sglang as sg
+from mmshm.integrations.sglang import roles as sg_roles
+from mmshm.integrations.sglang import server as sg
 
 # -- SGLang --------------------------------------------------------------------------------
 
@@ -36,10 +37,10 @@ def test_sglang_scheduler_role_names_the_dp_rank():
     assert sg.scheduler_role(1, 0) == "scheduler (DP rank 0, TP rank 1)"
     assert sg.scheduler_role("?", 1) == "scheduler (DP rank 1, TP rank ?)"
     # SGLang <= 0.5.2x keeps the rank on the Scheduler (None without --dp-size)
-    assert sg._dp_rank(SimpleNamespace(dp_rank=1)) == 1
-    assert sg._dp_rank(SimpleNamespace(dp_rank=0)) == 0
+    assert sg.dp_rank(SimpleNamespace(dp_rank=1)) == 1
+    assert sg.dp_rank(SimpleNamespace(dp_rank=0)) == 0
     # no sglang here: 0.5.23's runtime context cannot be asked, no DP rank said
-    assert sg._dp_rank(SimpleNamespace(dp_rank=None)) is None
+    assert sg.dp_rank(SimpleNamespace(dp_rank=None)) is None
 
 
 def _segment_refcount(directory: str, name: str) -> int:
@@ -69,7 +70,7 @@ def test_dp_controller_gives_its_references_back_once_forwarded(shm_dir):
             self._request_dispatcher = lambda req: sent.append(pickle.dumps(req))
 
     ctrl = Controller()
-    sg._controller_ready(lambda: None, ctrl, (), {})
+    sg_roles.controller_ready(lambda: None, ctrl, (), {})
     recv_req = pickle.loads(wire)  # the controller's copy (one holder)
     assert _segment_refcount(shm_dir, name) == 2
     ctrl._request_dispatcher(recv_req)
@@ -98,7 +99,7 @@ def test_dp_controller_gives_its_references_back_when_dispatch_fails(shm_dir):
             raise ValueError("DP rank 3 is not active.")
 
     ctrl = Controller()
-    sg._controller_ready(lambda: None, ctrl, (), {})
+    sg_roles.controller_ready(lambda: None, ctrl, (), {})
     recv_req = pickle.loads(wire)
     with pytest.raises(ValueError, match="not active"):
         ctrl._request_dispatcher(recv_req)
@@ -112,22 +113,22 @@ _VLLM_PROC = textwrap.dedent('''
     from types import SimpleNamespace
     from mmshm import metrics
     from mmshm.hooks import report
-    from mmshm.integrations import vllm as mv
+    from mmshm.integrations.vllm import roles, server as mv
 
     report.configure_logging(force=True)
     if sys.argv[1] == "engine":
         print("role:", mv.engine_role(), flush=True)
         # the EngineCore's own hook, as in vLLM: it says what this engine turned on
-        mv._w_process_input_sockets(lambda: None, SimpleNamespace(), (), {})
+        roles.engine_ready(lambda: None, SimpleNamespace(), (), {})
         # a worker process the engine starts (vLLM's MultiprocExecutor)
         subprocess.run([sys.executable, "-c", sys.argv[2], "worker", sys.argv[2]], check=True)
     else:
         class Queue:  # a reader's MessageQueue
             _is_writer = False
             _is_remote_reader = False
-        mv._w_init_worker_queues(lambda: None,
-                                 SimpleNamespace(worker=SimpleNamespace(rank=0),
-                                                 rpc_broadcast_mq=Queue()), (), {})
+        roles.worker_ready(lambda: None,
+                           SimpleNamespace(worker=SimpleNamespace(rank=0),
+                                           rpc_broadcast_mq=Queue()), (), {})
         print("role:", mv.worker_role(0), flush=True)
     print("gauge:", sorted(set(
         s.labels["role"] for s in metrics.PATH_ENABLED.collect()[0].samples)), flush=True)

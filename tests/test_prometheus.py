@@ -277,7 +277,7 @@ def test_ipc_panel_gives_the_like_for_like_total_beside_the_servers_own_stage(tm
     sent (all TP ranks' hops included), per server and transport; beside it
     SGLang's own ``request_process`` stage per TP rank: evaluated by
     ``promtool test rules`` on synthetic series (64 requests a minute)."""
-    from mmshm.integrations.sglang import HOPS
+    from mmshm.integrations.sglang.timing import HOPS
 
     panel = next(p for p in all_panels(dashboard()) if p["title"] == IPC_PANEL)
     expr = {t["refId"]: grafana_substitute(t["expr"]) for t in panel["targets"]}

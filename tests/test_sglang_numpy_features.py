@@ -19,7 +19,8 @@ import pytest
 import torch
 from mmshm import ShmTensor
 from mmshm.transport import sending
-from mmshm.integrations import sglang as glue
+from mmshm.integrations.sglang import requests as glue
+from mmshm.integrations.sglang import server
 
 
 class _Item:
@@ -38,10 +39,10 @@ class _Req:
 def sglang_modules(monkeypatch):
     """The two SGLang modules the glue asks about, as stand-ins: a tokenizer
     with pickle IPC (the default)."""
-    mm = types.ModuleType(glue.MM_UTILS)
+    mm = types.ModuleType(server.MM_UTILS)
     mm.get_global_server_args = lambda: types.SimpleNamespace(skip_tokenizer_init=False)
-    monkeypatch.setitem(sys.modules, glue.MM_UTILS, mm)
-    monkeypatch.delitem(sys.modules, glue.IO_STRUCT, raising=False)
+    monkeypatch.setitem(sys.modules, server.MM_UTILS, mm)
+    monkeypatch.delitem(sys.modules, server.IO_STRUCT, raising=False)
     monkeypatch.setattr(glue, "_numpy_warned", set())
 
 
@@ -53,7 +54,7 @@ def _wrap(req):
         raise AssertionError("SGLang's wrap_shm_features was called")
 
     with sending.sending() as box:
-        out = glue._wrap_shm_features(wrapped, None, (req,), {})
+        out = glue.wrap_shm_features(wrapped, None, (req,), {})
         carried = len(box.handles)
         wire = pickle.dumps(out)
     return pickle.loads(wire), carried

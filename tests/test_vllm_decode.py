@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mmshm.transport import sending
-from mmshm.integrations import vllm as iv
+from mmshm.integrations.vllm import disagg as iv
+from mmshm.integrations.vllm import requests as ivr
 
 
 def _config(role="kv_consumer", policy="fail", cache_gb=0.0, connector="ExampleConnector"):
@@ -24,7 +25,7 @@ def _config(role="kv_consumer", policy="fail", cache_gb=0.0, connector="ExampleC
 
 @pytest.fixture
 def guarded(monkeypatch):
-    monkeypatch.setattr(iv, "_SCHEDULER_GUARDED", lambda: True)
+    monkeypatch.setattr(iv, "scheduler_guarded", lambda: True)
 
 
 def test_only_a_pure_consumer_that_fails_on_a_bad_load_withholds(guarded):
@@ -40,7 +41,7 @@ def test_only_a_pure_consumer_that_fails_on_a_bad_load_withholds(guarded):
 
 
 def test_no_guard_no_withholding(monkeypatch):
-    monkeypatch.setattr(iv, "_SCHEDULER_GUARDED", lambda: False)
+    monkeypatch.setattr(iv, "scheduler_guarded", lambda: False)
     withhold, line = iv.decode_payload_policy(_config())
     assert not withhold and "_try_schedule_encoder_inputs" in line
 
@@ -57,18 +58,18 @@ def test_remote_prefilled_reads_the_requests_kv_transfer_params():
 
 def test_consumer_withholds_the_payload_and_writes_nothing():
     t = torch.ones(4096, 64)
-    consumer = iv.ShmTensorConsumer()
-    token = iv._WITHHOLDING.set([0, 0])
+    consumer = ivr.ShmTensorConsumer()
+    token = iv.WITHHOLDING.set([0, 0])
     try:
         with sending.sending() as box:
             out = consumer(t)
             assert not box.handles
     finally:
-        withheld = iv._WITHHOLDING.get()
-        iv._WITHHOLDING.reset(token)
+        withheld = iv.WITHHOLDING.get()
+        iv.WITHHOLDING.reset(token)
     assert out == {iv.WITHHELD_KEY: t.nbytes}
     assert withheld == [1, t.nbytes]
-    stand_in = iv.ShmTensorProvider()("float32", [4096, 64], out)
+    stand_in = ivr.ShmTensorProvider()("float32", [4096, 64], out)
     assert stand_in.numel() == 0 and stand_in.dtype == torch.float32
 
 
@@ -86,14 +87,14 @@ def test_scheduler_guard_fails_the_request_instead_of_running_the_encoder():
 
     # vLLM would schedule the first item only (its pixels are there): untouched
     out = ([0], 40, 7, [], [])
-    got = iv._w_try_schedule_encoder_inputs(lambda *a: out, sched, (request, 10, 40, 9), {})
+    got = iv.try_schedule_encoder_inputs(lambda *a: out, sched, (request, 10, 40, 9), {})
     assert got is out and not sched.encoder_cache_mismatch_reqs
 
     # the withheld item: nothing scheduled, the request failed through vLLM's set
-    got = iv._w_try_schedule_encoder_inputs(lambda *a: ([1], 40, 3, [], []), sched,
+    got = iv.try_schedule_encoder_inputs(lambda *a: ([1], 40, 3, [], []), sched,
                                             (request, 60, 40, 9), {})
     assert got == ([], 0, 9, [], []) and sched.encoder_cache_mismatch_reqs == {"r1"}
     # an older vLLM's 4-tuple keeps its arity
-    got = iv._w_try_schedule_encoder_inputs(lambda *a: ([1], 40, 3, []), sched,
+    got = iv.try_schedule_encoder_inputs(lambda *a: ([1], 40, 3, []), sched,
                                             (request, 60, 40, 9), {})
     assert got == ([], 0, 9, [])

@@ -43,7 +43,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -52,6 +52,7 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from mmshm import config
 from mmshm.errors import MmshmError
 
 log = logging.getLogger("mmshm")
@@ -114,28 +115,66 @@ def check_version(package: str, supported: str, names: tuple[str, ...] = ()) -> 
 
 
 # -- targets and the source check -------------------------------------------------
+#: The two modes (``MMSHM_MODE``, :mod:`mmshm.config`): mmshm carries the
+#: tensors, or the server's own transport does and mmshm only times each hop.
+SHM, OBSERVE = "shm", "observe"
+#: :attr:`Target.observe`'s default: the shm wrapper serves both modes.
+SAME = "same"
+
+
 @dataclass(frozen=True)
 class Target:
-    """One function or method an integration wraps.
+    """One function or method an integration patches: one row, both modes.
 
     Attributes:
         module: the module's import name, e.g. ``"vllm.v1.serial_utils"``.
         path: ``"function"`` or ``"Class.method"`` inside it.
-        wrapper: a wrapt wrapper ``(wrapped, instance, args, kwargs)``; with
-            ``factory``, a callable that takes the attribute found at import
-            and returns the wrapper; None: only checked to exist.
+        shm: the wrapt wrapper ``(wrapped, instance, args, kwargs)`` in shm
+            mode (mmshm's transport); None: only checked to exist.
+        observe: the wrapper in observe mode (the server's own transport
+            runs); :data:`SAME` (default): ``shm``'s; None: only checked.
+        hop: a hop timer (:func:`mmshm.hooks.observe.timed`) put around the
+            mode's wrapper in both modes, or around the server's own
+            function where the mode has none.
         params: parameter names the function must have (its signature is
             part of the contract, e.g. vLLM's out-of-band tensor hooks).
-        optional: patched where present; its absence refuses nothing (for
-            what only feeds the report lines).
+        optional: patched where present; its absence refuses nothing. True,
+            or the mode (:data:`SHM`, :data:`OBSERVE`) in which it is.
+        factory: the mode's wrapper is made from the attribute found at
+            import: ``shm(attribute)`` returns the wrapper.
+        only: the one mode this row exists in (None: both).
     """
 
     module: str
     path: str
-    wrapper: Callable | None = None
+    shm: Callable | None = None
+    observe: Callable | str | None = SAME
+    hop: Callable | None = None
     params: tuple[str, ...] = ()
-    optional: bool = False
+    optional: bool | str = False
     factory: bool = False
+    only: str | None = None
+
+    def inner(self, mode: str) -> Callable | None:
+        """The mode's own wrapper (None: the server's function as it is)."""
+        return self.shm if mode == SHM or self.observe == SAME else self.observe
+
+    def patches(self, mode: str) -> bool:
+        """Whether the row wraps anything in ``mode`` (else only checked)."""
+        return self.hop is not None or self.inner(mode) is not None
+
+    def required(self, mode: str) -> bool:
+        return self.optional is not True and self.optional != mode
+
+    def wrapper(self, mode: str, current) -> Callable:
+        """The wrapt wrapper to install in ``mode``; ``current`` is the
+        attribute found at import (for a :attr:`factory`)."""
+        inner = self.inner(mode)
+        if inner is not None and self.factory:
+            inner = inner(current)
+        if self.hop is None:
+            return inner
+        return self.hop() if inner is None else self.hop(inner)
 
 
 @lru_cache(maxsize=64)
@@ -192,20 +231,20 @@ def defines(tree: ast.Module, path: str, params: tuple[str, ...] = ()) -> list[s
     return [f"{path}({p})" for p in params if p not in names]
 
 
-def missing_targets(targets: list[Target] | tuple[Target, ...]) -> list[str]:
-    """The required targets (and their parameters) absent from the installed
-    sources, as ``"module:path"`` or ``"module:path(param)"``, read without
-    importing anything."""
+def missing_targets(targets: list[Target] | tuple[Target, ...], mode: str = SHM) -> list[str]:
+    """The targets required in ``mode`` (and their parameters) absent from
+    the installed sources, as ``"module:path"`` or ``"module:path(param)"``,
+    read without importing anything."""
     missing = []
     for t in targets:
         src = source_file(t.module)
         tree = _parse(str(src)) if src is not None else None
         if tree is None:
-            if not t.optional:
+            if t.required(mode):
                 missing.append(f"module {t.module}")
             continue
         gaps = defines(tree, t.path, t.params)
-        if gaps and not t.optional:
+        if gaps and t.required(mode):
             missing += [f"{t.module}:{g}" for g in gaps]
     return list(dict.fromkeys(missing))
 
@@ -300,8 +339,32 @@ def load(name: str) -> type[Instrumentor]:
 
 
 # -- the instrumentor ----------------------------------------------------------------
+@dataclass
+class Role:
+    """What one process does for a server, said once by
+    :meth:`Instrumentor.say`: the same record, and line, for every server.
+
+    Attributes:
+        name: the process's role, e.g. ``"tokenizer"``, ``"EngineCore (DP rank 1)"``.
+        on: shm mode: the paths on (short phrases).
+        off: shm mode: ``(path, reason, fix)`` of each path left off (a WARNING each).
+        hops: observe mode: the hops this process times, in request order.
+        untimed: observe mode: ``(hops, reason, fix)`` for hops it cannot time.
+    """
+
+    name: str
+    on: list[str] = field(default_factory=list)
+    off: list[tuple[str, str, str]] = field(default_factory=list)
+    hops: tuple[str, ...] = ()
+    untimed: list[tuple[tuple[str, ...], str, str]] = field(default_factory=list)
+
+
+#: name -> the Instrumentor subclass defined for it (see Instrumentor.of).
+_CLASSES: dict[str, type] = {}
+
+
 class _State:
-    __slots__ = ("active", "hooked", "lock", "patched", "plan", "refused", "version")
+    __slots__ = ("active", "hooked", "lock", "mode", "patched", "plan", "refused", "version")
 
     def __init__(self):
         self.lock = threading.RLock()
@@ -310,6 +373,7 @@ class _State:
         #: (module, path) -> (parent, attribute, original, was in parent's __dict__, wrapper)
         self.patched: dict[tuple[str, str], tuple] = {}
         self.plan: list[Target] = []
+        self.mode = SHM
         self.refused: str | None = None
         self.version: Version | None = None
 
@@ -331,15 +395,26 @@ class Instrumentor:
     distributions: tuple[str, ...] = ()
     #: The supported releases, a PEP 440 specifier (">=0.32,<0.34").
     supported: str = ""
+    #: The server's name in prose ("vLLM"; default: :attr:`name`).
+    title: str = ""
     _state: _State
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         cls._state = _State()
+        if "name" in vars(cls) and cls.name:  # the class that declares the server
+            _CLASSES[cls.name] = cls
+
+    @staticmethod
+    def of(name: str) -> Instrumentor:
+        """The instrumentor of the server ``name`` whose class is defined
+        (imported) in this process: how an integration's own modules reach
+        it without importing their package. Raises KeyError if none is."""
+        return _CLASSES[name]()
 
     # -- what a subclass declares --------------------------------------------------
     def targets(self) -> list[Target]:
-        """The functions and methods to wrap (see :class:`Target`)."""
+        """The integration's target table: every row, both modes (see :class:`Target`)."""
         raise NotImplementedError
 
     def on_uninstrument(self) -> None:
@@ -363,6 +438,16 @@ class Instrumentor:
         return self._state.refused
 
     @property
+    def mode(self) -> str:
+        """:data:`OBSERVE` under ``MMSHM_MODE=observe``, else :data:`SHM`."""
+        return OBSERVE if config.get().observe else SHM
+
+    def rows(self, mode: str | None = None) -> list[Target]:
+        """The rows of :meth:`targets` that exist in ``mode`` (default: the mode in effect)."""
+        mode = mode or self.mode
+        return [t for t in self.targets() if t.only in (None, mode)]
+
+    @property
     def instrumented(self) -> bool:
         return self._state.active
 
@@ -379,7 +464,8 @@ class Instrumentor:
     def missing(self) -> list[str]:
         """The required targets that the installed sources lack (see
         :func:`missing_targets`); nothing is imported."""
-        return missing_targets(self.targets())
+        mode = self.mode
+        return missing_targets(self.rows(mode), mode)
 
     def preflight(self) -> list[str]:
         """Why :meth:`instrument` would refuse, without importing the server
@@ -403,7 +489,8 @@ class Instrumentor:
             if st.active:
                 return
             st.version = self._gate()
-            st.plan = [t for t in self.targets() if t.wrapper is not None]
+            st.mode = self.mode
+            st.plan = [t for t in self.rows(st.mode) if t.patches(st.mode)]
             st.refused = None
             st.active = True
             for module in dict.fromkeys(t.module for t in st.plan):
@@ -460,7 +547,7 @@ class Instrumentor:
         try:
             parent, attr, original = wrapt.resolve_path(module, t.path)
         except AttributeError:
-            if t.optional:
+            if not t.required(st.mode):
                 return
             raise UnsupportedVersionError(
                 f"{self.name} {st.version}: {t.module}:{t.path} is missing at import (its "
@@ -470,7 +557,7 @@ class Instrumentor:
         current = getattr(parent, attr)
         if getattr(current, "_self_mmshm", False):
             return  # already ours (imported from a module patched before)
-        wrapper = wrapt.FunctionWrapper(original, t.wrapper(current) if t.factory else t.wrapper)
+        wrapper = wrapt.FunctionWrapper(original, t.wrapper(st.mode, current))
         wrapper._self_mmshm = True
         had = attr in vars(parent)
         setattr(parent, attr, wrapper)
@@ -487,12 +574,22 @@ class Instrumentor:
                 delattr(parent, attr)
         st.patched.clear()
 
-    def say(self, role: str, on: list[str], off: list[tuple[str, str, str]] | tuple = ()
-            ) -> None:
-        """Say which paths are on in this process (see :func:`mmshm.hooks.report.paths`)."""
+    def say(self, role: Role) -> None:
+        """Say once what this process does as ``role`` (its "on:" line, see
+        :func:`mmshm.hooks.report.paths`): in shm mode the paths on and off;
+        in observe mode the hops it times, and each it cannot at WARNING."""
         from mmshm.hooks import report
 
-        report.paths(self.name, self._state.version or self.version or "?", role, on, off)
+        if self.mode == OBSERVE:
+            untimed = {h for hops, _, _ in role.untimed for h in hops}
+            timed = [h for h in role.hops if h not in untimed]
+            on = [f"observe mode: {self.title or self.name}'s own transport carries the "
+                  f"tensors; timing each hop (mmshm_ipc_seconds, transport=\"server\") "
+                  f"({', '.join(timed)})"] if timed else []
+            off = [(f"timing of {', '.join(hops)}", why, fix) for hops, why, fix in role.untimed]
+        else:
+            on, off = role.on, role.off
+        report.paths(self.name, self._state.version or self.version or "?", role.name, on, off)
 
     def path_off(self, role: str, path: str, reason: str, fix: str) -> None:
         """A WARNING that ``path`` is off here (see :func:`mmshm.hooks.report.path_off`)."""
@@ -506,6 +603,10 @@ __all__ = [
     "BUILTIN",
     "ENTRY_POINT_GROUP",
     "Instrumentor",
+    "OBSERVE",
+    "Role",
+    "SAME",
+    "SHM",
     "Target",
     "UnsupportedVersionError",
     "check_version",

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import inspect
 import logging
 import os
 import pickle
@@ -205,6 +206,73 @@ def passthrough(wrapped, instance, args, kwargs):
     """A wrapt wrapper that only calls the wrapped function: the inner
     wrapper of a timed hop in observe mode, where the server's own code runs."""
     return wrapped(*args, **kwargs)
+
+
+def timed(server: str, hop_name, *, zmq: bool = False, join: bool = False, when=None,
+          setup=None, nbytes=None, skip=None, **attrs):
+    """The hop timer: ``timed(server, hop)(inner)`` is a wrapt wrapper that
+    runs ``inner`` (a wrapt wrapper: mmshm's glue, or :func:`passthrough`
+    where the server's own code runs) as one message of the hop, in both
+    modes. What a hop needs beyond the clock is declared, never hand-rolled:
+
+    Args:
+        server: the ``server`` label ("sglang", "vllm").
+        hop_name: the ``hop`` label, or ``f(args, kwargs) -> str``.
+        zmq: the block names the hop for the pyzmq taps (:func:`zmq_hop`:
+            each ``send_pyobj``/``recv_pyobj`` in it is one message); a
+            coroutine function is timed in its own task's context.
+        join: see :func:`hop` (a function timed alone, or inside a wider hop).
+        when: ``f(instance, args, kwargs) -> bool``; False: not a message of
+            this hop, ``inner`` runs untimed.
+        setup: ``f(tally, args, kwargs)`` before the call (bytes known from
+            the arguments, a clock that starts later).
+        nbytes: ``f(out, args, kwargs) -> int`` bytes counted after the call.
+        skip: ``f(out, tally) -> bool`` after the call: record nothing (no
+            multimodal tensor, an empty broadcast).
+        attrs: :class:`Tally` flags set on entry (``count_frames=True``...).
+
+    A failure of ``setup``, ``nbytes`` or ``skip`` is counted in
+    ``mmshm_observe_errors_total`` (the message then records nothing, or for
+    ``setup`` goes on timed); the server's exceptions go on unchanged."""
+
+    def factory(inner=passthrough):
+        def wrapper(wrapped, instance, args, kwargs):
+            if when is not None and not when(instance, args, kwargs):
+                return inner(wrapped, instance, args, kwargs)
+            if zmq:
+                if inspect.iscoroutinefunction(wrapped):
+                    return _zmq_async(server, hop_name, inner, wrapped, instance, args, kwargs)
+                with zmq_hop(server, hop_name):
+                    return inner(wrapped, instance, args, kwargs)
+            name = hop_name(args, kwargs) if callable(hop_name) else hop_name
+            with hop(server, name, join=join) as t:
+                for k, v in attrs.items():
+                    setattr(t, k, v)
+                if setup is not None:
+                    try:
+                        setup(t, args, kwargs)
+                    except Exception as exc:  # noqa: BLE001 - timing never breaks a server
+                        error(server, name, exc)
+                out = inner(wrapped, instance, args, kwargs)
+                try:
+                    if nbytes is not None:
+                        t.add(nbytes(out, args, kwargs))
+                    if skip is not None:
+                        t.skip = skip(out, t)
+                except Exception as exc:  # noqa: BLE001
+                    t.skip = True
+                    error(server, name, exc)
+                return out
+
+        return wrapper
+
+    return factory
+
+
+async def _zmq_async(server, hop_name, inner, wrapped, instance, args, kwargs):
+    with zmq_hop(server, hop_name):  # this task's context only
+        out = inner(wrapped, instance, args, kwargs)
+        return await out if inspect.isawaitable(out) else out
 
 
 def tensor_bytes(t) -> int:
@@ -486,6 +554,7 @@ __all__ = [
     "stamp_address",
     "StampReceiver",
     "tensor_bytes",
+    "timed",
     "transport",
     "zmq_hop",
 ]

@@ -32,7 +32,8 @@ import mmshm
 from tests.integrations import sglang_env as E
 import torch
 from mmshm import integrations
-from mmshm.integrations import sglang as glue
+from mmshm.integrations.sglang import requests as glue
+from mmshm.integrations.sglang import server
 
 from tests.harness import ROOT
 from tests.harness.metrics import metric
@@ -123,7 +124,7 @@ def test_fanout_with_mmshm(ns):
     assert len({h.name for h in metas}) == 1, "one shared segment for all copies"
     assert len(segment_files()) == 1
     assert all(len(b) < 16384 for b in sock.sent), "metadata only on the socket"
-    out = glue._local_unwrap(received)
+    out = glue.local_unwrap(received)
     want = E.feature_digest(E.expected_feature(0))
     assert [E.feature_digest(E.items(r)[0].feature) for r in out] == [want] * n
     del out, received, metas
@@ -154,7 +155,7 @@ class _Scheduler:
         req = self.pending.pop(rid)
         h = E.items(req)[0].feature
         refs = segment.update_refcount(h.name, 0) if isinstance(h, mmshm.ShmTensor) else -1
-        req = glue._local_unwrap([req])[0]
+        req = glue.local_unwrap([req])[0]
         f = E.items(req)[0].feature
         ok = isinstance(f, torch.Tensor) and E.feature_digest(f) == self.want
         self.answered.append((rid, req.sampling_params.max_new_tokens, ok, refs))
@@ -286,7 +287,7 @@ def test_fanout_writes_once_through_handle_batch_request(ns, request, pooled):
 def test_fanout_without_the_scope_writes_again(ns, monkeypatch):
     """The cause, shown: without the fan-out scope the scheduler's release of
     the warm-up frees the segment and the samples write the pixels again."""
-    monkeypatch.setattr(glue, "_handle_batch_request",
+    monkeypatch.setattr(glue, "handle_batch_request",
                         lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs))
     mmshm.instrument("sglang")
     payload = E.expected_feature(0).numel() * 4
@@ -371,12 +372,12 @@ def test_hash_is_carried_and_transport_independent(ns, monkeypatch):
     # hash_feature: the carried hash, equal to the hash of the bytes
     handle = E.items(via_shm)[0].feature
     assert ns.mm.hash_feature(handle) == h == ns.mm.hash_feature(t)
-    assert h == glue.hash_int(mmshm.content_hash(t))
+    assert h == server.hash_int(mmshm.content_hash(t))
     # lists mixing handles and inline tensors (a partial fallback)
     mixed = ns.mm.hash_feature([handle, small])
     assert mixed == ns.mm.hash_feature([t, small])
     # the scheduler side: set_pad_value keeps the carried hash, no re-hash
-    item = E.items(glue._local_unwrap([via_shm])[0])[0]
+    item = E.items(glue.local_unwrap([via_shm])[0])[0]
     calls = []
     real = ns.mm.hash_feature
     monkeypatch.setattr(ns.mm, "hash_feature", lambda f: calls.append(1) or real(f))
@@ -409,7 +410,7 @@ def test_unhashed_items_are_hashed_in_the_copy_pass(ns, monkeypatch):
     first, second = E.items(sent)
     assert reads == [], "the hash was read back from the segment"
     assert first.feature.meta.hash == mmshm.content_hash(t0)
-    assert first.hash == glue.hash_int(mmshm.content_hash(t0))
+    assert first.hash == server.hash_int(mmshm.content_hash(t0))
     assert second.hash == 1234 and second.feature.meta.hash == b""
     assert E.items(req)[0].hash is None, "the request itself is not modified"
     mmshm.release(sent)
@@ -434,7 +435,7 @@ def test_item_whose_segment_vanished_before_hashing_stays_unhashed(ns, caplog):
     item.hash = None
     mm_inputs = E.make_mm_inputs(ns, [item])
     with caplog.at_level("WARNING", logger="mmshm"):
-        glue._set_item_hashes(mm_inputs)
+        server.set_item_hashes(mm_inputs)
     assert item.hash is None
     assert any("could not hash" in r.getMessage() for r in caplog.records)
     orphan.disown()  # it never owned a live reference
@@ -533,7 +534,7 @@ def test_mm_inputs_hop_times_the_scheduler_hash_once_per_request(ns, monkeypatch
     assert _ipc("mm_inputs", "bytes", transport) - b0 == sum(f.numel() * 4 for f in feats)
     for item, f, p in zip(out.mm_items, feats, plain.mm_items, strict=True):
         assert torch.equal(item.feature, f)
-        want = p.hash if mode == "observe" else glue.hash_int(mmshm.content_hash(f))
+        want = p.hash if mode == "observe" else server.hash_int(mmshm.content_hash(f))
         assert item.hash == want
     # a text-only request (no items) is no multimodal message
     _scheduler_self(monkeypatch)._get_multimodal_inputs(E.make_mm_inputs(ns, []))
@@ -556,7 +557,7 @@ def test_materialize_hop_is_the_whole_finalize(ns, monkeypatch, instrumented, mo
         E.send_one(ns, E.make_request(ns, [f.clone()], rid=f"fin-{i}"), sock)
     reqs = [pickle.loads(b) for b in sock.sent]
     if mode == "shm":
-        reqs = glue._local_unwrap(reqs)
+        reqs = glue.local_unwrap(reqs)
     par = E._Manager(attn_dp_enabled=False, tp_size=1, attn_tp_size=1, attn_cp_size=1)
     for fn in ("get_parallel",):
         if hasattr(ns.receiver, fn):

@@ -42,7 +42,9 @@ from mmshm.hooks import instrumentor
 from mmshm.segments import codec, segment
 from mmshm.segments.table import TABLE
 from mmshm.integrations import UnsupportedVersionError
-from mmshm.integrations import vllm as mv
+from mmshm.integrations.vllm import requests as mv_req
+from mmshm.integrations.vllm import timing as mv_timing
+from mmshm.integrations.vllm import workers as mv_workers
 
 from tests.integrations import vllm_procs
 from tests.harness.metrics import metric
@@ -272,7 +274,8 @@ def test_declared_range_and_targets_present(instrumented):
     assert instrumented.supported == ">=0.32,<0.34"
     assert integrations.check_version("vllm", instrumented.supported).release[:2] == (0, 33)
     assert instrumented.missing() == []
-    for (module, dotted) in {(t.module, t.path) for t in instrumented.targets() if t.wrapper}:
+    for (module, dotted) in {(t.module, t.path) for t in instrumented.targets()
+                               if t.patches(instrumented.mode)}:
         parent, attr, _ = wrapt.resolve_path(sys.modules[module], dotted)
         assert isinstance(vars(parent)[attr], wrapt.FunctionWrapper), dotted
 
@@ -282,7 +285,7 @@ def test_uninstrument_restores_and_instrument_is_idempotent(instrumented):
     enc_client.encoder = su.MsgpackEncoder()
     enc_client.input_address = "ipc:///nowhere"
     _attach_like_mpclient_init(enc_client)
-    assert isinstance(enc_client.encoder.oob_tensor_consumer, mv.ShmTensorConsumer)
+    assert isinstance(enc_client.encoder.oob_tensor_consumer, mv_req.ShmTensorConsumer)
     wrappers = {k: v[4] for k, v in instrumented.patched.items()}
     instrumented.instrument()  # idempotent: same wrappers
     assert {k: v[4] for k, v in instrumented.patched.items()} == wrappers
@@ -321,7 +324,8 @@ def test_refuses_cleanly(instrumented, monkeypatch, how):
             assert "no_such_method" in str(info.value) and "gone" in str(info.value)
         assert not instrumented.instrumented and instrumented.patched == {}
         for (module, dotted) in {(t.module, t.path) for t in instrumented.targets()
-                                 if t.wrapper and not t.optional}:
+                                 if t.patches(instrumented.mode)
+                                 and t.required(instrumented.mode)}:
             parent, attr, _ = wrapt.resolve_path(sys.modules[module], dotted)
             assert not isinstance(vars(parent).get(attr), wrapt.FunctionWrapper)
     finally:
@@ -366,7 +370,7 @@ def test_client_hook_scope(instrumented):
     local.input_address = "tcp://127.0.0.1:5555"
     _attach_like_mpclient_init(local)
     consumer = local.encoder.oob_tensor_consumer
-    assert isinstance(consumer, mv.ShmTensorConsumer) and isinstance(consumer.inner, Inner)
+    assert isinstance(consumer, mv_req.ShmTensorConsumer) and isinstance(consumer.inner, Inner)
     # outside an ADD request the inner consumer decides
     local.encoder.encode({"x": torch.zeros(1000, 100)})
     assert calls == ["new", (1000, 100)]
@@ -397,9 +401,9 @@ def test_client_without_input_address_is_judged_by_its_bound_socket(instrumented
             assert not hasattr(client, "input_address")
             with caplog.at_level(logging.INFO, logger="mmshm"):
                 _attach_like_mpclient_init(client)
-            attached = isinstance(client.encoder.oob_tensor_consumer, mv.ShmTensorConsumer)
+            attached = isinstance(client.encoder.oob_tensor_consumer, mv_req.ShmTensorConsumer)
             assert attached is local, endpoint
-            assert mv.input_endpoint(client).startswith(endpoint.split("*")[0])
+            assert mv_req.input_endpoint(client).startswith(endpoint.split("*")[0])
         text = "\n".join(r.getMessage() for r in caplog.records)
         assert "frontend" in text and "on: requests to the EngineCore through shared memory" \
             " (ipc://" in text
@@ -427,7 +431,7 @@ def test_executor_hook_enables_only_local_arena_free_queues(instrumented, shm_di
                 ex.rpc_broadcast_mq = q
 
             hook._self_wrapper(init, ex, (), {})
-            assert (q in mv._QUEUES) is want
+            assert (q in mv_workers.QUEUES) is want
         # multi-node TP: local readers through mmshm, remote ones inline
         multi = MessageQueue(2, 1, max_chunk_bytes=1 << 20, max_chunks=2, connect_ip="127.0.0.1")
         ex = SimpleNamespace()
@@ -436,13 +440,13 @@ def test_executor_hook_enables_only_local_arena_free_queues(instrumented, shm_di
             ex.rpc_broadcast_mq = q
 
         hook._self_wrapper(init_multi, ex, (), {})
-        assert multi in mv._QUEUES and mv._EXEC_STATE == ("on", 1, 1)
-        mv._QUEUES.discard(multi)
+        assert multi in mv_workers.QUEUES and mv_workers.EXEC_STATE == ("on", 1, 1)
+        mv_workers.QUEUES.discard(multi)
         every_reader_remote = SimpleNamespace(_is_writer=True, n_remote_reader=2,
                                               n_local_reader=0, tensor_arena=None)
-        assert mv.enable_broadcast(every_reader_remote) is False
+        assert mv_workers.enable_broadcast(every_reader_remote) is False
     finally:
-        mv._QUEUES.discard(mq)
+        mv_workers.QUEUES.discard(mq)
         del mq, arena
         gc.collect()
 
@@ -465,12 +469,12 @@ def test_reader_view_and_unsplittable_enqueue(instrumented, caplog):
     from mmshm.transport import sending
 
     q = _FakeQueue(2, 1)
-    local, remote = mv._OnlyReaders(q, local=True), mv._OnlyReaders(q, local=False)
+    local, remote = mv_workers.OnlyReaders(q, local=True), mv_workers.OnlyReaders(q, local=False)
     assert (local.n_local_reader, local.n_remote_reader) == (2, 0)
     assert (remote.n_local_reader, remote.n_remote_reader) == (0, 1)
     local.current_idx = 5  # what acquire_write does, through the view
     assert q.current_idx == 5 and (q.n_local_reader, q.n_remote_reader) == (2, 1)
-    assert mv.enable_broadcast(q)
+    assert mv_workers.enable_broadcast(q)
     seen = []
 
     def not_a_method(obj, timeout=None):  # no __func__: cannot be given the view
@@ -479,12 +483,12 @@ def test_reader_view_and_unsplittable_enqueue(instrumented, caplog):
     report._reset_for_tests()
     try:
         with caplog.at_level(logging.WARNING, logger="mmshm"):
-            mv._w_enqueue(not_a_method, q, ({"x": torch.zeros(4)},), {})
+            mv_workers.enqueue(not_a_method, q, ({"x": torch.zeros(4)},), {})
         assert seen == [None]  # no outbox: every tensor inline, for every reader
         warn = [r.getMessage() for r in caplog.records if "is OFF" in r.getMessage()]
         assert len(warn) == 1 and "cannot be written apart" in warn[0] and "Fix:" in warn[0]
     finally:
-        mv._QUEUES.discard(q)
+        mv_workers.QUEUES.discard(q)
         report._reset_for_tests()
 
 
@@ -783,7 +787,7 @@ def readers(instrumented, tmp_path_factory):
 def rdr(readers, shm_dir):
     readers.env()
     yield readers
-    mv._QUEUES.clear()
+    mv_workers.QUEUES.clear()
 
 
 def _frontend_view(x: torch.Tensor) -> torch.Tensor:
@@ -795,7 +799,7 @@ def _frontend_view(x: torch.Tensor) -> torch.Tensor:
     h.share(1)  # the EngineCore's reference
     wire = h.encode()
     h.release()
-    return mv.materialize_request_tensor(wire, str(x.dtype)[6:], tuple(x.shape))
+    return mv_req.materialize_request_tensor(wire, str(x.dtype)[6:], tuple(x.shape))
 
 
 def _summary(rows) -> dict:
@@ -819,8 +823,8 @@ def test_message_queue_three_way(rdr, shm_dir, monkeypatch):
     results: dict[str, list] = {}
     results["vLLM default (pickle, ZMQ overflow)"] = rdr.run("default", [lambda: image] * REPS)
     results["vLLM tensor arena"] = rdr.run("arena", [lambda: image] * REPS)
-    assert mv.enable_broadcast(rdr.queues["default"])
-    assert not mv.enable_broadcast(rdr.queues["arena"])
+    assert mv_workers.enable_broadcast(rdr.queues["default"])
+    assert not mv_workers.enable_broadcast(rdr.queues["arena"])
     src = metric("mmshm_broadcast_seconds_count", role="src")
     results["mmshm (tensor from the frontend's segment)"] = rdr.run(
         "default", [lambda: _frontend_view(image)] * REPS)
@@ -832,7 +836,7 @@ def test_message_queue_three_way(rdr, shm_dir, monkeypatch):
     monkeypatch.setenv("MMSHM_POOL", "0")
     config.reload()
     TABLE.trim_pool()
-    mv._QUEUES.clear()
+    mv_workers.QUEUES.clear()
     for mode, rows in results.items():
         for row in rows:
             for r in row["readers"]:
@@ -871,7 +875,7 @@ def test_message_queue_three_way(rdr, shm_dir, monkeypatch):
 def test_message_queue_fallback_and_references(rdr, shm_dir, monkeypatch):
     """Over budget the broadcast falls back to vLLM's path; with room, every
     reader's reference is handed out before the message is written."""
-    assert mv.enable_broadcast(rdr.queues["default"])
+    assert mv_workers.enable_broadcast(rdr.queues["default"])
     x = torch.randn(256, 1024)
     monkeypatch.setenv("MMSHM_MAX_BYTES", "4096")
     config.reload()
@@ -908,7 +912,7 @@ def test_message_queue_fallback_and_references(rdr, shm_dir, monkeypatch):
     q.acquire_write = boom
     try:
         view = _frontend_view(x)
-        name = codec.decode(mv._VIEWS[view][0]).name
+        name = codec.decode(mv_req.VIEWS[view][0]).name
         with pytest.raises(TimeoutError):
             q.enqueue({"x": view, "t_enqueue": 0.0})
         with pytest.raises(TimeoutError):
@@ -929,10 +933,10 @@ def test_message_queue_multinode_local_handles_remote_inline(rdr, shm_dir):
     reader, and nothing is left once the readers drop the message."""
     mq = rdr.queues["multinode"]
     assert (mq.n_local_reader, mq.n_remote_reader) == (2, 1)
-    assert mv.enable_broadcast(mq)
-    assert mv.describe_readers(2, 1) == ("multi-node: 2 local readers through shared "
+    assert mv_workers.enable_broadcast(mq)
+    assert mv_workers.describe_readers(2, 1) == ("multi-node: 2 local readers through shared "
                                          "memory, 1 remote reader inline")
-    assert mv.describe_readers(1, 1) == ("multi-node: 1 local reader through shared "
+    assert mv_workers.describe_readers(1, 1) == ("multi-node: 1 local reader through shared "
                                          "memory, 1 remote reader inline")
     image = _image(7)
     want = {"x": vllm_procs.digest(image)}
@@ -968,7 +972,7 @@ def test_message_queue_multinode_failures_keep_references(rdr, shm_dir):
     readers still materialize it and give its references back. A ring write
     that fails: nothing reaches anyone, every reference is given back."""
     mq = rdr.queues["multinode"]
-    assert mv.enable_broadcast(mq)
+    assert mv_workers.enable_broadcast(mq)
     x = torch.randn(512, 1024)
     want = {"x": vllm_procs.digest(x)}
 
@@ -1084,7 +1088,7 @@ def test_views_the_engine_cores_mm_cache_keeps_are_marked_for_status(instrumente
     wire = h.encode()
     h.hand_over()  # its reference travels with the message
     view = receiving.materialize_wire(wire, "float32", tuple(IMAGE_SHAPE))
-    assert view.numel() and mv._VIEWS.get(view) is not None
+    assert view.numel() and mv_req.VIEWS.get(view) is not None
     core = object.__new__(EngineCore)
     core.mm_receiver_cache = LruKeyReplicatedReceiverCache(SimpleNamespace(
         get_multimodal_config=lambda: SimpleNamespace(mm_processor_cache_gb=1)))
@@ -1096,7 +1100,7 @@ def test_views_the_engine_cores_mm_cache_keeps_are_marked_for_status(instrumente
     out = core.preprocess_add_request(req)
     assert status.lock_marks(os.getpid(), seg.fd)[1] is True
     # a request whose item the cache did not keep marks nothing
-    assert mv.mark_cached_views(LruKeyReplicatedReceiverCache(SimpleNamespace(
+    assert mv_req.mark_cached_views(LruKeyReplicatedReceiverCache(SimpleNamespace(
         get_multimodal_config=lambda: SimpleNamespace(mm_processor_cache_gb=1))), req) == 0
     core.mm_receiver_cache.clear_cache()
     del out, req, view, seg
@@ -1132,7 +1136,7 @@ def _frontend_segment_view(seed: int):
     wire = h.encode()
     h.hand_over()
     view = receiving.materialize_wire(wire, "float32", tuple(IMAGE_SHAPE))
-    assert mv._VIEWS.get(view) is not None
+    assert mv_req.VIEWS.get(view) is not None
     return view
 
 
@@ -1322,10 +1326,10 @@ def test_stamp_channel_names_an_endpoint_by_what_both_sides_know():
     wildcard bind), the EngineCore the one it connects to: a tcp endpoint
     is named by its port, an ipc one by its path, and each engine identity
     has its own channel."""
-    a = mv.stamp_address("tcp://0.0.0.0:5555", IDENTITY)
-    assert a == mv.stamp_address("tcp://10.1.2.3:5555", IDENTITY)
-    assert a != mv.stamp_address("tcp://10.1.2.3:5556", IDENTITY)
-    assert a != mv.stamp_address("tcp://0.0.0.0:5555", b"\x01\x00")
-    assert mv.stamp_address("ipc:///a/input", IDENTITY) != mv.stamp_address("ipc:///b/input",
-                                                                            IDENTITY)
+    a = mv_timing.stamp_address("tcp://0.0.0.0:5555", IDENTITY)
+    assert a == mv_timing.stamp_address("tcp://10.1.2.3:5555", IDENTITY)
+    assert a != mv_timing.stamp_address("tcp://10.1.2.3:5556", IDENTITY)
+    assert a != mv_timing.stamp_address("tcp://0.0.0.0:5555", b"\x01\x00")
+    assert mv_timing.stamp_address("ipc:///a/input", IDENTITY) != \
+        mv_timing.stamp_address("ipc:///b/input", IDENTITY)
     assert a.startswith(b"\0mmshm-stamps-")

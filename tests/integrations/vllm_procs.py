@@ -78,7 +78,7 @@ def _summarize(item, mv, codec) -> dict:
     tensors = {}
     for path, t in request_tensors(item).items():
         d = describe(t)
-        entry = mv._VIEWS.get(t)
+        entry = mv.VIEWS.get(t)
         d["segment"] = codec.decode(entry[0]).name if entry else None
         d["mapped"] = _is_segment_view(t)
         tensors[path] = d
@@ -123,7 +123,7 @@ def engine_main(conn, address: str, env: dict) -> None:
 
         get("vllm").instrument()
         from mmshm.segments import codec
-        from mmshm.integrations import vllm as mv
+        from mmshm.integrations.vllm import requests as mv
         from vllm.v1.engine import EngineCoreRequestType
         from vllm.v1.engine.core import EngineCoreProc
 

@@ -1,0 +1,135 @@
+"""Tokenizer -> (DP controller ->) scheduler: handles instead of pixels (docs/sglang.md)."""
+
+import copy
+import functools
+import inspect
+import sys
+
+from mmshm import config
+from mmshm.hooks import observe
+from mmshm.transport import sending
+from mmshm.transport.receiving import unwrap_each
+from mmshm.transport.sending import digest_of
+
+from . import disagg
+from .server import (hash_int, items, log, on_failure, set_item_hashes,
+                     transport_off_reason, unhashed_features)
+
+_numpy_warned: set[str] = set()
+
+
+def _warn_numpy_features(mm_inputs, min_bytes: int) -> None:
+    """Say once per process, at WARNING, that a feature of ``min_bytes`` or
+    more is a numpy array (pickled inline: mmshm carries torch tensors, as
+    SGLang's shared memory; SGLang's ``LlavaImageProcessor`` returns them)."""
+    np = sys.modules.get("numpy")
+    if np is None or "numpy" in _numpy_warned:
+        return
+    for item in items(mm_inputs):
+        for name in ("feature", "precomputed_embeddings"):
+            value = getattr(item, name, None)
+            for x in (value if isinstance(value, (list, tuple)) else (value,)):
+                if isinstance(x, np.ndarray) and x.nbytes >= min_bytes:
+                    _numpy_warned.add("numpy")
+                    log.warning(
+                        "mmshm: a multimodal %s of %d bytes is a numpy array (%s %s), not a "
+                        "torch tensor: it travels inline, pickled into the request, not "
+                        "through shared memory (said once). SGLang's processor for this "
+                        "model returns numpy arrays (its LlavaImageProcessor does, for "
+                        "LLaVA checkpoints in their original format); the Hugging Face "
+                        "format of the checkpoint (e.g. LlavaNextForConditionalGeneration) "
+                        "gives tensors", name, x.nbytes, x.dtype, tuple(x.shape))
+                    return
+
+
+def wrap_shm_features(wrapped, instance, args, kwargs):
+    """``wrap_shm_features(obj)``: a copy of ``obj`` whose ``mm_inputs`` carry
+    handles from this send's outbox (``obj`` and the ``mm_items`` fan-out
+    copies share are not modified; a decode instance's pixels are withheld
+    first); the bytes written count in the open ``tokenizer_wrap`` hop."""
+    from mmshm.transport.wrapping import transform
+
+    box = sending.current_outbox()
+    if box is None or config.get().disable or transport_off_reason() is not None:
+        return wrapped(*args, **kwargs)
+    obj = args[0] if args else kwargs["obj"]
+    mm_inputs = getattr(obj, "mm_inputs", None)
+    if not mm_inputs or not items(mm_inputs):
+        return obj
+    min_bytes = config.get().min_bytes
+    kept = disagg.withhold_payloads(mm_inputs) if disagg.DECODE_WITHHOLDS else mm_inputs
+    # the features of items SGLang's processor did not hash: hashed in the copy's pass
+    unhashed = unhashed_features(kept)
+    before = box.written
+
+    def leaf(x):
+        if not sending.eligible(x, min_bytes):
+            return x
+        h = box.put(x, hash_now=id(x) in unhashed)
+        return x if h is None else h
+
+    new_mm = transform(kept, leaf)
+    observe.add_bytes(box.written - before)
+    _warn_numpy_features(new_mm, min_bytes)
+    set_item_hashes(new_mm)
+    if new_mm is mm_inputs:
+        return obj
+    new_obj = copy.copy(obj)
+    new_obj.mm_inputs = new_mm
+    return new_obj
+
+
+def dp_hops(tokenizer_manager) -> int:
+    """References per handle for the DP controller (one more holder)."""
+    args = getattr(tokenizer_manager, "server_args", None)
+    return 1 if getattr(args, "dp_size", 1) and getattr(args, "dp_size", 1) > 1 else 0
+
+
+def send_one_request(wrapped, instance, args, kwargs):
+    """One message: its handles' references travel with it, or come back if
+    dispatch fails (async since 0.5.2x)."""
+    if inspect.iscoroutinefunction(wrapped):
+        return _send_one_request_async(wrapped, instance, args, kwargs)
+    with sending.sending(hops=dp_hops(instance)):
+        return wrapped(*args, **kwargs)
+
+
+async def _send_one_request_async(wrapped, instance, args, kwargs):
+    with sending.sending(hops=dp_hops(instance)):  # this task's context only
+        return await wrapped(*args, **kwargs)
+
+
+def handle_batch_request(wrapped, instance, args, kwargs):
+    """``n > 1``: one fan-out scope for the call (the warm-up and the samples)."""
+    obj = args[0] if args else kwargs.get("obj")
+    if getattr(obj, "parallel_sample_num", 1) in (None, 0, 1):
+        return wrapped(*args, **kwargs)
+    return sending.fanned_out(wrapped(*args, **kwargs))
+
+
+def hash_feature(wrapped, instance, args, kwargs):
+    """The hash the handle carries (BLAKE3-128 of the bytes), however a tensor travelled."""
+    f = args[0] if args else kwargs.get("f")
+    d = digest_of(f)
+    return wrapped(*args, **kwargs) if d is None else hash_int(d)
+
+
+def forward_then_release(wrapped, instance, args, kwargs):
+    """The DP controller's dispatcher: forwarded, then the controller's own
+    references given back (also if it raises); the receivers' travel on."""
+    from mmshm.transport import wrapping
+
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        if args:
+            wrapping.release(args[0])
+
+
+#: Unwrap what no broadcast unwrapped (TP size 1: nothing to agree on).
+local_unwrap = functools.partial(unwrap_each, on_failure=on_failure)
+
+
+def recv_requests(wrapped, instance, args, kwargs):
+    """``recv_requests``: unwrapped here at TP size 1, withheld pixels settled."""
+    return disagg.settle_withheld(local_unwrap(wrapped(*args, **kwargs)))

@@ -1,0 +1,242 @@
+"""Frontend -> EngineCore: vLLM's out-of-band tensor hooks carry handles (docs/vllm.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from mmshm import config
+from mmshm.hooks.instrumentor import Role
+from mmshm.transport import receiving, sending
+
+from . import disagg
+from .server import (FIX_RELEASE, PATH_FANOUT, PATH_REQUESTS, WIRE_KEY, is_add, log, me,
+                     tensors)
+
+_ATTACHED: weakref.WeakSet = weakref.WeakSet()  # encoders given a consumer
+_PROVIDED: weakref.WeakSet = weakref.WeakSet()  # EngineCoreProcs given a provider
+#: Tensors in a segment (views of a frontend's, or this process's copies):
+#: tensor -> (wire bytes, HandleMeta); see mmshm.transport.sending.SEGMENTS.
+VIEWS = sending.SEGMENTS
+HOPS = ("frontend_encode", "zmq_transfer's start")
+
+
+class ShmTensorConsumer:
+    """``OOBTensorConsumer`` of ``MPClient.encoder``: in an ``ADD``, a large CPU
+    tensor becomes ``{"mmshm": <handle metadata>}``; else vLLM's consumer or frames."""
+
+    __slots__ = ("__weakref__", "inner")
+
+    def __init__(self, inner=None):
+        self.inner = inner
+
+    def new_message(self) -> None:
+        if self.inner is not None:
+            self.inner.new_message()
+
+    def __call__(self, tensor):
+        box = sending.current_outbox()
+        if box is not None and box.path == "send" and not config.get().disable \
+                and sending.eligible(tensor):
+            withheld = disagg.WITHHOLDING.get()
+            if withheld is not None:  # a decode instance's request: no payload
+                withheld[0] += 1
+                withheld[1] += tensor.nbytes
+                return {disagg.WITHHELD_KEY: tensor.nbytes}
+            h = box.put(tensor)
+            if h is not None:
+                return {WIRE_KEY: h.encode()}
+        return self.inner(tensor) if self.inner is not None else None
+
+
+class ShmTensorProvider:
+    """``OOBTensorProvider`` of the EngineCore's decoders: mmshm's placeholders
+    materialized zero-copy, any other to vLLM's provider."""
+
+    __slots__ = ("__weakref__", "inner")
+
+    def __init__(self, inner=None):
+        self.inner = inner
+
+    def __call__(self, dtype, shape, meta):
+        wire = meta.get(WIRE_KEY) if isinstance(meta, dict) else None
+        if wire is None and isinstance(meta, dict) and disagg.WITHHELD_KEY in meta:
+            return disagg.withheld_tensor(dtype, shape)
+        if wire is None:
+            if self.inner is None:
+                raise ValueError("received an out-of-band tensor but no tensor provider is set")
+            return self.inner(dtype, shape, meta)
+        return materialize_request_tensor(wire, dtype, shape)
+
+
+def materialize_request_tensor(wire, dtype: str, shape) -> torch.Tensor:
+    """The tensor behind a placeholder (zero-copy); on failure an empty one, the
+    reference given back: the request fails in ``preprocess_add_request``."""
+    return receiving.materialize_wire(wire, dtype, shape)
+
+
+def input_endpoint(client) -> str:
+    """Where an ``MPClient`` sends requests: ``input_address`` (0.33), else its
+    socket's ``zmq.LAST_ENDPOINT`` (0.32); ``""`` if neither can be read."""
+    addr = getattr(client, "input_address", None)
+    if addr:
+        return str(addr)
+    sock = getattr(client, "input_socket", None)
+    if sock is None:
+        return ""
+    try:
+        import zmq
+
+        value = sock.getsockopt(zmq.LAST_ENDPOINT)
+    except Exception:  # noqa: BLE001 - a closed or foreign socket: unknown
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+def _is_local(addr: str) -> bool:
+    if addr.startswith(("ipc://", "inproc://")):
+        return True
+    host = addr.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return addr.startswith("tcp://") and (host.startswith("127.") or host in ("::1",
+                                                                             "localhost"))
+
+
+def attach_encoder(client) -> bool:
+    """Give an ``MPClient``'s encoder mmshm's consumer unless its engines may be
+    remote; says the frontend's line (a WARNING if not). Returns whether it has it."""
+    enc = getattr(client, "encoder", None)
+    if enc is None or not hasattr(enc, "oob_tensor_consumer"):
+        me().path_off("frontend", PATH_REQUESTS, "the client has no MsgpackEncoder "
+                      "with out-of-band tensor hooks", FIX_RELEASE)
+        return False
+    if isinstance(enc.oob_tensor_consumer, ShmTensorConsumer):
+        return True
+    addr = input_endpoint(client)
+    if not _is_local(addr):
+        me().path_off(
+            "frontend", PATH_REQUESTS,
+            f"the engines' input endpoint {addr or '(unknown)'} may be on another node, so "
+            f"tensors travel on vLLM's own path",
+            "nothing to do for engines on other nodes; on one node, keep vLLM's default "
+            "(ipc://) engine addresses")
+        return False
+    enc.oob_tensor_consumer = ShmTensorConsumer(enc.oob_tensor_consumer)
+    _ATTACHED.add(enc)
+    decode = disagg.decode_payload_policy(getattr(client, "vllm_config", None))
+    disagg.DECODE_WITHHOLDS = None if decode is None else decode[0]
+    me().say(Role("frontend", [f"{PATH_REQUESTS} ({addr})", PATH_FANOUT]
+                  + ([] if decode is None else [decode[1]]), hops=HOPS))
+    return True
+
+
+def attach_provider(engine) -> None:
+    """Give an ``EngineCoreProc`` mmshm's provider (wrapping vLLM's, if any)."""
+    inner = getattr(engine, "tensor_ipc_receiver", None)
+    if not isinstance(inner, ShmTensorProvider):
+        engine.tensor_ipc_receiver = ShmTensorProvider(inner)
+        with contextlib.suppress(TypeError):
+            _PROVIDED.add(engine)
+
+
+def send_input(wrapped, instance, args, kwargs):
+    """``_send_input`` of an ``ADD``: one message's references; a decode
+    instance's request prefilled elsewhere has its payload withheld."""
+    if not is_add(args[0] if args else kwargs.get("request_type")):
+        return wrapped(*args, **kwargs)
+    request = args[1] if len(args) > 1 else kwargs.get("request")
+    token = disagg.WITHHOLDING.set(
+        [0, 0] if disagg.DECODE_WITHHOLDS and disagg.remote_prefilled(request) else None)
+    try:
+        with sending.sending():
+            return wrapped(*args, **kwargs)
+    finally:
+        disagg.WITHHOLDING.reset(token)
+
+
+def add_request(wrapped, instance, args, kwargs):
+    """``LLMEngine.add_request``: its ``n`` children share a segment per tensor."""
+    with sending.fanning_out():
+        return wrapped(*args, **kwargs)
+
+
+async def add_request_async(wrapped, instance, args, kwargs):
+    with sending.fanning_out():
+        return await wrapped(*args, **kwargs)
+
+
+def preprocess_add_request(wrapped, instance, args, kwargs):
+    """A request whose handles did not materialize fails here (vLLM's error
+    output); a failed one drops its views; the receiver cache's are marked."""
+    request = args[0] if args else kwargs.get("request")
+    if receiving.has_failures():
+        err = receiving.failure_in(
+            request, f"request {getattr(request, 'request_id', '?')}, in the EngineCore")
+        if err is not None:
+            drop_views(request)  # never scheduled: nothing frees it later
+            raise err  # vLLM turns it into this request's error output
+    try:
+        out = wrapped(*args, **kwargs)
+    except BaseException:
+        drop_views(request)  # vLLM answers it with an error; its views go now
+        raise
+    cache = getattr(instance, "mm_receiver_cache", None)
+    if cache is not None:
+        mark_cached_views(cache, request)
+    return out
+
+
+def _views(request):
+    """``(feature, [its tensors])`` of each feature of ``request`` with data."""
+    for feature in getattr(request, "mm_features", None) or ():
+        data = getattr(feature, "data", None)
+        if data is not None:
+            yield feature, [t for elem in data.values() for t in tensors(getattr(elem, "data",
+                                                                                None))]
+
+
+def drop_views(request) -> int:
+    """``feature.data = None`` for each feature of ``request`` whose data holds
+    :data:`VIEWS`, so no stale reference (vLLM's input thread keeps the last
+    request) keeps a segment alive. Returns the views let go. Never raises."""
+    dropped = 0
+    try:
+        for feature, ts in _views(request):
+            views = sum(1 for t in ts if VIEWS.get(t) is not None)
+            if views:
+                feature.data = None
+                dropped += views
+    except Exception as exc:  # noqa: BLE001 - freeing a request never fails
+        log.debug("mmshm: dropping a finished request's views failed: %s", exc)
+    return dropped
+
+
+def free_request(wrapped, instance, args, kwargs):
+    """``Scheduler._free_request`` (finished or aborted), then :func:`drop_views`."""
+    request = args[0] if args else kwargs.get("request")
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        drop_views(request)
+
+
+def mark_cached_views(cache, request) -> int:
+    """Mark the segments of the views vLLM's receiver ``cache`` keeps of
+    ``request`` (``mmshm status``: held by the cache, not leaked; one it did
+    not take is left). Returns the segments marked. Never raises."""
+    from mmshm.segments import segment
+
+    marked = 0
+    try:
+        held = getattr(cache, "_cache", None)
+        for feature, ts in _views(request):
+            key = getattr(feature, "mm_hash", None) or getattr(feature, "identifier", None)
+            if held is not None and key is not None and key not in held:
+                continue  # not kept (did not fit, or evicted already)
+            for t in ts:
+                entry = VIEWS.get(t)
+                if entry is not None and segment.mark_cached(entry[1].name):
+                    marked += 1
+    except Exception as exc:  # noqa: BLE001 - a status mark never fails a request
+        log.debug("mmshm: marking the multimodal cache's segments failed: %s", exc)
+    return marked

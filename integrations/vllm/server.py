@@ -1,0 +1,84 @@
+"""vLLM's own names, objects and processes, as mmshm reads them (docs/vllm.md)."""
+
+import contextlib
+import logging
+import re
+
+import torch
+from mmshm.hooks.instrumentor import Instrumentor
+
+log = logging.getLogger("mmshm")
+
+SERVER = "vllm"
+SERIAL = "vllm.v1.serial_utils"
+CLIENT = "vllm.v1.engine.core_client"
+CORE = "vllm.v1.engine.core"
+ASYNC = "vllm.v1.engine.async_llm"
+LLM = "vllm.v1.engine.llm_engine"
+MQ = "vllm.distributed.device_communicators.shm_broadcast"
+EXEC = "vllm.v1.executor.multiproc_executor"
+SCHED = "vllm.v1.core.sched.scheduler"
+
+#: Key of the placeholder dict that the consumer puts in a message.
+WIRE_KEY = "mmshm"
+#: Path names in the report lines and ``mmshm_path_enabled{path}``.
+PATH_REQUESTS = "requests to the EngineCore through shared memory"
+PATH_FANOUT = "parallel sampling (n>1) shares one segment per tensor"
+PATH_ENGINE_IN = "requests from the frontend materialized zero-copy"
+PATH_WORKERS = "scheduler outputs to the TP workers through shared memory"
+PATH_WORKER_IN = "scheduler outputs materialized zero-copy"
+#: A worker on another node than the EngineCore (a remote reader of its queue).
+PATH_WORKER_REMOTE = ("scheduler outputs inline from the EngineCore's node (vLLM's remote "
+                      "socket; no handle is sent across nodes)")
+FIX_RELEASE = "run a vLLM release mmshm supports (0.32-0.33)"
+
+#: vLLM's process title of an engine under data parallelism:
+#: ``run_engine_core`` names it ``<prefix>::EngineCore_DP<rank>`` exactly when
+#: ``--data-parallel-size`` > 1 (Ray's actors ``DPEngineCoreActor_DP<rank>``).
+_DP_TITLE = re.compile(r"::(?:EngineCore|DPEngineCoreActor)_DP(\d+)\b")
+
+
+def me() -> Instrumentor:
+    return Instrumentor.of(SERVER)
+
+
+def is_add(request_type) -> bool:
+    """An ``EngineCoreRequestType.ADD`` (its value, ``b"\\x00"``)."""
+    return getattr(request_type, "value", request_type) == b"\x00"
+
+
+def tensors(x):
+    """The torch tensors in ``x`` (a tensor, or nested lists/tuples)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from tensors(y)
+
+
+def dp_rank() -> int | None:
+    """The DP rank of this EngineCore or of a worker's EngineCore (None without
+    data parallelism), from the title vLLM gives the engine process, its own
+    or its parent's: a dense model's engines keep it nowhere else."""
+    import psutil
+
+    me_ = psutil.Process()
+    for proc in (me_, me_.parent()):
+        with contextlib.suppress(psutil.Error, AttributeError):  # gone, or no parent
+            m = _DP_TITLE.search(" ".join(proc.cmdline()))
+            if m:
+                return int(m.group(1))
+    return None
+
+
+def engine_role() -> str:
+    """``EngineCore``, or ``EngineCore (DP rank 1)`` under data parallelism."""
+    dp = dp_rank()
+    return "EngineCore" if dp is None else f"EngineCore (DP rank {dp})"
+
+
+def worker_role(rank) -> str:
+    """``worker (rank 1)``, or ``worker (DP rank 1, rank 0)`` under data
+    parallelism (``rank``: its rank in its engine's TP x PP world)."""
+    dp = dp_rank()
+    return f"worker ({'' if dp is None else f'DP rank {dp}, '}rank {rank})"
