@@ -84,6 +84,19 @@ def shm_dir(monkeypatch):
 
 
 @pytest.fixture
+def mode(monkeypatch):
+    """``mode("observe")`` / ``mode("shm")`` sets ``MMSHM_MODE`` for one test and re-reads
+    the settings; the variable is removed and the settings re-read after it."""
+    def set_mode(value: str):
+        monkeypatch.setenv("MMSHM_MODE", value)
+        config.reload()
+
+    yield set_mode
+    monkeypatch.delenv("MMSHM_MODE", raising=False)
+    config.reload()
+
+
+@pytest.fixture
 def pool(monkeypatch, shm_dir):
     """Turn the warm segment pool on for this test (the directory is ``shm_dir``)."""
     monkeypatch.setenv("MMSHM_POOL", "1")

@@ -10,27 +10,12 @@ import logging
 from pathlib import Path
 
 import pytest
-from mmshm import config
 from mmshm.hooks import instrumentor, observe, report
 from mmshm.hooks.instrumentor import OBSERVE, SHM, Instrumentor, Role, Target
-from prometheus_client import REGISTRY
+
+from tests.harness.metrics import metric
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _sample(name: str, **labels) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-@pytest.fixture
-def mode(monkeypatch):
-    def set_mode(value: str):
-        monkeypatch.setenv("MMSHM_MODE", value)
-        config.reload()
-
-    yield set_mode
-    monkeypatch.delenv("MMSHM_MODE", raising=False)
-    config.reload()
 
 
 def _calls(tag, log):
@@ -97,9 +82,9 @@ def test_the_hop_timer_times_its_wrapper_with_what_it_declares(mode):
     ``mmshm_observe_errors_total`` and the call's result goes on."""
     mode("observe")
     lab = {"server": "shape", "hop": "t1", "transport": "server"}
-    n = lambda: _sample("mmshm_ipc_seconds_count", **lab)  # noqa: E731
-    b = lambda: _sample("mmshm_ipc_bytes_sum", **lab)  # noqa: E731
-    errors = lambda: _sample("mmshm_observe_errors_total", server="shape", hop="t1")  # noqa: E731
+    n = lambda: metric("mmshm_ipc_seconds_count", **lab)  # noqa: E731
+    b = lambda: metric("mmshm_ipc_bytes_sum", **lab)  # noqa: E731
+    errors = lambda: metric("mmshm_observe_errors_total", server="shape", hop="t1")  # noqa: E731
     n0, b0, e0 = n(), b(), errors()
     seen = []
 
@@ -126,7 +111,7 @@ def test_the_hop_timer_times_its_wrapper_with_what_it_declares(mode):
     assert errors() - e0 == 1
     mode("shm")
     observe.timed("shape", "t1")()(lambda: None, None, (), {})
-    assert _sample("mmshm_ipc_seconds_count", **{**lab, "transport": "mmshm"}) >= 1
+    assert metric("mmshm_ipc_seconds_count", **{**lab, "transport": "mmshm"}) >= 1
 
 
 def test_one_role_record_says_the_line_of_either_mode(mode, caplog):

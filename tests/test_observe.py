@@ -19,17 +19,6 @@ from tests.harness.metrics import metric
 
 
 @pytest.fixture
-def mode(monkeypatch):
-    def set_mode(value: str):
-        monkeypatch.setenv("MMSHM_MODE", value)
-        config.reload()
-
-    yield set_mode
-    monkeypatch.delenv("MMSHM_MODE", raising=False)
-    config.reload()
-
-
-@pytest.fixture
 def taps():
     assert observe.install_taps() == []
     yield
