@@ -388,3 +388,38 @@ def test_ranks_that_do_not_share_a_directory_keep_gloo(shm_dir, monkeypatch):
         assert os.listdir(shm_dir) == []
     finally:
         shutil.rmtree(other, ignore_errors=True)
+
+
+# -- fan-out copies that add no net reference still set the shared memory up ------------
+def rank_fanned_out(rank: int, world: int, seed: int) -> dict:
+    """Three broadcasts of one request fanned out into ``world`` copies: the
+    copies collapse onto one handle per segment for the ``world - 1``
+    receivers, so the batch adds no net reference, yet it carries handles."""
+    bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
+    for rnd in range(3):
+        reqs = (mmshm.fan_out(mmshm.wrap(children.request(0, seed + rnd), min_bytes=1024), world)
+                if rank == 0 else None)
+        out = bcast(reqs, rank, None, 0)
+        assert len(out) == world
+        for r in out:
+            children.check_request(r, 0, seed + rnd)
+        del out, reqs, r
+        gc.collect()
+    import torch.distributed as dist
+
+    dist.barrier()
+    return {"stage": _agr().stage, "rounds": _rounds(), "files": sorted(os.listdir(seg_dir()))}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_fan_out_copies_that_add_no_reference_set_the_agreement_up(shm_dir):
+    """Before the fix the source made the agreement file only when the batch
+    added references, so the receivers of a fanned-out batch found no file,
+    said so at WARNING and agreed over gloo at every broadcast."""
+    res = run_group(rank_fanned_out, 3, 71, timeout=150)
+    for r in range(3):
+        assert res[r]["stage"] == "on", res[r]
+        assert res[r]["rounds"] == 2, res[r]
+        assert res[r]["files"] == [], res[r]
+    assert os.listdir(shm_dir) == []

@@ -379,7 +379,9 @@ def deferred_unwrap(broadcast_fn: Callable[..., list], *, copy: bool = False,
         t0 = time.perf_counter()
         if is_src and world > 1 and data:
             data, added, collapsed = _share_for_broadcast(data, receivers)
-            if shm is not None and added:
+            # a batch of fan-out copies can add no net reference (k copies collapsed
+            # onto one handle for k receivers) and still carry handles: prepare then too
+            if shm is not None and (added or collapsed):
                 shm.prepare(src_group_rank)  # its first: the receivers open it after
         try:
             out = broadcast_fn(data, rank, dist_group, src, *args, **kwargs)
