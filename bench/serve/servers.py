@@ -236,6 +236,14 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def client(self, timeout_s: float = 300.0):
+        try:
+            # openai >= 3.60 reads sys.modules["httpx"] as it is; if another thread is
+            # importing httpx for the first time, it sees a half-made module
+            # ("partially initialized module 'httpx' has no attribute 'URL'").
+            # Importing it here waits for that import to finish.
+            import httpx  # noqa: F401
+        except ImportError:
+            pass
         import openai
 
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key="none", timeout=timeout_s,
