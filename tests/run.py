@@ -7,7 +7,9 @@ Usage (from the repository root, with the dev environment's interpreter)::
 
 No part named runs all three, in that order. ``PYTEST ARGS`` go to every
 pytest the runner starts. The exit status is the first failed part's
-(0 when everything passed); a failed part does not stop the later ones.
+(0 when everything passed); a failed part does not stop the later ones. An
+interpreter without pytest (every part needs it) gets one line naming what is
+missing and the README's install command, and exit status 2.
 
 Parts:
 
@@ -576,8 +578,29 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+#: The README's install command for the test suite (what :func:`missing_pytest` names).
+INSTALL = ("python3 -m venv .venv && PIP_CONSTRAINT=constraints.txt .venv/bin/pip install -e "
+           "'.[test]' && .venv/bin/python -m tests.run")
+
+
+def missing_pytest() -> str | None:
+    """One line saying that this interpreter has no pytest (every part runs
+    pytest from it, or with its site-packages) and the README's install
+    command; None when pytest is importable."""
+    import importlib.util
+
+    if importlib.util.find_spec("pytest") is not None:
+        return None
+    return (f"python -m tests.run: pytest is not installed in {sys.executable}; run the tests "
+            f"with the dev environment (README, Try it): {INSTALL}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
+    missing = missing_pytest()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     results: list[Result] = []
     for part in args.parts:
