@@ -618,7 +618,7 @@ SGLANG_COMMON = "sglang.srt.utils.common"
 # older releases let SharedMemory pick psm_<rand>.
 SGLANG_SHM_DIR = "/dev/shm"
 #: SGLang's run-time imports a CPU-only host lacks: its server environments
-#: (``.venvs/sglang-<release>-server``, tests/integrations/run_sglang.py) have
+#: (``.venvs/sglang-<release>-server``, ``python -m tests.run sglang``) have
 #: CPU stand-ins for them installed.
 SGLANG_NEEDS = ("triton", "torchvision")
 

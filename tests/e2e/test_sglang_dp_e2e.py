@@ -3,9 +3,9 @@
 tokenizer and one scheduler per DP rank (each bound to a core of its own),
 the tiny Qwen2-VL of ``tests/harness/models.py``, the real OpenAI client.
 
-Run by ``tests/integrations/run_sglang.py`` for 0.5.23 (its
-``E2E_TESTS_BY_RELEASE``), in ``.venvs/sglang-0.5.23-server`` with
-``MMSHM_E2E=sglang``; skipped anywhere else.
+Run by ``python -m tests.run sglang`` for 0.5.23 (its ``E2E_SGLANG``), in
+``.venvs/sglang-0.5.23-server`` with ``MMSHM_E2E=sglang``; skipped anywhere
+else.
 
 Two server starts in all, each shared by the cases of its class: plain, then
 under ``mmshm run``. Every request of the plain phase is sent again under
@@ -64,7 +64,7 @@ V = tuple(int(x) for x in RELEASE.split("."))
 pytestmark = [
     needs_e2e("sglang"),
     pytest.mark.skipif(V < (0, 5, 23), reason="the DP e2e runs on SGLang 0.5.23 only "
-                                               "(tests/integrations/run_sglang.py)"),
+                                               "(python -m tests.run sglang)"),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """mmshm against real SGLang servers (0.5.9, 0.5.23) on CPU, TP=2, with the
 real OpenAI client sending real photos (720p, 22.5 MB of pixel_values each).
 
-Run by ``tests/integrations/run_sglang.py`` (after the module-level tests) in
+Run by ``python -m tests.run sglang`` (after the module-level tests) in
 ``.venvs/sglang-<version>-server`` with ``MMSHM_E2E=sglang`` and
 ``MMSHM_SGLANG_RELEASE``; skipped anywhere else.
 

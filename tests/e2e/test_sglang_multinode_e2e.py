@@ -9,7 +9,7 @@ only. mmshm tells them apart as a real deployment would: a node is what can
 open the same segments (:mod:`mmshm.segments.node`: the mount namespace and the
 segment directory differ).
 
-Run by ``tests/integrations/run_sglang.py`` after the single-node e2e, in
+Run by ``python -m tests.run sglang`` after the single-node e2e, in
 ``.venvs/sglang-<version>-server``. The phases share one state and run in
 file order, each starting both nodes once:
 

@@ -1,7 +1,7 @@
 """mmshm in a SGLang 0.5.23 PD decode instance on CPU (prefill/decode
 disaggregation, ``--disaggregation-mode decode``), TP=2, under ``mmshm run``.
 
-Run by ``tests/integrations/run_sglang.py --release 0.5.23 --e2e-only`` in
+Run by ``python -m tests.run sglang --release 0.5.23 --e2e-only`` in
 ``.venvs/sglang-0.5.23-server`` with ``MMSHM_E2E=sglang``; skipped anywhere
 else.
 
