@@ -59,6 +59,16 @@ Families (as exposed):
                                                untouched)
 ``mmshm_dir_free_bytes``                       free bytes in ``MMSHM_DIR`` (statvfs)
 ``mmshm_dir_size_bytes``                       size of ``MMSHM_DIR``'s file system
+``mmshm_epd_saves_total{server}``              encoder outputs an encoder instance published
+                                               for other instances (EPD, one per item written)
+``mmshm_epd_loads_total{server}``              encoder outputs an instance loaded instead of
+                                               running its encoder (one per item and holder)
+``mmshm_epd_bytes_total{server,direction}``    bytes of those, ``direction`` = ``saved`` /
+                                               ``loaded``
+``mmshm_epd_fallbacks_total{server,reason}``   items encoded locally (or not published), by
+                                               reason (:data:`EPD_FALLBACK_REASONS`)
+``mmshm_epd_transfer_seconds{server}``         histogram: seconds to publish or to load one
+                                               encoder output
 =============================================  ==========================================
 
 **When the metrics are created.** prometheus-client picks single-process or
@@ -93,6 +103,7 @@ Exporter: :func:`start_exporter`, :func:`maybe_start_exporter_from_env`
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -119,6 +130,21 @@ ROLES = ("src", "dst")
 POOL_RESULTS = ("hit", "miss")
 #: ``path`` label values of ``mmshm_references_handed_total``.
 HANDED_PATHS = ("send", "broadcast")
+#: ``server`` label values of the EPD families (created at 0 for both).
+EPD_SERVERS = ("vllm", "sglang")
+#: ``direction`` label values of ``mmshm_epd_bytes_total``.
+EPD_DIRECTIONS = ("saved", "loaded")
+#: ``reason`` label values of ``mmshm_epd_fallbacks_total`` (an item encoded locally,
+#: or an encoder output not published): ``over_budget`` (the budget guard or
+#: MMSHM_MAX_BYTES refused the segment), ``no_space`` (ENOSPC), ``missing`` (no
+#: entry of that content), ``content_mismatch`` (the name found holds other
+#: content), ``incompatible`` (dtype or shape differ from what the consumer
+#: expects), ``segment_gone`` (the entry's segment was freed or unreadable),
+#: ``encoder_gone`` / ``encoder_dropped`` / ``encoder_error`` (SGLang: the encoder
+#: instance died, was dropped by the registry, or rejected the item).
+EPD_FALLBACK_REASONS = ("over_budget", "no_space", "missing", "content_mismatch",
+                        "incompatible", "segment_gone", "encoder_gone", "encoder_dropped",
+                        "encoder_error")
 
 _MULTIPROC_ENV = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
 
@@ -188,6 +214,21 @@ _SPECS = (
     ("INTERNODE_BYTES", "counter", "mmshm_internode_bytes",
      "Tensor payload bytes sent by the source TP rank to the other nodes' leader ranks.",
      (), {}),
+    ("EPD_SAVES", "counter", "mmshm_epd_saves",
+     "Encoder outputs published for other instances (encoder disaggregation), by server.",
+     ("server",), {}),
+    ("EPD_LOADS", "counter", "mmshm_epd_loads",
+     "Encoder outputs loaded from another instance instead of encoded locally, by server.",
+     ("server",), {}),
+    ("EPD_BYTES", "counter", "mmshm_epd_bytes",
+     "Bytes of encoder outputs published (saved) or loaded, by server and direction.",
+     ("server", "direction"), {}),
+    ("EPD_FALLBACKS", "counter", "mmshm_epd_fallbacks",
+     "Encoder outputs not published, or items encoded locally instead of loaded, by server "
+     "and reason.", ("server", "reason"), {}),
+    ("EPD_TRANSFER_SECONDS", "histogram", "mmshm_epd_transfer_seconds",
+     "Seconds to publish or to load one encoder output, by server.", ("server",),
+     {"buckets": LATENCY_BUCKETS}),
 )
 # Label values created (at 0) with the metrics, so every series exists from the
 # first scrape: increase()/rate() and alerts then see the first event, and
@@ -202,6 +243,14 @@ _PREINIT = {
     "REFERENCES_HANDED": ("path", HANDED_PATHS),
     "REAPED_SEGMENTS": ("reason", REAP_REASONS),
     "REAPED_BYTES": ("reason", REAP_REASONS),
+}
+# The same for families with two labels: every combination of the values.
+_PREINIT_GRID = {
+    "EPD_SAVES": (("server", EPD_SERVERS),),
+    "EPD_LOADS": (("server", EPD_SERVERS),),
+    "EPD_TRANSFER_SECONDS": (("server", EPD_SERVERS),),
+    "EPD_BYTES": (("server", EPD_SERVERS), ("direction", EPD_DIRECTIONS)),
+    "EPD_FALLBACKS": (("server", EPD_SERVERS), ("reason", EPD_FALLBACK_REASONS)),
 }
 
 
@@ -252,6 +301,11 @@ IPC_BYTES = _deferred["IPC_BYTES"]
 OBSERVE_ERRORS = _deferred["OBSERVE_ERRORS"]
 REFERENCES_HANDED = _deferred["REFERENCES_HANDED"]
 PATH_ENABLED = _deferred["PATH_ENABLED"]
+EPD_SAVES = _deferred["EPD_SAVES"]
+EPD_LOADS = _deferred["EPD_LOADS"]
+EPD_BYTES = _deferred["EPD_BYTES"]
+EPD_FALLBACKS = _deferred["EPD_FALLBACKS"]
+EPD_TRANSFER_SECONDS = _deferred["EPD_TRANSFER_SECONDS"]
 _init_lock = threading.RLock()
 _initialised = False
 _multiprocess = False
@@ -277,6 +331,9 @@ def init() -> None:
         for attr, (label, label_values) in _PREINIT.items():
             for v in label_values:
                 created[attr].labels(**{label: v})
+        for attr, axes in _PREINIT_GRID.items():
+            for combo in itertools.product(*(values for _, values in axes)):
+                created[attr].labels(**{name: v for (name, _), v in zip(axes, combo)})
         _multiprocess = _values.ValueClass is not _values.MutexValue
         if _multiprocess:
             _set_dir_gauges(created["FREE_BYTES"], created["DIR_SIZE_BYTES"])
