@@ -398,6 +398,22 @@ def hop(args) -> None:
     sys.exit(hop_bench.main(list(args), prog="mmshm bench hop"))
 
 
+@bench.command(name="epd", context_settings={"ignore_unknown_options": True,
+                                              "allow_interspersed_args": False},
+               add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def epd(args) -> None:
+    """The encoder -> prefill hop of EPD, each server's path beside mmshm's (its own --help).
+
+    vLLM's ECExampleConnector (tmpfs, disk), SGLang's zmq at TP=2, mmshm's
+    encoder cache and one memcpy, bytes checked on every rank, in one run
+    (mmshm.bench.epd).
+    """
+    from mmshm.bench import epd as epd_bench
+
+    sys.exit(epd_bench.main(list(args), prog="mmshm bench epd"))
+
+
 def _check_output(path: str | None, option: str) -> None:
     """A usage error, before anything runs, if ``path`` cannot be written
     (its directory is missing or not writable, or it is a directory)."""
