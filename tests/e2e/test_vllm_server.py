@@ -19,7 +19,11 @@ time importing Python, so two take little more than one on two cores):
    group is SIGKILLed; 4. restarted on the same directory: it must have
    reclaimed the killed server's segments before its first request, and a
    normal stop (vLLM's default ``--shutdown-timeout 0`` kills its
-   EngineCore and workers) leaves nothing;
+   EngineCore and workers) leaves nothing. As root both run on one private
+   /dev/shm (a tmpfs of their own, :func:`shm_parent`): what the SIGKILLed
+   group leaves of its own (Python multiprocessing's ``sem.mp-*``
+   semaphores, vLLM's ``psm_*`` rings and ``vllm_dist_*`` buffers) never
+   reaches the host's /dev/shm;
 5. TP=1 under ``mmshm run`` with a read-only segment directory (a private
    mount namespace): one clear warning, every answer still right;
 6. multi-node TP=2, plain: 2 simulated nodes (each a private mount
@@ -37,6 +41,9 @@ URLs); then the fixed request must be answered with the same logprobs, and
 under mmshm, after the pool's idle time, nothing may be in the segment
 directory that ``mmshm status`` does not explain, ``mmshm gc --dry-run``
 must find no orphan and mmshm's counters must agree with the events.
+
+Last, no run may leave a file in the host's /dev/shm
+(:func:`test_no_run_leaves_a_file_in_the_host_dev_shm`).
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ import pytest
 from tests.harness import faults, matrix, models
 from tests.harness.servers import (
     PRIVATE_SHM, ROOT, Server, data_url, free_port, in_parallel, metric, mount_tmpfs, needs_e2e,
-    private_shm_prefix, result, segments, series, start_all, unmount_tmpfs, vllm_argv, vllm_env)
+    SERVER_SHM_PATTERNS, private_shm_prefix, result, segments, series, start_all, unmount_tmpfs,
+    vllm_argv, vllm_env)
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(1200)]
 
@@ -101,6 +109,57 @@ def _say(msg: str) -> None:
         f.write(msg + "\n")
 
 
+#: What no run may leave in the host's /dev/shm: the servers' files and
+#: Python multiprocessing's named semaphores (``sem.mp-*``, which a SIGKILLed
+#: process group never unlinks: its resource tracker dies with it).
+HOST_SHM_PATTERNS = (*SERVER_SHM_PATTERNS, "sem.mp-*")
+
+
+def mapped_shm_inodes() -> set[tuple[int, int]]:
+    """(device, inode) of every /dev/shm file that a live process maps: a
+    live POSIX semaphore is mapped under the temporary name glibc made it
+    with (``sem.XXXXXX``, unlinked), so only its inode tells it apart from
+    one nobody holds."""
+    out = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                        major, minor = (int(x, 16) for x in parts[3].split(":"))
+                        out.add((os.makedev(major, minor), int(parts[4])))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def host_shm_left(before: set[str]) -> list[str]:
+    """Files of :data:`HOST_SHM_PATTERNS` in the host's /dev/shm that were
+    not there ``before`` and that no live process maps."""
+    import fnmatch
+
+    mapped = mapped_shm_inodes()
+    out = []
+    for n in set(os.listdir("/dev/shm")) - before:
+        try:
+            st = os.stat(os.path.join("/dev/shm", n))
+        except OSError:
+            continue
+        if (stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in mapped
+                and any(fnmatch.fnmatchcase(n, pat) for pat in HOST_SHM_PATTERNS)):
+            out.append(n)
+    return sorted(out)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_shm_before() -> set[str]:
+    """The host's /dev/shm before the first server of this module starts."""
+    return set(os.listdir("/dev/shm"))
+
+
 @pytest.fixture(scope="module")
 def model() -> str:
     return models.build(models.model_dir("qwen2-vl"))
@@ -136,13 +195,16 @@ def ask(srv: Server, urls: list[str], n: int) -> list[dict]:
     return out
 
 
-def run_faults(srv: Server, name: str, photos: dict, seg_dir: Path | None = None) -> None:
+def run_faults(srv: Server, name: str, photos: dict, seg_dir: Path | None = None,
+               inside: str | None = None) -> None:
     """The abort storm, the rejects and the checks (tests/harness/faults.py) on
     the running ``srv``, into ``FAULTS["records"][name]`` (or what broke, into
     ``FAULTS["errors"][name]``: the fixture goes on to its stop or kill, the
     tests assert). The fixed request is REQUESTS' first (greedy, logprobs),
     sent last, so a pooled segment is there for a SIGKILL that follows.
-    ``seg_dir``: mmshm's segment directory (None: a plain server)."""
+    ``seg_dir``: mmshm's segment directory (None: a plain server); ``inside``:
+    the same directory as the server sees it, when its /dev/shm is private
+    (``mmshm status`` and ``gc`` then run in its mount namespace)."""
     t0 = time.monotonic()
     try:
         if FAULTS["urls"] is None:
@@ -153,7 +215,8 @@ def run_faults(srv: Server, name: str, photos: dict, seg_dir: Path | None = None
         key, ps, n = REQUESTS[0]
         rec = faults.run_faults(
             srv.client(), "tiny", urls, shots, cases, lambda: ask(srv, [photos[p] for p in ps], n),
-            mm=None if seg_dir is None else faults.Mmshm(seg_dir),
+            mm=None if seg_dir is None else faults.Mmshm(
+                inside or seg_dir, ns_pid=srv.proc.pid if inside else None),
             list_segments=None if seg_dir is None else (lambda: segments(seg_dir)),
             idle_s=POOL_IDLE_S, metrics=srv.metrics_text, shm_root=seg_dir,
             pgid=srv.proc.pid, concurrency=STORM_CONCURRENCY,
@@ -319,22 +382,47 @@ def test_observe_mode_says_so_in_every_process(observed):
 
 @pytest.fixture(scope="module")
 def shm_parent():
-    d = Path("/dev/shm") / f"mmshm-e2e-{os.getpid()}-{secrets.token_hex(4)}"
-    d.mkdir(mode=0o700)
+    """Where runs 3 and 4 keep their segment directory ``segs``. As root, a
+    tmpfs of its own that both servers get as their /dev/shm
+    (``private_shm_prefix``; ``segs`` is ``/dev/shm/segs`` inside): what the
+    SIGKILLed group leaves of its own (``sem.mp-*``, ``psm_*``,
+    ``vllm_dist_*``) stays there and goes with it. Otherwise a directory of
+    the host's /dev/shm. Nothing may be left in ``segs``."""
+    if PRIVATE_SHM:
+        d = mount_tmpfs("mmshm-e2e-vllm-segs-", "2g")
+    else:
+        d = Path("/dev/shm") / f"mmshm-e2e-{os.getpid()}-{secrets.token_hex(4)}"
+        d.mkdir(mode=0o700)
     yield d
-    leftover = [p.name for p in d.rglob("*")]
-    subprocess.run(["rm", "-rf", str(d)], check=False)
-    assert not leftover or leftover == ["segs"], f"left in the test's directory: {leftover}"
+    in_segs = sorted(p.name for p in (d / "segs").rglob("*"))
+    others = sorted(n for n in os.listdir(d) if n != "segs")
+    if PRIVATE_SHM:
+        _say(f"the SIGKILLed and the restarted server left in their private /dev/shm "
+             f"(dropped with it): {len(others)} file(s) {others}")
+        unmount_tmpfs(d)
+    else:
+        subprocess.run(["rm", "-rf", str(d)], check=False)
+    assert not in_segs, f"left in the segment directory: {in_segs}"
+    assert PRIVATE_SHM or not others, f"left in the test's directory: {others}"
+
+
+def _segs(shm: Path) -> tuple[Path, str, list[str] | None]:
+    """Runs 3 and 4's segment directory: as the test sees it, as the server
+    sees it (``MMSHM_DIR``), and the server's command prefix (its private
+    /dev/shm, or None)."""
+    if PRIVATE_SHM:
+        return shm / "segs", "/dev/shm/segs", private_shm_prefix(shm)
+    return shm / "segs", str(shm / "segs"), None
 
 
 @pytest.fixture(scope="module")
 def instrumented(model, photos, shm_parent) -> dict:
-    """Run 2: under ``mmshm run``, segment directory missing at start."""
-    seg_dir = shm_parent / "segs"
+    """Run 3: under ``mmshm run``, segment directory missing at start."""
+    seg_dir, inside, prefix = _segs(shm_parent)
     assert not seg_dir.exists()
     port = free_port()
     srv = Server(vllm_argv(model, port, 2), port, LOGS / "mmshm.log",
-                 env=vllm_env(2, MMSHM_DIR=str(seg_dir)), mmshm_run=True, leaks=LEAKS)
+                 env=vllm_env(2, MMSHM_DIR=inside), mmshm_run=True, leaks=LEAKS, prefix=prefix)
     rec: dict = {"answers": {}, "deltas": {}, "dir": seg_dir}
     with srv:
         rec["dir_mode"] = stat.S_IMODE(os.stat(seg_dir).st_mode)
@@ -351,7 +439,7 @@ def instrumented(model, photos, shm_parent) -> dict:
         rec["metrics"] = srv.metrics_text()
         # the faults under load (asserted by their own tests); the fixed
         # request comes last and leaves its segment pooled for the kill
-        run_faults(srv, "mmshm", photos, seg_dir)
+        run_faults(srv, "mmshm", photos, seg_dir, inside if prefix else None)
         # runs 3 and 4 share this server: SIGKILL of the whole process group
         # with its segments still pooled, then the restart reclaims them
         srv.kill()
@@ -483,15 +571,16 @@ def test_nothing_left_after_a_normal_stop(restarted):
     assert restarted["left_after_stop"] == [], restarted["log"][-4000:]
 
 
-def _restart(model: str, photos: dict, instrumented: dict) -> dict:
+def _restart(model: str, photos: dict, shm: Path, instrumented: dict) -> dict:
     """Runs 3 and 4: the instrumented server was SIGKILLed as a whole
-    process group; now a restart on the same directory."""
-    seg_dir = instrumented["dir"]
-    env = vllm_env(2, MMSHM_DIR=str(seg_dir))
+    process group; now a restart on the same directory (and /dev/shm)."""
+    seg_dir, inside, prefix = _segs(shm)
+    assert seg_dir == instrumented["dir"]
+    env = vllm_env(2, MMSHM_DIR=inside)
     rec: dict = {"left_by_kill": instrumented["left_by_kill"]}
     port = free_port()
     srv = Server(vllm_argv(model, port, 2), port, LOGS / "restarted.log", env=env,
-                 mmshm_run=True, leaks=LEAKS)
+                 mmshm_run=True, leaks=LEAKS, prefix=prefix)
     with srv:
         rec["at_ready"] = segments(seg_dir)  # before the first request
         rec["metrics_at_ready"] = srv.metrics_text()
@@ -516,8 +605,9 @@ def late_runs(model, photos, shm_parent, instrumented) -> dict:
     """Runs 4 (the restart) and 5 (TP=1, read-only directory) side by side:
     neither depends on the other (run 5 has a private /dev/shm as well as
     its private read-only directory)."""
-    restarted, read_only = in_parallel(lambda: _restart(model, photos, instrumented),
-                                       lambda: _read_only(model, photos), return_exceptions=True)
+    restarted, read_only = in_parallel(
+        lambda: _restart(model, photos, shm_parent, instrumented),
+        lambda: _read_only(model, photos), return_exceptions=True)
     return {"restarted": restarted, "read_only": read_only}
 
 
@@ -804,3 +894,18 @@ def test_multinode_nothing_left_in_either_node(mn_plain, mn_mmshm):
     assert mn_mmshm["left"] == [[], []], mn_mmshm["left"]
     for node, left in enumerate(mn_plain["left"]):
         assert not [n for n in left if n.startswith("mmshm-")], (node, left)
+
+
+def test_no_run_leaves_a_file_in_the_host_dev_shm(host_shm_before, baselines, late_runs,
+                                                 multinode):
+    """After every run of this module (runs 1-7, the SIGKILL included) the
+    host's /dev/shm holds no new server file and no semaphore that nobody
+    holds. What is found is removed, then the test fails with it."""
+    left = host_shm_left(host_shm_before)
+    for n in left:
+        try:
+            os.unlink(os.path.join("/dev/shm", n))
+        except OSError:
+            pass
+    _say(f"left in the host's /dev/shm by the runs of this module: {left}")
+    assert left == [], left
