@@ -1,0 +1,69 @@
+"""``mmshm bench epd`` (mmshm.bench.epd): a quick run through the command line.
+
+Not a timed test: it checks that every path of the encoder -> prefill hop ran
+in separate consumer processes, delivered the bytes the producer sent (checked
+by every rank), counted the bytes each path moves as its transport does, and
+left nothing behind (the storage directories, the private segment directory:
+the conftest's check).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+
+from mmshm.bench.epd import PATHS, SIZES, _nbytes
+
+TP = 2
+
+
+def test_quick_run_moves_equal_bytes_on_every_path(tmp_path, shm_dir):
+    tmpfs = os.path.join("/dev/shm", f"pytest-epd-{secrets.token_hex(4)}")
+    os.mkdir(tmpfs, 0o700)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = tmp_path / "epd.json"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "mmshm.cli", "bench", "epd", "--quick", "--tp", str(TP),
+             "--tmpfs-dir", tmpfs, "--disk-dir", str(disk), "--json", str(out)],
+            capture_output=True, text=True, timeout=180, env=dict(os.environ), check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "mmshm bench epd: tiny Qwen2-VL" in proc.stdout  # the table
+        left_tmpfs, left_disk = os.listdir(tmpfs), os.listdir(disk)
+    finally:
+        shutil.rmtree(tmpfs, ignore_errors=True)
+    assert left_tmpfs == [] and left_disk == []  # every storage path removed
+    res = json.loads(out.read_text())
+    assert res["leftovers"] == {} and res["tp"] == TP
+    assert res["dirs"]["vllm-example-tmpfs"].endswith("(tmpfs)")
+    rows = {r["path"]: r for r in res["rows"]}
+    assert set(rows) == set(PATHS) and {r["size"] for r in res["rows"]} == {"tiny"}
+    n = _nbytes("tiny")
+    assert n == 1196 * 128 * 4 == 612352  # the tiny Qwen2-VL's output for one 720p photo
+    for path, r in rows.items():
+        assert r["skipped"] is None, (path, r["skipped"])
+        assert r["wrong"] == 0, (path, r["wrong_detail"])  # BLAKE3 equal on every rank
+        assert r["rounds"] == 3 and r["hop_ms_median"] > 0, (path, r)
+        assert r["hop_ms_p90"] >= r["hop_ms_median"]
+    assert rows["floor"]["x_floor"] == 1.0 and rows["floor"]["bytes_sent"] == n
+    assert rows["notify"]["bytes_sent"] == 0 and rows["notify"]["bytes_copied"] == 0
+    for path in ("vllm-example-tmpfs", "vllm-example-disk"):
+        # the safetensors file: the tensor plus its header
+        assert n < rows[path]["bytes_sent"] < n + 1024, rows[path]
+        # each rank maps the file (safetensors' mmap backend) or reads it into its memory
+        assert rows[path]["bytes_copied"] in (0, TP * n), rows[path]
+    # SGLang: pickled metadata and the tensor, once per TP rank, each rank cloning it
+    assert TP * n < rows["sglang-zmq"]["bytes_sent"] < TP * (n + 4096)
+    assert rows["sglang-zmq"]["bytes_copied"] == TP * n
+    # mmshm: written once, mapped by every rank
+    assert rows["mmshm"]["bytes_sent"] == n and rows["mmshm"]["bytes_copied"] == 0
+    goals = {g["goal"]: g for g in res["goals"]}
+    assert len(goals) == 3 and all(g["met"] in (True, False) for g in goals.values())
+    fewer = next(g for k, g in goals.items() if "fewer bytes" in k)
+    assert fewer["met"] and TP <= fewer["value"] < TP * 1.01
+    assert SIZES["tiny"][1] == "float32"
