@@ -25,7 +25,7 @@ ends as a ``torch.Tensor`` in every one of them. Paths (``--paths``):
 - ``sglang-zmq``: SGLang 0.5.23's ``zmq_to_scheduler`` transport
   (``sglang/srt/disaggregation/encoder/server.py`` ``send_to_destination``,
   ``receiver.py`` ``consume_parts``): once per TP rank, a PUSH socket
-  (``zmq.Context(2)``, SNDHWM 0, IMMEDIATE) sends ``[pickle.dumps(metadata),
+  (``zmq.Context(2)``, SNDHWM 0, SGLang's SNDBUF, IMMEDIATE) sends ``[pickle.dumps(metadata),
   memoryview of the tensor]`` with ``copy=False, track=True`` and waits on the
   tracker; each rank's PULL socket (``zmq.Context()``, RCVHWM 0, bound on
   127.0.0.1) receives with ``copy=False``, unpickles the metadata
@@ -54,6 +54,10 @@ Bytes per path: ``sent``, what the producer puts into the transport (a file,
 socket frames, a segment: the file's and frames' own sizes, metadata
 included), and ``copied``, what the ranks copy out of it to hold their tensor
 (a file read, a ``clone``; 0 for a mapping).
+
+Exit status: 0; 1 if a rank got other bytes than the producer sent or a
+storage directory was left non-empty; 2 on a usage error; 3 if a rank failed
+or did not answer (no figures).
 
 Goals (issue 43): mmshm <= 1.5 x the floor; >= 5 x faster than
 ``ECExampleConnector`` on tmpfs; ``tp`` x fewer bytes sent than SGLang's zmq.
@@ -122,6 +126,17 @@ def _tensor_buffer(tensor) -> memoryview:
         tensor.data_ptr())
     c_obj._keep_alive_ref = tensor
     return memoryview(c_obj)
+
+
+def _sglang_buf_size() -> int:
+    """SGLang's ``config_socket`` (``srt/utils/network.py``): 0.5 GiB socket
+    buffers on a host with more than 32 GiB of memory and 16 GiB available,
+    else -1 (the OS default)."""
+    import psutil
+
+    mem = psutil.virtual_memory()
+    return int(0.5 * 1024**3) if mem.total / 1024**3 > 32 and mem.available / 1024**3 > 16 \
+        else -1
 
 
 def _digest(tensor) -> str:
@@ -291,6 +306,40 @@ class _Mmshm:
 
 # --------------------------------------------------------------------------- a rank
 
+def _check(out, meta: dict) -> tuple[bool, str]:
+    """Whether ``out`` is what the producer sent: ``meta``'s shape, dtype and
+    BLAKE3 of the bytes; (False, what differs) if not."""
+    import torch
+
+    if tuple(out.shape) != tuple(meta["shape"]) or out.dtype != getattr(torch, meta["dtype"]):
+        return False, f"got {list(out.shape)} {out.dtype}, sent {meta['shape']} {meta['dtype']}"
+    if _digest(out) != meta["digest"]:
+        return False, "bytes differ"
+    return True, ""
+
+
+def _receive(path: str, meta: dict, conn, pull, examples: dict, store):
+    """One rank's side of one round: (the tensor or None, the stamp when the
+    message arrived, the stamp when the tensor is there)."""
+    import torch
+
+    if path == "sglang-zmq":  # receiver.py: consume_parts, _extract_embedding_from_buffer
+        parts = pull.recv_multipart(copy=False)
+        t_recv = time.perf_counter()
+        obj = pickle.loads(parts[0])
+        buf = parts[1].buffer if hasattr(parts[1], "buffer") else parts[1]
+        out = torch.frombuffer(buf, dtype=obj.dtype).reshape(obj.shape).clone()
+        return out, t_recv, time.perf_counter()
+    note = conn.recv()
+    t_recv = time.perf_counter()
+    out = None
+    if path in examples:
+        out = examples[path].load(note["key"], note["tokens"])
+    elif path == "mmshm":
+        out = store.load(note, getattr(torch, meta["dtype"]), meta["shape"][0])
+    return out, t_recv, time.perf_counter()
+
+
 def _rank(rank: int, conn, dirs: dict, mmshm_dir: str, use_vllm: bool) -> None:
     """One consumer (a prefill TP rank): waits for the producer's orders on
     ``conn`` and answers each round with its stamps and its check."""
@@ -302,7 +351,8 @@ def _rank(rank: int, conn, dirs: dict, mmshm_dir: str, use_vllm: bool) -> None:
     torch.set_num_threads(1)  # a TP rank of a 2-core host; clone as SGLang's would
     ctx = zmq.Context()  # SGLang's scheduler receive context
     pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 0)  # config_socket for PULL (RCVBUF left to the OS)
+    pull.setsockopt(zmq.RCVHWM, 0)  # SGLang's config_socket for PULL
+    pull.setsockopt(zmq.RCVBUF, _sglang_buf_size())
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     examples, skipped = {}, {}
     for path, d in dirs.items():
@@ -323,23 +373,8 @@ def _rank(rank: int, conn, dirs: dict, mmshm_dir: str, use_vllm: bool) -> None:
                 break
             _, path, meta = msg
             conn.send("armed")
-            t_recv = t_end = None
-            out = None
             try:
-                if path == "sglang-zmq":
-                    parts = pull.recv_multipart(copy=False)
-                    t_recv = time.perf_counter()
-                    obj = pickle.loads(parts[0])
-                    buf = parts[1].buffer if hasattr(parts[1], "buffer") else parts[1]
-                    out = torch.frombuffer(buf, dtype=obj.dtype).reshape(obj.shape).clone()
-                else:
-                    note = conn.recv()
-                    t_recv = time.perf_counter()
-                    if path in examples:
-                        out = examples[path].load(note["key"], note["tokens"])
-                    elif path == "mmshm":
-                        out = store.load(note, getattr(torch, meta["dtype"]), meta["shape"][0])
-                t_end = time.perf_counter()
+                out, t_recv, t_end = _receive(path, meta, conn, pull, examples, store)
             except Exception as exc:  # noqa: BLE001 - said to the producer, the run goes on
                 conn.send({"ok": False, "why": f"{type(exc).__name__}: {exc}"})
                 continue
@@ -349,13 +384,7 @@ def _rank(rank: int, conn, dirs: dict, mmshm_dir: str, use_vllm: bool) -> None:
                 t = time.perf_counter()
                 int(out.view(-1).view(torch.uint8)[::PAGE].sum())
                 touch = time.perf_counter() - t
-            ok, why = True, ""
-            if out is not None:
-                want_shape, want_dtype = tuple(meta["shape"]), getattr(torch, meta["dtype"])
-                if tuple(out.shape) != want_shape or out.dtype != want_dtype:
-                    ok, why = False, f"got {tuple(out.shape)} {out.dtype}"
-                elif _digest(out) != meta["digest"]:
-                    ok, why = False, "bytes differ"
+            ok, why = _check(out, meta) if out is not None else (True, "")
             del out
             if store is not None:
                 store.release()
@@ -417,7 +446,8 @@ class _Producer:
         self.push = []
         for port in ports:
             s = self.zctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.SNDHWM, 0)  # config_socket for PUSH (SNDBUF left to the OS)
+            s.setsockopt(zmq.SNDHWM, 0)  # SGLang's config_socket for PUSH
+            s.setsockopt(zmq.SNDBUF, _sglang_buf_size())
             s.setsockopt(zmq.IMMEDIATE, 1)
             s.setsockopt(zmq.SNDTIMEO, int(STEP_TIMEOUT_S * 1000))
             s.connect(f"tcp://127.0.0.1:{port}")
@@ -777,9 +807,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if not os.path.isdir(d):
             ap.error(f"{d} is not a directory")
     quiet = args.json == "-"
-    res = measure(sizes, paths, args.tp, repeats, warmup, args.tmpfs_dir, args.disk_dir,
-                  use_vllm=not args.no_vllm_class,
-                  progress=None if quiet else (lambda s: print(s, file=sys.stderr, flush=True)))
+    try:
+        res = measure(sizes, paths, args.tp, repeats, warmup, args.tmpfs_dir, args.disk_dir,
+                      use_vllm=not args.no_vllm_class,
+                      progress=None if quiet else (lambda s: print(s, file=sys.stderr,
+                                                                   flush=True)))
+    except RuntimeError as exc:  # a rank failed or did not answer: no figures
+        print(f"{prog or 'mmshm bench epd'}: failed: {exc}", file=sys.stderr)
+        return 3
     if args.json:
         text = json.dumps(res, indent=1)
         if quiet:

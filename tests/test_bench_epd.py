@@ -67,3 +67,33 @@ def test_quick_run_moves_equal_bytes_on_every_path(tmp_path, shm_dir):
     fewer = next(g for k, g in goals.items() if "fewer bytes" in k)
     assert fewer["met"] and TP <= fewer["value"] < TP * 1.01
     assert SIZES["tiny"][1] == "float32"
+
+
+def test_the_check_and_the_goals_can_fail():
+    """A rank's check refuses one changed byte, another shape or dtype; the
+    goals say "not met" when the ratios miss them."""
+    import torch
+
+    from mmshm.bench.epd import _check, _digest, _goals
+
+    t = torch.randn(4, 8).to(torch.bfloat16)
+    meta = {"shape": [4, 8], "dtype": "bfloat16", "digest": _digest(t)}
+    assert _check(t.clone(), meta) == (True, "")
+    bad = t.clone()
+    bad.view(-1).view(torch.uint8)[5] ^= 1
+    assert _check(bad, meta) == (False, "bytes differ")
+    assert not _check(t.reshape(8, 4), meta)[0] and not _check(t.float(), meta)[0]
+
+    def row(path, hop, sent):
+        return {"path": path, "size": "tiny", "skipped": None, "hop_ms_median": hop,
+                "touched_ms_median": hop, "bytes_sent": sent}
+
+    n = 1000
+    rows = [row("floor", 1.0, n), row("vllm-example-tmpfs", 10.0, n + 88),
+            row("sglang-zmq", 5.0, 2 * n + 300), row("mmshm", 1.4, n)]
+    assert [g["met"] for g in _goals(rows, 2)] == [True, True, True]
+    rows = [row("floor", 1.0, n), row("vllm-example-tmpfs", 4.0, n + 88),
+            row("sglang-zmq", 5.0, n), row("mmshm", 2.0, n)]
+    assert [g["met"] for g in _goals(rows, 2)] == [False, False, False]
+    rows[-1]["skipped"] = "skipped: not importable"
+    assert [g["met"] for g in _goals(rows, 2)] == [None]
