@@ -33,10 +33,16 @@ ends as a ``torch.Tensor`` in every one of them. Paths (``--paths``):
   ``torch.frombuffer(buf, dtype).reshape(shape).clone()``. The metadata is
   :class:`EmbeddingData`, a copy of SGLang's fields; blocking receives (SGLang
   polls its socket once per scheduler iteration, which can only add time).
-- ``mmshm``: :mod:`mmshm.transport.encoder_cache`: one write by the producer
-  into a segment, a load (a mapping, no copy) on every rank; each rank gives
-  its reference back after the check (outside the timing). Skipped while that
-  module is not importable.
+- ``mmshm``: :mod:`mmshm.transport.encoder_cache`: one ``save`` by the
+  producer into a segment; on every rank ``lookup`` (what the consumer's
+  scheduler does in ``MmshmECConnector``) then ``load`` of its handle (a
+  worker's: a mapping, no copy); each rank gives its references back after the
+  check, the producer evicts its entry (both outside the timing). Skipped
+  while that module is not importable.
+
+The vLLM rows likewise run the scheduler's ``has_cache_item`` on every rank
+before the load, so each rank's critical path is the consumer instance's
+(scheduler, then worker), the TP ranks in parallel.
 
 Per round and path the producer arms the ranks (they block in their receive),
 stamps ``t0``, sends; each rank stamps when its tensor is there; the hop is the
@@ -91,7 +97,7 @@ SIZES: dict[str, tuple[tuple[int, ...], str, str]] = {
 }
 PATHS = ("floor", "notify", "vllm-example-tmpfs", "vllm-example-disk", "sglang-zmq", "mmshm")
 #: (repeats, warmup) per size by default; --quick: tiny, 3 after 1
-DEFAULT_REPEATS = {"tiny": 20, "real": 8}
+DEFAULT_REPEATS = {"tiny": 20, "real": 12}
 STEP_TIMEOUT_S = 120.0
 PAGE = 4096
 #: the goals of issue 43
@@ -230,6 +236,11 @@ class _Example:
         safetensors.torch.save_file({"ec_cache": tensor.detach().cpu()}, self.filename(mm_hash))
 
     def load(self, mm_hash: str, num_tokens: int):
+        """The scheduler's ``has_cache_item`` then a worker's ``start_load_caches``."""
+        found = (self.conn.has_cache_item(mm_hash) if self.real
+                 else os.path.exists(self.filename(mm_hash)))
+        if not found:
+            raise RuntimeError(f"ECExampleConnector: no file for {mm_hash}")
         if self.real:
             from vllm.distributed.ec_transfer.ec_connector.example_connector import (
                 ECExampleConnectorMetadata,
