@@ -1,0 +1,371 @@
+"""``MmshmECConnector`` (mmshm.integrations.vllm.disagg) against vLLM 0.33's real
+EC-connector modules, on CPU, producer and consumer in two processes.
+
+Run by ``python -m tests.run vllm`` in ``.venvs/vllm-0.33.0``; skipped where
+vLLM is not installed. What is real: the ``ECTransferConfig`` with
+``ec_connector_module_path``, vLLM's ``ECConnectorFactory`` (it imports the
+module and takes the class by name), ``ensure_ec_transfer_initialized`` (the
+worker's connector), the model runner's ``ECConnectorModelRunnerMixin``
+(``maybe_get_ec_connector_output`` binds the metadata, calls
+``start_save_caches`` / ``start_load_caches``; ``maybe_save_ec_to_connector``
+calls ``save_caches``), ``Request``, ``MultiModalFeatureSpec``,
+``MultiModalKwargsItem``, ``ECConnectorOutput`` and the Prometheus metric
+types. The rest of ``VllmConfig`` is a stand-in (vLLM cannot build one
+without a device platform here): the connector reads only the model's name
+and dtype from it. The scheduler's calls are made in the order vLLM 0.32/0.33's
+``Scheduler`` makes them (``ensure_cache_available``, ``has_cache_item``,
+``update_state_after_alloc``, ``build_connector_meta``, then
+``update_state_after_free`` / ``request_finished``).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from mmshm import config
+from mmshm.segments import reaper
+from mmshm.segments.segfile import NAME_RE
+from vllm.config import ECTransferConfig
+from vllm.distributed.ec_transfer import ec_transfer_state
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorProm
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFeatureSpec,
+    MultiModalFieldElem,
+    MultiModalKwargsItem,
+    PlaceholderRange,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.v1.outputs import ECConnectorOutput
+from vllm.v1.request import Request
+from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin as Mixin
+
+from tests.harness.metrics import metric
+from tests.harness.procs import stop_all, track
+from tests.harness.segments import segment_files
+
+pytestmark = pytest.mark.timeout(240)
+SPAWN = mp.get_context("spawn")
+MODULE = "mmshm.integrations.vllm.disagg"
+ROWS, WIDTH = 64, 96
+
+
+# -- shared by both processes ---------------------------------------------------------
+def vllm_config(role: str, directory: str, keep_s: float = 60.0):
+    """The real ``ECTransferConfig`` (loaded by module path) on a stand-in
+    ``VllmConfig``."""
+    tc = ECTransferConfig(ec_connector="MmshmECConnector", ec_connector_module_path=MODULE,
+                          ec_role=role,
+                          ec_connector_extra_config={"keep_s": keep_s, "directory": directory})
+    return SimpleNamespace(ec_transfer_config=tc,
+                           model_config=SimpleNamespace(model="tiny-qwen2-vl",
+                                                        dtype=torch.float32))
+
+
+def pixels(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(ROWS * 4, 1176, generator=g),
+            "image_grid_thw": torch.tensor([[1, 16, 16]])}
+
+
+def encoder_output(seed: int) -> torch.Tensor:
+    """What the 'vision encoder' makes of ``pixels(seed)``."""
+    g = torch.Generator().manual_seed(50_000 + seed)
+    return torch.randn(ROWS, WIDTH, generator=g)
+
+
+def request(rid: str, items) -> Request:
+    """A real ``Request`` with one image per ``(identifier, seed)`` of ``items``."""
+    feats = []
+    for i, (ident, seed) in enumerate(items):
+        data = MultiModalKwargsItem({k: MultiModalFieldElem(data=v, field=MultiModalBatchedField())
+                                     for k, v in pixels(seed).items()})
+        feats.append(MultiModalFeatureSpec(
+            data=data, modality="image", identifier=ident,
+            mm_position=PlaceholderRange(offset=2 + i * (ROWS + 2), length=ROWS),
+            mm_hash=ident))
+    n = 4 + len(items) * (ROWS + 2)
+    return Request(request_id=rid, prompt_token_ids=list(range(n)),
+                   sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+                   mm_features=feats)
+
+
+def schedule(sched, reqs) -> tuple[SimpleNamespace, list[list[bool]]]:
+    """The scheduler's calls for ``reqs`` (vLLM's order); returns the step's
+    scheduler output (its connector metadata) and, per request and item,
+    whether vLLM would load it (True) or encode it here (False)."""
+    loads = []
+    for r in reqs:
+        assert sched.ensure_cache_available(r, 0) is True  # nothing is ever in flight
+    for r in reqs:
+        hit = [sched.has_cache_item(f.identifier) for f in r.mm_features]
+        for i in range(len(r.mm_features)):
+            sched.update_state_after_alloc(r, i)
+        loads.append(hit)
+    out = SimpleNamespace(ec_connector_metadata=sched.build_connector_meta(None),
+                          finished_req_ids=set())
+    return out, loads
+
+
+# -- the producer (encoder instance) in its own process --------------------------------
+def producer_main(conn) -> None:
+    """Commands: ("open", directory, keep_s): a fresh producer (scheduler
+    connector + the worker's, through vLLM's own initialisation);
+    ("encode", [(rid, [(identifier, seed)...])...]): schedule, 'encode', save
+    through the model runner's mixin, finish the requests, answer with the
+    directory listing; ("close",): shut both connectors; ("exit",)."""
+    sched = None
+    d = None
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "exit":
+            return
+        if cmd == "open":
+            d, keep_s = args
+            os.environ["MMSHM_DIR"] = d
+            config.reload()
+            vc = vllm_config("ec_producer", d, keep_s)
+            ec_transfer_state.ensure_ec_transfer_initialized(vc)
+            sched = ECConnectorFactory.create_connector(vc, ECConnectorRole.SCHEDULER)
+            conn.send(type(ec_transfer_state.get_ec_transfer()).__name__)
+        elif cmd == "encode":
+            reqs = [request(rid, items) for rid, items in args[0]]
+            out, loads = schedule(sched, reqs)
+            assert not any(any(x) for x in loads)  # a producer never loads
+            cache: dict[str, torch.Tensor] = {}
+            with Mixin.maybe_get_ec_connector_output(out, encoder_cache=cache):
+                for r in reqs:
+                    for f, (_, seed) in zip(r.mm_features, dict(args[0])[r.request_id]):
+                        cache[f.identifier] = encoder_output(seed)
+                        Mixin.maybe_save_ec_to_connector(cache, f.identifier)
+            for r in reqs:
+                sched.request_finished(r)
+            conn.send(sorted(os.listdir(d)))
+        elif cmd == "close":
+            sched.shutdown()
+            ec_transfer_state.ensure_ec_transfer_shutdown()
+            conn.send("closed")
+
+
+class Producer:
+    def __init__(self):
+        self.conn, child = SPAWN.Pipe()
+        self.proc = SPAWN.Process(target=producer_main, args=(child,), daemon=True)
+        self.proc.start()
+        track(self.proc.pid)
+
+    def ask(self, *cmd, timeout: float = 120):
+        self.conn.send(cmd)
+        assert self.conn.poll(timeout), f"the producer did not answer {cmd[0]}"
+        return self.conn.recv()
+
+    def stop(self):
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit",))
+            except OSError:
+                pass
+        stop_all([self.proc], timeout=20)
+
+
+@pytest.fixture(scope="module")
+def producer():
+    p = Producer()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def produced(producer, shm_dir):
+    """The module's producer, opened on this test's segment directory."""
+    assert producer.ask("open", shm_dir, 60.0) == "MmshmECConnector"
+    yield producer
+    if producer.proc.is_alive():
+        assert producer.ask("close") == "closed"
+
+
+@pytest.fixture
+def consumer(shm_dir):
+    """The consumer instance's scheduler connector and (vLLM's global) worker
+    connector, both made by vLLM's factory."""
+    vc = vllm_config("ec_consumer", shm_dir)
+    ec_transfer_state.ensure_ec_transfer_initialized(vc)
+    sched = ECConnectorFactory.create_connector(vc, ECConnectorRole.SCHEDULER)
+    yield sched, ec_transfer_state.get_ec_transfer()
+    sched.shutdown()
+    ec_transfer_state.ensure_ec_transfer_shutdown()
+
+
+def load_step(out) -> dict:
+    cache: dict[str, torch.Tensor] = {}
+    with Mixin.maybe_get_ec_connector_output(out, encoder_cache=cache) as ec_out:
+        pass
+    return cache, ec_out
+
+
+def fallbacks(reason: str) -> float:
+    return metric("mmshm_epd_fallbacks_total", server="vllm", reason=reason)
+
+
+# -- tests -----------------------------------------------------------------------------
+def test_vllm_factory_loads_the_connector_by_module_path(shm_dir):
+    cls = ECConnectorFactory.get_connector_class(vllm_config("ec_both", shm_dir)
+                                                 .ec_transfer_config)
+    assert cls.__name__ == "MmshmECConnector" and cls.__module__ == MODULE
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase
+
+    assert issubclass(cls, ECConnectorBase)
+    for role, prod, cons in (("ec_producer", True, False), ("ec_consumer", False, True),
+                             ("ec_both", True, True)):
+        c = ECConnectorFactory.create_connector(vllm_config(role, shm_dir),
+                                                ECConnectorRole.SCHEDULER)
+        assert (c.is_producer, c.is_consumer) == (prod, cons)
+        c.shutdown()
+    # the metadata crosses to TP workers by pickle (MultiprocExecutor's queue)
+    from mmshm.integrations.vllm import disagg
+
+    meta = disagg.MmshmECConnectorMetadata([("r", "h", None)], {"h": b"k" * 32})
+    assert pickle.loads(pickle.dumps(meta)) == meta
+
+
+def test_producer_save_then_consumer_load_gives_identical_tensors(produced, consumer,
+                                                                  shm_dir):
+    sched, worker = consumer
+    listing = produced.ask("encode", [("enc-0", [("renderer0-mm-0-image-0", 1),
+                                                  ("renderer0-mm-0-image-1", 2)])])
+    assert len(listing) == 2 and all(NAME_RE.match(n) for n in listing)
+    loads0 = metric("mmshm_epd_loads_total", server="vllm")
+    # the consumer's counter is elsewhere: its names differ, its content does not
+    req = request("pd-0", [("renderer0-mm-9-image-0", 1), ("renderer0-mm-9-image-1", 2)])
+    out, loads = schedule(sched, [req])
+    assert loads == [[True, True]]
+    cache, ec_out = load_step(out)
+    assert set(cache) == {"renderer0-mm-9-image-0", "renderer0-mm-9-image-1"}
+    assert torch.equal(cache["renderer0-mm-9-image-0"], encoder_output(1))
+    assert torch.equal(cache["renderer0-mm-9-image-1"], encoder_output(2))
+    assert metric("mmshm_epd_loads_total", server="vllm") - loads0 == 2
+    # the worker's counts reach the scheduler (vLLM's worker metadata), then
+    # vLLM's stats and the connector's Prometheus hook
+    wmeta = ec_out.ec_connector_worker_meta
+    assert wmeta.counts["loads"] == 2
+    assert wmeta.counts["loaded_bytes"] == 2 * ROWS * WIDTH * 4
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wmeta))
+    stats = sched.get_ec_connector_stats()
+    assert stats.data["hits"] == 2 and stats.data["loads"] == 2
+    reg = CollectorRegistry()
+
+    def bound(kind):  # vLLM's metric types, registered in a private registry
+        return type(kind.__name__, (kind,), {"__init__": lambda self, *a, **kw:
+                                             kind.__init__(self, *a, registry=reg, **kw)})
+
+    class Prom(ECConnectorProm):
+        _gauge_cls, _counter_cls, _histogram_cls = bound(Gauge), bound(Counter), bound(Histogram)
+
+    prom = Prom(vllm_config("ec_consumer", shm_dir), ["model_name", "engine"],
+                {0: ["tiny", "0"]})
+    assert type(prom.prom_metrics).__name__ == "MmshmECPromMetrics"
+    # what vLLM's frontend gets: SchedulerStats.ec_connector_stats = stats.data
+    prom.observe(pickle.loads(pickle.dumps(stats.data)), 0)
+    assert metric("vllm:mmshm_ec_loads_total", reg, engine="0") == 2
+    assert metric("vllm:mmshm_ec_bytes_total", reg, direction="loaded") == 2 * ROWS * WIDTH * 4
+    # freed: the scheduler's references go, then the worker's views
+    for i in range(2):
+        sched.update_state_after_free(req, i)
+    sched.request_finished(req)
+    del cache
+    gc.collect()
+
+
+def test_counter_names_of_other_content_are_not_confused(produced, consumer, shm_dir):
+    sched, _ = consumer
+    produced.ask("encode", [("enc-0", [("renderer0-mm-0-image-0", 1)])])
+    missing0 = fallbacks("missing")
+    # the same name as the encoder's item, another photo: a miss, encoded here
+    other = request("pd-0", [("renderer0-mm-0-image-0", 7)])
+    out, loads = schedule(sched, [other])
+    assert loads == [[False]] and out.ec_connector_metadata.loads == []
+    assert fallbacks("missing") - missing0 == 1
+    cache, _ = load_step(out)
+    assert cache == {}
+    sched.request_finished(other)
+    # the encoder's photo under any name still loads its own output
+    same = request("pd-1", [("renderer0-mm-3-image-0", 1)])
+    out, loads = schedule(sched, [same])
+    assert loads == [[True]]
+    cache, _ = load_step(out)
+    assert torch.equal(cache["renderer0-mm-3-image-0"], encoder_output(1))
+    sched.request_finished(same)
+    del cache
+    gc.collect()
+
+
+def test_an_aborted_request_gives_its_references_back(produced, consumer, shm_dir):
+    from tests.harness.segments import refcount
+
+    sched, _ = consumer
+    (name,) = produced.ask("encode", [("enc-0", [("a", 4)])])
+    assert refcount(name, shm_dir) == 1  # the producer's
+    req = request("pd-0", [("b", 4)])
+    sched.ensure_cache_available(req, 0)
+    assert sched.has_cache_item("b") and refcount(name, shm_dir) == 2
+    sched.request_finished(req)  # aborted before it was scheduled
+    assert not sched.has_cache_item("b") and refcount(name, shm_dir) == 1
+
+
+def test_a_producer_gone_before_the_lookup_means_a_local_encode(shm_dir, consumer):
+    sched, _ = consumer
+    p = Producer()
+    try:
+        p.ask("open", shm_dir, 60.0)
+        (name,) = p.ask("encode", [("enc-0", [("x", 5)])])
+        os.kill(p.proc.pid, signal.SIGKILL)
+        p.proc.join(20)
+        assert reaper.reap(shm_dir).reasons["killed"] == 1
+        assert segment_files(shm_dir) == []
+        missing0 = fallbacks("missing")
+        req = request("pd-0", [("y", 5)])
+        out, loads = schedule(sched, [req])
+        # vLLM encodes it here; nothing for the failure path to fail
+        assert loads == [[False]] and out.ec_connector_metadata.loads == []
+        assert fallbacks("missing") - missing0 == 1
+        assert sched.take_unavailable_requests() == set()
+        sched.request_finished(req)
+    finally:
+        p.stop()
+
+
+def test_a_held_entry_outlives_its_producer(shm_dir, consumer):
+    sched, _ = consumer
+    p = Producer()
+    try:
+        p.ask("open", shm_dir, 60.0)
+        p.ask("encode", [("enc-0", [("x", 6)])])
+        req = request("pd-0", [("y", 6)])
+        sched.ensure_cache_available(req, 0)  # held from here
+        os.kill(p.proc.pid, signal.SIGKILL)
+        p.proc.join(20)
+        assert reaper.reap(shm_dir).reclaimed == 0
+        out, loads = schedule(sched, [req])
+        assert loads == [[True]]
+        cache, _ = load_step(out)
+        assert torch.equal(cache["y"], encoder_output(6))
+        sched.request_finished(req)
+        del cache
+        gc.collect()
+        assert reaper.reap(shm_dir).reasons["killed"] == 1
+    finally:
+        p.stop()
