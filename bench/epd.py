@@ -826,6 +826,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     for d in (args.tmpfs_dir, args.disk_dir):
         if not os.path.isdir(d):
             ap.error(f"{d} is not a directory")
+    if args.json and args.json != "-" and not os.path.isdir(
+            os.path.dirname(os.path.abspath(args.json))):
+        ap.error(f"cannot write {args.json}: its directory does not exist")
     quiet = args.json == "-"
     try:
         res = measure(sizes, paths, args.tp, repeats, warmup, args.tmpfs_dir, args.disk_dir,
