@@ -283,3 +283,58 @@ def test_counters_equal_the_events(shm_dir):
     assert metric("mmshm_epd_bytes_total", server="vllm", direction="saved") - bytes0 == n
     assert metric("mmshm_epd_transfer_seconds_count", server="vllm") - secs0 == 3
     store.close()
+
+
+def test_max_bytes_caps_only_the_encoder_cache(shm_dir):
+    one = _output(1).numel() * 4 + ec.RECORD_SIZE
+    store = ec.EncoderCache(max_bytes=one + one // 2)
+    before = _fallbacks("over_budget")
+    big = store.save(ec.content_key(_item(9), "m"), torch.zeros(1 << 16), "too big")
+    assert not big.published and big.reason == "over_budget"
+    assert _fallbacks("over_budget") - before == 1
+    k1, k2 = ec.content_key(_item(1), "m"), ec.content_key(_item(2), "m")
+    assert store.save(k1, _output(1), "a").published
+    assert store.save(k2, _output(2), "b").published  # the oldest made room
+    assert store.published() == [ec.published_name(k2)]
+    assert store.lookup(k1, count=False) is None
+    store.close()
+    assert segment_files(shm_dir) == []
+
+
+def test_the_warm_pool_reuses_entries_and_a_stale_record_is_never_loaded(shm_dir, pool):
+    from mmshm.segments.shmtensor import ShmTensor
+
+    hits0 = metric("mmshm_pool_requests_total", result="hit")
+    store = ec.EncoderCache()
+    k1, k2, k3 = (ec.content_key(_item(s), "m") for s in (1, 2, 3))
+    assert store.save(k1, _output(1), "a").published
+    assert store.evict(k1)  # count 0: back to the pool, pages kept, name still there
+    gone0 = _fallbacks("segment_gone")
+    assert store.lookup(k1) is None  # pooled: not live, a miss
+    assert _fallbacks("segment_gone") - gone0 == 1
+    r2 = store.save(k2, _output(2), "b")  # the pooled segment again, renamed
+    assert r2.published and metric("mmshm_pool_requests_total", result="hit") - hits0 == 1
+    assert segment_files(shm_dir) == [ec.published_name(k2)]
+    e = store.lookup(k2)
+    assert torch.equal(e.load(), _output(2))
+    e.release()
+    gc.collect()
+    # reused by other traffic of the process: the name and the old record stay,
+    # the generation moves on, so the old entry is a miss, never the new bytes.
+    # (A segment of 1600 rows: its size class has room for a shorter tensor
+    # that leaves the record at the payload's end untouched.)
+    big = _output(4, rows=1600)
+    k4 = ec.content_key(_item(4), "big")
+    assert store.save(k4, big, "d").published
+    assert store.evict(k4)
+    other = ShmTensor.from_tensor(torch.full((150_000,), 7.0))
+    assert metric("mmshm_pool_requests_total", result="hit") - hits0 == 2
+    assert ec.published_name(k4) in segment_files(shm_dir)
+    assert store.lookup(k4) is None
+    assert _fallbacks("segment_gone") - gone0 == 2
+    other.release()
+    assert store.save(k3, _output(3), "c").published
+    e = store.lookup(k3)
+    assert torch.equal(e.load(), _output(3))
+    e.release()
+    store.close()

@@ -125,7 +125,7 @@ def try_schedule_encoder_inputs(wrapped, instance, args, kwargs):
 EC_MODULE = __name__
 EC_CONNECTOR = "MmshmECConnector"
 #: keys of ``ec_connector_extra_config`` the connector reads
-EC_EXTRA_KEYS = ("keep_s", "namespace", "directory")
+EC_EXTRA_KEYS = ("keep_s", "max_bytes", "namespace", "directory")
 #: the connector classes, built on first use (importing this module must not import vLLM)
 _EC_CLASSES: dict[str, type] = {}
 
@@ -309,7 +309,10 @@ def _build_ec_classes() -> dict[str, type]:
               "ec_role": "ec_consumer", "ec_connector_extra_config": {"keep_s": 60}}'
 
         ``ec_connector_extra_config``: ``keep_s`` (seconds a producer keeps an
-        entry after its last save, default 60), ``namespace`` (what must
+        entry after its last save, default 60), ``max_bytes`` (the producer's
+        cap on the bytes of its published entries, oldest evicted first; an
+        output above it is not published, ``over_budget``; default 0: only
+        the core's budget), ``namespace`` (what must
         match between instances, default the model and its dtype),
         ``directory`` (the segment directory, default ``MMSHM_DIR``).
 
@@ -345,7 +348,8 @@ def _build_ec_classes() -> dict[str, type]:
                             "keys %s (it reads %s)", sorted(unknown), list(EC_EXTRA_KEYS))
             self._namespace = ec_namespace(vllm_config, extra)
             self._store = EncoderCache(extra.get("directory"), server="vllm",
-                                       keep_s=float(extra.get("keep_s", DEFAULT_KEEP_S)))
+                                       keep_s=float(extra.get("keep_s", DEFAULT_KEEP_S)),
+                                       max_bytes=int(extra.get("max_bytes", 0)))
             self._counts = _new_counts()
             # scheduler side
             self._req_keys: dict[str, list] = {}          # req id -> key per feature

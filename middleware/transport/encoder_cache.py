@@ -40,6 +40,18 @@ and ``mmshm run``'s exit reclaim of the server's pids all cover them). The
 full key in the record is compared before anything is used: 64 bits of name
 that collide give a miss (``content_mismatch``), never another item's bytes.
 
+**The warm pool.** With ``MMSHM_POOL`` on (the default) an entry's segment
+goes back to its producer's pool when its last reference is given back (and
+the producer lives), keeping its pages; the next save of the size class
+reuses it (memcpy into warm pages instead of ``posix_fallocate`` and page
+allocation) and renames it. A pooled segment is not live, so a lookup
+misses it (``segment_gone``), and idle pooled segments are unlinked after
+``MMSHM_POOL_IDLE_S``. The record carries the segment's *generation*: a
+pooled segment reused by any other traffic of the process keeps its name and
+may keep the old record, but its generation moved on, so the old key is a
+miss; and the consumer's reference is taken for the generation it checked,
+so a reuse between its check and its reference fails the reference.
+
 **Lookup** (:meth:`EncoderCache.lookup`) lists the segment directory for
 names ending in the key's 16 hex digits (a consumer does not know the
 producer's pid; one ``listdir`` per item, about 0.1 ms for a few hundred
@@ -145,6 +157,9 @@ class _Record(msgspec.Struct, array_like=True, frozen=True):
     label: str
     pid: int
     created_ns: int
+    #: the segment's generation when the record was written (a pooled
+    #: segment reused since has another: the record is stale)
+    gen: int
 
 
 _REC_ENC = msgspec.msgpack.Encoder()
@@ -274,12 +289,12 @@ class Entry:
     __slots__ = ("__weakref__", "_released", "_seg", "directory", "dtype", "gen", "key",
                  "label", "name", "nbytes", "producer_pid", "shape")
 
-    def __init__(self, seg, rec: _Record, directory: str | None):
+    def __init__(self, seg, rec: _Record, directory: str | None, gen: int):
         self._seg = seg
         self._released = False
         self.directory = directory
         self.name = seg.name
-        self.gen = seg.gen
+        self.gen = gen
         self.key = rec.key
         self.dtype = codec.DTYPES[rec.dtype]
         self.shape = tuple(rec.shape)
@@ -398,15 +413,23 @@ class EncoderCache:
         directory: the segment directory (default ``MMSHM_DIR`` at each use).
         server: the ``server`` label of the metrics.
         keep_s: seconds a published entry stays after its last save.
+        max_bytes: the most bytes (records included) this process's published
+            entries may take, 0 for no cap of its own (the core's budget
+            still applies): a save evicts this process's oldest entries to
+            stay under it, and an output larger than the cap is not published
+            (``over_budget``). The core's ``MMSHM_MAX_BYTES`` caps every
+            segment of the process (pixel payloads too); this caps only the
+            encoder cache.
     """
 
     def __init__(self, directory: str | None = None, server: str = "vllm",
-                 keep_s: float = DEFAULT_KEEP_S):
-        if keep_s < 0:
-            raise ValueError("keep_s must be >= 0")
+                 keep_s: float = DEFAULT_KEEP_S, max_bytes: int = 0):
+        if keep_s < 0 or max_bytes < 0:
+            raise ValueError("keep_s and max_bytes must be >= 0")
         self.directory = directory
         self.server = server
         self.keep_s = float(keep_s)
+        self.max_bytes = int(max_bytes)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         #: key -> this process's published entry (holds the creator's reference)
@@ -460,6 +483,7 @@ class EncoderCache:
         t = t.contiguous()
         nbytes = t.numel() * t.element_size()
         try:
+            self._make_room(nbytes + RECORD_SIZE)
             seg = self._create(nbytes + RECORD_SIZE)
         except SegmentError as exc:
             reason = "over_budget" if getattr(exc, "reason", "") == "budget" else "no_space"
@@ -485,22 +509,34 @@ class EncoderCache:
         EPD_TRANSFER_SECONDS.labels(server=self.server).observe(time.perf_counter() - t0)
         return SaveResult(True, name, None, nbytes)
 
+    def _make_room(self, need: int) -> None:
+        """Give back this process's oldest entries until ``need`` more bytes
+        fit under :attr:`max_bytes`. Raises :class:`ShmSpaceError` (reason
+        ``budget``) for an output larger than the cap."""
+        if not self.max_bytes:
+            return
+        if need > self.max_bytes:
+            raise ShmSpaceError(f"budget: {need} bytes exceed the encoder cache's max_bytes="
+                                f"{self.max_bytes}", reason="budget")
+        with self._lock:
+            while self._expiry and (sum(o.nbytes + RECORD_SIZE for o in self._own.values())
+                                    + need > self.max_bytes):
+                self._drop(next(iter(self._expiry)))
+
     def _create(self, nbytes: int):
-        """A new segment (never from the warm pool's reuse at count 0: the
-        poolable flag is cleared, so its last release unlinks it), evicting
-        this process's oldest entries while the budget or the space refuses."""
+        """A segment from the core (:func:`mmshm.segments.segment.create`: a
+        warm one from this process's pool when ``MMSHM_POOL`` is on and one
+        of the size class is idle, else a new file), evicting this process's
+        oldest entries while the budget or the space refuses."""
         while True:
             try:
-                seg = segment.create(nbytes, self.directory)
-                break
+                return segment.create(nbytes, self.directory)
             except ShmSpaceError:
                 with self._lock:
                     oldest = next(iter(self._expiry), None)
                     if oldest is None:
                         raise
                     self._drop(oldest)
-        segfile.disown_for_exit(seg.fd, seg.path)  # clears FLAG_POOLABLE
-        return seg
 
     def _fill_and_publish(self, seg, key: bytes, t: torch.Tensor, code: int, nbytes: int,
                           label: str) -> str | None:
@@ -514,19 +550,26 @@ class EncoderCache:
                 del dst
         seg.blank = False
         rec = _REC_ENC.encode(_Record(key, code, tuple(int(s) for s in t.shape), nbytes,
-                                      label[:512], os.getpid(), time.time_ns()))
+                                      label[:512], os.getpid(), time.time_ns(), seg.gen))
         os.pwrite(seg.fd, _RECORD_MAGIC + _LEN.pack(len(rec)) + rec,
                   HEADER_SIZE + seg.payload_size - RECORD_SIZE)
         name = published_name(key)
         d = os.path.dirname(seg.path)
         final = os.path.join(d, name)
+        old = seg.path
         try:
-            os.link(seg.path, final)  # atomic, never replaces: complete or invisible
+            os.link(old, final)  # atomic, never replaces: complete or invisible
         except FileExistsError:
-            return None
+            try:
+                same = os.path.samefile(old, final)  # a pooled segment of this key's name
+            except OSError:
+                same = False
+            if not same:
+                return None
+            if old == final:
+                return name
         except OSError as exc:
             raise segfile.os_error(exc, "publish", final) from None
-        old = seg.path
         with TABLE.lock:
             if TABLE.segments.get(seg.name) is seg:
                 del TABLE.segments[seg.name]
@@ -648,7 +691,8 @@ class EncoderCache:
             held = False
             try:
                 rec = _read_record(seg)
-                if rec is None:
+                gen = read_header(seg.fd, seg.path).gen
+                if rec is None or rec.gen != gen:
                     reason, detail = "segment_gone", f"{name} holds no complete entry record"
                     continue
                 if rec.key != key:
@@ -663,10 +707,11 @@ class EncoderCache:
                         f"{name} holds {got} {list(rec.shape)}, expected {dtype} with "
                         f"{rows} rows")
                     continue
-                # fails if the last holder let go since the attach (freed: a miss)
-                segment.update_refcount(name, 1, self.directory, seg.gen)
+                # fails if the last holder let go since the attach, or the segment
+                # was pooled and reused (another generation): a miss, never its bytes
+                segment.update_refcount(name, 1, self.directory, gen)
                 held = True
-                return Entry(seg, rec, self.directory), "", ""
+                return Entry(seg, rec, self.directory, gen), "", ""
             except (MmshmError, OSError) as exc:
                 reason, detail = "segment_gone", f"{name}: {exc}"
             finally:
