@@ -71,8 +71,8 @@ import pytest
 
 from tests.harness import faults, matrix, models
 from tests.harness.servers import (
-    ROOT, Server, data_url, free_port, metric, needs_e2e, report_figures, segments, series,
-    vllm_argv, vllm_env)
+    PRIVATE_SHM, ROOT, Server, data_url, free_port, metric, mount_tmpfs, needs_e2e,
+    private_shm_prefix, report_figures, segments, series, unmount_tmpfs, vllm_argv, vllm_env)
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(2400)]
 
@@ -208,8 +208,17 @@ def stream_until_decoding(srv: Server, url: str, dp_rank: int):
 def run_shape(model: str, photos: dict, name: str, mmshm_run: bool) -> dict:
     """Start P (DP=2, KV producer) and D (KV consumer), run the cases of the
     module docstring, stop both (under mmshm: SIGKILL of DP rank 1's
-    EngineCore first, then the reaper), and return what was seen."""
-    parent = Path(tempfile.mkdtemp(prefix=f"mmshm-e2e-shapes-{name}-", dir="/dev/shm"))
+    EngineCore first, then the reaper), and return what was seen.
+
+    As root both servers run on a private /dev/shm (one tmpfs of their own,
+    ``private_shm_prefix``), so that what the SIGKILLed P leaves of vLLM's
+    and Python's own (``sem.mp-*`` semaphores, ``psm_*`` rings) never
+    reaches the host's /dev/shm; their segment directories are then on
+    another tmpfs, outside /dev/shm, at the same path inside and out."""
+    own_shm = mount_tmpfs(f"mmshm-e2e-shapes-{name}-shm-", "1g") if PRIVATE_SHM else None
+    prefix = private_shm_prefix(own_shm) if own_shm else None
+    parent = (mount_tmpfs(f"mmshm-e2e-shapes-{name}-", "2g") if PRIVATE_SHM else
+              Path(tempfile.mkdtemp(prefix=f"mmshm-e2e-shapes-{name}-", dir="/dev/shm")))
     kv_dir = Path(tempfile.mkdtemp(prefix=f"mmshm-e2e-kv-{name}-"))
     dirs = {"P": parent / "P", "D": parent / "D"}
     for d in dirs.values():
@@ -220,12 +229,12 @@ def run_shape(model: str, photos: dict, name: str, mmshm_run: bool) -> dict:
     P = Server(vllm_argv(model, port_p, 1) + common + [
         "--data-parallel-size", "2", "--kv-transfer-config", kv_config("kv_producer", kv_dir)],
         port_p, LOGS / f"shapes-{name}-P.log", env=vllm_env(2, **extra("P")),
-        mmshm_run=mmshm_run, leaks=LEAKS, ready_timeout_s=900)
+        mmshm_run=mmshm_run, leaks=LEAKS, ready_timeout_s=900, prefix=prefix)
     D = Server(vllm_argv(model, port_d, 1) + common + [
         "--kv-transfer-config", kv_config("kv_consumer", kv_dir)],
         port_d, LOGS / f"shapes-{name}-D.log",
         env=vllm_env(1, VLLM_CPU_OMP_THREADS_BIND="1", **extra("D")),
-        mmshm_run=mmshm_run, leaks=LEAKS, ready_timeout_s=900)
+        mmshm_run=mmshm_run, leaks=LEAKS, ready_timeout_s=900, prefix=prefix)
     rec: dict = {"dp": {}, "dp_deltas": {}, "unified": {}, "decode": {}, "decode_deltas": {},
                  "dirs": dirs}
     t0 = time.monotonic()
@@ -312,7 +321,15 @@ def run_shape(model: str, photos: dict, name: str, mmshm_run: bool) -> dict:
         shutil.rmtree(kv_dir, ignore_errors=True)
         rec["parent_left"] = sorted(str(p.relative_to(parent)) for p in parent.rglob("*")
                                     if p.is_file())
-        subprocess.run(["rm", "-rf", str(parent)], check=False)
+        if PRIVATE_SHM:
+            unmount_tmpfs(parent)
+        else:
+            subprocess.run(["rm", "-rf", str(parent)], check=False)
+        if own_shm is not None:
+            rec["own_shm_left"] = sorted(os.listdir(own_shm))
+            unmount_tmpfs(own_shm)
+            _say(f"{name} P + D left in their private /dev/shm (dropped with it): "
+                 f"{len(rec['own_shm_left'])} file(s) {rec['own_shm_left']}")
     rec["wall_s"] = time.monotonic() - t0
     keep = ("dp", "unified", "decode", "direct", "miss", "check", "engines", "dp_deltas",
             "decode_deltas", "direct_deltas", "gc", "left_by_kill", "held_at_kill")
