@@ -27,7 +27,10 @@
 # Both instances must use the same MMSHM_DIR (the entries are segments there)
 # and the same model and dtype (the key's namespace; ec_connector_extra_config
 # "namespace" overrides it). An entry stays KEEP_S seconds after its last save
-# (ec_connector_extra_config "keep_s"), longer while the PD instance holds it.
+# (ec_connector_extra_config "keep_s"), longer while the PD instance holds it;
+# MAX_BYTES caps the encoder's published bytes ("max_bytes", 0: no cap of its
+# own): it gives back its oldest entries first, and an output larger than the
+# cap is not published (PD encodes that item itself, counted).
 # Check the node from the same environment: mmshm doctor; mmshm status; mmshm gc
 set -euo pipefail
 
@@ -68,8 +71,8 @@ case "$ROLE" in
   pd)      EC_ROLE=ec_consumer; PORT=${PORT:-8002} ;;
   *) echo "ROLE must be encoder, pd or ask (not $ROLE)" >&2; exit 2 ;;
 esac
-EC_CONFIG=$(printf '{"ec_connector": "MmshmECConnector", "ec_connector_module_path": "%s", "ec_role": "%s", "ec_connector_extra_config": {"keep_s": %s}}' \
-  mmshm.integrations.vllm.disagg "$EC_ROLE" "${KEEP_S:-60}")
+EC_CONFIG=$(printf '{"ec_connector": "MmshmECConnector", "ec_connector_module_path": "%s", "ec_role": "%s", "ec_connector_extra_config": {"keep_s": %s, "max_bytes": %s}}' \
+  mmshm.integrations.vllm.disagg "$EC_ROLE" "${KEEP_S:-60}" "${MAX_BYTES:-0}")
 
 # Under `mmshm run` the frontend -> EngineCore -> worker hops of each instance
 # go through shared memory too, and mmshm's series (mmshm_epd_* included)
