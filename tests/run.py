@@ -90,7 +90,7 @@ E2E_SGLANG: dict[str, list[str]] = {
     "0.5.9": _tests("e2e/test_sglang_e2e.py", "e2e/test_sglang_multinode_e2e.py"),
     "0.5.23": _tests("e2e/test_sglang_e2e.py", "e2e/test_sglang_multinode_e2e.py",
                      "e2e/test_matrix.py", "e2e/test_sglang_pd_e2e.py",
-                     "e2e/test_sglang_dp_e2e.py"),
+                     "e2e/test_sglang_dp_e2e.py", "e2e/test_sglang_epd.py"),
 }
 #: vLLM 0.33 module tests (its real engine, serial and shm_broadcast modules),
 #: and the EPD connector MmshmECConnector against vLLM's EC-connector factory and
