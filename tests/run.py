@@ -85,7 +85,10 @@ SGLANG_MODULE_TESTS = _tests("integrations/test_sglang.py",
                              "integrations/test_sglang_dp_attention.py")
 #: Real-server SGLang tests per release (about 10 minutes each on two cores:
 #: start-ups dominate): one node, then two simulated nodes (--nnodes 2); on
-#: 0.5.23 also the model matrix, a PD decode instance and data parallelism.
+#: 0.5.23 also the model matrix, a PD decode instance, data parallelism and,
+#: last (it compares with test_sglang_e2e.py's unified answers), encoder
+#: disaggregation (an --encoder-only and a --language-only instance, plain
+#: and under mmshm run).
 E2E_SGLANG: dict[str, list[str]] = {
     "0.5.9": _tests("e2e/test_sglang_e2e.py", "e2e/test_sglang_multinode_e2e.py"),
     "0.5.23": _tests("e2e/test_sglang_e2e.py", "e2e/test_sglang_multinode_e2e.py",
