@@ -319,8 +319,14 @@ class _Mmshm:
         self.cache.evict(self.key(name))
 
     def close(self) -> None:
+        """Release everything, and unlink this process's warm pool (where the
+        store keeps freed entries' segments for the next save)."""
+        from mmshm.segments.table import TABLE
+
         self.release()
         self.cache.close()
+        TABLE.sweep()
+        TABLE.trim_pool(self.cache.directory)
 
 
 # --------------------------------------------------------------------------- a rank

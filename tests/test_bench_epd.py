@@ -27,11 +27,14 @@ def test_quick_run_moves_equal_bytes_on_every_path(tmp_path, shm_dir):
     disk = tmp_path / "disk"
     disk.mkdir()
     out = tmp_path / "epd.json"
+    # the warm pool on, as a user's run has it (the conftest turns it off): the
+    # store reuses freed entries' segments, and the bench must unlink them at the end
+    env = {k: v for k, v in os.environ.items() if k != "MMSHM_POOL"}
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "mmshm.cli", "bench", "epd", "--quick", "--tp", str(TP),
              "--tmpfs-dir", tmpfs, "--disk-dir", str(disk), "--json", str(out)],
-            capture_output=True, text=True, timeout=180, env=dict(os.environ), check=False)
+            capture_output=True, text=True, timeout=180, env=env, check=False)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "mmshm bench epd: tiny Qwen2-VL" in proc.stdout  # the table
         left_tmpfs, left_disk = os.listdir(tmpfs), os.listdir(disk)
