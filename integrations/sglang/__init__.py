@@ -14,13 +14,25 @@ scheduler, every TP rank: ``__init__`` (roles); ``recv_requests`` (requests:
   deferred unwrap; ``broadcast_src/dst``); ``unwrap_shm_features``,
   ``_finalize_shm_features``, ``_get_multimodal_inputs`` (timing only:
   ``materialize``, ``mm_inputs``).
+EPD (0.5.23, disagg): encoder ``MMEncoder._send`` (a handle per TP rank, one
+  segment), ``ZmqDelivery.release`` (the encoder's reference goes),
+  ``MMEncoder.__init__`` (roles); language scheduler
+  ``WaitingZmqRequest._extract_embedding_from_buffer`` (zero-copy map),
+  ``MMReceiverBase._drain_scheduler_embeddings`` and
+  ``WaitingMMRequestBase._try_recv_mm_data`` (unread handles given back),
+  ``MMReceiverBase._process_waiting_requests`` (a failed encode fails its
+  request only), ``MMReceiverBase.__init__`` (roles); language tokenizer
+  ``MMReceiverBase._send_encode_request`` (no encoder: counted). 0.5.9-0.5.15:
+  the encoder classes' ``__init__`` say the path is off.
 """
 
 from mmshm.hooks import observe
 from mmshm.hooks.instrumentor import SHM, Instrumentor, Target, source_file
 
-from . import requests, roles, timing, workers
-from .server import DP_CONTROLLER, MM_UTILS, RECEIVER, SCHEDULER, SERVER, TOKENIZER
+from . import disagg, requests, roles, timing, workers
+from .server import (DP_CONTROLLER, ENCODER_RECEIVER, ENCODER_SERVER, MM_UTILS,
+                     OLD_ENCODE_RECEIVER, OLD_ENCODE_SERVER, RECEIVER, SCHEDULER, SERVER,
+                     TOKENIZER)
 
 
 class SGLangInstrumentor(Instrumentor):
@@ -63,4 +75,36 @@ class SGLangInstrumentor(Instrumentor):
             Target(DP_CONTROLLER, "DataParallelController.__init__", roles.controller_ready,
                    optional=True, only=SHM),
         ] + ([Target(RECEIVER, "attn_cp_tp_broadcast_pyobj", workers.attn_broadcast,
-                     optional=True, factory=True, only=SHM)] if receiver else [])
+                     optional=True, factory=True, only=SHM)] if receiver else []) + \
+            self.epd_targets()
+
+    @staticmethod
+    def epd_targets() -> list[Target]:
+        """Encoder disaggregation (``--encoder-only`` / ``--language-only``): all
+        optional, so a release without this code refuses nothing."""
+        enc, recv = ENCODER_SERVER, ENCODER_RECEIVER
+        return [
+            Target(enc, "MMEncoder._send", disagg.encoder_send, optional=True, only=SHM),
+            Target(enc, "ZmqDelivery.release", disagg.delivery_release, optional=True,
+                   only=SHM),
+            Target(enc, "MMEncoder.__init__", roles.encoder_ready, optional=True, only=SHM),
+            Target(recv, "WaitingZmqRequest._extract_embedding_from_buffer",
+                   disagg.extract_embedding, optional=True, only=SHM),
+            Target(recv, "MMReceiverBase._drain_scheduler_embeddings",
+                   disagg.drain_embeddings, optional=True, only=SHM),
+            Target(recv, "WaitingMMRequestBase._try_recv_mm_data", disagg.try_recv,
+                   optional=True, only=SHM),
+            Target(recv, "MMReceiverBase.__init__", roles.epd_receiver_ready, optional=True,
+                   only=SHM),
+            # a failed encode fails its request only, in both modes
+            Target(recv, "MMReceiverBase._process_waiting_requests", disagg.process_waiting,
+                   optional=True),
+            Target(recv, "MMReceiverBase._send_encode_request", disagg.send_encode_request,
+                   optional=True),
+            Target(OLD_ENCODE_SERVER, "MMEncoder.__init__",
+                   roles.epd_unrecognized("encoder", disagg.PATH_EPD_SEND), optional=True,
+                   only=SHM),
+            Target(OLD_ENCODE_RECEIVER, "MMReceiverBase.__init__",
+                   roles.epd_unrecognized("encoder receiver", disagg.PATH_EPD_RECV),
+                   optional=True, only=SHM),
+        ]

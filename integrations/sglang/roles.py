@@ -73,3 +73,46 @@ def controller_ready(wrapped, instance, args, kwargs):
     instance._request_dispatcher = wrapt.FunctionWrapper(dispatcher, forward_then_release)
     say("data-parallel controller", [PATH_DP_FORWARD], [PATH_DP_FORWARD])
     return result
+
+
+def encoder_ready(wrapped, instance, args, kwargs):
+    """``MMEncoder.__init__`` (0.5.23, an ``--encoder-only`` instance): its line."""
+    result = wrapped(*args, **kwargs)
+    backend = getattr(instance, "transfer_backend", None)
+    if backend == "zmq_to_scheduler":
+        me().say(Role("encoder", [disagg.PATH_EPD_SEND]))
+    else:
+        me().say(Role("encoder", [], [(disagg.PATH_EPD_SEND,
+                                       f"--encoder-transfer-backend {backend}: mmshm carries "
+                                       "zmq_to_scheduler only", disagg.FIX_EPD_BACKEND)]))
+    return result
+
+
+def epd_receiver_ready(wrapped, instance, args, kwargs):
+    """``MMReceiverBase.__init__`` (0.5.23) of a language-only scheduler: its line."""
+    result = wrapped(*args, **kwargs)
+    if getattr(instance, "scheduler", None) is None:
+        return result  # the tokenizer's receiver: dispatches, receives nothing
+    rank = getattr(instance, "tp_rank", "?")
+    role = f"encoder receiver ({scheduler_role(rank)})"
+    backend = getattr(instance, "encoder_transfer_backend", None)
+    if backend == "zmq_to_scheduler":
+        me().say(Role(role, [disagg.PATH_EPD_RECV, disagg.PATH_EPD_FAULTS]))
+    else:
+        me().say(Role(role, [disagg.PATH_EPD_FAULTS], [(
+            disagg.PATH_EPD_RECV, f"--encoder-transfer-backend {backend}: mmshm carries "
+            "zmq_to_scheduler only", disagg.FIX_EPD_BACKEND)]))
+    return result
+
+
+def epd_unrecognized(role: str, path: str):
+    """A wrapper for the ``__init__`` of an encoder or receiver class whose
+    release mmshm does not carry (0.5.9-0.5.15): says ``path`` is off."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        me().say(Role(role, [], [(path, "mmshm does not recognize this SGLang release's "
+                                  "encoder code (disaggregation/encode_server.py, "
+                                  "encode_receiver.py)", disagg.FIX_EPD_RELEASE)]))
+        return wrapped(*args, **kwargs)
+
+    return wrapper

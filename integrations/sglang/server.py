@@ -15,6 +15,11 @@ TOKENIZER = "sglang.srt.managers.tokenizer_manager"
 SCHEDULER = "sglang.srt.managers.scheduler"
 RECEIVER = "sglang.srt.managers.scheduler_components.request_receiver"
 DP_CONTROLLER = "sglang.srt.managers.data_parallel_controller"
+#: EPD (encoder disaggregation): 0.5.23's encoder package; 0.5.9-0.5.15's modules.
+ENCODER_SERVER = "sglang.srt.disaggregation.encoder.server"
+ENCODER_RECEIVER = "sglang.srt.disaggregation.encoder.receiver"
+OLD_ENCODE_SERVER = "sglang.srt.disaggregation.encode_server"
+OLD_ENCODE_RECEIVER = "sglang.srt.disaggregation.encode_receiver"
 
 #: Transport paths as :mod:`mmshm.hooks.report` names them (``mmshm_path_enabled``).
 PATH_REQUESTS = "multimodal tensors to the scheduler through shared memory"
