@@ -92,7 +92,6 @@ is said at WARNING with the fix.
 from __future__ import annotations
 
 import atexit
-import errno
 import logging
 import multiprocessing.util
 import os
@@ -108,8 +107,7 @@ import msgspec
 import numpy as np
 import torch
 
-from mmshm import config
-from mmshm.errors import MmshmError, SegmentCorruptError, SegmentError, ShmSpaceError
+from mmshm.errors import MmshmError, SegmentError, ShmSpaceError
 from mmshm.metrics import (
     EPD_BYTES,
     EPD_FALLBACKS,
@@ -119,7 +117,14 @@ from mmshm.metrics import (
 )
 from mmshm.segments import codec, segfile, segment
 from mmshm.segments.codec import HandleMeta
-from mmshm.segments.segfile import HEADER_SIZE, NAME_RE, PREFIX, read_header, segment_dir
+from mmshm.segments.segfile import (
+    HEADER_SIZE,
+    NAME_RE,
+    PREFIX,
+    STATE_POOLED,
+    read_header,
+    segment_dir,
+)
 from mmshm.segments.segment import SegmentRef
 from mmshm.segments.shmtensor import ShmTensor, write_and_hash
 from mmshm.segments.table import TABLE
@@ -632,7 +637,8 @@ class EncoderCache:
 
     def close(self) -> None:
         """Give back the creator's reference of every entry of this process
-        (also run at exit): entries nobody else holds go at once.
+        (also run at exit): entries nobody else holds go at once, their
+        warm pages too.
         Idempotent; the store publishes nothing after it."""
         with self._lock:
             self._closed = True
@@ -640,9 +646,14 @@ class EncoderCache:
                 self._own.clear()
                 self._expiry.clear()
                 return
+            segs = [o.seg for o in self._own.values()]
             for key in list(self._own):
                 self._drop(key)
             self._wake.notify_all()
+        with TABLE.lock:  # and no warm pages kept for saves that will not come
+            for seg in segs:
+                if seg.fd >= 0 and seg.pins == 0 and seg.status() == STATE_POOLED:
+                    TABLE.unlink_pooled(seg)
 
     # -- consumer --------------------------------------------------------------------
     def lookup(self, key: bytes, dtype: torch.dtype | None = None, rows: int | None = None,
