@@ -103,7 +103,7 @@ VLLM_MODULE_TESTS = _tests("integrations/test_vllm.py", "integrations/test_vllm_
 #: observe mode, SIGKILL and reclaim, read-only directory, two simulated
 #: nodes), the model matrix, deployment shapes (DP=2 prefill + decode, 1P1D).
 E2E_VLLM = _tests("e2e/test_vllm_server.py", "e2e/test_matrix.py",
-                  "e2e/test_vllm_shapes.py")
+                  "e2e/test_vllm_shapes.py", "e2e/test_vllm_epd.py")
 
 # -- SGLang environments -------------------------------------------------------------------
 #: Packages every SGLang release imports (without those the runner's
