@@ -338,3 +338,25 @@ def test_the_warm_pool_reuses_entries_and_a_stale_record_is_never_loaded(shm_dir
     assert torch.equal(e.load(), _output(3))
     e.release()
     store.close()
+
+
+@pytest.mark.parametrize("use_pool", [False, True])
+def test_a_large_output_fresh_and_pooled_is_byte_equal(shm_dir, monkeypatch, use_pool):
+    monkeypatch.setenv("MMSHM_POOL", "1" if use_pool else "0")
+    config.reload()
+    store = ec.EncoderCache()
+    for s in (1, 2):  # the second one reuses the first's segment from the pool
+        k, want = ec.content_key(_item(s), "big"), _output(s, rows=24_000, dtype=torch.bfloat16)
+        assert want.nbytes >= ec.PARALLEL_MIN_BYTES  # the threaded copy
+        assert store.save(k, want, str(s)).published
+        e = store.lookup(k, torch.bfloat16, 24_000)
+        got = e.load()
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        del got
+        e.release()
+        gc.collect()
+        store.evict(k)
+    store.close()
+    from mmshm.segments.table import TABLE
+
+    TABLE.trim_pool()

@@ -126,7 +126,13 @@ from mmshm.segments.segfile import (
     segment_dir,
 )
 from mmshm.segments.segment import SegmentRef
-from mmshm.segments.shmtensor import ShmTensor, write_and_hash
+from mmshm.segments.shmtensor import (
+    PARALLEL_MIN_BYTES,
+    ShmTensor,
+    copy_threads,
+    parallel_fill,
+    write_and_hash,
+)
 from mmshm.segments.table import TABLE
 
 log = logging.getLogger("mmshm")
@@ -546,13 +552,29 @@ class EncoderCache:
     def _fill_and_publish(self, seg, key: bytes, t: torch.Tensor, code: int, nbytes: int,
                           label: str) -> str | None:
         if nbytes:
+            # as the core fills a handle's segment: a new file by pwrite (no
+            # zeroing, no page faults; the sweeper maps its pages once it is
+            # pooled), a warm pooled one through its mapping; split across
+            # the copy threads from PARALLEL_MIN_BYTES on
             src = t.reshape(-1).view(torch.uint8).numpy()
-            if seg.blank:
-                write_and_hash(seg.fd, HEADER_SIZE, src)
-            else:
-                dst = np.frombuffer(seg.payload_view(), dtype=np.uint8, count=nbytes)
-                np.copyto(dst, src)
-                del dst
+            threads = copy_threads() if nbytes >= PARALLEL_MIN_BYTES else 1
+            try:
+                if seg.blank:
+                    seg.cold = True
+                    if threads > 1:
+                        parallel_fill(src, threads, fd=seg.fd, offset=HEADER_SIZE)
+                    else:
+                        write_and_hash(seg.fd, HEADER_SIZE, src)
+                else:
+                    dst = np.frombuffer(seg.payload_view(), dtype=np.uint8, count=nbytes)
+                    if threads > 1:
+                        parallel_fill(src, threads, dst=dst)
+                    else:
+                        np.copyto(dst, src)
+                    del dst
+                    seg.cold = False
+            except OSError as exc:
+                raise segfile.os_error(exc, "write", seg.path) from None
         seg.blank = False
         rec = _REC_ENC.encode(_Record(key, code, tuple(int(s) for s in t.shape), nbytes,
                                       label[:512], os.getpid(), time.time_ns(), seg.gen))
