@@ -160,6 +160,10 @@ class EncoderCacheError(MmshmError):
         self.reason = reason
 
 
+class _CacheCapError(ShmSpaceError):
+    """An output larger than :attr:`EncoderCache.max_bytes` (reason ``budget``)."""
+
+
 class _Record(msgspec.Struct, array_like=True, frozen=True):
     key: bytes
     dtype: int
@@ -380,16 +384,16 @@ _FIX = {
 }
 
 
-def count_fallback(server: str, reason: str, detail: str) -> None:
+def count_fallback(server: str, reason: str, detail: str, fix: str | None = None) -> None:
     """Count one ``mmshm_epd_fallbacks_total{server, reason}``; the first of
-    each reason in this process is said at WARNING with its fix, the others
-    at DEBUG."""
+    each reason in this process is said at WARNING with its fix (``fix``,
+    else the reason's usual one), the others at DEBUG."""
     EPD_FALLBACKS.labels(server=server, reason=reason).inc()
     if reason not in _WARNED:
         _WARNED.add(reason)
         level = logging.INFO if reason == "missing" else logging.WARNING
         log.log(level, "mmshm: encoder cache (%s): %s (reason=%s; said once per process); "
-                "fix: %s", server, detail, reason, _FIX.get(reason, "see docs/vllm.md"))
+                "fix: %s", server, detail, reason, fix or _FIX.get(reason, "see docs/vllm.md"))
     else:
         log.debug("mmshm: encoder cache (%s): %s (reason=%s)", server, detail, reason)
 
@@ -498,9 +502,13 @@ class EncoderCache:
             seg = self._create(nbytes + RECORD_SIZE)
         except SegmentError as exc:
             reason = "over_budget" if getattr(exc, "reason", "") == "budget" else "no_space"
+            capped = isinstance(exc, _CacheCapError)
             count_fallback(self.server, reason,
                            f"an encoder output of {nbytes} bytes ({label or key.hex()[:16]}) "
-                           f"was not published: {exc}")
+                           f"was not published: {exc}",
+                           fix=(f"raise the encoder cache's max_bytes ({self.max_bytes}; vLLM: "
+                                f"ec_connector_extra_config max_bytes) above the largest "
+                                f"output") if capped else None)
             return SaveResult(False, None, reason, 0)
         try:
             name = self._fill_and_publish(seg, key, t, code, nbytes, label)
@@ -527,8 +535,8 @@ class EncoderCache:
         if not self.max_bytes:
             return
         if need > self.max_bytes:
-            raise ShmSpaceError(f"budget: {need} bytes exceed the encoder cache's max_bytes="
-                                f"{self.max_bytes}", reason="budget")
+            raise _CacheCapError(f"budget: {need} bytes exceed the encoder cache's max_bytes="
+                                 f"{self.max_bytes}", reason="budget")
         with self._lock:
             while self._expiry and (sum(o.nbytes + RECORD_SIZE for o in self._own.values())
                                     + need > self.max_bytes):
