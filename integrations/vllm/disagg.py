@@ -399,9 +399,9 @@ def _build_ec_classes() -> dict[str, type]:
                 pos = f.mm_position
                 if pos.offset + pos.length <= num_computed_tokens:
                     continue  # already in the KV cache: nothing to encode or load
-                self._looked.add((rid, i))
                 if self._by_id.get(f.identifier) is not None:
-                    continue  # held for another request already
+                    continue  # held for another request (looked up again once it lets go)
+                self._looked.add((rid, i))
                 rows = request.get_num_encoder_embeds(i)
                 entry = self._store.lookup(key, rows=rows, count=False)
                 if entry is None:

@@ -369,3 +369,22 @@ def test_a_held_entry_outlives_its_producer(shm_dir, consumer):
         assert reaper.reap(shm_dir).reasons["killed"] == 1
     finally:
         p.stop()
+
+
+def test_two_requests_of_one_item_each_get_it(produced, consumer, shm_dir):
+    """Content-hash identifiers (processor cache on): two requests name the
+    item alike. The second one loads it even after the first let go."""
+    sched, _ = consumer
+    produced.ask("encode", [("enc-0", [("sha-1", 8)])])
+    a, b = request("pd-a", [("sha-1", 8)]), request("pd-b", [("sha-1", 8)])
+    sched.ensure_cache_available(a, 0)
+    sched.ensure_cache_available(b, 0)
+    assert sched.has_cache_item("sha-1")
+    sched.request_finished(a)  # aborted; b was waiting
+    out, loads = schedule(sched, [b])
+    assert loads == [[True]]
+    cache, _ = load_step(out)
+    assert torch.equal(cache["sha-1"], encoder_output(8))
+    sched.request_finished(b)
+    del cache
+    gc.collect()
