@@ -167,40 +167,44 @@ def encoder_inputs(log: str) -> int:
 
 
 def burst_with_kill(pair: Pair, flows: list[tuple[list[str], list[str] | None]], victim: Server,
-                    after: int = 1, gap_s: float = 0.5) -> tuple[list[dict], dict]:
-    """``flows`` (urls, uuids) through :func:`proxy`, started ``gap_s``
-    apart, each in a thread of its own; as soon as ``after`` encoder
-    requests have answered, the ``victim``'s whole process group is
-    SIGKILLed (its processes, ``mmshm run`` included, die at once, as in an
-    OOM kill) while the later flows are still to come or under way.
-    Returns each flow's record (in order) and ``{"killed_at_s": seconds
-    from the first flow, "flows_started": flows started by then}``."""
+                    after: int = 1, late: int = 1) -> tuple[list[dict], dict]:
+    """A burst through :func:`proxy` with the ``victim``'s whole process
+    group SIGKILLed in the middle (its processes, ``mmshm run`` included,
+    die at once, as in an OOM kill): all ``flows`` (urls, uuids) but the
+    last ``late`` start at once, each in a thread of its own; as soon as
+    ``after`` encoder requests have answered, the group is killed (the
+    others are in flight or answered, as the encoder batched them); then
+    the ``late`` flows start, and find the encoder gone. Returns each
+    flow's record (in order) and ``{"killed_at_s": seconds from the start,
+    "encoder_answers_at_kill"}``."""
     done = threading.Semaphore(0)
+    answered = [0]
+    lock = threading.Lock()
     records: list[dict | None] = [None] * len(flows)
-    started = [0]
     info: dict = {}
     t0 = time.monotonic()
 
+    def on_encoded(enc: dict) -> None:
+        with lock:
+            answered[0] += "error" not in enc
+        done.release()
+
     def run(i: int, urls, uuids):
-        records[i] = proxy(pair, urls, uuids, on_encoded=lambda _e: done.release())
+        records[i] = proxy(pair, urls, uuids, on_encoded=on_encoded)
 
-    def killer():
-        for _ in range(after):
-            done.acquire(timeout=120)
-        info["flows_started"] = started[0]
-        kill_group(victim)
-        info["killed_at_s"] = round(time.monotonic() - t0, 2)
-
-    k = threading.Thread(target=killer, daemon=True)
-    k.start()
-    threads = []
-    for i, (urls, uuids) in enumerate(flows):
-        t = threading.Thread(target=run, args=(i, urls, uuids), daemon=True)
+    def start(i: int) -> threading.Thread:
+        t = threading.Thread(target=run, args=(i, *flows[i]), daemon=True)
         t.start()
-        started[0] += 1
-        threads.append(t)
-        time.sleep(gap_s)
-    k.join(timeout=180)
+        return t
+
+    threads = [start(i) for i in range(len(flows) - late)]
+    for _ in range(after):
+        done.acquire(timeout=120)
+    with lock:
+        info["encoder_answers_at_kill"] = answered[0]
+    kill_group(victim)
+    info["killed_at_s"] = round(time.monotonic() - t0, 2)
+    threads += [start(i) for i in range(len(flows) - late, len(flows))]
     for t in threads:
         t.join(timeout=300)
     return [r if r is not None else {"error": "no answer (thread still running)", "status": None}
