@@ -244,9 +244,17 @@ async def encoder_send(wrapped, instance, args, kwargs):
         return await wrapped(*args, **kwargs)
     import torch
 
+    from mmshm import MmshmError
     from mmshm.segments.shmtensor import ShmTensor
 
-    h.share(1)  # this send's reference: the receiving rank owns it
+    try:
+        h.share(1)  # this send's reference: the receiving rank owns it
+    except (MmshmError, OSError) as exc:  # the anchor's segment is gone: SGLang's bytes
+        epd_count("EPD_FALLBACKS", reason="segment_gone")
+        epd_warn_once("segment_gone_send", "mmshm: an encoder output's segment vanished "
+                      "before its send (%s); SGLang's own bytes carry it. Fix: nothing may "
+                      "remove mmshm's segments while the encoder runs", exc)
+        return await wrapped(*args, **kwargs)
     wire = h.encode()
     sub = mm_data.copy_without_embedding()
     sub.embedding = torch.frombuffer(bytearray(wire), dtype=torch.uint8)
