@@ -96,6 +96,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from mmshm.operations.status import mount_of
+
 #: name -> (shape, torch dtype name, what it is)
 SIZES: dict[str, tuple[tuple[int, ...], str, str]] = {
     "tiny": ((1196, 128), "float32", "tiny Qwen2-VL, 1 x 720p photo"),
@@ -174,24 +176,6 @@ def _mapped(tensor) -> bool:
     except OSError:
         pass
     return False
-
-
-def _fs_type(path: str) -> str:
-    """The file system type of the mount that holds ``path`` (/proc/mounts)."""
-    best, kind = "", "unknown"
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
-                    best, kind = mnt, parts[2]
-    except OSError:
-        pass
-    return kind
 
 
 # --------------------------------------------------------------------------- vLLM
@@ -689,7 +673,7 @@ def _result(rows, tp, repeats, warmup, dirs, real_vllm, leftovers, wall_s) -> di
     return {"tp": tp, "repeats": repeats, "warmup": warmup,
             "vllm_class": "vllm's ECExampleConnector" if real_vllm else
             "safetensors, the calls ECExampleConnector makes",
-            "dirs": {p: f"{d} ({_fs_type(d)})" for p, d in dirs.items()},
+            "dirs": {p: f"{d} ({mount_of(d)[1]})" for p, d in dirs.items()},
             "host": {"cores": os.cpu_count(), "load_average": os.getloadavg()[0]},
             "wall_s": wall_s, "leftovers": leftovers,
             "rows": out_rows, "goals": _goals(out_rows, tp)}
