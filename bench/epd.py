@@ -178,6 +178,11 @@ def _mapped(tensor) -> bool:
     return False
 
 
+
+
+def _speed(x: float) -> str:
+    """A speed ratio in words: ``2.00x faster``, or ``1.23x slower`` below 1."""
+    return f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
 # --------------------------------------------------------------------------- vLLM
 
 class _Example:
@@ -718,7 +723,7 @@ def _goals(rows: list[dict], tp: int) -> list[dict]:
             goals.append({"size": size, "goal": f"mmshm >= {GOAL_EXAMPLE_X:g}x faster than "
                           "ECExampleConnector on tmpfs", "met": x >= GOAL_EXAMPLE_X,
                           "value": x, "touched": xt,
-                          "detail": f"{x:.2f}x faster; {xt:.2f}x with the first read "
+                          "detail": f"{_speed(x)}; {_speed(xt)} with the first read "
                                     "of every page"})
         if s and not s["skipped"] and s["bytes_sent"] and m["bytes_sent"]:
             x = s["bytes_sent"] / m["bytes_sent"]

@@ -1,4 +1,10 @@
-"""Prefill/decode disaggregation: a decode instance writes no pixels (docs/vllm.md)."""
+"""Disaggregation on vLLM (docs/vllm.md): prefill/decode, where a decode instance writes no
+pixels, and encoder disaggregation (EPD), where ``MmshmECConnector`` carries encoder outputs
+from an encoder instance to a prefill/decode instance through mmshm's content-keyed encoder
+cache (:mod:`mmshm.transport.encoder_cache`). vLLM loads it with ``--ec-transfer-config
+'{"ec_connector": "MmshmECConnector", "ec_connector_module_path":
+"mmshm.integrations.vllm.disagg", "ec_role": "ec_producer"}'`` (``ec_consumer`` on the other
+instance); it needs vLLM 0.32 or 0.33 in the same environment."""
 
 import contextvars
 
@@ -136,7 +142,13 @@ def __getattr__(name: str):
     if name in ("MmshmECConnector", "MmshmECConnectorMetadata", "MmshmECWorkerMetadata",
                 "MmshmECConnectorStats", "MmshmECPromMetrics"):
         if not _EC_CLASSES:
-            _EC_CLASSES.update(_build_ec_classes())
+            try:
+                _EC_CLASSES.update(_build_ec_classes())
+            except ImportError as e:
+                raise ImportError(
+                    f"mmshm: {name} is built on vLLM's EC connector classes, which this "
+                    f"environment cannot import ({e}); fix: install mmshm into the vLLM "
+                    "server's own environment (vLLM 0.32 or 0.33)") from e
         return _EC_CLASSES[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
