@@ -58,15 +58,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.servers import needs_e2e
+from tests.harness.servers import SGLANG_RELEASE as RELEASE, SGLANG_VERSION as V
+from tests.harness.servers import needs_e2e, needs_sglang
 
-pytestmark = needs_e2e("sglang")
-
-RELEASE = os.environ.get("MMSHM_SGLANG_RELEASE", "0.0.0")
-V = tuple(int(x) for x in RELEASE.split("."))
-if V != (0, 0, 0) and V < (0, 5, 23):
-    pytestmark = [pytestmark, pytest.mark.skip(
-        reason=f"the EPD pair runs on SGLang 0.5.23 here (not {RELEASE})")]
+pytestmark = [needs_e2e("sglang"), needs_sglang((0, 5, 23), "the EPD pair")]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"  # models.model_dir("qwen2-vl")

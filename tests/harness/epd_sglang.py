@@ -212,7 +212,7 @@ def start_pairs(*pairs: Pair) -> None:
     """Start every instance of ``pairs`` side by side (encoders first), then
     wait for each language instance to list its encoder. On failure every
     instance is killed and the error raised."""
-    every = [s for p in pairs for s in (p.encoder,)] + [p.language for p in pairs]
+    every = [p.encoder for p in pairs] + [p.language for p in pairs]
     servers.start_all(*every)
     try:
         for p in pairs:

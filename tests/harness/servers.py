@@ -189,6 +189,23 @@ def host_shm_new(before: set[str], patterns: tuple[str, ...] = SERVER_SHM_PATTER
     return sorted(host_shm_files(patterns) - before)
 
 
+#: The SGLang release the runner names (``MMSHM_SGLANG_RELEASE``; ``"0.0.0"``
+#: outside the runner) and its version tuple.
+SGLANG_RELEASE = os.environ.get("MMSHM_SGLANG_RELEASE", "0.0.0")
+SGLANG_VERSION = tuple(int(x) for x in SGLANG_RELEASE.split("."))
+
+
+def needs_sglang(least: tuple[int, ...], what: str):
+    """A skip mark for a real-server SGLang test that needs release ``least``
+    or newer (``what`` says what needs it); outside the runner (no release
+    named) it does not skip: :func:`needs_e2e` does."""
+    import pytest
+
+    old = SGLANG_VERSION != (0, 0, 0) and SGLANG_VERSION < least
+    return pytest.mark.skipif(old, reason=f"{what} runs on SGLang "
+                                          f"{'.'.join(map(str, least))} here (not {SGLANG_RELEASE})")
+
+
 def needs_e2e(server: str):
     """A skip mark for a real-server test of ``server`` (``sglang``,
     ``vllm``): it runs only from its runner, in the server's own environment
