@@ -69,6 +69,25 @@ Families (as exposed):
                                                reason (:data:`EPD_FALLBACK_REASONS`)
 ``mmshm_epd_transfer_seconds{server}``         histogram: seconds to publish or to load one
                                                encoder output
+``mmshm_arena_bytes``                          the arena's size in a producing process
+                                               (``MMSHM_ARENA_BYTES``; 0: off)
+``mmshm_arena_in_use_bytes``                   bytes of arena segments held by references
+                                               (the rest of the arena is idle, warm pages)
+``mmshm_arena_registered_bytes``               bytes of arena mappings this process has
+                                               registered with CUDA (page-locked for DMA)
+``mmshm_arena_registrations_total{result}``    mappings registered with CUDA, ``ok`` /
+                                               ``failed`` (then served unregistered)
+``mmshm_arena_fallbacks_total{reason}``        tensors that went to a plain segment because
+                                               the arena had no room: ``full`` / ``too_big``
+``mmshm_arena_views_total{registered}``        tensors handed out from the arena's
+                                               persistent mappings, ``yes`` / ``no``
+``mmshm_gpu_copy_bytes_total{direction}``      bytes mmshm copied between the arena and a
+                                               GPU, ``h2d`` / ``d2h``
+``mmshm_gpu_copy_seconds{direction}``          histogram: seconds of one such copy
+``mmshm_device_tensors_total{kind}``           tensors met in a request that already live
+                                               on a device and are left to the server:
+                                               ``cuda`` (a CUDA tensor), ``sglang_ipc``
+                                               (SGLang's CUDA-IPC proxy)
 =============================================  ==========================================
 
 **When the metrics are created.** prometheus-client picks single-process or
@@ -145,6 +164,18 @@ EPD_DIRECTIONS = ("saved", "loaded")
 EPD_FALLBACK_REASONS = ("over_budget", "no_space", "missing", "content_mismatch",
                         "incompatible", "segment_gone", "encoder_gone", "encoder_dropped",
                         "encoder_error")
+
+#: ``result`` label values of ``mmshm_arena_registrations_total``.
+ARENA_REG_RESULTS = ("ok", "failed")
+#: ``reason`` label values of ``mmshm_arena_fallbacks_total``: ``full`` (the arena's
+#: segments are all held), ``too_big`` (the tensor is larger than the whole arena).
+ARENA_FALLBACK_REASONS = ("full", "too_big")
+#: ``registered`` label values of ``mmshm_arena_views_total``.
+ARENA_VIEW_KINDS = ("yes", "no")
+#: ``direction`` label values of the GPU copy families.
+GPU_DIRECTIONS = ("h2d", "d2h")
+#: ``kind`` label values of ``mmshm_device_tensors_total``.
+DEVICE_TENSOR_KINDS = ("cuda", "sglang_ipc")
 
 _MULTIPROC_ENV = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
 
@@ -229,6 +260,33 @@ _SPECS = (
     ("EPD_TRANSFER_SECONDS", "histogram", "mmshm_epd_transfer_seconds",
      "Seconds to publish or to load one encoder output, by server.", ("server",),
      {"buckets": LATENCY_BUCKETS}),
+    ("ARENA_BYTES", "gauge", "mmshm_arena_bytes",
+     "Size of this process's arena (MMSHM_ARENA_BYTES; 0: off).", (),
+     {"multiprocess_mode": "livemax"}),
+    ("ARENA_IN_USE_BYTES", "gauge", "mmshm_arena_in_use_bytes",
+     "Bytes of arena segments held by references (the rest is idle, warm pages).", (),
+     {"multiprocess_mode": "livesum"}),
+    ("ARENA_REGISTERED_BYTES", "gauge", "mmshm_arena_registered_bytes",
+     "Bytes of arena mappings registered with CUDA (page-locked) in live processes.", (),
+     {"multiprocess_mode": "livesum"}),
+    ("ARENA_REGISTRATIONS", "counter", "mmshm_arena_registrations",
+     "Arena mappings registered with CUDA, by result (failed: served unregistered).",
+     ("result",), {}),
+    ("ARENA_FALLBACKS", "counter", "mmshm_arena_fallbacks",
+     "Tensors that went to a plain segment because the arena had no room, by reason.",
+     ("reason",), {}),
+    ("ARENA_VIEWS", "counter", "mmshm_arena_views",
+     "Tensors handed out from the arena's persistent mappings, by whether the mapping is "
+     "registered with CUDA.", ("registered",), {}),
+    ("GPU_COPY_BYTES", "counter", "mmshm_gpu_copy_bytes",
+     "Bytes mmshm copied between the arena and a GPU, by direction (h2d, d2h).",
+     ("direction",), {}),
+    ("GPU_COPY_SECONDS", "histogram", "mmshm_gpu_copy_seconds",
+     "Seconds of one copy between the arena and a GPU, by direction.", ("direction",),
+     {"buckets": LATENCY_BUCKETS}),
+    ("DEVICE_TENSORS", "counter", "mmshm_device_tensors",
+     "Tensors met in a request that already live on a device and are left to the server, "
+     "by kind (cuda, sglang_ipc).", ("kind",), {}),
 )
 # Label values created (at 0) with the metrics, so every series exists from the
 # first scrape: increase()/rate() and alerts then see the first event, and
@@ -243,6 +301,12 @@ _PREINIT = {
     "REFERENCES_HANDED": ("path", HANDED_PATHS),
     "REAPED_SEGMENTS": ("reason", REAP_REASONS),
     "REAPED_BYTES": ("reason", REAP_REASONS),
+    "ARENA_REGISTRATIONS": ("result", ARENA_REG_RESULTS),
+    "ARENA_FALLBACKS": ("reason", ARENA_FALLBACK_REASONS),
+    "ARENA_VIEWS": ("registered", ARENA_VIEW_KINDS),
+    "GPU_COPY_BYTES": ("direction", GPU_DIRECTIONS),
+    "GPU_COPY_SECONDS": ("direction", GPU_DIRECTIONS),
+    "DEVICE_TENSORS": ("kind", DEVICE_TENSOR_KINDS),
 }
 # The same for families with two labels: every combination of the values.
 _PREINIT_GRID = {
@@ -306,6 +370,15 @@ EPD_LOADS = _deferred["EPD_LOADS"]
 EPD_BYTES = _deferred["EPD_BYTES"]
 EPD_FALLBACKS = _deferred["EPD_FALLBACKS"]
 EPD_TRANSFER_SECONDS = _deferred["EPD_TRANSFER_SECONDS"]
+ARENA_BYTES = _deferred["ARENA_BYTES"]
+ARENA_IN_USE_BYTES = _deferred["ARENA_IN_USE_BYTES"]
+ARENA_REGISTERED_BYTES = _deferred["ARENA_REGISTERED_BYTES"]
+ARENA_REGISTRATIONS = _deferred["ARENA_REGISTRATIONS"]
+ARENA_FALLBACKS = _deferred["ARENA_FALLBACKS"]
+ARENA_VIEWS = _deferred["ARENA_VIEWS"]
+GPU_COPY_BYTES = _deferred["GPU_COPY_BYTES"]
+GPU_COPY_SECONDS = _deferred["GPU_COPY_SECONDS"]
+DEVICE_TENSORS = _deferred["DEVICE_TENSORS"]
 _init_lock = threading.RLock()
 _initialised = False
 _multiprocess = False

@@ -150,6 +150,16 @@ def default_pool_max_bytes(fs_size: int) -> int:
     return int(min(fs_size // 4, 2 << 30))
 
 
+def default_arena_bytes(fs_size: int) -> int:
+    """The default size of the arena (``MMSHM_ARENA_BYTES``, bytes) in a process
+    where CUDA is available, for a file system of ``fs_size`` bytes: 1 GiB, at
+    most a quarter of the file system (Docker's 64 MiB /dev/shm: 16 MiB, too
+    small for one 720p photo, so the arena then serves nothing and says so).
+    Where CUDA is not available the default is 0 (off): see
+    :func:`arena_bytes`."""
+    return int(min(fs_size // 4, 1 << 30))
+
+
 #: The types a :class:`Variable` may have, and what each accepts in words.
 TYPES = {
     "text": "any text",
@@ -316,6 +326,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MMSHM_POOL_MAX_BYTES", "pool_max_bytes", "size", None,
              "idle pooled bytes one process keeps", default_text="1/4 of the fs, at most 2 GiB",
              computed=default_pool_max_bytes),
+    Variable("MMSHM_ARENA_BYTES", "arena_bytes", "size", None,
+             "the arena: pooled segments this process keeps for good, mapped once and "
+             "registered with CUDA once by each consumer (0: off)",
+             default_text="where CUDA is available 1 GiB, at most 1/4 of the fs; else 0"),
     Variable("MMSHM_HASH", "hash", "choice", "lazy",
              "when a handle's BLAKE3 content hash is computed if none is given: lazy on the "
              "first read, eager at creation, in the copy's pass", choices=("lazy", "eager")),
@@ -399,6 +413,17 @@ def min_free_bytes(fs_size: int) -> int:
     return default_min_free_bytes(fs_size) if v is None else v
 
 
+def arena_bytes(fs_size: int, cuda: bool) -> int:
+    """The arena's size in force (bytes; 0: off) for a file system of ``fs_size``
+    bytes, in a process where CUDA is available (``cuda``) or not: the
+    ``MMSHM_ARENA_BYTES`` set, else :func:`default_arena_bytes` with CUDA and 0
+    without."""
+    v = get().arena_bytes
+    if v is not None:
+        return v
+    return default_arena_bytes(fs_size) if cuda else 0
+
+
 def pool_max_bytes(fs_size: int) -> int:
     """Most idle pooled bytes one process keeps, for a file system of
     ``fs_size`` bytes."""
@@ -422,6 +447,7 @@ class Settings:
     pool: bool
     pool_idle_s: float
     pool_max_bytes: int | None
+    arena_bytes: int | None
     node_id: str | None
     hash: str
     copy_threads: int

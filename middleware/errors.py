@@ -93,6 +93,18 @@ class WrongNodeError(HandleError):
     namespace, or segment directory)."""
 
 
+class RegistrationError(MmshmError, RuntimeError):
+    """CUDA refused to register an arena mapping (``cudaHostRegister``: a driver
+    error, or ``RLIMIT_MEMLOCK``). Raised by a registrar
+    (:mod:`mmshm.segments.arena`); the arena then serves that mapping
+    unregistered and says so once at WARNING. ``code`` is CUDA's error number
+    (0 when unknown)."""
+
+    def __init__(self, message: str, code: int = 0):
+        super().__init__(message)
+        self.code = code
+
+
 class HandleStateError(MmshmError, RuntimeError):
     """The handle no longer owns a reference (released or materialized)."""
 
