@@ -47,7 +47,7 @@ def shm_dir(monkeypatch):
     monkeypatch.setenv("MMSHM_POOL", "0")
     for var in ("MMSHM_MIN_BYTES", "MMSHM_DISABLE", "MMSHM_MAX_BYTES", "MMSHM_MIN_FREE_BYTES",
                 "MMSHM_POOL_IDLE_S", "MMSHM_POOL_MAX_BYTES", "MMSHM_NODE_ID",
-                "MMSHM_HASH", "MMSHM_MODE"):
+                "MMSHM_HASH", "MMSHM_MODE", "MMSHM_ARENA_BYTES"):
         monkeypatch.delenv(var, raising=False)
     config.reload()
     try:

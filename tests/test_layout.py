@@ -49,6 +49,7 @@ LAYERS: list[str] = [
     "mmshm.segments.segment",
     "mmshm.segments.codec",
     "mmshm.segments.refdebug",
+    "mmshm.segments.arena",
     "mmshm.segments.shmtensor",
     "mmshm.segments",
     # 4: the transport: wrap/unwrap, one hop's two ends, the broadcast

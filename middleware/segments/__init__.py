@@ -14,6 +14,9 @@ In dependency order:
 - :mod:`~mmshm.segments.codec`: a handle's wire metadata (:class:`HandleMeta`);
 - :mod:`~mmshm.segments.refdebug`: reference debugging (``MMSHM_DEBUG_REFS``); it
   wraps the module below, which hands itself over at import;
+- :mod:`~mmshm.segments.arena`: the arena, segments each consumer maps once
+  and registers with CUDA once (``MMSHM_ARENA_BYTES``), and the copies
+  between them and a GPU;
 - :mod:`~mmshm.segments.shmtensor`: :class:`~mmshm.ShmTensor`, the picklable,
   refcounted handle to a tensor in a segment.
 

@@ -102,6 +102,9 @@ STATE_LIVE = 1     # count > 0
 STATE_FREED = 2    # count reached 0 and the file was unlinked
 STATE_POOLED = 3   # count reached 0; the owner reuses it (warm pages)
 FLAG_POOLABLE = 1  # the owner's pool takes the segment back at count 0
+# an arena segment (mmshm.segments.arena): kept in its owner's pool for good, and
+# mapped once (and registered with CUDA once) by each consumer
+FLAG_ARENA = 2
 # magic, version, state, capacity (payload bytes), refcount, creator pid,
 # created ns, generation (bumped on every reuse), flags
 _HDR = struct.Struct("<8sIIQqQQQI")
@@ -124,7 +127,7 @@ class Header(NamedTuple):
     created_ns: int
     #: bumped by every reuse from the pool; a handle carries the one it was made for
     gen: int
-    #: ``FLAG_POOLABLE`` or 0
+    #: ``FLAG_POOLABLE``, ``FLAG_ARENA``, or'ed, or 0
     flags: int
 
 
@@ -205,9 +208,11 @@ _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def map_fd(fd: int, length: int, offset: int, shared: bool) -> ctypes.Array:
+def map_fd(fd: int, length: int, offset: int, shared: bool,
+           writable: bool = True) -> ctypes.Array:
     """Map ``length`` bytes of ``fd`` from ``offset`` (a page multiple),
-    read-write, ``MAP_SHARED`` or copy-on-write ``MAP_PRIVATE``, without
+    read-write (read-only without ``writable``: a write through it is a
+    SIGSEGV), ``MAP_SHARED`` or copy-on-write ``MAP_PRIVATE``, without
     duplicating the descriptor (Python's ``mmap`` would). Returns a ctypes
     byte array over the mapping (it exports the buffer protocol); the mapping
     is removed when that array is collected, i.e. once nothing exported from
@@ -216,7 +221,7 @@ def map_fd(fd: int, length: int, offset: int, shared: bool) -> ctypes.Array:
     and with it the liveness lock, until then. Raises :class:`OSError`."""
     if length <= 0:
         raise ValueError(f"cannot map {length} bytes")
-    addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
+    addr = _libc.mmap(None, length, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0),
                       mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE, fd, offset)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
@@ -254,12 +259,12 @@ def read_header(fd: int, path: str) -> Header:
     return hdr
 
 
-def write_new_header(buf, size: int, poolable: bool) -> None:
+def write_new_header(buf, size: int, poolable: bool, arena: bool = False) -> None:
     """Write the header of a segment just created by this process into its
     mapping ``buf``: live, ``size`` payload bytes, one reference (the
-    creator's), generation 0, one holder."""
+    creator's), generation 0, one holder; ``FLAG_ARENA`` with ``arena``."""
     _HDR.pack_into(buf, 0, MAGIC, VERSION, STATE_LIVE, size, 1, os.getpid(), time.time_ns(), 0,
-                   FLAG_POOLABLE if poolable else 0)
+                   (FLAG_POOLABLE if poolable else 0) | (FLAG_ARENA if arena else 0))
     _I64.pack_into(buf, _OFF_HOLDERS, 1)
 
 

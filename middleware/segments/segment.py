@@ -59,6 +59,8 @@ from mmshm.errors import (
     ShmSpaceError,
 )
 from mmshm.metrics import (
+    ARENA_BYTES,
+    ARENA_FALLBACKS,
     BYTES_IN_USE,
     FREE_BYTES,
     POOL_REQUESTS,
@@ -67,6 +69,7 @@ from mmshm.metrics import (
 )
 from mmshm.segments import segfile
 from mmshm.segments.segfile import (
+    FLAG_ARENA,
     HEADER_SIZE,
     OPEN_FLAGS,
     STATE_FREED,
@@ -84,7 +87,7 @@ from mmshm.segments.segfile import (
     take_owner,
     write_new_header,
 )
-from mmshm.segments.table import TABLE, size_class
+from mmshm.segments.table import TABLE, cuda_host, size_class
 
 log = logging.getLogger("mmshm")
 
@@ -97,7 +100,7 @@ class Segment:
     :func:`attach`, never the constructor.
     """
 
-    __slots__ = ("blank", "cold", "digest", "directory", "fd", "gen", "idle_since", "name",
+    __slots__ = ("arena", "blank", "cold", "digest", "directory", "fd", "gen", "idle_since", "name",
                  "owned", "path", "payload_size", "pins", "shared_map")
 
     def __init__(self, name: str, path: str, fd: int, payload_size: int, owned: bool,
@@ -123,6 +126,9 @@ class Segment:
         # process's mapping, unless the sweeper maps them first
         # (mmshm.segments.table.SegmentTable.warm_pooled)
         self.cold = False
+        # an arena segment (FLAG_ARENA): its owner keeps it pooled for good and
+        # a consumer maps it once (mmshm.segments.arena)
+        self.arena = False
 
     # -- reference count -------------------------------------------------
     def update_refcount(self, delta: int, gen: int | None = None) -> int:
@@ -259,6 +265,13 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     written. The caller owns one reference; ``Segment.gen`` is the generation
     its handles must carry.
 
+    While this process's arena (``MMSHM_ARENA_BYTES``, see
+    :mod:`mmshm.segments.arena`) has room, a new file is an arena segment
+    (``FLAG_ARENA``): its last release returns it to the pool for good. When
+    it has none, idle arena segments of other sizes are unlinked to make room;
+    a tensor that still does not fit gets a plain segment, counted in
+    ``mmshm_arena_fallbacks_total{reason}`` (``full``, ``too_big``).
+
     Raises:
         ShmSpaceError: ENOSPC while reserving space, or the budget guard
             (reason ``budget``); nothing is left behind.
@@ -282,6 +295,7 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
                 return seg
             POOL_REQUESTS.labels(result="miss").inc()
         TABLE.sweep()  # let go of segments freed elsewhere before counting what is in use
+        arena = cfg.pool and _arena_room(d, total)
     try:
         check_budget(d, total)
     except ShmSpaceError:
@@ -321,7 +335,7 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
         os.ftruncate(fd, total)
         os.posix_fallocate(fd, 0, total)
         mm = map_fd(fd, total, 0, shared=True)
-        write_new_header(mm, total - HEADER_SIZE, poolable=cfg.pool)
+        write_new_header(mm, total - HEADER_SIZE, poolable=cfg.pool, arena=arena)
     except OSError as exc:
         try:
             os.unlink(path)
@@ -339,6 +353,7 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     seg = Segment(name, path, fd, total - HEADER_SIZE, owned=True)
     seg.shared_map = mm
     seg.blank = True
+    seg.arena = arena
     SEGMENTS_CREATED.inc()
     SEGMENTS_IN_USE.inc()
     BYTES_IN_USE.inc(total)
@@ -346,6 +361,42 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
         TABLE.sweep()
         TABLE.register(seg)
     return seg
+
+
+_arena_said: set[str] = set()
+
+
+def _arena_room(directory: str, total: int) -> bool:
+    """Whether a new segment of ``total`` bytes joins this process's arena in
+    ``directory`` (call under the table's lock): the arena is on and has room,
+    after unlinking idle arena segments of other sizes if need be. Counts the
+    fallback otherwise."""
+    cap = config.arena_bytes(TABLE.fs_size(directory), cuda_host())
+    ARENA_BYTES.set(cap)
+    if not cap:
+        return False
+    if total > cap:
+        ARENA_FALLBACKS.labels(reason="too_big").inc()
+        if "too_big" not in _arena_said:
+            _arena_said.add("too_big")
+            log.warning(
+                "mmshm: a %d-byte tensor is larger than the whole arena (MMSHM_ARENA_BYTES=%d "
+                "in %s): it goes to a plain segment, mapped and copied to the GPU at pageable "
+                "speed; fix: raise MMSHM_ARENA_BYTES above the largest request's tensors "
+                "(said once)", total, cap, directory)
+        return False
+    over = TABLE.arena_bytes + total - cap
+    if over > 0 and TABLE.evict_arena(directory, over) < over:
+        ARENA_FALLBACKS.labels(reason="full").inc()
+        if "full" not in _arena_said:
+            _arena_said.add("full")
+            log.warning(
+                "mmshm: the arena (MMSHM_ARENA_BYTES=%d in %s) is full of tensors still in "
+                "use: this one goes to a plain segment; fix: raise MMSHM_ARENA_BYTES to cover "
+                "the tensors of the requests in flight (said once; "
+                "mmshm_arena_fallbacks_total counts each)", cap, directory)
+        return False
+    return True
 
 
 def attach(name: str, directory: str | None = None, gen: int | None = None) -> Segment:
@@ -404,6 +455,7 @@ def attach(name: str, directory: str | None = None, gen: int | None = None) -> S
                 raise
             raise os_error(exc, "attach", path) from None
         seg = Segment(name, path, fd, size, owned=False, gen=hdr.gen)
+        seg.arena = bool(hdr.flags & FLAG_ARENA)
         TABLE.register(seg)
         _ensure_exit_hook()
         return seg

@@ -33,7 +33,7 @@ from mmshm.errors import (
     WrongNodeError,
 )
 from mmshm.metrics import SHM_WRITTEN_BYTES
-from mmshm.segments import codec, node, refdebug, segment
+from mmshm.segments import arena, codec, node, refdebug, segment
 from mmshm.segments.codec import HandleMeta
 from mmshm.segments.segfile import HEADER_SIZE, os_error
 from mmshm.segments.segment import SegmentRef
@@ -893,6 +893,10 @@ class ShmTensor:
                 del buf
                 self.release()
                 return out
+            if seg.arena:  # this process's persistent mapping (registered with CUDA if it can)
+                arr = arena.VIEWS.view(seg, meta.gen, meta.nbytes)
+                self._owns = False  # the reference now belongs to the view
+                return torch.from_numpy(arr).view(dtype).view(meta.shape)
             mm = seg.map_private(meta.nbytes)
             arr = np.frombuffer(mm, dtype=np.uint8, count=meta.nbytes)
             del mm

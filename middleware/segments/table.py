@@ -58,7 +58,7 @@ import time
 from typing import Any
 
 from mmshm import config
-from mmshm.metrics import BYTES_IN_USE, SEGMENTS_IN_USE
+from mmshm.metrics import ARENA_IN_USE_BYTES, BYTES_IN_USE, SEGMENTS_IN_USE
 from mmshm.segments.reaper import ReapReport, reap
 from mmshm.segments.segfile import (
     HEADER_SIZE,
@@ -83,6 +83,29 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _POPULATE_OK = True
 
 
+_CUDA_HOST: bool | None = None
+
+
+def cuda_host() -> bool:
+    """Whether this process could use CUDA: torch is a CUDA build, the NVIDIA
+    driver's device files exist and ``CUDA_VISIBLE_DEVICES`` does not hide
+    every GPU. Cached per process. It never initializes CUDA (no
+    ``torch.cuda.is_available()``, which would make a later fork's children
+    unable to use CUDA); the arena's default size depends on it
+    (:func:`mmshm.config.arena_bytes`)."""
+    global _CUDA_HOST
+    if _CUDA_HOST is None:
+        try:
+            import torch
+            built = torch.version.cuda is not None
+        except Exception:  # noqa: BLE001 - no usable torch: no CUDA
+            built = False
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        _CUDA_HOST = (built and os.path.exists("/dev/nvidiactl")
+                      and (visible is None or visible.strip() not in ("", "-1")))
+    return _CUDA_HOST
+
+
 def size_class(total: int) -> int:
     """Round a segment size (bytes, header included) up to its pool class:
     whole pages up to 64 KiB, then eight classes per power of two: a size in
@@ -103,12 +126,16 @@ class SegmentTable:
             were registered or last taken from the pool.
         owned_bytes: bytes (header included) of this process's created, not
             yet closed segments.
+        arena_bytes: the part of ``owned_bytes`` that are arena segments
+            (``FLAG_ARENA``: kept in the pool for good, see
+            :mod:`mmshm.segments.arena`), in use or idle.
     """
 
     def __init__(self):
         self.lock = threading.RLock()
         self.segments: dict[str, Segment] = {}
         self.owned_bytes = 0
+        self.arena_bytes = 0
         self._sweeper: threading.Thread | None = None
         #: directory -> why it cannot hold segments (None: it can), once checked
         self._dir_problems: dict[str, str | None] = {}
@@ -124,6 +151,7 @@ class SegmentTable:
         self.lock = threading.RLock()
         self._sweeper = None
         self.owned_bytes = 0
+        self.arena_bytes = 0
         for seg in list(self.segments.values()):
             seg.close()
         self.segments.clear()
@@ -139,6 +167,8 @@ class SegmentTable:
         self.segments[seg.name] = seg
         if seg.owned:
             self.owned_bytes += HEADER_SIZE + seg.payload_size
+            if seg.arena:
+                self.arena_bytes += HEADER_SIZE + seg.payload_size
             self._ensure_sweeper()
 
     def forget(self, seg: Segment) -> None:
@@ -149,6 +179,8 @@ class SegmentTable:
             detach(seg.fd)
             if seg.owned:
                 self.owned_bytes -= HEADER_SIZE + seg.payload_size
+                if seg.arena:
+                    self.arena_bytes -= HEADER_SIZE + seg.payload_size
                 SEGMENTS_IN_USE.dec()
                 BYTES_IN_USE.dec(HEADER_SIZE + seg.payload_size)
         seg.close()
@@ -286,18 +318,34 @@ class SegmentTable:
                     self.unlink_pooled(seg)
         return freed
 
+    def evict_arena(self, directory: str, need: int) -> int:
+        """Unlink idle arena segments of this process in ``directory``, the
+        longest idle first, until ``need`` bytes are given back (an arena
+        full of segments of another size: their consumers' mappings go with
+        them). Returns the bytes given back (call under :attr:`lock`)."""
+        freed = 0
+        for seg in list(self.segments.values()):
+            if freed >= need:
+                break
+            if (seg.owned and seg.arena and seg.pins == 0 and seg.directory == directory
+                    and seg.status() == STATE_POOLED):
+                freed += HEADER_SIZE + seg.payload_size
+                self.unlink_pooled(seg)
+        return freed
+
     # -- the sweeper -------------------------------------------------------
     def sweep(self) -> int:
         """Let go of this process's created segments whose last reference is
         gone (closing them, or keeping them pooled), and trim the pool: idle
         segments older than ``MMSHM_POOL_IDLE_S``, or beyond
-        ``MMSHM_POOL_MAX_BYTES`` (longest idle first), are unlinked. Returns
-        how many segments were closed. Cheap: an ``fstat`` and a memory read
-        per segment."""
+        ``MMSHM_POOL_MAX_BYTES`` (longest idle first), are unlinked; arena
+        segments stay (they are the arena). Returns how many segments were
+        closed. Cheap: an ``fstat`` and a memory read per segment."""
         n = 0
         cfg = config.get()
         now = time.monotonic()
         idle: list[Segment] = []
+        arena_idle = 0
         with self.lock:
             for seg in list(self.segments.values()):
                 if not seg.owned or seg.pins:
@@ -306,6 +354,8 @@ class SegmentTable:
                 if st == STATE_FREED:
                     self.forget(seg)
                     n += 1
+                elif st == STATE_POOLED and seg.arena and cfg.pool:
+                    arena_idle += HEADER_SIZE + seg.payload_size
                 elif st == STATE_POOLED:
                     if seg.idle_since is None:
                         seg.idle_since = now
@@ -323,6 +373,8 @@ class SegmentTable:
                     total -= HEADER_SIZE + seg.payload_size
                     self.unlink_pooled(seg)
                     n += 1
+            if self.arena_bytes or arena_idle:
+                ARENA_IN_USE_BYTES.set(max(self.arena_bytes - arena_idle, 0))
         return n
 
     def warm_pooled(self) -> int:
