@@ -268,13 +268,17 @@ def _warn_once(key: str, msg: str, *args) -> None:
 class _Mapping:
     """One arena segment's payload as this process keeps it mapped."""
 
-    __slots__ = ("addr", "buf", "ino", "name", "path", "registered", "size", "used", "views")
+    __slots__ = ("addr", "buf", "directory", "ino", "name", "pfd", "registered", "size", "used",
+                 "views")
 
-    def __init__(self, name: str, path: str, ino: int, buf: ctypes.Array, size: int,
-                 registered: bool):
+    def __init__(self, name: str, directory: str, ino: tuple[int, int], pfd: int,
+                 buf: ctypes.Array, size: int, registered: bool):
         self.name = name
-        self.path = path
+        self.directory = directory
         self.ino = ino
+        #: an O_PATH descriptor of the file (it can hold no lock): fstat tells
+        #: when the file was unlinked, whatever names it was linked under
+        self.pfd = pfd
         self.buf = buf
         self.addr = ctypes.addressof(buf)
         self.size = size
@@ -285,7 +289,9 @@ class _Mapping:
 
 class ArenaViews:
     """This process's persistent mappings of arena segments (one instance,
-    :data:`VIEWS`): one per segment file, made at its first view, registered
+    :data:`VIEWS`): one per segment file (keyed by device and inode: the
+    encoder cache links a reused segment under a new name for each output),
+    made at its first view, registered
     with CUDA at most once, kept across requests and generations until the
     file is unlinked or the mappings exceed twice the arena's size (the
     longest unused go first)."""
@@ -302,6 +308,11 @@ class ArenaViews:
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():  # a forked child: the parent's mappings are not ours
+            for m in self.mappings.values():
+                try:
+                    os.close(m.pfd)
+                except OSError:
+                    pass
             self.__init__()
 
     # -- views ------------------------------------------------------------------
@@ -315,12 +326,10 @@ class ArenaViews:
         seg.check_size()
         st = os.fstat(seg.fd)
         with self.lock:
-            m = self.mappings.get(seg.name)
-            if m is not None and m.ino != st.st_ino:
-                self._drop(m)
-                m = None
+            key = (st.st_dev, st.st_ino)
+            m = self.mappings.get(key)
             if m is None:
-                m = self._map(seg, st.st_ino)
+                m = self._map(seg, key)
             m.views += 1
             m.used = time.monotonic()
         ARENA_VIEWS.labels(registered="yes" if m.registered else "no").inc()
@@ -330,7 +339,7 @@ class ArenaViews:
         self.maybe_sweep()
         return arr
 
-    def _map(self, seg: segment.Segment, ino: int) -> _Mapping:
+    def _map(self, seg: segment.Segment, ino: tuple[int, int]) -> _Mapping:
         """Map ``seg``'s payload for good, registered if this process can."""
         reg = registrar()
         # a descriptor of our own, holding no lock: the mapping must not keep
@@ -342,7 +351,8 @@ class ArenaViews:
             raise SegmentNotFoundError(errno.ENOENT, f"cannot open arena segment: {exc}",
                                        seg.path) from exc
         try:
-            if os.fstat(fd).st_ino != ino:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != ino:
                 raise SegmentNotFoundError(errno.ENOENT, "segment was replaced", seg.path)
             size = seg.payload_size
             buf = None
@@ -367,6 +377,7 @@ class ArenaViews:
                     buf = None
             if buf is None:
                 buf = map_fd(fd, size, HEADER_SIZE, shared=False)
+            pfd = os.open(f"/proc/self/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
         except OSError as exc:
             if isinstance(exc, (SegmentNotFoundError, SegmentCorruptError)):
                 raise
@@ -374,8 +385,8 @@ class ArenaViews:
                                       seg.path) from exc
         finally:
             os.close(fd)
-        m = _Mapping(seg.name, seg.path, ino, buf, size, registered)
-        self.mappings[seg.name] = m
+        m = _Mapping(seg.name, seg.directory, ino, pfd, buf, size, registered)
+        self.mappings[ino] = m
         self._ensure_sweeper()
         self._trim()
         return m
@@ -452,8 +463,11 @@ class ArenaViews:
     def _drop(self, m: _Mapping) -> None:
         """Forget ``m`` (call under :attr:`lock`): unregister it; the pages are
         unmapped once no view of them is left (see segfile.map_fd)."""
-        if self.mappings.get(m.name) is m:
-            del self.mappings[m.name]
+        if self.mappings.get(m.ino) is m:
+            del self.mappings[m.ino]
+        if m.pfd >= 0:
+            os.close(m.pfd)
+            m.pfd = -1
         if m.registered:
             reg = registrar()
             if reg is not None and m.views == 0:
@@ -466,7 +480,7 @@ class ArenaViews:
         unused go first; call under :attr:`lock`)."""
         if not self.mappings:
             return
-        fs = TABLE.fs_size(os.path.dirname(next(iter(self.mappings.values())).path))
+        fs = TABLE.fs_size(next(iter(self.mappings.values())).directory)
         cap = 2 * max(config.arena_bytes(fs, True), config.default_arena_bytes(fs))
         total = sum(m.size for m in self.mappings.values())
         for m in sorted(self.mappings.values(), key=lambda m: m.used):
@@ -488,7 +502,7 @@ class ArenaViews:
                 if m.views:
                     continue
                 try:
-                    gone = os.stat(m.path).st_ino != m.ino
+                    gone = os.fstat(m.pfd).st_nlink == 0
                 except OSError:
                     gone = True
                 if gone:
