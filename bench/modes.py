@@ -25,7 +25,8 @@ Built in: ``inline``, ``fresh-segment`` (SGLang 0.5.23's strategy as a
 baseline) and ``mmshm``, plus, not run by default, ``mmshm-hash-given``
 (mmshm with the content hashes taken from the request) and
 ``mmshm-eager-hash`` (mmshm with every hash computed by the producer, the cost
-of ``MMSHM_HASH=eager``), and ``sglang`` (SGLang's own transport code, when sglang is
+of ``MMSHM_HASH=eager``), ``mmshm-arena`` (mmshm with the arena, which is on by
+default only where CUDA is), and ``sglang`` (SGLang's own transport code, when sglang is
 importable; skipped otherwise). ``vllm`` and ``vllm-arena`` (vLLM 0.33.0's own
 transport code, its default path and its tensor arena, when vllm is importable;
 skipped otherwise) live in :mod:`mmshm.bench.vllm_modes`, which the package registers.
@@ -306,6 +307,37 @@ class MmshmEagerHashMode(MmshmMode):
 
     def _wrap(self, req):
         return _wrap_items(req, self.min_bytes, lambda it: {"hash_now": True})
+
+
+@register
+class MmshmArenaMode(MmshmMode):
+    """``mmshm`` with the arena on in the producer (``MMSHM_ARENA_BYTES``: half
+    the segment directory's file system, at most 4 GiB, set around each wrap
+    only, so the other modes of the run are untouched): its segments are arena
+    segments, kept warm in its pool, and every TP rank maps each one once and
+    keeps the mapping (registered with CUDA once, with ``--device cuda``), so
+    that a rank's reads and its copy to the GPU take no page faults (see
+    :mod:`mmshm.segments.arena`). Off by default on a host without CUDA, hence
+    its own mode; not a default mode."""
+
+    name = "mmshm-arena"
+    summary = "mmshm with the arena: warm segments each rank maps once (MMSHM_ARENA_BYTES)"
+
+    def _wrap(self, req):
+        from mmshm import config
+
+        before = os.environ.get("MMSHM_ARENA_BYTES")
+        st = os.statvfs(config.get().dir)
+        os.environ["MMSHM_ARENA_BYTES"] = str(min(st.f_blocks * st.f_frsize // 2, 4 << 30))
+        config.reload()
+        try:
+            return super()._wrap(req)
+        finally:
+            if before is None:
+                del os.environ["MMSHM_ARENA_BYTES"]
+            else:
+                os.environ["MMSHM_ARENA_BYTES"] = before
+            config.reload()
 
 
 # -- fresh-segment: SGLang 0.5.23's ShmPointerMMData, as our own baseline -------

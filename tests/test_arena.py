@@ -390,3 +390,21 @@ def test_a_refused_registration_is_said_once_at_warning(arena_on, caplog, monkey
     assert arena.status()["registration"] == "failed"
     for h in hs:
         h.release()
+
+
+def test_the_arena_is_preferred_to_plain_segments_pooled_while_it_was_full(arena_on,
+                                                                           monkeypatch):
+    monkeypatch.setenv("MMSHM_ARENA_BYTES", "0")
+    config.reload()
+    plain = mmshm.ShmTensor.from_tensor(_photo(110))
+    plain_name = plain.name
+    plain.release()  # pooled, plain
+    monkeypatch.setenv("MMSHM_ARENA_BYTES", str(32 * MiB))
+    config.reload()
+    a = mmshm.ShmTensor.from_tensor(_photo(111))
+    assert a.name != plain_name and _flags(a.name) & segfile.FLAG_ARENA
+    a.release()
+    b = mmshm.ShmTensor.from_tensor(_photo(112))
+    assert b.name == a.name  # the idle arena segment, not the plain one
+    assert header(plain_name)[2] == segfile.STATE_POOLED
+    b.release()

@@ -285,17 +285,23 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     total = size_class(HEADER_SIZE + nbytes) if cfg.pool else HEADER_SIZE + nbytes
     TABLE.first_use(d)
     _ensure_exit_hook()
+    arena = False
     with TABLE.lock:
         if cfg.pool:
             # a hit needs no sweep: the segment's state is read from its header,
-            # and the background sweeper trims the pool
-            seg = TABLE.pool_take(d, total)
+            # and the background sweeper trims the pool. An idle arena segment
+            # first; then a new arena segment while the arena has room, rather
+            # than a plain one pooled while it was full (which then idles out)
+            seg = TABLE.pool_take(d, total, arena=True)
+            if seg is None:
+                arena = _arena_room(d, total)
+                if not arena:
+                    seg = TABLE.pool_take(d, total, arena=False)
             if seg is not None:
                 POOL_REQUESTS.labels(result="hit").inc()
                 return seg
             POOL_REQUESTS.labels(result="miss").inc()
         TABLE.sweep()  # let go of segments freed elsewhere before counting what is in use
-        arena = cfg.pool and _arena_room(d, total)
     try:
         check_budget(d, total)
     except ShmSpaceError:

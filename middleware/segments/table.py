@@ -280,16 +280,18 @@ class SegmentTable:
         return size
 
     # -- the warm pool -----------------------------------------------------
-    def pool_take(self, directory: str, total: int) -> Segment | None:
+    def pool_take(self, directory: str, total: int, arena: bool) -> Segment | None:
         """An idle pooled segment of ``total`` bytes (a size class) in
-        ``directory``, revived (count 1, next generation); None if there is
-        none (call under :attr:`lock`). A segment taken moves to the end of
-        the table, so the scan meets the longest-idle segments first and under
-        steady traffic stops at the first candidate (one ``fstat``)."""
-        for seg in list(self.segments.values()):
-            if (seg.owned and seg.pins == 0 and seg.directory == directory
-                    and HEADER_SIZE + seg.payload_size == total
-                    and seg.status() == STATE_POOLED):
+        ``directory``, an arena segment or a plain one as ``arena`` says,
+        revived (count 1, next generation); None if there is none (call under
+        :attr:`lock`). A segment taken moves to the end of the table, so the
+        scan meets the longest-idle segments first and under steady traffic
+        stops at the first candidate (one ``fstat``)."""
+        candidates = (seg for seg in list(self.segments.values())
+                      if seg.owned and seg.pins == 0 and seg.directory == directory
+                      and HEADER_SIZE + seg.payload_size == total and seg.arena == arena)
+        for seg in candidates:
+            if seg.status() == STATE_POOLED:
                 gen = revive(seg.fd, seg.path)
                 if gen is None:
                     continue
