@@ -514,7 +514,7 @@ def doctor(directory, expected_bytes, as_json) -> None:
     from rich.text import Text
 
     from mmshm.segments import node
-    from mmshm.operations.doctor import diagnose
+    from mmshm.operations.doctor import arena_text, diagnose
 
     _check_settings("doctor")
     rep = diagnose(directory, expected_bytes=expected_bytes)
@@ -551,6 +551,7 @@ def doctor(directory, expected_bytes, as_json) -> None:
         ("memory cgroup", cg),
         ("servers", servers),
         ("node", node.describe_text(rep.node) if rep.node else "unknown"),
+        ("arena", "unknown" if missing else arena_text(rep)),
     )
     table = _table("item", "value", header=False)
     for key, value in rows:
@@ -605,7 +606,7 @@ def status(directory, as_json) -> None:
     from rich.text import Text
 
     from mmshm.segments import node
-    from mmshm.operations.status import MMSHM_ELSEWHERE
+    from mmshm.operations.status import MMSHM_ELSEWHERE, arena_lines
     from mmshm.operations.status import status as survey_status
 
     _check_settings("status")
@@ -658,6 +659,8 @@ def status(directory, as_json) -> None:
     if rep.unattributed:
         con.print(Text(f"  {rep.unattributed} held segment(s) ({_size(rep.unattributed_bytes)}) "
                        f"belong to processes this user cannot see"))
+    for line in arena_lines(rep.arena, _size):
+        con.print(Text(line))
     con.print(Text(f"other files on this file system ({rep.root}):", style="bold"))
     _print_others(con, rep.others, rep.other_bytes)
     other = rep.other_bytes - rep.mmshm_elsewhere_bytes  # sparse files at their apparent size

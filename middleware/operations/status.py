@@ -26,6 +26,15 @@ Read-only and safe beside running servers:
   where that is larger than what they occupy now (sparse files fill up).
   When the segment directory is not on a tmpfs only that directory is
   surveyed (never a whole disk).
+* **The arena** (:mod:`mmshm.segments.arena`, docs/gpu.md): its size as
+  configured in this environment (``MMSHM_ARENA_BYTES``, else the default:
+  on where CUDA is available), and the arena segments in the directory (header
+  flag ``FLAG_ARENA``) per producing process, idle in its warm pool or in use.
+  Idle arena segments are the arena itself: held by their live producer, never
+  orphans. A consumer's persistent mapping of one shows as an ``O_PATH``
+  descriptor, which holds no lock and no reference (``mapped``, not ``held``).
+  Whether a consumer registered its mappings with CUDA is per process and not
+  visible from outside: its metrics and its log say it (:data:`REGISTRATION_HINT`).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import os
 import re
 import stat
 import time
+from collections.abc import Callable
 
 import msgspec
 import psutil
@@ -44,6 +54,7 @@ from mmshm.segments import node
 from mmshm.segments.node import NodeInfo
 from mmshm.segments.segfile import (
     CACHE_BYTE,
+    FLAG_ARENA,
     LIVE_BYTE,
     NAME_RE,
     OWNER_BYTE,
@@ -103,6 +114,9 @@ class SegmentState(msgspec.Struct):
     held: bool
     owner_alive: bool
     in_flight: bool = False
+    #: an arena segment (header flag ``FLAG_ARENA``): kept in its producer's
+    #: warm pool for good, mapped once by each consumer (docs/gpu.md)
+    arena: bool = False
 
     @property
     def orphan(self) -> bool:
@@ -134,6 +148,10 @@ class ProcessEntry(msgspec.Struct):
         cached, cached_bytes: segments (owned or held) that a cache of the
             process keeps on purpose (vLLM's multimodal processor cache in
             the EngineCore): they go when the cache evicts them, not a leak.
+        mapped, mapped_bytes: arena segments it keeps mapped for good (a
+            consumer's persistent mapping, :class:`mmshm.segments.arena.ArenaViews`,
+            seen as an ``O_PATH`` descriptor): no reference and no lock, so
+            neither ``owned`` nor ``held``, and not counted in ``bytes``.
     """
 
     pid: int
@@ -150,6 +168,83 @@ class ProcessEntry(msgspec.Struct):
     pooled_bytes: int = 0
     cached: int = 0
     cached_bytes: int = 0
+    mapped: int = 0
+    mapped_bytes: int = 0
+
+
+#: Where a consumer's registration of the arena with CUDA can be seen: it is
+#: state of that process, which no file shows.
+REGISTRATION_HINT = (
+    "registration with CUDA is per consumer process and not visible from outside: see "
+    "mmshm_arena_registered_bytes and mmshm_arena_registrations_total{result} on the server's "
+    "/metrics, and its log for the one WARNING \"CUDA refused to register the arena's memory\"")
+
+
+class ArenaProducer(msgspec.Struct):
+    """A process that owns arena segments (it created them: its warm pool
+    keeps them for good). Sizes in bytes, header included.
+
+    Attributes:
+        pid: the producing process.
+        segments, bytes: its arena segments in the directory.
+        idle, idle_bytes: those idle in its warm pool (state ``pooled``): the
+            arena's warm pages waiting for the next request, not a leak.
+        in_use_bytes: those held by references (state ``live``).
+    """
+
+    pid: int
+    segments: int = 0
+    bytes: int = 0
+    idle: int = 0
+    idle_bytes: int = 0
+    in_use_bytes: int = 0
+
+
+class ArenaMapper(msgspec.Struct):
+    """A consuming process that keeps arena segments mapped for good
+    (:class:`mmshm.segments.arena.ArenaViews`): ``segments`` of ``bytes``."""
+
+    pid: int
+    segments: int = 0
+    bytes: int = 0
+
+
+class ArenaState(msgspec.Struct):
+    """The arena (:mod:`mmshm.segments.arena`) as seen from this process and
+    the segment directory. Sizes in bytes, header included.
+
+    Attributes:
+        bytes: its size as configured in this environment for this file
+            system (:func:`mmshm.config.arena_bytes`; 0: off). A server
+            started from another environment may have another.
+        source: where ``bytes`` comes from: ``MMSHM_ARENA_BYTES``, or the
+            default and why (CUDA available here or not).
+        cuda_host: CUDA is available in this environment
+            (:func:`mmshm.segments.table.cuda_host`).
+        segments, segment_bytes: arena segments in the directory (header flag
+            ``FLAG_ARENA``), every producer's.
+        idle_bytes: those idle in a live producer's warm pool.
+        in_use_bytes: those held by references.
+        orphans, orphan_bytes: those no live process holds (their producer
+            died): the reaper reclaims them like any orphan.
+        producers: per producing process.
+        mappers: consuming processes that keep arena segments mapped.
+        registration: where the registration state can be seen
+            (:data:`REGISTRATION_HINT`).
+    """
+
+    bytes: int
+    source: str
+    cuda_host: bool
+    segments: int = 0
+    segment_bytes: int = 0
+    idle_bytes: int = 0
+    in_use_bytes: int = 0
+    orphans: int = 0
+    orphan_bytes: int = 0
+    producers: list[ArenaProducer] = msgspec.field(default_factory=list)
+    mappers: list[ArenaMapper] = msgspec.field(default_factory=list)
+    registration: str = REGISTRATION_HINT
 
 
 class OtherGroup(msgspec.Struct):
@@ -204,6 +299,8 @@ class StatusReport(msgspec.Struct):
     mmshm_elsewhere_bytes: int = 0
     #: this process's node for the directory (:func:`mmshm.segments.node.describe`)
     node: NodeInfo | None = None
+    #: the arena: its size and its segments (:func:`arena_state`)
+    arena: ArenaState | None = None
 
 
 def mount_of(path: str) -> tuple[str, str]:
@@ -271,7 +368,8 @@ def read_segment(path: str, now: float | None = None) -> SegmentState | None:
             in_flight = n <= 0 and detached != 0 and not delivered(*hand_out(fd)) and \
                 boottime_ns() - detached < config.get().in_flight_grace_s * 1e9
         return SegmentState(name, size, state, hdr.refcount, age, held,
-                            lock_holders_present(fd, OWNER_BYTE), in_flight)
+                            lock_holders_present(fd, OWNER_BYTE), in_flight,
+                            bool(hdr.flags & FLAG_ARENA))
     except OSError:
         return None
     finally:
@@ -418,6 +516,8 @@ def _under_run(pid: int) -> bool | None:
     return own
 
 
+_O_PATH = getattr(os, "O_PATH", 0o10000000)
+
 #: Marks a process in another mount namespace that has this directory's segments open.
 OTHER_NS = "(other mount namespace)"
 
@@ -457,10 +557,12 @@ def _owns(pid: int, fd: str) -> bool:
 
 
 def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
-    """Per visible pid: ``{"owned": set, "held": set, "cached": set, "role": ...,
-    "dp_rank": ..., "command": ...}`` of this directory's segments it has open (``cached``:
-    those a cache of the process keeps, :func:`lock_marks`), plus the server processes that
-    hold none; and notes (processes whose descriptors cannot be read)."""
+    """Per visible pid: ``{"owned": set, "held": set, "cached": set, "mapped": set,
+    "role": ..., "dp_rank": ..., "command": ...}`` of this directory's segments it has open
+    (``cached``: those a cache of the process keeps, :func:`lock_marks`; ``mapped``: those it
+    has open only as an ``O_PATH`` descriptor, an arena consumer's persistent mapping, which
+    holds neither lock nor reference), plus the server processes that hold none; and notes
+    (processes whose descriptors cannot be read)."""
     d = os.path.realpath(directory)
     out: dict[int, dict] = {}
     hidden = 0
@@ -479,6 +581,7 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
         owned: set[str] = set()
         held: set[str] = set()
         cached: set[str] = set()
+        mapped: set[str] = set()
         try:
             files = psutil.Process(pid).open_files()  # regular files; unlinked ones left out
         except psutil.AccessDenied:
@@ -490,17 +593,21 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
             if os.path.dirname(f.path) != d or not NAME_RE.match(os.path.basename(f.path)):
                 continue  # elsewhere
             name = os.path.basename(f.path)
+            if f.flags & _O_PATH:
+                mapped.add(name)  # an arena consumer's mapping: no lock, no reference
+                continue
             owner, in_cache = lock_marks(pid, f.fd)
             (owned if owner else held).add(name)
             if in_cache:
                 cached.add(name)
         command = _command(pid)
         role = role_of(command)
-        if not owned and not held and role is None:
+        mapped -= owned | held
+        if not owned and not held and not mapped and role is None:
             continue
         ns = _mount_ns(pid)
         if my_ns is not None and ns is not None and ns != my_ns:
-            if not owned and not held:
+            if not owned and not held and not mapped:
                 continue  # another mount namespace: another /dev/shm, not ours
             role = (role + " " if role else "") + OTHER_NS
         under = True if role == WRAPPER_ROLE else _under_run(pid)
@@ -508,7 +615,7 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
             continue  # the pid was reused while we looked: drop it
         out[pid] = {"owned": owned, "held": held - owned, "role": role,
                     "dp_rank": _dp_rank(pid, role), "command": command,
-                    "under_mmshm_run": under, "cached": cached}
+                    "under_mmshm_run": under, "cached": cached, "mapped": mapped}
     notes = []
     if hidden and os.geteuid() != 0:
         notes.append(f"{hidden} process(es) of other users cannot be inspected (run as root "
@@ -606,6 +713,11 @@ def status(directory: str | None = None) -> StatusReport:
             if name in p.get("cached", ()):
                 e.cached += 1
                 e.cached_bytes += s.bytes
+        for name in p.get("mapped", ()):
+            s = by_name.get(name)
+            if s is not None:
+                e.mapped += 1
+                e.mapped_bytes += s.bytes
         entries.append(e)
     hidden = [s for s in segs if s.held and s.name not in seen]
     orphans = [s for s in segs if s.orphan]
@@ -626,4 +738,86 @@ def status(directory: str | None = None) -> StatusReport:
         if root != d else 0,
         notes=notes,
         mmshm_elsewhere_bytes=sum(g.bytes for g in others if g.owner == MMSHM_ELSEWHERE),
-        node=node.describe(d))
+        node=node.describe(d), arena=arena_state(size, segs, procs))
+
+
+def cuda_available() -> bool:
+    """Whether CUDA is available in this environment, as a server's producer
+    decides it (:func:`mmshm.segments.table.cuda_host`), without importing
+    torch where the NVIDIA driver's device file is missing (it would be
+    False there anyway)."""
+    from mmshm.segments.table import cuda_host
+
+    return os.path.exists("/dev/nvidiactl") and cuda_host()
+
+
+def arena_config(fs_size: int) -> tuple[int, str, bool]:
+    """``(bytes, source, cuda_host)``: the arena's size as configured in this
+    environment for a file system of ``fs_size`` bytes
+    (:func:`mmshm.config.arena_bytes`), where that comes from, and whether
+    CUDA is available here (:func:`mmshm.segments.table.cuda_host`; torch is
+    imported only where the NVIDIA driver's device file exists)."""
+    cuda = cuda_available()
+    size = config.arena_bytes(fs_size, cuda)
+    if config.get().arena_bytes is not None:
+        source = "MMSHM_ARENA_BYTES"
+    elif cuda:
+        source = "default: CUDA is available here (1 GiB, at most 1/4 of the file system)"
+    else:
+        source = "default: off where CUDA is not available"
+    return size, source, cuda
+
+
+def arena_state(fs_size: int, segs: list[SegmentState], procs: dict[int, dict]) -> ArenaState:
+    """The arena in the directory: its configured size (:func:`arena_config`)
+    and its segments (``segs`` with ``arena`` set) per producer (the process
+    holding the owner lock, from ``procs`` of :func:`scan_processes`) and per
+    consumer that maps them."""
+    size, source, cuda = arena_config(fs_size)
+    arena = {s.name: s for s in segs if s.arena}
+    st = ArenaState(size, source, cuda, segments=len(arena),
+                    segment_bytes=sum(s.bytes for s in arena.values()))
+    for s in arena.values():
+        if s.orphan:
+            st.orphans += 1
+            st.orphan_bytes += s.bytes
+        elif s.state == "pooled":
+            st.idle_bytes += s.bytes
+        elif s.state == "live":
+            st.in_use_bytes += s.bytes
+    for pid, p in sorted(procs.items()):
+        mine = [arena[n] for n in p["owned"] if n in arena]
+        if mine:
+            idle = [s for s in mine if s.state == "pooled"]
+            st.producers.append(ArenaProducer(
+                pid, len(mine), sum(s.bytes for s in mine), len(idle),
+                sum(s.bytes for s in idle),
+                sum(s.bytes for s in mine if s.state == "live")))
+        maps = [arena[n] for n in p.get("mapped", ()) if n in arena]
+        if maps:
+            st.mappers.append(ArenaMapper(pid, len(maps), sum(s.bytes for s in maps)))
+    return st
+
+
+def arena_lines(a: ArenaState | None, size: Callable[[int], str]) -> list[str]:
+    """``mmshm status``'s text for the arena: its size and source, its
+    segments (idle vs in use, per producer; consumers' mappings), and where
+    to see the registration state; ``size`` writes a byte count for people."""
+    if a is None:
+        return []
+    head = (f"arena: {size(a.bytes)} ({a.source})" if a.bytes else f"arena: off ({a.source})")
+    if not a.segments:
+        return [head + "; no arena segments in this directory"]
+    lines = [head + f"; {a.segments} arena segment(s) here ({size(a.segment_bytes)}): "
+             f"{size(a.in_use_bytes)} in use, {size(a.idle_bytes)} idle in their producers' "
+             f"warm pools (the arena's warm pages, kept for good: not a leak)"
+             + (f", {a.orphans} orphaned ({size(a.orphan_bytes)}; their producer died: "
+                f"`mmshm gc` reclaims them)" if a.orphans else "")]
+    for p in a.producers:
+        lines.append(f"  producer {p.pid}: {p.segments} segment(s) ({size(p.bytes)}), "
+                     f"{size(p.in_use_bytes)} in use, {p.idle} idle ({size(p.idle_bytes)})")
+    for m in a.mappers:
+        lines.append(f"  consumer {m.pid}: keeps {m.segments} arena segment(s) mapped "
+                     f"({size(m.bytes)}; mapped once, reused by every request)")
+    lines.append(f"  {a.registration}")
+    return lines
