@@ -267,6 +267,14 @@ def test_alert_rules_fire_on_synthetic_series(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr).decode()
 
 
+def _want(expr: str, *samples: tuple[dict, float]) -> dict:
+    """A ``promql_expr_test`` of ``promtool test rules``: ``expr`` at 5 minutes
+    gives these ``(labels, value)`` samples."""
+    return {"expr": expr, "eval_time": "5m",
+            "exp_samples": [{"labels": "{" + ",".join(f'{k}="{v}"' for k, v in lab.items())
+                             + "}", "value": v} for lab, v in samples]}
+
+
 IPC_PANEL = "multimodal IPC seconds per request, by hop and transport"
 
 
@@ -299,17 +307,64 @@ def test_ipc_panel_gives_the_like_for_like_total_beside_the_servers_own_stage(tm
                    _series(f"{stage}_sum", "0+600x10", stage="prefill_forward", tp_rank=rank),
                    _series(f"{stage}_count", "0+60x10", stage="prefill_forward", tp_rank=rank)]
 
-    def want(e, *samples):
-        return {"expr": e, "eval_time": "5m",
-                "exp_samples": [{"labels": "{" + ",".join(f'{k}="{v}"' for k, v in lab.items())
-                                 + "}", "value": v} for lab, v in samples]}
+    (tmp_path / "none.yml").write_text("groups: []\n")
+    test = {"rule_files": ["none.yml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series, "promql_expr_test": [
+            _want(expr["B"], ({"server": "sglang", "transport": "server"}, 18 / 64),
+                 ({"server": "sglang", "transport": "mmshm"}, 5 / 64)),
+            _want(expr["C"], ({"tp_rank": "0"}, 2 / 64), ({"tp_rank": "1"}, 1 / 64))]}]}
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(test))
+    r = promtool("test", "rules", str(tmp_path / "test.yml"))
+    assert r.returncode == 0, (r.stdout + r.stderr).decode()
+
+
+ARENA_ROW = "Arena (GPU)"
+
+
+def _panel_exprs(title: str) -> dict[str, str]:
+    panel = next(p for p in all_panels(dashboard()) if p["title"] == title)
+    return {t["refId"]: grafana_substitute(t["expr"]) for t in panel["targets"]}
+
+
+@needs_promtool
+@pytest.mark.timeout(60)
+def test_arena_panels_compute_size_in_use_registered_fallbacks_and_copy_time(tmp_path):
+    """Issue 42: the "Arena (GPU)" row's panels on synthetic series of two
+    instances: the size, in-use and registered bytes per instance, fallbacks
+    per second by reason, the median GPU copy time by direction."""
+    d = dashboard()
+    row = next(i for i, p in enumerate(d["panels"]) if p["title"] == ARENA_ROW)
+    titles = [p["title"] for p in d["panels"][row + 1:]]
+    assert len(titles) == 8 and all(
+        any(m in " ".join(t["expr"] for t in p["targets"]) for m in ("mmshm_arena_",
+            "mmshm_gpu_copy_", "mmshm_device_tensors_")) for p in d["panels"][row + 1:])
+    sizes = _panel_exprs("Arena: size, in use, registered with CUDA")
+    fallbacks = _panel_exprs("Arena fallbacks by reason")["A"]
+    copy_time = _panel_exprs("GPU copy time p50 / p99 by direction")["A"]
+    GiB = 1 << 30
+    series = []
+    for inst, used, reg in (("a", GiB // 4, GiB // 2), ("b", 0, 0)):
+        series += [_series("mmshm_arena_bytes", f"{GiB}x10", instance=inst),
+                   _series("mmshm_arena_in_use_bytes", f"{used}x10", instance=inst),
+                   _series("mmshm_arena_registered_bytes", f"{reg}x10", instance=inst)]
+        # per minute: 60 full (1/s) on a, 120 too_big (2/s) on b
+        series += [_series("mmshm_arena_fallbacks_total", "0+60x10" if inst == "a" else "0x10",
+                           instance=inst, reason="full"),
+                   _series("mmshm_arena_fallbacks_total", "0+120x10" if inst == "b" else "0x10",
+                           instance=inst, reason="too_big")]
+    for direction in ("h2d", "d2h"):  # every copy between 0.5 and 1 s: the median is 0.75
+        for le, v in (("0.5", "0x10"), ("1.0", "0+10x10"), ("+Inf", "0+10x10")):
+            series.append(_series("mmshm_gpu_copy_seconds_bucket", v, direction=direction,
+                                  le=le))
 
     (tmp_path / "none.yml").write_text("groups: []\n")
     test = {"rule_files": ["none.yml"], "evaluation_interval": "1m", "tests": [{
         "interval": "1m", "input_series": series, "promql_expr_test": [
-            want(expr["B"], ({"server": "sglang", "transport": "server"}, 18 / 64),
-                 ({"server": "sglang", "transport": "mmshm"}, 5 / 64)),
-            want(expr["C"], ({"tp_rank": "0"}, 2 / 64), ({"tp_rank": "1"}, 1 / 64))]}]}
+            _want(sizes["A"], ({"instance": "a"}, GiB), ({"instance": "b"}, GiB)),
+            _want(sizes["B"], ({"instance": "a"}, GiB // 4), ({"instance": "b"}, 0)),
+            _want(sizes["C"], ({"instance": "a"}, GiB // 2), ({"instance": "b"}, 0)),
+            _want(fallbacks, ({"reason": "full"}, 1), ({"reason": "too_big"}, 2)),
+            _want(copy_time, ({"direction": "d2h"}, 0.75), ({"direction": "h2d"}, 0.75))]}]}
     (tmp_path / "test.yml").write_text(yaml.safe_dump(test))
     r = promtool("test", "rules", str(tmp_path / "test.yml"))
     assert r.returncode == 0, (r.stdout + r.stderr).decode()
