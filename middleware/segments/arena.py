@@ -575,7 +575,9 @@ VIEWS = ArenaViews()
 
 
 # -- copies mmshm makes itself ----------------------------------------------------
-_producer_registered: dict[tuple[str, int], int] = {}
+#: (address of a creator mapping, pid) -> bytes registered; keyed by the mapping,
+#: not the name: the encoder cache publishes a reused segment under a new name per output
+_producer_registered: dict[tuple[int, int], int] = {}
 
 
 def _register_producer(seg: segment.Segment) -> bool:
@@ -584,7 +586,7 @@ def _register_producer(seg: segment.Segment) -> bool:
     reg = registrar()
     if reg is None or seg.shared_map is None or not seg.arena:
         return False
-    key = (seg.name, os.getpid())
+    key = (ctypes.addressof(seg.shared_map), os.getpid())
     if key in _producer_registered:
         return True
     buf = seg.shared_map
@@ -606,7 +608,7 @@ def _register_producer(seg: segment.Segment) -> bool:
     return True
 
 
-def _unregister_producer(key: tuple[str, int], addr: int) -> None:
+def _unregister_producer(key: tuple[int, int], addr: int) -> None:
     size = _producer_registered.pop(key, 0)
     if size:
         reg = registrar()
