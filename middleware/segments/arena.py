@@ -588,7 +588,7 @@ def _register_producer(seg: segment.Segment) -> bool:
         return False
     key = (ctypes.addressof(seg.shared_map), os.getpid())
     if key in _producer_registered:
-        return True
+        return bool(_producer_registered[key])  # 0: refused once, not asked again
     buf = seg.shared_map
     try:
         reg.register(ctypes.addressof(buf), ctypes.sizeof(buf), False)
