@@ -1075,6 +1075,13 @@ def main(argv=None) -> int:
                                          "owned_bytes") if k in st}
             nz = {k: v for k, v in rep.get("counters", {}).items() if v}
             print(f"arena, {which} set, {who}: {st}; counters: {nz or 'all 0'}")
+    for r in out["rows"]:
+        if r["path"] == PATH_D and r["median_s"] and r["first_s"]:
+            reg = " and registers" if a.device == "cuda" else ""
+            print(f"arena, {r['photos']} photo(s), {r['consumers']} consumer(s): the first "
+                  f"request (a consumer new to the arena segment maps{reg} it) "
+                  f"{_ms(r['first_s'])} ms, then {_ms(r['median_s'])} ms: "
+                  f"{_ms(r['first_s'] - r['median_s'])} ms once")
     gl = goals(out)
     out["goals"] = gl
     for g in gl:

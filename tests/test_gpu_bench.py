@@ -89,6 +89,7 @@ def test_the_cpu_dry_run_runs_every_path_with_equal_bytes_and_leaves_nothing(tmp
     assert "skipped: b. cuda_ipc (re-creation): needs CUDA" in proc.stdout
     assert "CPU dry run: plumbing only, not speed" in proc.stdout
     assert "segments left: none" in proc.stdout
+    assert "arena, 8 photo(s), 1 consumer(s): the first request" in proc.stdout
 
 
 def test_a_consumer_that_hangs_is_killed_and_its_segments_reclaimed(tmp_path, shm_dir):
