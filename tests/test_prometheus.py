@@ -531,8 +531,12 @@ def test_prometheus_scrapes_pipeline(pipeline, prometheus):
     proc.stdin.write("go\n")
     proc.stdin.flush()
     assert proc.stdout.readline().strip() == "DONE"
-    wait_for("the fallbacks",
-             lambda: prom.scalar('mmshm_inline_fallbacks_total{reason="enospc"}') == 5)
+    # a scrape taken after the last event: one taken while the pipeline ran has the
+    # fallbacks (its first events) without all of the broadcasts
+    wait_for("a scrape after the pipeline's last event",
+             lambda: prom.scalar('mmshm_inline_fallbacks_total{reason="enospc"}') == 5
+             and prom.scalar("mmshm_fanout_copies_total") == 3
+             and prom.scalar("mmshm_materialize_seconds_count") == 4)
     for reason in ("budget", "emfile", "other"):
         assert prom.scalar(f'mmshm_inline_fallbacks_total{{reason="{reason}"}}') == 0
     assert prom.scalar('mmshm_broadcast_seconds_count{role="src"}') == 4
