@@ -63,7 +63,10 @@ from pathlib import Path
 
 import pytest
 
+from mmshm.segments.segfile import FLAG_ARENA
+
 from tests.harness import faults, matrix, models
+from tests.harness.segments import header
 from tests.harness.servers import (
     PRIVATE_SHM, ROOT, Server, data_url, free_port, in_parallel, metric, mount_tmpfs, needs_e2e,
     SERVER_SHM_PATTERNS, private_shm_prefix, result, segments, series, start_all, unmount_tmpfs,
@@ -98,6 +101,8 @@ LOGS = Path(os.environ.get("MMSHM_E2E_LOGS") or tempfile.mkdtemp(prefix="mmshm-e
 #: servers run with (MMSHM_POOL_IDLE_S: mmshm's default).
 STORM_SHOTS, STORM_CONCURRENCY, MAX_IMAGES, CONTEXT, TOKENS_PER_WORD = 30, 4, 3, 4096, 3
 POOL_IDLE_S = 10.0
+#: The arena of run 4 (the restart): room for every request's tensors at once.
+ARENA_BYTES = 512 << 20
 #: The faults' records by server ("plain", "mmshm"), what broke them, the
 #: storm's photo URLs.
 FAULTS: dict = {"records": {}, "errors": {}, "urls": None}
@@ -566,6 +571,26 @@ def test_mmshm_server_survives_the_abort_storm_and_leaves_nothing(plain, instrum
     assert faults.problems(rec) == []
 
 
+def test_arena_answers_identical_logprobs_from_warm_mapped_segments(plain, restarted):
+    """The arena on (MMSHM_ARENA_BYTES) in a real TP=2 server: answers equal the
+    plain server's, bit for bit, the first time and the second (when every
+    segment is a reused arena segment that the readers had mapped already)."""
+    for answers in restarted["answers"]:
+        assert_same_answers(plain, answers)
+    m = restarted["metrics_after"]
+    assert restarted["arena_segments"], restarted["segments_before_stop"]
+    assert metric(m, "mmshm_arena_bytes") == ARENA_BYTES
+    views = metric(m, "mmshm_arena_views_total", registered="no")
+    assert views > 0 and metric(m, "mmshm_arena_views_total", registered="yes") == 0
+    assert metric(m, "mmshm_arena_registrations_total") == 0  # no CUDA in this host
+    assert metric(m, "mmshm_pool_requests_total", result="hit") > 0
+    assert metric(m, "mmshm_inline_fallbacks_total") == 0
+    _say(f"arena on (MMSHM_ARENA_BYTES={ARENA_BYTES}): logprobs identical over 2 x "
+         f"{len(REQUESTS)} requests; {views:.0f} arena views, "
+         f"{len(restarted['arena_segments'])} arena segment(s) before the stop, "
+         f"{metric(m, 'mmshm_arena_fallbacks_total'):.0f} arena fallback(s)")
+
+
 def test_nothing_left_after_a_normal_stop(restarted):
     assert restarted["segments_before_stop"], "nothing to clean up: the test proves nothing"
     assert restarted["left_after_stop"] == [], restarted["log"][-4000:]
@@ -573,10 +598,13 @@ def test_nothing_left_after_a_normal_stop(restarted):
 
 def _restart(model: str, photos: dict, shm: Path, instrumented: dict) -> dict:
     """Runs 3 and 4: the instrumented server was SIGKILLed as a whole
-    process group; now a restart on the same directory (and /dev/shm)."""
+    process group; now a restart on the same directory (and /dev/shm), with
+    the arena on (``MMSHM_ARENA_BYTES``; off by default on a host without
+    CUDA): the frontend's segments are arena segments, which the EngineCore
+    and both TP workers map once and keep (unregistered: no CUDA here)."""
     seg_dir, inside, prefix = _segs(shm)
     assert seg_dir == instrumented["dir"]
-    env = vllm_env(2, MMSHM_DIR=inside)
+    env = vllm_env(2, MMSHM_DIR=inside, MMSHM_ARENA_BYTES=str(ARENA_BYTES))
     rec: dict = {"left_by_kill": instrumented["left_by_kill"]}
     port = free_port()
     srv = Server(vllm_argv(model, port, 2), port, LOGS / "restarted.log", env=env,
@@ -585,7 +613,14 @@ def _restart(model: str, photos: dict, shm: Path, instrumented: dict) -> dict:
         rec["at_ready"] = segments(seg_dir)  # before the first request
         rec["metrics_at_ready"] = srv.metrics_text()
         rec["answer"] = ask(srv, [photos["coffee"]], 1)
+        # every request twice: the second time through the arena's warm
+        # segments, reused (next generation) and already mapped by the readers
+        rec["answers"] = [{key: ask(srv, [photos[p] for p in ps], n) for key, ps, n in REQUESTS}
+                          for _ in range(2)]
+        rec["metrics_after"] = srv.metrics_text()
         rec["segments_before_stop"] = segments(seg_dir)
+        rec["arena_segments"] = [n for n in rec["segments_before_stop"]
+                                 if header(n, str(seg_dir))[8] & FLAG_ARENA]
         t0 = time.monotonic()
         rec["rc"] = srv.stop(signal.SIGTERM)
         rec["stop_s"] = time.monotonic() - t0
