@@ -273,6 +273,7 @@ def test_counters_equal_the_events(shm_dir):
     saves0 = metric("mmshm_epd_saves_total", server="vllm")
     bytes0 = metric("mmshm_epd_bytes_total", server="vllm", direction="saved")
     secs0 = metric("mmshm_epd_transfer_seconds_count", server="vllm")
+    d2h0 = metric("mmshm_gpu_copy_bytes_total", direction="d2h")
     store = ec.EncoderCache()
     n = 0
     for s in range(3):
@@ -282,6 +283,8 @@ def test_counters_equal_the_events(shm_dir):
     assert metric("mmshm_epd_saves_total", server="vllm") - saves0 == 3
     assert metric("mmshm_epd_bytes_total", server="vllm", direction="saved") - bytes0 == n
     assert metric("mmshm_epd_transfer_seconds_count", server="vllm") - secs0 == 3
+    # CPU outputs: no device copy counted (a GPU output's D2H: tests/test_arena_epd.py)
+    assert metric("mmshm_gpu_copy_bytes_total", direction="d2h") == d2h0
     store.close()
 
 

@@ -211,6 +211,7 @@ def _build_ec_classes() -> dict[str, type]:
     )
 
     from mmshm.metrics import EPD_FALLBACK_REASONS
+    from mmshm.segments import arena
     from mmshm.transport.encoder_cache import DEFAULT_KEEP_S, EncoderCache, EncoderCacheError
 
     def _new_counts() -> dict:
@@ -341,8 +342,12 @@ def _build_ec_classes() -> dict[str, type]:
         Worker side: ``start_load_caches`` maps each held entry zero-copy
         (a CPU view holding the worker's own reference, given back when
         vLLM drops it from its encoder cache; on a GPU copied to the
-        device); ``save_caches`` (producer, TP rank 0) publishes the
-        encoder output under its content key.
+        device with :func:`mmshm.segments.arena.to_device`, from the
+        arena's mapping that this worker registered with CUDA once: the
+        view's reference goes back once the copy is done);
+        ``save_caches`` (producer, TP rank 0) publishes the encoder output
+        under its content key (from a GPU, one copy into the arena's
+        registered mapping: :meth:`EncoderCache.save`).
 
         Raises (worker): :class:`mmshm.transport.encoder_cache.EncoderCacheError`
         if an entry the scheduler holds cannot be mapped: only a third party
@@ -586,7 +591,9 @@ def _build_ec_classes() -> dict[str, type]:
 
                     device = current_platform.device_type or "cpu"  # "": no platform
                 if device != "cpu":
-                    t = t.to(device)
+                    # from the arena's registered mapping: pinned speed (counted
+                    # and timed in mmshm_gpu_copy_*{direction="h2d"})
+                    t = arena.to_device(t, device)
                 encoder_cache[mm_hash] = t
                 self._counts["loads"] += 1
                 self._counts["loaded_bytes"] += handle.nbytes

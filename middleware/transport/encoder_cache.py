@@ -52,6 +52,21 @@ may keep the old record, but its generation moved on, so the old key is a
 miss; and the consumer's reference is taken for the generation it checked,
 so a reuse between its check and its reference fails the reference.
 
+**On a GPU: the arena** (:mod:`mmshm.segments.arena`). In a producer where
+CUDA is available the first ``MMSHM_ARENA_BYTES`` (default 1 GiB) of its
+segments are arena segments: pooled for good, so entry after entry of one size
+class is written into the same warm pages under a new published name. An
+output on a GPU is copied once, device to host, straight into the segment's
+creator mapping (:func:`mmshm.segments.arena.copy_from_device`, which
+registers that mapping with CUDA once, for a pinned-speed copy; counted in
+``mmshm_gpu_copy_bytes_total{direction="d2h"}``), never through a private
+CPU copy first. A consumer maps an arena segment once (its mappings are
+keyed by the file, not by the name) and, where CUDA is initialized, registers
+that mapping with CUDA once; its loads are views of it, and its copy to the
+GPU (:func:`mmshm.segments.arena.to_device`, what ``MmshmECConnector`` does)
+runs at pinned speed. An output that does not fit in the arena gets a plain
+segment (``mmshm_arena_fallbacks_total``), as on a CPU host.
+
 **Lookup** (:meth:`EncoderCache.lookup`) lists the segment directory for
 names ending in the key's 16 hex digits (a consumer does not know the
 producer's pid; one ``listdir`` per item, about 0.1 ms for a few hundred
@@ -115,7 +130,7 @@ from mmshm.metrics import (
     EPD_SAVES,
     EPD_TRANSFER_SECONDS,
 )
-from mmshm.segments import codec, segfile, segment
+from mmshm.segments import arena, codec, segfile, segment
 from mmshm.segments.codec import HandleMeta
 from mmshm.segments.segfile import (
     HEADER_SIZE,
@@ -267,9 +282,16 @@ class EntryHandle(NamedTuple):
     nbytes: int
 
     def load(self, server: str = "vllm") -> torch.Tensor:
-        """The encoder output as a zero-copy, copy-on-write CPU view of the
-        segment (``shape``, ``dtype``), holding one reference of its own that
-        is given back when the tensor and every view of it are collected.
+        """The encoder output as a zero-copy CPU view of the segment
+        (``shape``, ``dtype``), holding one reference of its own that is given
+        back when the tensor and every view of it are collected. A plain
+        segment's view is copy-on-write (a write in place stays private). An
+        arena segment's is a view of this process's persistent mapping of it
+        (:data:`mmshm.segments.arena.VIEWS`, one per file whatever the name
+        the entry was published under): registered with CUDA where CUDA is
+        initialized, and then read-only (a write in place is a SIGSEGV of
+        this process, never a change to the bytes), else copy-on-write with
+        the written pages dropped at release.
         Counts ``mmshm_epd_loads_total``, ``mmshm_epd_bytes_total{direction=
         "loaded"}`` and ``mmshm_epd_transfer_seconds`` for ``server``.
 
@@ -458,8 +480,13 @@ class EncoderCache:
 
     # -- producer ------------------------------------------------------------------
     def save(self, key: bytes, tensor: torch.Tensor, label: str = "") -> SaveResult:
-        """Publish ``tensor`` (any dtype and shape; a non-CPU tensor is copied
-        to the CPU first) as the encoder output of ``key``, written once.
+        """Publish ``tensor`` (any dtype and shape) as the encoder output of
+        ``key``, written once. A CPU tensor is copied into the segment (a new
+        file by ``pwrite``, a warm pooled one through its mapping, split
+        across the copy threads from ``PARALLEL_MIN_BYTES``); a tensor on a
+        GPU by one blocking device-to-host copy straight into the segment's
+        mapping (:func:`mmshm.segments.arena.copy_from_device`: pinned speed
+        when it is an arena segment, counted in ``mmshm_gpu_copy_*``).
 
         Content this process already published is not written again (its
         keep time restarts); content another producer of the node published
@@ -492,10 +519,8 @@ class EncoderCache:
             other.release()
             return SaveResult(True, name, None, 0)
         t0 = time.perf_counter()
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
+        # a tensor on a GPU stays there until its one copy (D2H) into the segment
+        t = tensor.detach().contiguous()
         nbytes = t.numel() * t.element_size()
         try:
             self._make_room(nbytes + RECORD_SIZE)
@@ -559,7 +584,17 @@ class EncoderCache:
 
     def _fill_and_publish(self, seg, key: bytes, t: torch.Tensor, code: int, nbytes: int,
                           label: str) -> str | None:
-        if nbytes:
+        if nbytes and t.device.type != "cpu":
+            # one D2H straight into the creator's mapping (a new file too: its
+            # pages are written through the mapping, not by pwrite), which
+            # copy_from_device registers with CUDA once when it is an arena
+            # segment; bytes viewed as uint8 on both sides (any dtype, bf16 too)
+            dst = torch.from_numpy(np.frombuffer(seg.payload_view(), dtype=np.uint8,
+                                                 count=nbytes))
+            arena.copy_from_device(dst, t.reshape(-1).view(torch.uint8), seg)
+            del dst
+            seg.cold = False
+        elif nbytes:
             # as the core fills a handle's segment: a new file by pwrite (no
             # zeroing, no page faults; the sweeper maps its pages once it is
             # pooled), a warm pooled one through its mapping; split across

@@ -388,3 +388,37 @@ def test_two_requests_of_one_item_each_get_it(produced, consumer, shm_dir):
     sched.request_finished(b)
     del cache
     gc.collect()
+
+
+def test_on_a_device_the_worker_copies_with_arena_to_device(produced, consumer, shm_dir,
+                                                             monkeypatch):
+    """A worker on a device platform: each loaded output goes to vLLM's device
+    through ``mmshm.segments.arena.to_device`` (counted and timed in
+    ``mmshm_gpu_copy_*{direction="h2d"}``) and the worker's view of the segment
+    is given back right after the copy. No GPU here: the platform's device is
+    torch's ``meta`` device, so the path, the device and the counters are
+    real and the bytes are not compared on it (they are on CPU, above)."""
+    from vllm.platforms import current_platform
+
+    from tests.harness.segments import refcount
+
+    sched, _ = consumer
+    (name,) = produced.ask("encode", [("enc-0", [("renderer0-mm-0-image-0", 3)])])
+    monkeypatch.setattr(current_platform, "device_type", "meta")
+    bytes0 = metric("mmshm_gpu_copy_bytes_total", direction="h2d")
+    timed0 = metric("mmshm_gpu_copy_seconds_count", direction="h2d")
+    req = request("pd-0", [("renderer0-mm-5-image-0", 3)])
+    out, loads = schedule(sched, [req])
+    assert loads == [[True]]
+    cache, ec_out = load_step(out)
+    t = cache["renderer0-mm-5-image-0"]
+    assert t.device.type == "meta" and t.dtype == torch.float32
+    assert tuple(t.shape) == (ROWS, WIDTH)
+    assert metric("mmshm_gpu_copy_bytes_total", direction="h2d") - bytes0 == ROWS * WIDTH * 4
+    assert metric("mmshm_gpu_copy_seconds_count", direction="h2d") - timed0 == 1
+    assert ec_out.ec_connector_worker_meta.counts["loads"] == 1
+    gc.collect()
+    assert refcount(name, shm_dir) == 2  # the producer's and the scheduler's: not the view's
+    sched.request_finished(req)
+    assert refcount(name, shm_dir) == 1
+    del cache, t
