@@ -82,10 +82,12 @@ def _tests(*names: str) -> list[str]:
 #: Module-level SGLang tests: the transport (TP broadcast, fan-out, a full
 #: /dev/shm), then the DP-attention race (four gloo ranks, two attention-TP
 #: groups), then encoder disaggregation (0.5.23's real encoder send and TP
-#: ranks' receive, plain and under mmshm; older releases: the path says off).
+#: ranks' receive, plain and under mmshm; older releases: the path says off),
+#: then SGLang's own GPU transport (its CUDA-IPC proxies left to it, counted).
 SGLANG_MODULE_TESTS = _tests("integrations/test_sglang.py",
                              "integrations/test_sglang_dp_attention.py",
-                             "integrations/test_sglang_epd.py")
+                             "integrations/test_sglang_epd.py",
+                             "integrations/test_sglang_gpu_transport.py")
 #: Real-server SGLang tests per release (about 10 minutes each on two cores:
 #: start-ups dominate): one node, then two simulated nodes (--nnodes 2); on
 #: 0.5.23 also the model matrix, a PD decode instance, data parallelism and,

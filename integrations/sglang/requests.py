@@ -12,7 +12,7 @@ from mmshm.transport.receiving import unwrap_each
 from mmshm.transport.sending import digest_of
 
 from . import disagg
-from .server import (hash_int, items, log, on_failure, set_item_hashes,
+from .server import (gpu_proxy_types, hash_int, items, log, on_failure, set_item_hashes,
                      transport_off_reason, unhashed_features)
 
 _numpy_warned: set[str] = set()
@@ -46,8 +46,12 @@ def wrap_shm_features(wrapped, instance, args, kwargs):
     """``wrap_shm_features(obj)``: a copy of ``obj`` whose ``mm_inputs`` carry
     handles from this send's outbox (``obj`` and the ``mm_items`` fan-out
     copies share are not modified; a decode instance's pixels are withheld
-    first); the bytes written count in the open ``tokenizer_wrap`` hop."""
-    from mmshm.transport.wrapping import transform
+    first); the bytes written count in the open ``tokenizer_wrap`` hop.
+    Features SGLang's own GPU transport holds (its CUDA-IPC / CUDA-VMM
+    proxies, tensors on a GPU) are left as they are, each counted once in
+    ``mmshm_device_tensors_total{kind="sglang_ipc"|"cuda"}``."""
+    from mmshm.metrics import DEVICE_TENSORS
+    from mmshm.transport.wrapping import left_on_device, transform
 
     box = sending.current_outbox()
     if box is None or config.get().disable or transport_off_reason() is not None:
@@ -61,14 +65,21 @@ def wrap_shm_features(wrapped, instance, args, kwargs):
     # the features of items SGLang's processor did not hash: hashed in the copy's pass
     unhashed = unhashed_features(kept)
     before = box.written
+    proxies = gpu_proxy_types()
+    on_device: set[int] = set()
 
     def leaf(x):
-        if not sending.eligible(x, min_bytes):
+        if proxies and isinstance(x, proxies):  # in SGLang's GPU pool: its own
+            if id(x) not in on_device:
+                on_device.add(id(x))
+                DEVICE_TENSORS.labels(kind="sglang_ipc").inc()
+            return x
+        if left_on_device(x, on_device, min_bytes) or not sending.eligible(x, min_bytes):
             return x
         h = box.put(x, hash_now=id(x) in unhashed)
         return x if h is None else h
 
-    new_mm = transform(kept, leaf)
+    new_mm = transform(kept, leaf, leaves=proxies)
     observe.add_bytes(box.written - before)
     _warn_numpy_features(new_mm, min_bytes)
     set_item_hashes(new_mm)

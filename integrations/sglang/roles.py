@@ -7,8 +7,9 @@ from mmshm.hooks.instrumentor import Role
 from . import disagg, timing
 from .requests import dp_hops, forward_then_release
 from .server import (FIX_BUG, PATH_BROADCAST, PATH_DP_FORWARD, PATH_FANOUT, PATH_MULTINODE,
-                     PATH_REQUESTS, PATH_SCHED_IN, dp_rank, log, me, nnodes, scheduler_role,
-                     tp_rank_size, transport_off_reason)
+                     PATH_REQUESTS, PATH_SCHED_IN, dp_rank, gpu_feature_transport,
+                     gpu_transport_note, log, me, nnodes, scheduler_role, tp_rank_size,
+                     transport_off_reason)
 
 
 def say(role: str, on: list[str], offs: list[str], hops: tuple[str, ...] = ()) -> None:
@@ -25,7 +26,8 @@ def say(role: str, on: list[str], offs: list[str], hops: tuple[str, ...] = ()) -
 
 def tokenizer_ready(wrapped, instance, args, kwargs):
     """``TokenizerManager.__init__``: the tokenizer's line; a PD decode
-    instance's pixel policy (:func:`disagg.decode_payload_policy`)."""
+    instance's pixel policy (:func:`disagg.decode_payload_policy`); SGLang's
+    own GPU transport of the features, if on (:func:`gpu_transport_note`)."""
     result = wrapped(*args, **kwargs)
     paths = [PATH_REQUESTS + (" (via the data-parallel controller)" if dp_hops(instance)
                               else ""), PATH_FANOUT]
@@ -33,6 +35,9 @@ def tokenizer_ready(wrapped, instance, args, kwargs):
     disagg.DECODE_WITHHOLDS = decode is not None and decode[0]
     if decode is not None:
         paths.append(decode[1])
+    gpu = gpu_feature_transport(getattr(instance, "server_args", None))
+    if gpu is not None:  # not a failure: SGLang's own pool already holds them on the GPU
+        paths.append(gpu_transport_note(gpu))
     say("tokenizer", paths, [PATH_REQUESTS, PATH_FANOUT], ("tokenizer_wrap", "tokenizer_send"))
     return result
 

@@ -1,6 +1,7 @@
 """SGLang's own names, objects and decisions, as mmshm reads them (docs/sglang.md)."""
 
 import logging
+import os
 import sys
 
 from mmshm.hooks.instrumentor import Instrumentor
@@ -29,6 +30,16 @@ PATH_BROADCAST = "TP broadcast carries metadata only"
 PATH_MULTINODE = "multi-node: payload once per node"
 PATH_DP_FORWARD = "requests forwarded to the DP ranks, their references given back at once"
 FIX_BUG = "report this as an mmshm bug with the SGLang version"
+#: SGLang's own GPU transports of multimodal features (``--mm-feature-transport``,
+#: 0.5.23; ``SGLANG_USE_CUDA_IPC_TRANSPORT=1`` on 0.5.9-0.5.15, still read by 0.5.23).
+GPU_TRANSPORTS = ("cuda_ipc", "cuda_vmm")
+#: Where SGLang defines the proxy a feature in its GPU pool travels as:
+#: ``CudaIpcTensorTransportProxy`` (0.5.23's ``CudaVmmTensorTransportProxy``
+#: and its packed variants subclass it), 0.5.23's module then the older one
+#: (which 0.5.23 keeps as a re-export).
+GPU_PROXY_MODULES = ("sglang.srt.multimodal.transport.cuda_ipc",
+                     "sglang.srt.utils.cuda_ipc_transport_utils")
+GPU_PROXY_CLASS = "CudaIpcTensorTransportProxy"
 
 
 def me() -> Instrumentor:
@@ -88,6 +99,48 @@ def set_item_hashes(mm_inputs) -> None:
             continue
         if d is not None:
             item.hash = hash_int(d)
+
+
+def gpu_proxy_types() -> tuple[type, ...]:
+    """SGLang's GPU-pool proxy classes among the modules this process has
+    imported (one not imported cannot have made a proxy here): () if none."""
+    found = (getattr(sys.modules.get(m), GPU_PROXY_CLASS, None) for m in GPU_PROXY_MODULES)
+    return tuple(dict.fromkeys(c for c in found if isinstance(c, type)))
+
+
+def gpu_feature_transport(server_args=None) -> str | None:
+    """SGLang's own GPU transport of multimodal features in this process,
+    ``"cuda_ipc"`` or ``"cuda_vmm"``, else None (``cpu``, the default).
+
+    Read, first found: 0.5.23's resolved value (``runtime_context.get_mm()``,
+    once published), ``server_args.mm_feature_transport`` (0.5.23's flag as
+    given), the legacy ``SGLANG_USE_CUDA_IPC_TRANSPORT`` (0.5.9-0.5.15's only
+    switch). Raises nothing."""
+    try:
+        return _gpu(sys.modules["sglang.srt.runtime_context"].get_mm().mm_feature_transport)
+    except Exception:  # noqa: BLE001 - before 0.5.23, or not published: the next source
+        pass
+    value = getattr(server_args, "mm_feature_transport", None)
+    if value is not None:
+        return _gpu(value)
+    try:
+        legacy = bool(sys.modules["sglang.srt.environ"].envs.SGLANG_USE_CUDA_IPC_TRANSPORT.get())
+    except Exception:  # noqa: BLE001 - environ not imported or renamed: read it here
+        legacy = os.environ.get("SGLANG_USE_CUDA_IPC_TRANSPORT", "").strip().lower() in (
+            "1", "true", "yes", "y")
+    return "cuda_ipc" if legacy else None
+
+
+def _gpu(value) -> str | None:
+    return value if value in GPU_TRANSPORTS else None
+
+
+def gpu_transport_note(transport: str) -> str:
+    """The "on:" line's phrase for SGLang's own GPU transport ``transport``."""
+    return (f"multimodal features in SGLang's own GPU pool (--mm-feature-transport "
+            f"{transport}) are left to it, counted in mmshm_device_tensors_total; mmshm "
+            "carries only the rest (the CPU tensors: features the pool could not take, "
+            "features processed on the CPU)")
 
 
 def pickle_ipc() -> bool:

@@ -24,7 +24,7 @@ import torch
 
 from mmshm import config
 from mmshm.errors import FALLBACK_REASONS, MmshmError, failure_reason
-from mmshm.metrics import FALLBACKS
+from mmshm.metrics import DEVICE_TENSORS, FALLBACKS
 from mmshm.segments.shmtensor import ShmTensor
 from mmshm.segments.table import TABLE
 
@@ -88,12 +88,15 @@ def _kind(tp: type) -> tuple[int, tuple[str, ...]]:
 
 
 class _Walk:
-    def __init__(self, leaf: Leaf, copy_all: bool):
+    def __init__(self, leaf: Leaf, copy_all: bool, leaves: tuple[type, ...] = ()):
         self.leaf = leaf
         self.copy_all = copy_all
+        self.leaves = leaves
         self.memo: dict[int, Any] = {}
 
     def visit(self, obj, depth: int = 0):
+        if self.leaves and isinstance(obj, self.leaves):
+            return self.leaf(obj)
         kind, names = _kind(type(obj))
         if kind == _ATOMIC:
             return obj
@@ -179,15 +182,33 @@ class _Walk:
         return new
 
 
-def transform(obj, leaf: Leaf, copy_all: bool = False):
+def transform(obj, leaf: Leaf, copy_all: bool = False, leaves: tuple[type, ...] = ()):
     """Rebuild ``obj`` with every tensor / handle leaf replaced by ``leaf(x)``.
 
     ``leaf`` returns its argument to leave it in place. Containers on the path
     to a changed leaf are shallow copies; with ``copy_all`` every mutable
     container is copied (a tuple of scalars, which no one can change, is
-    kept). The input is never mutated.
+    kept). The input is never mutated. Instances of ``leaves`` (an
+    integration's opaque types, e.g. SGLang's CUDA-IPC proxies) go to
+    ``leaf`` whole instead of being walked into.
     """
-    return _Walk(leaf, copy_all).visit(obj)
+    return _Walk(leaf, copy_all, leaves).visit(obj)
+
+
+def left_on_device(x, seen: set[int], min_bytes: int = 0) -> bool:
+    """Whether ``x`` is a torch tensor that lives on a device
+    (``x.device.type != "cpu"``: CUDA, or any other, ``meta`` included):
+    mmshm leaves it to the server as it is (a handle carries CPU bytes; a copy
+    to the host and back would only add a D2H and an H2D). A tensor of at
+    least ``min_bytes`` bytes counts once per request in
+    ``mmshm_device_tensors_total{kind="cuda"}``; ``seen`` holds the ``id()``
+    of those counted in this request (updated). Raises nothing."""
+    if not isinstance(x, torch.Tensor) or x.device.type == "cpu":
+        return False
+    if id(x) not in seen and x.numel() * x.element_size() >= min_bytes:
+        seen.add(id(x))
+        DEVICE_TENSORS.labels(kind="cuda").inc()
+    return True
 
 
 def handles(obj) -> list[ShmTensor]:
@@ -254,16 +275,18 @@ def wrap(obj, min_bytes: int | None = None, directory: str | None = None):
         A new object; ``obj`` is not modified. A tensor whose segment cannot
         be made (ENOSPC, budget, EMFILE, other OSError) stays inline and the
         fallback is counted in ``mmshm_inline_fallbacks_total{reason}``.
-        Unsupported tensors (GPU, sparse, quantized) stay inline silently.
+        Unsupported tensors (sparse, quantized) stay inline silently; a
+        tensor on a device (GPU) stays too, counted (:func:`left_on_device`).
     """
     cfg = config.get()
     if cfg.disable:
         return obj
     threshold = cfg.min_bytes if min_bytes is None else min_bytes
     made: dict[int, ShmTensor] = {}
+    on_device: set[int] = set()
 
     def leaf(x):
-        if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+        if not isinstance(x, torch.Tensor) or left_on_device(x, on_device, threshold):
             return x
         nbytes = x.numel() * x.element_size()
         if nbytes < threshold or x.layout != torch.strided or x.is_quantized:
