@@ -393,22 +393,24 @@ class ArenaViews:
 
     def _release(self, m: _Mapping, seg: segment.Segment, gen: int, nbytes: int) -> None:
         """Finalizer of a view: a registered one waits for the GPU first (on the
-        settling thread), an unregistered one drops the pages it wrote; then
-        the reference goes back."""
+        settling thread); the last unregistered view of a mapping in this
+        process drops the pages written through the mapping (views of one
+        segment in one process share it, as views of one tensor do); then the
+        reference goes back."""
         if m.registered:
             with self._pending_cv:
                 self._pending.append((m, seg, gen))
                 self._pending_cv.notify()
                 self._ensure_settler()
             return
-        try:
-            _drop_written(m.addr, nbytes)
-        except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
-            log.warning("mmshm: dropping the written pages of %s failed: %s", m.name, exc)
-            try:
-                _madvise(m.addr, -(-nbytes // _PAGE) * _PAGE, _MADV_DONTNEED)
-            except Exception:  # noqa: BLE001, S110
-                pass
+        with self.lock:
+            if m.views == 1:
+                try:
+                    _drop_written(m.addr, m.size)
+                except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
+                    log.warning("mmshm: dropping the written pages of %s failed (%s): the "
+                                "whole mapping is dropped instead", m.name, exc)
+                    _madvise(m.addr, m.size, _MADV_DONTNEED)
         self._give_back(m, seg, gen)
 
     def _give_back(self, m: _Mapping, seg: segment.Segment, gen: int) -> None:
