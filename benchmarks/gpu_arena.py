@@ -327,8 +327,8 @@ def _consume(kind, msg, conn, dev, store, ipc_pools, index):
         storage = ipc_pools.get(handle)
         if storage is None:  # opened once (SGLANG_USE_IPC_POOL_HANDLE_CACHE)
             storage = ipc_pools[handle] = torch.UntypedStorage._new_shared_cuda(*handle)
-        sl = torch.empty(0, dtype=torch.uint8, device=dev).set_(
-            storage[offset:offset + nbytes], storage_offset=0, size=(nbytes,), stride=(1,))
+        sl = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+            storage, storage_offset=offset, size=(nbytes,), stride=(1,))
         g = torch.empty(shape, dtype=dtype, device=dev)
         g.view(torch.uint8).reshape(-1).copy_(sl)
         sync(dev)
