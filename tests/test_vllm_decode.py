@@ -98,3 +98,31 @@ def test_scheduler_guard_fails_the_request_instead_of_running_the_encoder():
     got = iv.try_schedule_encoder_inputs(lambda *a: ([1], 40, 3, []), sched,
                                             (request, 60, 40, 9), {})
     assert got == ([], 0, 9, [])
+
+
+def test_a_device_tensor_is_left_to_vllm_and_counted_once_per_message():
+    """A tensor already on a device (here the ``meta`` device: no CUDA on this
+    host) is handed to vLLM's own consumer untouched, and counted once per
+    message in mmshm_device_tensors_total{kind="cuda"}."""
+    from tests.harness.metrics import metric
+
+    seen = []
+
+    class Inner:
+        def new_message(self):
+            seen.append("new")
+
+        def __call__(self, t):
+            seen.append(t)
+            return "vllm's"
+
+    t = torch.empty(4096, 64, device="meta")
+    consumer = ivr.ShmTensorConsumer(Inner())
+    before = metric("mmshm_device_tensors_total", kind="cuda")
+    for _ in range(2):  # two messages, the tensor twice in each
+        consumer.new_message()
+        with sending.sending() as box:
+            assert consumer(t) == "vllm's" and consumer(t) == "vllm's"
+            assert not box.handles
+    assert seen == ["new", t, t, "new", t, t]
+    assert metric("mmshm_device_tensors_total", kind="cuda") - before == 2

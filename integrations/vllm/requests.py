@@ -8,7 +8,7 @@ import weakref
 import torch
 from mmshm import config
 from mmshm.hooks.instrumentor import Role
-from mmshm.transport import receiving, sending
+from mmshm.transport import receiving, sending, wrapping
 
 from . import disagg
 from .server import (FIX_RELEASE, PATH_FANOUT, PATH_REQUESTS, WIRE_KEY, is_add, log, me,
@@ -24,19 +24,26 @@ HOPS = ("frontend_encode", "zmq_transfer's start")
 
 class ShmTensorConsumer:
     """``OOBTensorConsumer`` of ``MPClient.encoder``: in an ``ADD``, a large CPU
-    tensor becomes ``{"mmshm": <handle metadata>}``; else vLLM's consumer or frames."""
+    tensor becomes ``{"mmshm": <handle metadata>}``; else vLLM's consumer or frames.
+    A large tensor already on a device is left to vLLM and counted once per
+    message in ``mmshm_device_tensors_total{kind="cuda"}``."""
 
-    __slots__ = ("__weakref__", "inner")
+    __slots__ = ("__weakref__", "inner", "seen")
 
     def __init__(self, inner=None):
         self.inner = inner
+        self.seen: set[int] = set()
 
     def new_message(self) -> None:
+        self.seen = set()
         if self.inner is not None:
             self.inner.new_message()
 
     def __call__(self, tensor):
         box = sending.current_outbox()
+        if box is not None and box.path == "send" and not config.get().disable \
+                and wrapping.left_on_device(tensor, self.seen, config.get().min_bytes):
+            return self.inner(tensor) if self.inner is not None else None
         if box is not None and box.path == "send" and not config.get().disable \
                 and sending.eligible(tensor):
             withheld = disagg.WITHHOLDING.get()
