@@ -119,3 +119,23 @@ def no_bench(monkeypatch):
 
     monkeypatch.setattr(bench, "run_bench", fake_run_bench)
     return seen
+
+
+@pytest.fixture
+def arena_on(monkeypatch, shm_dir):
+    """The pool and a 32 MiB arena (MMSHM_ARENA_BYTES, off by default on a host
+    without CUDA) in this test's private segment directory, inherited by spawned
+    children through the environment; the arena's registrar and mappings are
+    put back afterwards."""
+    from mmshm.segments import arena
+
+    monkeypatch.setenv("MMSHM_POOL", "1")
+    monkeypatch.setenv("MMSHM_POOL_IDLE_S", "60")
+    monkeypatch.setenv("MMSHM_ARENA_BYTES", str(32 << 20))
+    config.reload()
+    yield shm_dir
+    arena.set_registrar(None)
+    gc.collect()
+    arena.VIEWS.settled()
+    TABLE.trim_pool()
+    arena.VIEWS.sweep()

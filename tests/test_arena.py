@@ -31,21 +31,6 @@ from tests.harness.segments import header, segment_files
 MiB = 1 << 20
 
 
-@pytest.fixture
-def arena_on(monkeypatch, shm_dir):
-    """The pool and a 32 MiB arena in this test's private segment directory."""
-    monkeypatch.setenv("MMSHM_POOL", "1")
-    monkeypatch.setenv("MMSHM_POOL_IDLE_S", "60")
-    monkeypatch.setenv("MMSHM_ARENA_BYTES", str(32 * MiB))
-    config.reload()
-    yield shm_dir
-    arena.set_registrar(None)
-    gc.collect()
-    arena.VIEWS.settled()
-    TABLE.trim_pool()
-    arena.VIEWS.sweep()
-
-
 def _flags(name: str) -> int:
     return header(name)[8]
 

@@ -72,21 +72,6 @@ def _output(seed: int, rows: int = ROWS) -> torch.Tensor:
     return torch.randn(rows, WIDTH, generator=g).to(torch.bfloat16)
 
 
-@pytest.fixture
-def arena_on(monkeypatch, shm_dir):
-    """The pool and a 32 MiB arena in this test's private segment directory
-    (inherited by the spawned producer through the environment)."""
-    monkeypatch.setenv("MMSHM_POOL", "1")
-    monkeypatch.setenv("MMSHM_POOL_IDLE_S", "60")
-    monkeypatch.setenv("MMSHM_ARENA_BYTES", str(32 * MiB))
-    config.reload()
-    yield shm_dir
-    arena.set_registrar(None)
-    gc.collect()
-    arena.VIEWS.settled()
-    arena.VIEWS.sweep()
-
-
 # -- the producer: a spawned process --------------------------------------------------
 def producer(conn, on_gpu: bool) -> None:
     """Commands: ("save", seed, rows) -> (published, name, nbytes, arena flag);

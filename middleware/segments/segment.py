@@ -372,6 +372,17 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
 _arena_said: set[str] = set()
 
 
+def _arena_fallback(reason: str, message: str) -> bool:
+    """Count an arena fallback (``mmshm_arena_fallbacks_total{reason}``) and say
+    its first one of each reason at WARNING. Returns False (no arena room)."""
+    ARENA_FALLBACKS.labels(reason=reason).inc()
+    if reason not in _arena_said:
+        _arena_said.add(reason)
+        log.warning("mmshm: %s (said once; mmshm_arena_fallbacks_total{reason=\"%s\"} counts "
+                    "each)", message, reason)
+    return False
+
+
 def _arena_room(directory: str, total: int) -> bool:
     """Whether a new segment of ``total`` bytes joins this process's arena in
     ``directory`` (call under the table's lock): the arena is on and has room,
@@ -382,26 +393,17 @@ def _arena_room(directory: str, total: int) -> bool:
     if not cap:
         return False
     if total > cap:
-        ARENA_FALLBACKS.labels(reason="too_big").inc()
-        if "too_big" not in _arena_said:
-            _arena_said.add("too_big")
-            log.warning(
-                "mmshm: a %d-byte tensor is larger than the whole arena (MMSHM_ARENA_BYTES=%d "
-                "in %s): it goes to a plain segment, mapped and copied to the GPU at pageable "
-                "speed; fix: raise MMSHM_ARENA_BYTES above the largest request's tensors "
-                "(said once)", total, cap, directory)
-        return False
+        return _arena_fallback(
+            "too_big", f"a {total}-byte tensor is larger than the whole arena "
+            f"(MMSHM_ARENA_BYTES={cap} in {directory}): it goes to a plain segment, mapped and "
+            f"copied to the GPU at pageable speed; fix: raise MMSHM_ARENA_BYTES above the "
+            f"largest request's tensors")
     over = TABLE.arena_bytes + total - cap
     if over > 0 and TABLE.evict_arena(directory, over) < over:
-        ARENA_FALLBACKS.labels(reason="full").inc()
-        if "full" not in _arena_said:
-            _arena_said.add("full")
-            log.warning(
-                "mmshm: the arena (MMSHM_ARENA_BYTES=%d in %s) is full of tensors still in "
-                "use: this one goes to a plain segment; fix: raise MMSHM_ARENA_BYTES to cover "
-                "the tensors of the requests in flight (said once; "
-                "mmshm_arena_fallbacks_total counts each)", cap, directory)
-        return False
+        return _arena_fallback(
+            "full", f"the arena (MMSHM_ARENA_BYTES={cap} in {directory}) is full of tensors "
+            f"still in use: this one goes to a plain segment; fix: raise MMSHM_ARENA_BYTES to "
+            f"cover the tensors of the requests in flight")
     return True
 
 
