@@ -540,22 +540,23 @@ class Producer:
         one = torch.rand(shape)
         return Payload(one.repeat(k, 1))
 
-    def floor_pixels(self, k: int, p: Payload) -> None:
-        """One H2D from pinned memory of the payload's bytes, in this process
-        (on a CPU host: one memcpy into warm memory)."""
+    def _floor_reps(self, p: Payload, fill, src_like) -> tuple[list, bool, float | None]:
+        """Time ``fill(pinned)`` (what goes into the pinned buffer, untimed or
+        timed as the caller makes it) then one H2D from pinned memory (on a CPU
+        host: one memcpy into warm memory), warm-up and repetitions; returns
+        the timed seconds, whether every copy's bytes were right, and the first
+        warm-up's seconds."""
         torch = self.torch
         cfg = self.cfg
-        src = p.t.reshape(-1).view(torch.uint8)
         if self.cuda:
-            pinned = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+            pinned = torch.empty(src_like.shape, dtype=src_like.dtype, pin_memory=True)
         else:
-            pinned = torch.empty(src.numel(), dtype=torch.uint8)
+            pinned = torch.empty_like(src_like, device="cpu")
             dst = torch.empty_like(pinned)
         ts, ok, first = [], True, None
         for rep in range(cfg["warmup"] + cfg["reps"]):
             expected = p.bump()
-            pinned.copy_(src)
-            t0 = time.perf_counter()
+            t0 = fill(pinned)
             if self.cuda:
                 g = pinned.to(self.dev, non_blocking=True)
                 torch.cuda.synchronize(self.dev)
@@ -569,6 +570,18 @@ class Producer:
                 first = first if first is not None else dt
             else:
                 ts.append(dt)
+        return ts, ok, first
+
+    def floor_pixels(self, k: int, p: Payload) -> None:
+        """One H2D from pinned memory of the payload's bytes, in this process
+        (on a CPU host: one memcpy into warm memory)."""
+        src = p.t.reshape(-1).view(self.torch.uint8)
+
+        def fill(pinned):
+            pinned.copy_(src)  # untimed: the bytes are in pinned memory already
+            return time.perf_counter()
+
+        ts, ok, first = self._floor_reps(p, fill, src)
         self.tell("row", {"part": "pixels", "path": PATH_E, "consumers": 0, "photos": k,
                           "bytes": p.nbytes, "reps": len(ts), "bytes_ok": ok,
                           "first_s": first, "median_s": statistics.median(ts),
@@ -580,32 +593,15 @@ class Producer:
         return Payload(torch.randn(self.cfg["epd_shape"], dtype=torch.bfloat16, device=self.dev))
 
     def floor_epd(self, p: Payload) -> None:
-        torch = self.torch
-        cfg = self.cfg
-        if self.cuda:
-            pinned = torch.empty(p.t.shape, dtype=p.t.dtype, pin_memory=True)
-        else:
-            pinned = torch.empty_like(p.t)
-            dst = torch.empty_like(p.t)
-        ts, ok, first = [], True, None
-        for rep in range(cfg["warmup"] + cfg["reps"]):
-            expected = p.bump()
+        """The pinned round trip of the encoder output: a D2H into pinned
+        memory, then an H2D from it, both timed."""
+        def fill(pinned):
             sync(self.dev)
             t0 = time.perf_counter()
             pinned.copy_(p.t)  # D2H (blocking)
-            if self.cuda:
-                g = pinned.to(self.dev, non_blocking=True)
-                torch.cuda.synchronize(self.dev)
-            else:
-                dst.copy_(pinned)
-                g = dst
-            dt = time.perf_counter() - t0
-            ok = ok and checksum(g) == expected
-            del g
-            if rep < cfg["warmup"]:
-                first = first if first is not None else dt
-            else:
-                ts.append(dt)
+            return t0
+
+        ts, ok, first = self._floor_reps(p, fill, p.t)
         self.tell("row", {"part": "epd", "path": EPD_FLOOR, "consumers": 0, "photos": 8,
                           "bytes": p.nbytes, "reps": len(ts), "bytes_ok": ok,
                           "first_s": first, "median_s": statistics.median(ts),
