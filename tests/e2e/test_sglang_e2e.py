@@ -22,9 +22,12 @@ many cases against it:
    plain's, the TP broadcast carries metadata only, n=2 writes each image
    once; a burst in a 64 MiB /dev/shm is answered in full (inline
    fallbacks); then the server's process group is SIGKILLed mid-request.
-4. under ``mmshm run`` again, on the same segment directory: the killed
-   server's segments are reclaimed before its first request; a graceful
-   stop leaves nothing.
+4. under ``mmshm run`` again, on the same segment directory, with the arena
+   on (``MMSHM_ARENA_BYTES``; off by default on a host without CUDA): the
+   killed server's segments are reclaimed before its first request; the
+   greedy requests twice, the second time through the arena segments of the
+   first (reused, already mapped by both TP ranks), answered as plain
+   answered them; a graceful stop leaves nothing.
 
 Faults under load (``tests/harness/faults.py``), on servers already running: an
 abort storm (30 streamed requests of 1-3 small photos, n 1-4, 4 at a time,
@@ -89,11 +92,17 @@ BAD_IMAGE_500 = V <= (0, 5, 9)
 #: The model's context length (max_position_embeddings of tests/harness/models.py)
 #: and the tiny tokenizer's tokens per " hello".
 CONTEXT, TOKENS_PER_WORD = 32768, 3
+#: The arena of phase 4 (the restart): two photos' segments (22.5 MB each),
+#: within the 64 MiB /dev/shm that server runs in as root.
+ARENA_BYTES = 48 << 20
 
 S: dict = {}  # state shared by the phases (file order)
 #: The faults' records by phase ("records"), what broke them ("errors"), the
 #: storm's photo URLs ("urls"): kept out of S, whose items are all printed.
 FAULTS: dict = {"records": {}, "errors": {}, "urls": None}
+#: Phase 4's arena record (answers, expositions, segments): out of S too; its
+#: figures go to S["arena"].
+ARENA: dict = {}
 
 
 # -- the servers -------------------------------------------------------------------
@@ -133,7 +142,7 @@ def _argv(port: int) -> list[str]:
 
 
 def _server(env, name: str, mmshm: bool, small_shm: bool = SMALL_SHM, observe: bool = False,
-            dist_init: bool = False):
+            dist_init: bool = False, **extra_env: str):
     server = _import_server()
     port = server.free_port()
     argv = _argv(port)
@@ -142,7 +151,8 @@ def _server(env, name: str, mmshm: bool, small_shm: bool = SMALL_SHM, observe: b
         # their own shared memory off ("cross node"); mmshm goes by the node
         # layout and stays on
         argv += ["--dist-init-addr", f"127.0.0.1:{server.free_port()}"]
-    e = server.sglang_env(MMSHM_POOL_IDLE_S=f"{POOL_IDLE_S:g}", MMSHM_REAP_INTERVAL_S="60")
+    e = server.sglang_env(MMSHM_POOL_IDLE_S=f"{POOL_IDLE_S:g}", MMSHM_REAP_INTERVAL_S="60",
+                          **extra_env)
     if observe:
         e["MMSHM_MODE"] = "observe"
         mmshm = True
@@ -198,6 +208,32 @@ def _m(text: str, name: str, **labels) -> float:
 
 def _segs(env) -> list[str]:
     return _import_server().segments(env["seg_dir"])
+
+
+def _arena_segs(env) -> list[str]:
+    """The arena segments (``FLAG_ARENA`` in the header) in the segment directory."""
+    from mmshm.segments.segfile import FLAG_ARENA
+    from tests.harness.segments import header
+
+    out = []
+    for n in _segs(env):
+        try:
+            if header(n, str(env["seg_dir"]))[8] & FLAG_ARENA:
+                out.append(n)
+        except FileNotFoundError:  # unlinked meanwhile (an idle plain segment)
+            pass
+    return out
+
+
+def _rank_mappings(log: str, names: list[str]) -> dict:
+    """Per TP rank (its pid from its "on:" line): how many mappings of each
+    segment in ``names`` its /proc/<pid>/maps holds."""
+    out = {}
+    for rank, pid in re.findall(r"scheduler \(TP rank (\d+)\) \(pid (\d+)\)", log):
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        out[int(rank)] = {n: len(re.findall(rf"/{re.escape(n)}(?: \(deleted\))?$", maps, re.M))
+                          for n in names}
+    return out
 
 
 GREEDY = [(0, "Describe the picture."), (1, "Describe the picture."), (0, "What is in it?")]
@@ -527,7 +563,7 @@ def test_mmshm_restart_reclaims_and_stops_clean(env):
     if not left:
         pytest.skip("the mmshm phase left nothing to reclaim")
     t0 = time.monotonic()
-    srv = _server(env, "mmshm-restart", mmshm=True)
+    srv = _server(env, "mmshm-restart", mmshm=True, MMSHM_ARENA_BYTES=str(ARENA_BYTES))
     try:
         # reclaimed as the server's processes started, before its first request
         assert not set(_segs(env)) & set(left), "the killed server's segments are still there"
@@ -539,13 +575,78 @@ def test_mmshm_restart_reclaims_and_stops_clean(env):
         S["reaped"] = _m(m1, "mmshm_reaped_segments_total")
         assert not set(_segs(env)) & set(left), "the killed server's segments are still there"
         assert S["reaped"] >= len(left)
-        # nothing held once the answers are in (idle pooled segments go after 2 s)
+        # the arena: the greedy requests twice, the second time through the
+        # arena segments of the first, reused (next generation) and already
+        # mapped by both TP ranks (recorded; asserted in the test below)
+        arena = ARENA
+        arena.update(answers=[], metrics=[m1], seconds=[])
+        for _ in range(2):
+            t1 = time.monotonic()
+            arena["answers"].append([_ask(srv, p, 1, t)[0] for p, t in GREEDY])
+            arena["seconds"].append(round(time.monotonic() - t1, 2))
+            arena["metrics"].append(_metrics(srv))
+        # nothing held once the answers are in but the arena's segments (idle
+        # plain pooled segments go after 2 s; arena segments stay pooled for good)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _segs(env):
+        while time.monotonic() < deadline and set(_segs(env)) - set(_arena_segs(env)):
             time.sleep(0.5)
+        arena["before_stop"] = _segs(env)
+        arena["segments"] = _arena_segs(env)
+        arena["rank_mappings"] = _rank_mappings(srv.log_text(), arena["segments"])
         srv.stop(signal.SIGTERM, timeout_s=90)
         S["left_after_stop"] = _segs(env)
         assert S["left_after_stop"] == []
     finally:
         srv.kill()
         S["phase_s"]["mmshm-restart"] = time.monotonic() - t0
+
+
+def test_arena_answers_as_plain_from_warm_mapped_segments(env):
+    """Phase 4 with the arena on (``MMSHM_ARENA_BYTES``) in the real TP=2
+    server: the greedy requests answered as plain answered them, the first
+    time and the second (every segment then a reused arena segment that both
+    TP ranks had mapped already: no segment made, one mapping per rank and
+    segment); served unregistered (no CUDA on this host); arena segments in the
+    directory while it ran, none after its stop."""
+    arena = ARENA
+    if not arena:
+        pytest.skip("the restart phase did not run its arena requests")
+    assert len(arena["answers"]) == 2, "the restart phase stopped before its second pass"
+    for answers in arena["answers"]:
+        assert answers == S["plain"]
+    m0, m1, m2 = arena["metrics"]
+    d = {k: [_m(b, k) - _m(a, k) for a, b in ((m0, m1), (m1, m2))]
+         for k in ("mmshm_segments_created_total", "mmshm_inline_fallbacks_total")}
+    views = [_m(b, "mmshm_arena_views_total", registered="no")
+             - _m(a, "mmshm_arena_views_total", registered="no") for a, b in ((m0, m1), (m1, m2))]
+    hits = [_m(b, "mmshm_pool_requests_total", result="hit")
+            - _m(a, "mmshm_pool_requests_total", result="hit") for a, b in ((m0, m1), (m1, m2))]
+    wrap = [_hops(a, b, "mmshm")["tokenizer_wrap"] for a, b in ((m0, m1), (m1, m2))]
+    S["arena"] = fig = {
+        "arena_bytes": _m(m2, "mmshm_arena_bytes"), "pass_seconds": arena["seconds"],
+        "views_per_pass": views, "created_per_pass": d["mmshm_segments_created_total"],
+        "pool_hits_per_pass": hits,
+        "inline_fallbacks_per_pass": d["mmshm_inline_fallbacks_total"],
+        "arena_fallbacks": _m(m2, "mmshm_arena_fallbacks_total"),
+        "wrap_ms_per_request": [round(1000 * w[2] / max(w[0], 1), 2) for w in wrap],
+        "arena_segments": len(arena["segments"]), "rank_mappings": arena["rank_mappings"]}
+    assert _m(m2, "mmshm_arena_bytes") == ARENA_BYTES
+    # every photo of both passes handed to both TP ranks from the arena's
+    # mappings, unregistered: no CUDA in this host, nothing registered
+    assert views == [TP * len(GREEDY)] * 2, fig
+    assert _m(m2, "mmshm_arena_views_total", registered="yes") == 0
+    assert _m(m2, "mmshm_arena_registrations_total") == 0
+    assert _m(m2, "mmshm_arena_registered_bytes") == 0
+    # the second pass made no segment: each photo went into a reused arena segment
+    assert d["mmshm_segments_created_total"][1] == 0, fig
+    assert hits[1] == len(GREEDY), fig
+    assert d["mmshm_inline_fallbacks_total"] == [0, 0], fig
+    # arena segments present while it ran, each mapped once by each TP rank
+    # (a persistent mapping kept across requests and generations)
+    assert arena["segments"] and arena["segments"] == arena["before_stop"], \
+        (arena["segments"], arena["before_stop"])
+    assert sorted(arena["rank_mappings"]) == list(range(TP)), arena["rank_mappings"]
+    for rank, per in arena["rank_mappings"].items():
+        assert set(per.values()) == {1}, (rank, per)
+    # and none left after its stop
+    assert S.get("left_after_stop") == []
