@@ -120,7 +120,8 @@ class Producer:
                 self.conn.send(None)
             except OSError:
                 pass
-        stop_all([self.proc], timeout=20)
+        stop_all([self.proc], timeout=90)  # a loaded host (CI) may take long to exit
+        assert self.proc.exitcode == 0, f"the producer did not exit cleanly: {self.proc.exitcode}"
 
 
 def _round_trips(p: Producer, seeds, rows: int = ROWS) -> tuple[list, list]:

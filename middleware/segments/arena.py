@@ -364,7 +364,7 @@ class ArenaViews:
                     registered = True
                     ARENA_REGISTRATIONS.labels(result="ok").inc()
                     ARENA_REGISTERED_BYTES.inc(size)
-                except RegistrationError as exc:
+                except Exception as exc:  # noqa: BLE001 - RegistrationError, or the runtime's own
                     ARENA_REGISTRATIONS.labels(result="failed").inc()
                     _warn_once(
                         "register", "mmshm: CUDA refused to register the arena's memory "
@@ -473,7 +473,10 @@ class ArenaViews:
         if m.registered:
             reg = registrar()
             if reg is not None and m.views == 0:
-                reg.unregister(m.addr)
+                try:
+                    reg.unregister(m.addr)
+                except Exception as exc:  # noqa: BLE001 - the pages go with the mapping anyway
+                    log.debug("mmshm: unregistering an arena mapping failed: %s", exc)
             m.registered = False
             ARENA_REGISTERED_BYTES.dec(m.size)
 
@@ -594,7 +597,7 @@ def _register_producer(seg: segment.Segment) -> bool:
     buf = seg.shared_map
     try:
         reg.register(ctypes.addressof(buf), ctypes.sizeof(buf), False)
-    except RegistrationError as exc:
+    except Exception as exc:  # noqa: BLE001 - RegistrationError, or the runtime's own
         ARENA_REGISTRATIONS.labels(result="failed").inc()
         _warn_once("register-producer", "mmshm: CUDA refused to register an arena segment "
                    "for copies from the GPU (%s): they run at pageable speed; fix: raise "
@@ -615,7 +618,10 @@ def _unregister_producer(key: tuple[int, int], addr: int) -> None:
     if size:
         reg = registrar()
         if reg is not None:
-            reg.unregister(addr)
+            try:
+                reg.unregister(addr)
+            except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
+                log.debug("mmshm: unregistering an arena segment failed: %s", exc)
         ARENA_REGISTERED_BYTES.dec(size)
 
 
