@@ -311,9 +311,10 @@ class MmshmEagerHashMode(MmshmMode):
 
 @register
 class MmshmArenaMode(MmshmMode):
-    """``mmshm`` with the arena on in the producer (``MMSHM_ARENA_BYTES``: half
-    the segment directory's file system, at most 4 GiB, set around each wrap
-    only, so the other modes of the run are untouched): its segments are arena
+    """``mmshm`` with the arena on in the producer (``MMSHM_ARENA_BYTES`` as
+    set, else half the segment directory's file system, at most 4 GiB, set
+    around each wrap only, so the other modes of the run are untouched; one
+    line on stderr says the size): its segments are arena
     segments, kept warm in its pool, and every TP rank maps each one once and
     keeps the mapping (registered with CUDA once, with ``--device cuda``), so
     that a rank's reads and its copy to the GPU take no page faults (see
@@ -323,12 +324,24 @@ class MmshmArenaMode(MmshmMode):
     name = "mmshm-arena"
     summary = "mmshm with the arena: warm segments each rank maps once (MMSHM_ARENA_BYTES)"
 
+    _said = False
+
     def _wrap(self, req):
+        import sys
+
         from mmshm import config
 
         before = os.environ.get("MMSHM_ARENA_BYTES")
-        st = os.statvfs(config.get().dir)
-        os.environ["MMSHM_ARENA_BYTES"] = str(min(st.f_blocks * st.f_frsize // 2, 4 << 30))
+        size = config.get().arena_bytes
+        if not size:  # unset, or 0: this mode is the arena's
+            st = os.statvfs(config.get().dir)
+            size = min(st.f_blocks * st.f_frsize // 2, 4 << 30)
+        if not MmshmArenaMode._said:
+            MmshmArenaMode._said = True
+            print(f"mmshm-arena: an arena of {size / 2**20:.0f} MiB in the producer"
+                  f"{' (MMSHM_ARENA_BYTES)' if before else ''}; without CUDA in the ranks its "
+                  f"views are warm unregistered pages (docs/gpu.md)", file=sys.stderr)
+        os.environ["MMSHM_ARENA_BYTES"] = str(size)
         config.reload()
         try:
             return super()._wrap(req)

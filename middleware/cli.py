@@ -226,7 +226,10 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     the TP ranks; every rank checks the bytes. Modes: inline (pixels
     pickled), fresh-segment (SGLang 0.5.23's n+1 fresh segments per request,
     as a baseline) and mmshm by default; also mmshm-eager-hash (every
-    content hash computed by the producer), mmshm-hash-given, and the
+    content hash computed by the producer), mmshm-hash-given, mmshm-arena
+    (the GPU arena in the producer: MMSHM_ARENA_BYTES, else half the segment
+    directory, at most 4 GiB; without CUDA its views are warm, unregistered
+    pages: docs/gpu.md), and the
     servers' own code where the interpreter has it: sglang (SGLang 0.5.23),
     vllm and vllm-arena (vLLM 0.33.0; python -m tests.run sglang and
     python -m tests.run vllm build such interpreters under .venvs/). The floor, measured

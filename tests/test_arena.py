@@ -393,3 +393,19 @@ def test_the_arena_is_preferred_to_plain_segments_pooled_while_it_was_full(arena
     assert b.name == a.name  # the idle arena segment, not the plain one
     assert header(plain_name)[2] == segfile.STATE_POOLED
     b.release()
+
+
+def test_an_arena_turned_off_by_mmshm_pool_0_is_said(shm_dir, monkeypatch, caplog):
+    from mmshm.segments import segment
+
+    monkeypatch.setattr(segment, "_arena_said", set())
+    monkeypatch.setenv("MMSHM_POOL", "0")
+    monkeypatch.setenv("MMSHM_ARENA_BYTES", str(32 * MiB))
+    config.reload()
+    with caplog.at_level(logging.WARNING, logger="mmshm"):
+        hs = [mmshm.ShmTensor.from_tensor(_photo(120 + i)) for i in range(2)]
+    assert not any(_flags(h.name) & segfile.FLAG_ARENA for h in hs)
+    said = [r for r in caplog.records if "MMSHM_POOL=0" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    for h in hs:
+        h.release()

@@ -387,6 +387,14 @@ class ArenaViews:
             os.close(fd)
         m = _Mapping(seg.name, seg.directory, ino, pfd, buf, size, registered)
         self.mappings[ino] = m
+        if "mapped" not in _warned:
+            _warned.add("mapped")
+            log.info("mmshm: arena segments are mapped once in this process (pid %d) and kept; "
+                     "%s", os.getpid(),
+                     "registered with CUDA (page-locked: copies to the GPU at pinned speed)"
+                     if registered else "not registered with CUDA (%s): copy-on-write views of "
+                     "warm pages" % ("refused: see the WARNING" if reg is not None else
+                                     "CUDA is not initialized in this process"))
         self._ensure_sweeper()
         self._trim()
         return m

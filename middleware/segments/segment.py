@@ -301,6 +301,11 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
                 POOL_REQUESTS.labels(result="hit").inc()
                 return seg
             POOL_REQUESTS.labels(result="miss").inc()
+        elif "pool_off" not in _arena_said and config.arena_bytes(TABLE.fs_size(d), cuda_host()):
+            _arena_said.add("pool_off")
+            log.warning("mmshm: the arena (MMSHM_ARENA_BYTES) is off in this process because "
+                        "MMSHM_POOL=0: arena segments live in the warm pool; fix: unset "
+                        "MMSHM_POOL (or set MMSHM_ARENA_BYTES=0 to say the arena is off)")
         TABLE.sweep()  # let go of segments freed elsewhere before counting what is in use
     try:
         check_budget(d, total)
@@ -392,9 +397,16 @@ def _arena_room(directory: str, total: int) -> bool:
     ARENA_BYTES.set(cap)
     if not cap:
         return False
+    if "on" not in _arena_said:
+        _arena_said.add("on")
+        log.info("mmshm: the arena is on in this process (pid %d): up to %d MiB of segments "
+                 "in %s kept warm for good, each mapped once (and registered with CUDA once) "
+                 "by its consumers (MMSHM_ARENA_BYTES; docs/gpu.md)", os.getpid(), cap >> 20,
+                 directory)
     if total > cap:
         return _arena_fallback(
-            "too_big", f"a {total}-byte tensor is larger than the whole arena "
+            "too_big", f"a tensor needing a {total}-byte segment (its size class, header "
+            f"included) is larger than the whole arena "
             f"(MMSHM_ARENA_BYTES={cap} in {directory}): it goes to a plain segment, mapped and "
             f"copied to the GPU at pageable speed; fix: raise MMSHM_ARENA_BYTES above the "
             f"largest request's tensors")
