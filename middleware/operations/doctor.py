@@ -278,7 +278,7 @@ def arena_check(fs_size: int, reserve: int, problems: list[Problem], notes: list
     segment directory of ``fs_size`` bytes with ``reserve`` kept free:
     appends to ``problems`` an arena larger than the directory can hold, an
     arena below one request of 8 photos (:data:`ARENA_REQUEST_BYTES`) on a
-    CUDA host, and a ``RLIMIT_MEMLOCK`` below the arena's size on a CUDA host
+    CUDA host, and a ``RLIMIT_MEMLOCK`` below twice the arena's size on a CUDA host
     (CUDA may refuse the registration: the arena is then served unregistered,
     at pageable speed); to ``notes`` the same where CUDA is not available.
     Returns ``(arena bytes, source, cuda host, memlock soft, memlock hard)``."""
@@ -316,15 +316,17 @@ def arena_check(fs_size: int, reserve: int, problems: list[Problem], notes: list
                 "memory, so on this CUDA host such requests fall back to plain segments "
                 "(mmshm_arena_fallbacks_total) and reach the GPU at pageable speed",
                 f"a bigger /dev/shm: {size_fix(gib)}; or set MMSHM_ARENA_BYTES (docs/gpu.md)"))
-    if soft is not None and soft < size:
-        what = (f"ulimit -l (RLIMIT_MEMLOCK) is {_mib(soft)}, below the arena's {_mib(size)}: "
-                f"CUDA may refuse to register the arena (one WARNING per process, which then "
+    # a TP rank page-locks what it keeps mapped: up to twice the arena (arena.ArenaViews)
+    if soft is not None and soft < 2 * size:
+        what = (f"ulimit -l (RLIMIT_MEMLOCK) is {_mib(soft)}, below twice the arena's "
+                f"{_mib(size)} (what a TP rank may keep mapped and registered): CUDA may "
+                f"refuse to register the arena (one WARNING per process, which then "
                 f"serves it unregistered: copies to the GPU at pageable speed)")
         if cuda:
             problems.append(Problem(
                 what, "raise the locked-memory limit: docker run --ulimit memlock=-1 (systemd "
                       "LimitMEMLOCK=infinity, ulimit -l unlimited), or lower MMSHM_ARENA_BYTES"
-                + (f"; the hard limit is {_mib(hard)}" if hard is not None and hard < size
+                + (f"; the hard limit is {_mib(hard)}" if hard is not None and hard < 2 * size
                    else "")))
         else:
             notes.append(what + " where CUDA runs; this host has no CUDA")
