@@ -298,7 +298,7 @@ class ArenaViews:
 
     def __init__(self):
         self.lock = threading.RLock()
-        self.mappings: dict[str, _Mapping] = {}
+        self.mappings: dict[tuple[int, int], _Mapping] = {}  # (st_dev, st_ino) -> mapping
         self._pid = os.getpid()
         self._sweeper: threading.Thread | None = None
         self._last_sweep = 0.0
