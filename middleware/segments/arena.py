@@ -434,11 +434,16 @@ class ArenaViews:
                 m.views -= 1
 
     # -- the settling thread (registered views) ---------------------------------
+    @staticmethod
+    def _running(thread: threading.Thread | None, target, name: str) -> threading.Thread:
+        """``thread`` if it is alive, else a new daemon thread running ``target``."""
+        if thread is None or not thread.is_alive():
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+        return thread
+
     def _ensure_settler(self) -> None:
-        if self._settler is None or not self._settler.is_alive():
-            self._settler = threading.Thread(target=self._settle_loop, name="mmshm-arena-settle",
-                                             daemon=True)
-            self._settler.start()
+        self._settler = self._running(self._settler, self._settle_loop, "mmshm-arena-settle")
 
     def _settle_loop(self) -> None:
         while True:
@@ -528,10 +533,7 @@ class ArenaViews:
             self.sweep()
 
     def _ensure_sweeper(self) -> None:
-        if self._sweeper is None or not self._sweeper.is_alive():
-            self._sweeper = threading.Thread(target=self._sweep_loop, name="mmshm-arena-sweep",
-                                             daemon=True)
-            self._sweeper.start()
+        self._sweeper = self._running(self._sweeper, self._sweep_loop, "mmshm-arena-sweep")
 
     def _sweep_loop(self) -> None:
         me = self
