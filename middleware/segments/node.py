@@ -136,12 +136,6 @@ def is_local(node: int, directory: str | None = None) -> bool:
     return node == _lookup(directory)[1]
 
 
-def clear_cache() -> None:
-    """Forget the cached identities (after changing ``MMSHM_DIR`` or
-    ``MMSHM_NODE_ID``; :func:`mmshm.config.reload` alone is enough, since the
-    cache is keyed by both). Group layouts stay cached: all ranks must agree
-    on when to gather them again."""
-    _IDS.clear()
 
 
 class NodeInfo(msgspec.Struct, frozen=True):

@@ -230,8 +230,3 @@ def _ask(store, ranks: list[int], wait_s: float) -> Verdict:
     if stored == b"ok":
         return Verdict(True)
     return Verdict(False, stored.decode(), judged.missing)
-
-
-def forget_handshakes() -> None:
-    """Drop every cached verdict (after destroying process groups)."""
-    _VERDICTS.clear()

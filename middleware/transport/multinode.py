@@ -78,12 +78,6 @@ def internode_stats() -> dict[str, int]:
     return dict(_STATS)
 
 
-def reset_internode_stats() -> None:
-    """Zero the process-local counters (the Prometheus counter is kept)."""
-    for k in _STATS:
-        _STATS[k] = 0
-
-
 # tag of the point-to-point messages of the multi-node path
 P2P_TAG = 0x6D6D
 

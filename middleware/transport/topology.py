@@ -172,8 +172,3 @@ def process_gone(proc: tuple[int, int, int]) -> bool | None:
     if st is None or st[1] != start:
         return True  # no such pid any more, or reused by another process
     return st[0] in ("Z", "X")
-
-
-def forget_layouts() -> None:
-    """Drop every cached layout (after destroying process groups)."""
-    _LAYOUTS.clear()
