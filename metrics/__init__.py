@@ -84,6 +84,8 @@ Families (as exposed):
 ``mmshm_gpu_copy_bytes_total{direction}``      bytes mmshm copied between the arena and a
                                                GPU, ``h2d`` / ``d2h``
 ``mmshm_gpu_copy_seconds{direction}``          histogram: seconds of one such copy
+``mmshm_arena_settle_seconds``                 histogram: seconds a released registered arena
+                                               view is held until the GPU has settled
 ``mmshm_device_tensors_total{kind}``           tensors met in a request that already live
                                                on a device and are left to the server:
                                                ``cuda`` (a CUDA tensor), ``sglang_ipc``
@@ -275,6 +277,9 @@ _SPECS = (
     ("ARENA_FALLBACKS", "counter", "mmshm_arena_fallbacks",
      "Tensors that went to a plain segment because the arena had no room, by reason.",
      ("reason",), {}),
+    ("ARENA_SETTLE_SECONDS", "histogram", "mmshm_arena_settle_seconds",
+     "Seconds a released registered arena view is held, from its release until the GPU has "
+     "settled and its reference is given back.", (), {"buckets": LATENCY_BUCKETS}),
     ("ARENA_VIEWS", "counter", "mmshm_arena_views",
      "Tensors handed out from the arena's persistent mappings, by whether the mapping is "
      "registered with CUDA.", ("registered",), {}),
@@ -376,6 +381,7 @@ ARENA_REGISTERED_BYTES = _deferred["ARENA_REGISTERED_BYTES"]
 ARENA_REGISTRATIONS = _deferred["ARENA_REGISTRATIONS"]
 ARENA_FALLBACKS = _deferred["ARENA_FALLBACKS"]
 ARENA_VIEWS = _deferred["ARENA_VIEWS"]
+ARENA_SETTLE_SECONDS = _deferred["ARENA_SETTLE_SECONDS"]
 GPU_COPY_BYTES = _deferred["GPU_COPY_BYTES"]
 GPU_COPY_SECONDS = _deferred["GPU_COPY_SECONDS"]
 DEVICE_TENSORS = _deferred["DEVICE_TENSORS"]

@@ -3,7 +3,7 @@ persistent (registered) mapping per consumer whatever the number of outputs.
 
 The producer is a spawned process (an encoder instance); the consumer is this
 test process (the prefill instance's worker), with a
-:class:`~mmshm.segments.arena.FakeRegistrar` recording what would be
+:class:`~tests.harness.registrar.FakeRegistrar` recording what would be
 registered with CUDA. There is no GPU here, so a producer's "GPU" output is
 :class:`FakeCuda`: a CPU tensor whose ``device`` reads ``cuda:0``. mmshm's
 device branch runs exactly as on a GPU host (``EncoderCache.save`` takes it
@@ -33,6 +33,7 @@ from mmshm.segments import arena, segfile
 from mmshm.transport import encoder_cache as ec
 
 from tests.harness.metrics import metric
+from tests.harness.registrar import FakeRegistrar
 from tests.harness.procs import spawn, stop_all
 from tests.harness.segments import header, segment_files
 
@@ -77,7 +78,7 @@ def producer(conn, on_gpu: bool) -> None:
     """Commands: ("save", seed, rows) -> (published, name, nbytes, arena flag);
     ("evict", seed) -> True; ("report",) -> what its registrar saw and its
     d2h counter; None: exit (a clean exit gives its references back)."""
-    fake = arena.FakeRegistrar()
+    fake = FakeRegistrar()
     arena.set_registrar(fake)
     d2h0 = metric("mmshm_gpu_copy_bytes_total", direction="d2h")
     store = ec.EncoderCache(keep_s=60)
@@ -153,7 +154,7 @@ def _round_trips(p: Producer, seeds, rows: int = ROWS) -> tuple[list, list]:
 def test_a_consumer_maps_and_registers_once_for_n_outputs(arena_on, on_gpu):
     """N outputs of one size, each published under its own name, reach the
     consumer through one persistent mapping, registered once."""
-    fake = arena.FakeRegistrar()
+    fake = FakeRegistrar()
     arena.set_registrar(fake)
     views0 = metric("mmshm_arena_views_total", registered="yes")
     p = Producer(on_gpu)
@@ -199,7 +200,7 @@ def test_without_the_arena_a_gpu_output_goes_straight_into_each_new_file(shm_dir
     """No pool, no arena (a CPU host's default): every output is a new file,
     written by one D2H through its mapping (not pwrite), counted, bytes equal,
     nothing registered on either side."""
-    fake = arena.FakeRegistrar()
+    fake = FakeRegistrar()
     arena.set_registrar(fake)
     p = Producer(on_gpu=True)
     try:
@@ -221,7 +222,7 @@ def test_a_gpu_output_too_big_for_the_arena_goes_to_a_plain_segment(arena_on, mo
     same single D2H, the fallback counted by the producer."""
     monkeypatch.setenv("MMSHM_ARENA_BYTES", str(MiB // 2))
     config.reload()
-    fake = arena.FakeRegistrar()
+    fake = FakeRegistrar()
     arena.set_registrar(fake)
     p = Producer(on_gpu=True)
     try:

@@ -362,7 +362,7 @@ GAUGES = {"mmshm_segments_in_use", "mmshm_shm_in_use_bytes", "mmshm_dir_free_byt
           "mmshm_arena_in_use_bytes", "mmshm_arena_registered_bytes"}
 HISTOGRAMS = {"mmshm_materialize_seconds", "mmshm_broadcast_seconds", "mmshm_broadcast_bytes",
               "mmshm_ipc_seconds", "mmshm_ipc_bytes", "mmshm_epd_transfer_seconds",
-              "mmshm_gpu_copy_seconds"}
+              "mmshm_gpu_copy_seconds", "mmshm_arena_settle_seconds"}
 #: Families whose labels (server, hop...) come with their first event: no series
 #: until an instrumented server process makes one.
 FIRST_USE = {"mmshm_path_enabled", "mmshm_ipc_seconds", "mmshm_ipc_bytes",

@@ -71,13 +71,16 @@ the segment modules below it (:mod:`~mmshm.segments.segfile`,
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
@@ -87,6 +90,7 @@ from mmshm.errors import RegistrationError, SegmentCorruptError, SegmentNotFound
 from mmshm.metrics import (
     ARENA_REGISTERED_BYTES,
     ARENA_REGISTRATIONS,
+    ARENA_SETTLE_SECONDS,
     ARENA_VIEWS,
     GPU_COPY_BYTES,
     GPU_COPY_SECONDS,
@@ -110,44 +114,107 @@ _MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PM_PRESENT = 1 << 63
 _PM_FILE = 1 << 61
+#: seconds between two sweeps of the mappings on the ``mmshm-arena-sweep`` thread
+SWEEP_EVERY_S = 5.0
 
 
 # -- the registrar seam --------------------------------------------------------
 class Registrar(Protocol):
-    """What registers host memory with a GPU runtime (CUDA), once per mapping.
+    """What registers host memory with a GPU runtime (CUDA), once per mapping,
+    each call on the device the mapping belongs to.
 
-    ``register(addr, nbytes, read_only)`` raises :class:`RegistrationError`;
-    ``unregister(addr)`` never raises; ``settle()`` blocks until the device has
-    finished every copy queued so far (called on a background thread before
-    a registered view's pages may be reused)."""
+    ``current_device()`` is the device current in the calling thread (an
+    ``int``; None where the runtime has none): the device recorded for a new
+    mapping. ``register(addr, nbytes, read_only, device)`` raises
+    :class:`RegistrationError`; ``unregister(addr, device)`` never raises;
+    ``settle(devices)`` blocks until each device in ``devices`` has finished
+    every copy queued on it so far (called on the settling thread before a
+    registered view's pages may be reused; raises what the runtime raises).
+    ``device`` None: the calling thread's current device."""
 
     name: str
 
-    def register(self, addr: int, nbytes: int, read_only: bool) -> None: ...
+    def current_device(self) -> int | None: ...
 
-    def unregister(self, addr: int) -> None: ...
+    def register(self, addr: int, nbytes: int, read_only: bool, device: int | None) -> None: ...
 
-    def settle(self) -> None: ...
+    def unregister(self, addr: int, device: int | None) -> None: ...
+
+    def settle(self, devices: Iterable[int | None]) -> None: ...
+
+
+def _libcudart():
+    """libcudart as this process loaded it (torch's), found in
+    /proc/self/maps, as a :class:`ctypes.CDLL`; None if none is loaded."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "libcudart" in line})
+        return ctypes.CDLL(paths[0]) if paths else None
+    except Exception:  # noqa: BLE001 - best effort
+        return None
 
 
 def _cudart_last_error_reset() -> None:
-    """Clear CUDA's last-error word after a refused registration, so that
-    the server's next kernel launch check does not report it as its own.
-    libcudart as the process loaded it (torch's), found in /proc/self/maps."""
+    """Clear CUDA's last-error word (per thread) after a refused registration,
+    so that the server's next kernel launch check does not report it as its
+    own."""
     try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcudart" in line}
-        for path in paths:
-            ctypes.CDLL(path).cudaGetLastError()
+        lib = _libcudart()
+        if lib is not None:
+            lib.cudaGetLastError()
     except Exception as exc:  # noqa: BLE001 - best effort
         log.debug("mmshm: clearing CUDA's last error failed: %s", exc)
+
+
+def cuda_error_text(code: int, cudart=None) -> tuple[str, str]:
+    """CUDA's own name and text of runtime error ``code`` (an ``int``, a
+    ``cudaError_t``), e.g. ``("cudaErrorMemoryAllocation", "out of memory")``:
+    ``cudaGetErrorName``/``cudaGetErrorString`` of the loaded libcudart
+    (ctypes), else ``cudaGetErrorString`` of torch's binding ``cudart``, which
+    takes its ``cudaError`` enum, not an int. Never raises: an unknown
+    name is ``"cudaError <code>"``."""
+    name = text = None
+    lib = _libcudart()
+    if lib is not None:
+        try:
+            for fn in (lib.cudaGetErrorName, lib.cudaGetErrorString):
+                fn.restype = ctypes.c_char_p
+                fn.argtypes = (ctypes.c_int,)
+            name = lib.cudaGetErrorName(int(code)).decode(errors="replace")
+            text = lib.cudaGetErrorString(int(code)).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - no such symbol: the binding below
+            name = text = None
+    if text is None and cudart is not None:
+        try:
+            enum = getattr(cudart, "cudaError", None)
+            text = str(cudart.cudaGetErrorString(enum(int(code)) if enum else int(code)))
+        except Exception:  # noqa: BLE001
+            text = None
+    return name or f"cudaError {int(code)}", text or "no text from the CUDA runtime"
+
+
+#: how the settling thread waits for a device before giving released
+#: registered views back: ``"device"`` (``cudaDeviceSynchronize`` under the
+#: device's guard: every stream; CUDA's default scheduling spins a core while
+#: it waits) or ``"event"`` (an event made with ``cudaEventBlockingSync``,
+#: recorded on the device's legacy default stream and polled with a sleep: no
+#: spinning, but it covers only the legacy default stream and the *blocking*
+#: streams, not torch's side streams, which are ``cudaStreamNonBlocking``).
+#: See the module docstring, "The settle".
+SETTLE_MODE = "device"
+#: the settle's poll interval in ``"event"`` mode (seconds, doubling up to 4 ms)
+_POLL_S = 0.0002
 
 
 class CudaRegistrar:
     """Registers mappings with CUDA through torch's binding of the runtime
     (``torch.cuda.cudart().cudaHostRegister``, as ``torch.cuda._pin_memory_utils``
     does), with ``cudaHostRegisterPortable`` and, for a consumer's read-only
-    view, ``cudaHostRegisterReadOnly``."""
+    view, ``cudaHostRegisterReadOnly``. Every call runs under
+    ``torch.cuda.device(device)``, torch's device guard, whatever the thread:
+    a thread that never set its device has device 0 current, and a runtime
+    call there would create a context on GPU 0 (leaving the guard never
+    creates one: torch restores a device without a context lazily)."""
 
     name = "cuda"
 
@@ -156,65 +223,61 @@ class CudaRegistrar:
 
         self._torch = torch
         self._cudart = torch.cuda.cudart()
-        self._device = torch.cuda.current_device()
 
-    def register(self, addr: int, nbytes: int, read_only: bool) -> None:
-        code = int(self._cudart.cudaHostRegister(
-            addr, nbytes, _FLAGS_READ_ONLY if read_only else _FLAGS_WRITABLE))
+    def current_device(self) -> int:
+        return int(self._torch.cuda.current_device())
+
+    def _guard(self, device: int | None):
+        if device is None:
+            return contextlib.nullcontext()
+        return self._torch.cuda.device(int(device))
+
+    def register(self, addr: int, nbytes: int, read_only: bool, device: int | None) -> None:
+        with self._guard(device):
+            code = int(self._cudart.cudaHostRegister(
+                addr, nbytes, _FLAGS_READ_ONLY if read_only else _FLAGS_WRITABLE))
+            if code != 0:
+                _cudart_last_error_reset()
         if code != 0:
-            _cudart_last_error_reset()
+            name, text = cuda_error_text(code, self._cudart)
+            raise RegistrationError(
+                f"cudaHostRegister of {nbytes} bytes{'' if device is None else f' on cuda:{device}'}"
+                f"{' (read-only)' if read_only else ''} failed: {name}: {text}", code)
+
+    def unregister(self, addr: int, device: int | None) -> None:
+        try:
+            with self._guard(device):
+                code = int(self._cudart.cudaHostUnregister(addr))
+                if code != 0:
+                    _cudart_last_error_reset()
+        except Exception as exc:  # noqa: BLE001 - a device gone: the pages go with the mapping
+            log.debug("mmshm: unregistering an arena mapping on cuda:%s failed: %s", device, exc)
+
+    def settle(self, devices: Iterable[int | None]) -> None:
+        errors = []
+        for d in sorted({d for d in devices if d is not None}) or [None]:
             try:
-                text = self._cudart.cudaGetErrorString(code)
-            except Exception:  # noqa: BLE001
-                text = "unknown"
-            raise RegistrationError(f"cudaHostRegister of {nbytes} bytes failed: CUDA error "
-                                    f"{code} ({text})", code)
+                with self._guard(d):
+                    if SETTLE_MODE == "event":
+                        self._wait_event()
+                    else:
+                        self._torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - the other devices still settle
+                errors.append(f"cuda:{d}: {exc}")
+        if errors:
+            raise RuntimeError("; ".join(errors))
 
-    def unregister(self, addr: int) -> None:
-        if int(self._cudart.cudaHostUnregister(addr)) != 0:
-            _cudart_last_error_reset()
-
-    def settle(self) -> None:
-        self._torch.cuda.synchronize(self._device)
-
-
-class FakeRegistrar:
-    """A registrar for CPU tests: records ``("register", addr, nbytes,
-    read_only)``, ``("unregister", addr)`` and ``("settle",)`` in
-    :attr:`calls`. With ``fail`` (``"memlock"``, ``"driver"``) every
-    registration is refused as CUDA refuses it. ``hold`` (a
-    :class:`threading.Event`) makes :meth:`settle` wait until it is set, as a
-    copy still running on the GPU would."""
-
-    name = "fake"
-
-    def __init__(self, fail: str | None = None, hold: threading.Event | None = None):
-        self.fail = fail
-        self.hold = hold
-        self.calls: list[tuple] = []
-        self._lock = threading.Lock()
-
-    def register(self, addr: int, nbytes: int, read_only: bool) -> None:
-        with self._lock:
-            self.calls.append(("register", addr, nbytes, read_only))
-        if self.fail == "memlock":
-            raise RegistrationError("cudaHostRegister failed: CUDA error 2 (out of memory)", 2)
-        if self.fail:
-            raise RegistrationError(f"cudaHostRegister failed: {self.fail}", 1)
-
-    def unregister(self, addr: int) -> None:
-        with self._lock:
-            self.calls.append(("unregister", addr))
-
-    def settle(self) -> None:
-        if self.hold is not None:
-            self.hold.wait(30)
-        with self._lock:
-            self.calls.append(("settle",))
-
-    def registrations(self) -> int:
-        """How many registrations were asked for."""
-        return sum(1 for c in self.calls if c[0] == "register")
+    def _wait_event(self) -> None:
+        """Wait, without spinning, until the current device's legacy default
+        stream (and the blocking streams it waits for) has run what was queued
+        so far."""
+        torch = self._torch
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(torch.cuda.default_stream())
+        pause = _POLL_S
+        while not ev.query():
+            time.sleep(pause)
+            pause = min(pause * 2, 0.004)
 
 
 _registrar: Registrar | None = None
@@ -223,12 +286,14 @@ _registrar_pid = 0
 
 
 def set_registrar(registrar: Registrar | None) -> None:
-    """Install ``registrar`` for this process (tests: a :class:`FakeRegistrar`);
-    ``None`` goes back to the automatic choice (:func:`registrar`)."""
-    global _registrar, _registrar_set, _registrar_pid
+    """Install ``registrar`` for this process (tests: the harness's recording
+    registrar); ``None`` goes back to the automatic choice (:func:`registrar`).
+    Forgets an earlier refusal (:func:`refused`)."""
+    global _registrar, _registrar_set, _registrar_pid, _refused_until
     _registrar = registrar
     _registrar_set = registrar is not None
     _registrar_pid = os.getpid()
+    _refused_until = 0.0
 
 
 def registrar() -> Registrar | None:
@@ -264,15 +329,86 @@ def _warn_once(key: str, msg: str, *args) -> None:
         log.warning(msg, *args)
 
 
+#: after CUDA refused a registration, this process maps arena segments
+#: unregistered, without asking CUDA again, until this :func:`time.monotonic`
+_refused_until = 0.0
+#: how long after a refusal this process asks CUDA again (seconds): the causes
+#: seen (no read-only registration on this platform, confidential computing,
+#: WSL, the driver out of page-lockable memory) last, and a retry per new
+#: mapping would put a refused ``cudaHostRegister`` on the request path of
+#: every request that brings a new size; one try an hour costs nothing and
+#: lets a transient cause heal
+REFUSAL_RETRY_S = 3600.0
+
+_FIXES = {
+    2: "the driver could not page-lock the memory: lower MMSHM_ARENA_BYTES or give the host "
+       "more memory; whether RLIMIT_MEMLOCK (ulimit -l) plays a part is not measured "
+       "(docs/gpu.md)",
+    1: "this driver or platform refuses the registration's flags (read-only registration "
+       "needs CUDA 11.1+; WSL and confidential computing refuse host registration): set "
+       "MMSHM_ARENA_BYTES=0 to turn the arena off",
+    801: "this driver or platform does not support host registration (WSL, confidential "
+         "computing): set MMSHM_ARENA_BYTES=0 to turn the arena off",
+    712: "the memory was registered already by someone else in this process: report it "
+         "(docs/gpu.md)",
+}
+
+
+def refused() -> bool:
+    """Whether CUDA refused a registration in this process less than
+    :data:`REFUSAL_RETRY_S` ago: new mappings are then served unregistered
+    without asking CUDA again."""
+    return time.monotonic() < _refused_until
+
+
+def _register(reg: Registrar, addr: int, nbytes: int, read_only: bool, device: int | None,
+              what: str) -> bool:
+    """Register one mapping through ``reg``, counted in
+    ``mmshm_arena_registrations_total{result}``. A refusal is said at WARNING
+    once per process, with CUDA's error name and text and the fix for that
+    error, and starts the :data:`REFUSAL_RETRY_S` during which nothing more is
+    registered here. Returns whether the mapping is registered; never raises."""
+    global _refused_until
+    try:
+        reg.register(addr, nbytes, read_only, device)
+    except Exception as exc:  # noqa: BLE001 - RegistrationError, or the runtime's own
+        ARENA_REGISTRATIONS.labels(result="failed").inc()
+        _refused_until = time.monotonic() + REFUSAL_RETRY_S
+        if "register" in _warned:
+            log.debug("mmshm: CUDA refused to register %s again: %s", what, exc)
+        else:
+            _warn_once(
+                "register", "mmshm: CUDA refused to register %s (%s): this process (pid %d) "
+                "serves the arena unregistered from now on and asks CUDA again in %d "
+                "minutes, so copies between its arena memory and the GPU run at pageable "
+                "speed; fix: %s (said once; mmshm_arena_registrations_total"
+                "{result=\"failed\"} counts each refusal)", what, str(exc), os.getpid(),
+                REFUSAL_RETRY_S // 60,
+                _FIXES.get(getattr(exc, "code", 0), "see docs/gpu.md, 'Registration'; "
+                           "MMSHM_ARENA_BYTES=0 turns the arena off"))
+        return False
+    ARENA_REGISTRATIONS.labels(result="ok").inc()
+    return True
+
+
+def _current_device(reg: Registrar) -> int | None:
+    """The device current in this thread as ``reg`` tells it (None: unknown)."""
+    try:
+        return reg.current_device()
+    except Exception as exc:  # noqa: BLE001 - a runtime without devices
+        log.debug("mmshm: no current CUDA device: %s", exc)
+        return None
+
+
 # -- the consumer's persistent mappings ----------------------------------------
 class _Mapping:
     """One arena segment's payload as this process keeps it mapped."""
 
-    __slots__ = ("addr", "buf", "directory", "ino", "name", "pfd", "registered", "size", "used",
-                 "views")
+    __slots__ = ("addr", "buf", "device", "directory", "ino", "name", "pfd", "registered", "size",
+                 "used", "views")
 
     def __init__(self, name: str, directory: str, ino: tuple[int, int], pfd: int,
-                 buf: ctypes.Array, size: int, registered: bool):
+                 buf: ctypes.Array, size: int, registered: bool, device: int | None = None):
         self.name = name
         self.directory = directory
         self.ino = ino
@@ -283,6 +419,9 @@ class _Mapping:
         self.addr = ctypes.addressof(buf)
         self.size = size
         self.registered = registered
+        #: the CUDA device current in the thread that mapped it (the rank's
+        #: device): its registration, unregistration and settle run there
+        self.device = device
         self.views = 0
         self.used = time.monotonic()
 
@@ -302,8 +441,12 @@ class ArenaViews:
         self._pid = os.getpid()
         self._sweeper: threading.Thread | None = None
         self._last_sweep = 0.0
-        self._pending: list = []
-        self._pending_cv = threading.Condition(threading.Lock())
+        #: released registered views, ``(mapping, segment, gen, released at)``:
+        #: a finalizer only puts (SimpleQueue.put takes no lock a finalizer's
+        #: own thread could hold); the settling thread does the rest
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        #: views the settling thread took from the queue and has not given back
+        self._settling = 0
         self._settler: threading.Thread | None = None
 
     def _check_pid(self) -> None:
@@ -333,6 +476,9 @@ class ArenaViews:
             m.views += 1
             m.used = time.monotonic()
         ARENA_VIEWS.labels(registered="yes" if m.registered else "no").inc()
+        if m.registered:
+            # started here, never from a finalizer (starting a thread takes locks)
+            self._ensure_settler()
         arr = np.frombuffer(m.buf, dtype=np.uint8, count=nbytes)
         segment.pin(seg)  # the view holds the descriptor (its liveness lock) until released
         weakref.finalize(arr, self._release, m, seg, gen, nbytes)
@@ -340,8 +486,11 @@ class ArenaViews:
         return arr
 
     def _map(self, seg: segment.Segment, ino: tuple[int, int]) -> _Mapping:
-        """Map ``seg``'s payload for good, registered if this process can."""
+        """Map ``seg``'s payload for good, registered if this process can (on
+        the device current in this thread, recorded in the mapping)."""
         reg = registrar()
+        asked = reg is not None and not refused()
+        device = _current_device(reg) if asked else None
         # a descriptor of our own, holding no lock: the mapping must not keep
         # the segment alive for the reaper (segment.attach's descriptor holds
         # the liveness lock, and a mapping would keep its description)
@@ -357,23 +506,13 @@ class ArenaViews:
             size = seg.payload_size
             buf = None
             registered = False
-            if reg is not None:
+            if asked:
                 buf = map_fd(fd, size, HEADER_SIZE, shared=True, writable=False)
-                try:
-                    reg.register(ctypes.addressof(buf), size, True)
-                    registered = True
-                    ARENA_REGISTRATIONS.labels(result="ok").inc()
+                registered = _register(reg, ctypes.addressof(buf), size, True, device,
+                                       "the arena's memory")
+                if registered:
                     ARENA_REGISTERED_BYTES.inc(size)
-                except Exception as exc:  # noqa: BLE001 - RegistrationError, or the runtime's own
-                    ARENA_REGISTRATIONS.labels(result="failed").inc()
-                    _warn_once(
-                        "register", "mmshm: CUDA refused to register the arena's memory "
-                        "(%s): the arena is served unregistered in this process (pid %d), "
-                        "copies to the GPU run at pageable speed; fix: raise the locked-memory "
-                        "limit (docker run --ulimit memlock=-1, systemd LimitMEMLOCK=infinity, "
-                        "ulimit -l unlimited) or lower MMSHM_ARENA_BYTES (said once; "
-                        "mmshm_arena_registrations_total{result=\"failed\"} counts each)",
-                        str(exc), os.getpid())
+                else:
                     buf = None
             if buf is None:
                 buf = map_fd(fd, size, HEADER_SIZE, shared=False)
@@ -385,7 +524,8 @@ class ArenaViews:
                                       seg.path) from exc
         finally:
             os.close(fd)
-        m = _Mapping(seg.name, seg.directory, ino, pfd, buf, size, registered)
+        m = _Mapping(seg.name, seg.directory, ino, pfd, buf, size, registered,
+                     device if registered else None)
         self.mappings[ino] = m
         if "mapped" not in _warned:
             _warned.add("mapped")
@@ -395,23 +535,29 @@ class ArenaViews:
                      if registered else "not registered with CUDA (%s): copy-on-write views of "
                      "warm pages" % ("refused: see the WARNING" if reg is not None else
                                      "CUDA is not initialized in this process"))
+        if registered:
+            self._ensure_settler()
         self._ensure_sweeper()
         self._trim()
         return m
 
     def _release(self, m: _Mapping, seg: segment.Segment, gen: int, nbytes: int) -> None:
-        """Finalizer of a view: a registered one waits for the GPU first (on the
-        settling thread); the last unregistered view of a mapping in this
-        process drops the pages written through the mapping (views of one
-        segment in one process share it, as views of one tensor do); then the
-        reference goes back."""
+        """Finalizer of a view. A registered one only goes on the settling
+        queue (``SimpleQueue.put``: no lock that this thread could hold when a
+        collection runs the finalizer), and the settling thread gives its
+        reference back once the GPU has run the copies queued from it; at
+        the interpreter's exit (weakref runs the finalizers of live views
+        then) it is settled and given back here. The last unregistered view of
+        a mapping in this process drops the pages written through the mapping
+        (views of one segment in one process share it, as views of one tensor
+        do); then the reference goes back."""
         if m.registered:
-            with self._pending_cv:
-                self._pending.append((m, seg, gen))
-                self._pending_cv.notify()
-                self._ensure_settler()
+            if getattr(weakref.finalize, "_shutdown", False):  # at exit: no settling thread
+                self._settle([(m, seg, gen, time.monotonic())])
+            else:
+                self._queue.put((m, seg, gen, time.monotonic()))
             return
-        with self.lock:
+        with self.lock:  # re-entrant: a collection in a thread holding it goes on
             if m.views == 1:
                 try:
                     _drop_written(m.addr, m.size)
@@ -443,41 +589,99 @@ class ArenaViews:
         return thread
 
     def _ensure_settler(self) -> None:
-        self._settler = self._running(self._settler, self._settle_loop, "mmshm-arena-settle")
+        """Start the settling thread if it is not running (called where a
+        mapping is registered and a registered view made, never from a
+        finalizer: starting a thread takes locks)."""
+        if self._settler is None or not self._settler.is_alive():
+            with self.lock:
+                self._settler = self._running(self._settler, self._settle_loop,
+                                              "mmshm-arena-settle")
 
     def _settle_loop(self) -> None:
+        q = self._queue
         while True:
-            with self._pending_cv:
-                while not self._pending:
-                    self._pending_cv.wait()
-                batch, self._pending = self._pending, []
-            reg = registrar()
+            batch = [q.get()]
+            while True:
+                try:
+                    batch.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            self._settling += len(batch)
             try:
-                if reg is not None:
-                    reg.settle()
-            except Exception as exc:  # noqa: BLE001 - a device error: still give back
-                log.warning("mmshm: waiting for the GPU before reusing arena pages failed: %s",
-                            exc)
-            for m, seg, gen in batch:
-                self._give_back(m, seg, gen)
+                self._settle(batch)
+            finally:
+                self._settling -= len(batch)
+
+    def _settle(self, batch: list) -> None:
+        """Wait for the devices of ``batch``'s mappings (each on its own device,
+        :meth:`Registrar.settle`), then give the views' references back, each
+        view's time from release to give-back observed in
+        ``mmshm_arena_settle_seconds``. A device that fails or went away (a
+        rank on its way out) runs no more copies from the pages: the
+        references are given back all the same, said once at WARNING; nothing
+        is raised."""
+        reg = registrar()
+        try:
+            if reg is not None:
+                reg.settle({m.device for m, *_ in batch})
+        except Exception as exc:  # noqa: BLE001 - a device error: still give back
+            if "settle" in _warned:
+                log.debug("mmshm: waiting for the GPU before reusing arena pages failed: %s",
+                          exc)
+            _warn_once("settle", "mmshm: waiting for the GPU before reusing arena pages "
+                       "failed (%s): the released views are given back all the same (a device "
+                       "that failed runs no more copies from them)", exc)
+        now = time.monotonic()
+        for m, seg, gen, released in batch:
+            self._give_back(m, seg, gen)
+            try:
+                ARENA_SETTLE_SECONDS.observe(now - released)
+            except Exception:  # noqa: BLE001 - never stop giving back for a metric
+                pass
 
     def settled(self, timeout: float = 10.0) -> bool:
         """Wait until every released registered view has been given back
         (tests, and a clean exit). Returns False on timeout."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            with self._pending_cv:
-                busy = bool(self._pending)
-            if not busy and all(m.views == 0 or not m.registered
-                                for m in list(self.mappings.values())):
+            if (self._queue.empty() and not self._settling
+                    and all(m.views == 0 or not m.registered
+                            for m in list(self.mappings.values()))):
                 return True
             time.sleep(0.005)
         return False
 
+    def drain(self, timeout: float = 5.0) -> int:
+        """At exit (:data:`mmshm.segments.segment.exit_reporters`): give the
+        references of released registered views back, after the settling
+        thread had up to ``timeout`` seconds to settle them; what is still
+        queued then is settled and given back on this thread. Returns how many
+        were given back here. Never raises."""
+        if self._pid != os.getpid():
+            return 0
+        end = time.monotonic() + timeout
+        while (not self._queue.empty() or self._settling) and time.monotonic() < end:
+            if self._settler is None or not self._settler.is_alive():
+                break
+            time.sleep(0.005)
+        batch = []
+        while True:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        if batch:
+            try:
+                self._settle(batch)
+            except Exception as exc:  # noqa: BLE001 - the exit goes on
+                log.debug("mmshm: giving arena views back at exit failed: %s", exc)
+        return len(batch)
+
     # -- sweeping ---------------------------------------------------------------
     def _drop(self, m: _Mapping) -> None:
-        """Forget ``m`` (call under :attr:`lock`): unregister it; the pages are
-        unmapped once no view of them is left (see segfile.map_fd)."""
+        """Forget ``m`` (call under :attr:`lock`): unregister it (on its
+        device, whatever thread this is); the pages are unmapped once no view
+        of them is left (see segfile.map_fd)."""
         if self.mappings.get(m.ino) is m:
             del self.mappings[m.ino]
         if m.pfd >= 0:
@@ -487,7 +691,7 @@ class ArenaViews:
             reg = registrar()
             if reg is not None and m.views == 0:
                 try:
-                    reg.unregister(m.addr)
+                    reg.unregister(m.addr, m.device)
                 except Exception as exc:  # noqa: BLE001 - the pages go with the mapping anyway
                     log.debug("mmshm: unregistering an arena mapping failed: %s", exc)
             m.registered = False
@@ -538,7 +742,7 @@ class ArenaViews:
     def _sweep_loop(self) -> None:
         me = self
         while True:
-            time.sleep(5.0)
+            time.sleep(SWEEP_EVERY_S)
             if VIEWS is not me or me._pid != os.getpid():
                 return
             try:
@@ -587,49 +791,56 @@ def _drop_written(addr: int, nbytes: int) -> int:
 
 #: this process's persistent mappings of arena segments
 VIEWS = ArenaViews()
+#: released registered views still queued at exit are settled and given back
+segment.exit_reporters.append(lambda: VIEWS.drain())
 
 
 # -- copies mmshm makes itself ----------------------------------------------------
-#: (address of a creator mapping, pid) -> bytes registered; keyed by the mapping,
-#: not the name: the encoder cache publishes a reused segment under a new name per output
-_producer_registered: dict[tuple[int, int], int] = {}
+#: (address of a creator mapping, pid) -> (bytes registered, its device); keyed by
+#: the mapping, not the name: the encoder cache publishes a reused segment under
+#: a new name per output
+_producer_registered: dict[tuple[int, int], tuple[int, int | None]] = {}
 
 
-def _register_producer(seg: segment.Segment) -> bool:
+def _register_producer(seg: segment.Segment, device: int | None = None) -> bool:
     """Register the creator's writable mapping of arena segment ``seg`` with
-    CUDA once (for a D2H straight into it). Returns whether it is registered."""
+    CUDA once (for a D2H straight into it), on ``device`` (the copy's source
+    device; None: the device current in this thread), which is recorded for
+    its unregistration. Nothing is asked while an earlier refusal holds
+    (:func:`refused`). Returns whether it is registered."""
     reg = registrar()
     if reg is None or seg.shared_map is None or not seg.arena:
         return False
     key = (ctypes.addressof(seg.shared_map), os.getpid())
     if key in _producer_registered:
-        return bool(_producer_registered[key])  # 0: refused once, not asked again
-    buf = seg.shared_map
-    try:
-        reg.register(ctypes.addressof(buf), ctypes.sizeof(buf), False)
-    except Exception as exc:  # noqa: BLE001 - RegistrationError, or the runtime's own
-        ARENA_REGISTRATIONS.labels(result="failed").inc()
-        _warn_once("register-producer", "mmshm: CUDA refused to register an arena segment "
-                   "for copies from the GPU (%s): they run at pageable speed; fix: raise "
-                   "the locked-memory limit (docker run --ulimit memlock=-1) or lower "
-                   "MMSHM_ARENA_BYTES", str(exc))
-        _producer_registered[key] = 0
+        return True
+    if refused():
         return False
-    ARENA_REGISTRATIONS.labels(result="ok").inc()
+    buf = seg.shared_map
+    if device is None:
+        device = _current_device(reg)
+    if not _register(reg, ctypes.addressof(buf), ctypes.sizeof(buf), False, device,
+                     "an arena segment for copies from the GPU"):
+        return False
     ARENA_REGISTERED_BYTES.inc(ctypes.sizeof(buf))
-    _producer_registered[key] = ctypes.sizeof(buf)
+    _producer_registered[key] = (ctypes.sizeof(buf), device)
     # a segment's creator mapping lives as long as the segment in this process
     weakref.finalize(buf, _unregister_producer, key, ctypes.addressof(buf))
     return True
 
 
 def _unregister_producer(key: tuple[int, int], addr: int) -> None:
-    size = _producer_registered.pop(key, 0)
+    """Finalizer of a registered creator mapping (it runs in whichever thread
+    lets go of the segment: an eviction, ``trim_pool``, the sweeper, the
+    exit): unregistered on the device it was registered on, before the pages
+    are unmapped (a later mapping at the same address must not find it
+    registered). Takes no lock of mmshm's."""
+    size, device = _producer_registered.pop(key, (0, None))
     if size:
         reg = registrar()
         if reg is not None:
             try:
-                reg.unregister(addr)
+                reg.unregister(addr, device)
             except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
                 log.debug("mmshm: unregistering an arena segment failed: %s", exc)
         ARENA_REGISTERED_BYTES.dec(size)
@@ -646,9 +857,9 @@ def copy_from_device(dst, src, seg: segment.Segment | None = None) -> None:
         dst.copy_(src)
         return
     if seg is not None:
-        _register_producer(seg)
+        _register_producer(seg, src.device.index)
     t0 = time.perf_counter()
-    dst.copy_(src)  # blocking: the bytes are in place when it returns
+    dst.copy_(src)  # blocking, on src's device (torch guards it): the bytes are in place
     GPU_COPY_SECONDS.labels(direction="d2h").observe(time.perf_counter() - t0)
     GPU_COPY_BYTES.labels(direction="d2h").inc(src.numel() * src.element_size())
 
