@@ -69,6 +69,9 @@ Families (as exposed):
                                                reason (:data:`EPD_FALLBACK_REASONS`)
 ``mmshm_epd_transfer_seconds{server}``         histogram: seconds to publish or to load one
                                                encoder output
+``mmshm_epd_lookups_total{server,result}``     a consumer's lookups of encoder outputs,
+                                               ``result`` = ``hit`` / ``miss`` (the hit ratio)
+``mmshm_epd_held_bytes{server}``               bytes of encoder outputs consumers hold
 ``mmshm_arena_bytes``                          the arena's size in a producing process
                                                (``MMSHM_ARENA_BYTES``; 0: off)
 ``mmshm_arena_in_use_bytes``                   bytes of arena segments held by references
@@ -162,10 +165,15 @@ EPD_DIRECTIONS = ("saved", "loaded")
 #: content), ``incompatible`` (dtype or shape differ from what the consumer
 #: expects), ``segment_gone`` (the entry's segment was freed or unreadable),
 #: ``encoder_gone`` / ``encoder_dropped`` / ``encoder_error`` (SGLang: the encoder
-#: instance died, was dropped by the registry, or rejected the item).
+#: instance died, was dropped by the registry, or rejected the item), ``torn`` (an
+#: entry truncated or whose header or record cannot be read), ``digest`` (its payload
+#: is not its record's), ``name_taken`` (its published names are held by other files),
+#: ``queue_full`` (a producer's key queue dropped a key before publishing).
 EPD_FALLBACK_REASONS = ("over_budget", "no_space", "missing", "content_mismatch",
                         "incompatible", "segment_gone", "encoder_gone", "encoder_dropped",
-                        "encoder_error")
+                        "encoder_error", "torn", "digest", "name_taken", "queue_full")
+#: ``result`` label values of ``mmshm_epd_lookups_total``.
+EPD_LOOKUP_RESULTS = ("hit", "miss")
 
 #: ``result`` label values of ``mmshm_arena_registrations_total``.
 ARENA_REG_RESULTS = ("ok", "failed")
@@ -262,6 +270,12 @@ _SPECS = (
     ("EPD_TRANSFER_SECONDS", "histogram", "mmshm_epd_transfer_seconds",
      "Seconds to publish or to load one encoder output, by server.", ("server",),
      {"buckets": LATENCY_BUCKETS}),
+    ("EPD_LOOKUPS", "counter", "mmshm_epd_lookups",
+     "Lookups of encoder outputs by a consumer instance, by server and result (hit or miss).",
+     ("server", "result"), {}),
+    ("EPD_HELD_BYTES", "gauge", "mmshm_epd_held_bytes",
+     "Bytes of encoder outputs held by consumer instances (until their requests free them), "
+     "by server.", ("server",), {"multiprocess_mode": "livesum"}),
     ("ARENA_BYTES", "gauge", "mmshm_arena_bytes",
      "Size of this process's arena (MMSHM_ARENA_BYTES; 0: off).", (),
      {"multiprocess_mode": "livemax"}),
@@ -318,6 +332,8 @@ _PREINIT_GRID = {
     "EPD_SAVES": (("server", EPD_SERVERS),),
     "EPD_LOADS": (("server", EPD_SERVERS),),
     "EPD_TRANSFER_SECONDS": (("server", EPD_SERVERS),),
+    "EPD_LOOKUPS": (("server", EPD_SERVERS), ("result", EPD_LOOKUP_RESULTS)),
+    "EPD_HELD_BYTES": (("server", EPD_SERVERS),),
     "EPD_BYTES": (("server", EPD_SERVERS), ("direction", EPD_DIRECTIONS)),
     "EPD_FALLBACKS": (("server", EPD_SERVERS), ("reason", EPD_FALLBACK_REASONS)),
 }
@@ -375,6 +391,8 @@ EPD_LOADS = _deferred["EPD_LOADS"]
 EPD_BYTES = _deferred["EPD_BYTES"]
 EPD_FALLBACKS = _deferred["EPD_FALLBACKS"]
 EPD_TRANSFER_SECONDS = _deferred["EPD_TRANSFER_SECONDS"]
+EPD_LOOKUPS = _deferred["EPD_LOOKUPS"]
+EPD_HELD_BYTES = _deferred["EPD_HELD_BYTES"]
 ARENA_BYTES = _deferred["ARENA_BYTES"]
 ARENA_IN_USE_BYTES = _deferred["ARENA_IN_USE_BYTES"]
 ARENA_REGISTERED_BYTES = _deferred["ARENA_REGISTERED_BYTES"]

@@ -92,7 +92,8 @@ def test_round_trip_across_processes_is_zero_copy_and_byte_equal(shm_dir, dtype_
     try:
         assert [n[0] for n in names] == [True, True]
         for (_, name, nbytes), s in zip(names, [1, 2]):
-            assert NAME_RE.match(name) and name.split("-")[1] == str(p.pid)
+            # the name is the key's alone: a consumer opens it without listing
+            assert NAME_RE.match(name) and name.split("-")[1] == str(ec.PUBLISHED_PID)
             assert name.endswith(ec.content_key(_item(s), "m").hex()[:16])
             assert nbytes == _output(s, dtype=dtype).numel() * dtype.itemsize
         # only the two published names: no temporary name is left behind
@@ -260,12 +261,12 @@ def test_over_budget_is_not_published_and_counted_then_evicts_oldest(shm_dir, mo
 
 def test_a_torn_or_foreign_file_under_the_name_is_a_miss_not_a_crash(shm_dir):
     k = ec.content_key(_item(5), "m")
-    path = os.path.join(shm_dir, ec.published_name(k, pid=1))
+    path = os.path.join(shm_dir, ec.published_name(k))
     with open(path, "wb") as f:
         f.write(b"MMSHMSG\x01" + b"\0" * 100)  # a truncated header
-    before = _fallbacks("segment_gone")
+    before = _fallbacks("torn")
     assert ec.EncoderCache().lookup(k) is None
-    assert _fallbacks("segment_gone") - before == 1
+    assert _fallbacks("torn") - before == 1
     os.unlink(path)
 
 

@@ -355,11 +355,12 @@ COUNTERS = {"mmshm_segments_created", "mmshm_shm_written_bytes", "mmshm_inline_f
             "mmshm_reaped_segments", "mmshm_reaped_bytes", "mmshm_pool_requests",
             "mmshm_internode_bytes", "mmshm_references_handed", "mmshm_observe_errors",
             "mmshm_epd_saves", "mmshm_epd_loads", "mmshm_epd_bytes", "mmshm_epd_fallbacks",
+            "mmshm_epd_lookups",
             "mmshm_arena_registrations", "mmshm_arena_fallbacks", "mmshm_arena_views",
             "mmshm_gpu_copy_bytes", "mmshm_device_tensors"}
 GAUGES = {"mmshm_segments_in_use", "mmshm_shm_in_use_bytes", "mmshm_dir_free_bytes",
           "mmshm_dir_size_bytes", "mmshm_path_enabled", "mmshm_arena_bytes",
-          "mmshm_arena_in_use_bytes", "mmshm_arena_registered_bytes"}
+          "mmshm_arena_in_use_bytes", "mmshm_arena_registered_bytes", "mmshm_epd_held_bytes"}
 HISTOGRAMS = {"mmshm_materialize_seconds", "mmshm_broadcast_seconds", "mmshm_broadcast_bytes",
               "mmshm_ipc_seconds", "mmshm_ipc_bytes", "mmshm_epd_transfer_seconds",
               "mmshm_gpu_copy_seconds", "mmshm_arena_settle_seconds"}

@@ -28,17 +28,44 @@ typed error, the liveness locks), laid out as::
     payload [cap - 4096, cap)      the entry record: magic, the full 32-byte key,
                                    dtype, shape, nbytes, the producer's label
 
-**Published only once complete.** The producer writes the payload and the
-record under the segment's ordinary, random name (``mmshm-<pid>-<64 random
-bits>``), then ``link()`` s it to its published name and unlinks the first:
-``mmshm-<producer pid>-<the key's first 16 hex digits>``. ``link`` is atomic
-and never replaces a name, so a consumer sees either no entry or a complete
-one; a producer SIGKILLed mid-write leaves only a random name, which no
-lookup matches and which the reaper reclaims like any segment nobody holds
-(both names follow the segment naming scheme, so the reaper, ``mmshm gc``
-and ``mmshm run``'s exit reclaim of the server's pids all cover them). The
-full key in the record is compared before anything is used: 64 bits of name
-that collide give a miss (``content_mismatch``), never another item's bytes.
+**Published only once complete, under a name the key gives.** The producer
+writes the payload and the record under the segment's ordinary, random name
+(``mmshm-<pid>-<64 random bits>``), then ``link()`` s it to its published
+name and unlinks the first: ``mmshm-0-<the key's first 16 hex digits>``
+(:func:`published_name`; the pid field is 0 for every producer, so a consumer
+derives the name from the key alone and opens it directly, never listing the
+directory, which under ``mmshm run`` holds every pixel segment too).
+``link`` is atomic and never replaces a name, so a consumer sees either no
+entry or a complete one, and two producers of one content publish it once:
+the one whose ``link`` fails finds the other's entry and takes a keep
+reference on it instead (it lives its keep time for that producer too). A
+producer SIGKILLed mid-write leaves only a random name, which no lookup
+matches and which the reaper reclaims like any segment nobody holds (the
+reaper and ``mmshm gc`` judge by the liveness locks, never by the name's
+pid). A name held by something that is not this key's live entry (a pooled
+segment reused by other traffic, which keeps its name; a third party's file)
+sends the entry to a second name, ``mmshm-0-<the key's next 16 hex digits>``
+(:data:`SLOTS`); an idle pooled segment under the name (this key's old entry
+after its keep time) is reused when it is this process's, else unlinked
+under its mutex and replaced. The full key in the record is compared before
+anything is used: 64 bits of name that collide give a miss
+(``content_mismatch``), never another item's bytes.
+
+**The payload is checked** (``digest`` in the record): BLAKE3-128 of the
+payload's first and last pages and of :data:`SAMPLE_PAGES` pages at offsets
+drawn from the key (one in each stretch of the payload), computed once by the
+producer from what it writes, and checked by ``pread`` (never through a
+mapping, so a truncated file cannot SIGBUS) at every lookup and every load.
+Another item's bytes under a valid record (a payload swapped or overwritten
+by a third party) differ in every sampled page of a float encoder output, so
+they are a miss (``digest``) at lookup and a failed load
+(:class:`EncoderCacheError`, reason ``digest``) at load, never loaded. A
+digest of every byte would cost about twice the hop itself (on a 2-core CPU
+host: 14 ms for 8 x 720p Qwen2-VL outputs, 68.6 MB, against a 7 ms hop), so
+only pages are sampled: about 0.1 ms for those 8 outputs. What it cannot
+see: a change confined to pages it does not sample (a partial overwrite of a
+few pages by a third party); it is a check against swapped and torn
+payloads, not an integrity seal.
 
 **The warm pool.** With ``MMSHM_POOL`` on (the default) an entry's segment
 goes back to its producer's pool when its last reference is given back (and
@@ -67,15 +94,18 @@ GPU (:func:`mmshm.segments.arena.to_device`, what ``MmshmECConnector`` does)
 runs at pinned speed. An output that does not fit in the arena gets a plain
 segment (``mmshm_arena_fallbacks_total``), as on a CPU host.
 
-**Lookup** (:meth:`EncoderCache.lookup`) lists the segment directory for
-names ending in the key's 16 hex digits (a consumer does not know the
-producer's pid; one ``listdir`` per item, about 0.1 ms for a few hundred
-files), attaches the segment, checks the record (key, dtype, the number of
-rows the consumer expects) and takes one reference, held until
+**Lookup** (:meth:`EncoderCache.lookup`) opens the key's names
+(:func:`published_name`, at most :data:`SLOTS`), attaches the segment, checks
+the record (key, dtype, the shape the consumer expects: rows and width) and
+the payload's digest, and takes one reference, held until
 :meth:`Entry.release`. While a consumer holds its :class:`Entry` the segment
 cannot go away: not by the producer's keep timer, not by its eviction, not
 by the reaper (the consumer holds the liveness lock), not when the producer
-is SIGKILLed.
+is SIGKILLed. What a process holds is listed by :meth:`EncoderCache.held`
+with each entry's holder (:attr:`Entry.holder`, set by the connector: "vLLM
+encoder cache", a request id), written for ``mmshm status`` to
+``<directory>/.mmshm-holders-<pid>.json``, and given back by
+:meth:`EncoderCache.close` (also at exit).
 
 **How long an entry lives.** The producer holds the creator's reference for
 ``keep_s`` seconds (default :data:`DEFAULT_KEEP_S`) after the last save of
@@ -96,17 +126,27 @@ reclaims them, once no consumer holds them.
 **Counting** (:mod:`mmshm.metrics`, label ``server``): a publish counts
 ``mmshm_epd_saves_total`` and ``mmshm_epd_bytes_total{direction="saved"}``;
 each load (one per holder: a TP rank's worker) ``mmshm_epd_loads_total`` and
-``{direction="loaded"}``; both observe ``mmshm_epd_transfer_seconds``. A save
-refused counts ``mmshm_epd_fallbacks_total{reason}`` with ``over_budget``
-(budget guard, ``MMSHM_MAX_BYTES``) or ``no_space`` (ENOSPC, descriptors),
-and a lookup that misses counts ``missing``, ``content_mismatch``,
-``incompatible`` or ``segment_gone``; the first of each reason in a process
-is said at WARNING with the fix.
+``{direction="loaded"}``; both observe ``mmshm_epd_transfer_seconds``. Every
+lookup counts ``mmshm_epd_lookups_total{result}`` (``hit``/``miss``: the hit
+ratio on the dashboard). A save refused counts
+``mmshm_epd_fallbacks_total{reason}`` with ``over_budget`` (budget guard,
+``MMSHM_MAX_BYTES``, the store's ``max_bytes``), ``no_space`` (ENOSPC,
+descriptors) or ``name_taken`` (both names held by files that are not this
+key's entry); a lookup that misses counts ``missing``, ``content_mismatch``,
+``incompatible`` (dtype or shape), ``segment_gone``, ``torn`` (a header or
+record that cannot be read, a truncated file) or ``digest`` (the payload is
+not the record's); a producer's key queue (:class:`KeyQueue`) that drops a
+key counts ``queue_full``. The first of each reason in a process is said at
+WARNING with the fix. A consumer that missed :data:`MISSES_BEFORE_WARNING`
+times without a single hit says once, at WARNING, that it and the encoder
+cannot meet (another directory, namespace or node).
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
+import json
 import logging
 import multiprocessing.util
 import os
@@ -114,6 +154,7 @@ import struct
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -122,22 +163,30 @@ import msgspec
 import numpy as np
 import torch
 
-from mmshm.errors import MmshmError, SegmentError, ShmSpaceError
+from mmshm.errors import (
+    MmshmError,
+    SegmentError,
+    SegmentNotFoundError,
+    ShmSpaceError,
+)
 from mmshm.metrics import (
     EPD_BYTES,
     EPD_FALLBACKS,
+    EPD_HELD_BYTES,
     EPD_LOADS,
+    EPD_LOOKUPS,
     EPD_SAVES,
     EPD_TRANSFER_SECONDS,
 )
-from mmshm.segments import arena, codec, segfile, segment
+from mmshm.segments import arena, codec, node, segfile, segment
 from mmshm.segments.codec import HandleMeta
 from mmshm.segments.segfile import (
     HEADER_SIZE,
-    NAME_RE,
+    OPEN_FLAGS,
     PREFIX,
     STATE_POOLED,
     read_header,
+    revive,
     segment_dir,
 )
 from mmshm.segments.segment import SegmentRef
@@ -156,19 +205,35 @@ log = logging.getLogger("mmshm")
 KEY_BYTES = 32
 #: hex digits of the key in a published name (the random part of the naming scheme)
 NAME_KEY_HEX = 16
+#: the pid field of every published name: consumers derive the name from the key alone
+PUBLISHED_PID = 0
+#: published names a key may take (each another 64 bits of the key)
+SLOTS = 2
 #: bytes kept for the entry record at the end of the payload
 RECORD_SIZE = 4096
 #: seconds a producer keeps an entry published after its last save
 DEFAULT_KEEP_S = 60.0
-_RECORD_MAGIC = b"MMSHMEC1"
+#: pages of the payload its digest samples besides the first and the last
+SAMPLE_PAGES = 16
+#: bytes of the payload digest
+DIGEST_BYTES = 16
+#: keys a producer's :class:`KeyQueue` keeps before it drops the oldest
+QUEUE_LIMIT = 4096
+#: lookups missed without a single hit before a consumer says the pair cannot meet
+MISSES_BEFORE_WARNING = 32
+_PAGE = 4096
+_RECORD_MAGIC = b"MMSHMEC2"
 _LEN = struct.Struct("<I")
 _KEY_DOMAIN = b"mmshm-encoder-cache-v1\0"
+_DIGEST_DOMAIN = b"mmshm-encoder-output-pages-v1\0"
+_HOLDERS_PREFIX = ".mmshm-holders-"
 
 
-class EncoderCacheError(MmshmError):
+class EncoderCacheError(MmshmError, OSError):
     """An encoder output could not be stored or loaded; ``reason`` is a label
     value of ``mmshm_epd_fallbacks_total`` (``over_budget``, ``no_space``,
-    ``segment_gone``...)."""
+    ``segment_gone``, ``torn``, ``digest``...). An ``OSError``, as the
+    segment errors it stands for (``except OSError`` catches it)."""
 
     def __init__(self, message: str, reason: str = "segment_gone"):
         super().__init__(message)
@@ -190,6 +255,8 @@ class _Record(msgspec.Struct, array_like=True, frozen=True):
     #: the segment's generation when the record was written (a pooled
     #: segment reused since has another: the record is stale)
     gen: int
+    #: :func:`payload_digest` of the payload
+    digest: bytes
 
 
 _REC_ENC = msgspec.msgpack.Encoder()
@@ -253,10 +320,58 @@ def content_key(data: Any, namespace: str = "") -> bytes:
     return h.digest(KEY_BYTES)
 
 
-def published_name(key: bytes, pid: int | None = None) -> str:
-    """The published name of ``key`` by producer ``pid`` (default this
-    process): ``mmshm-<pid>-<the key's first 16 hex digits>``."""
-    return f"{PREFIX}{os.getpid() if pid is None else pid}-{key.hex()[:NAME_KEY_HEX]}"
+def published_name(key: bytes, pid: int | None = None, slot: int = 0) -> str:
+    """The published name of ``key`` in ``slot`` (``0`` .. :data:`SLOTS` - 1):
+    ``mmshm-0-<16 hex digits of the key>`` (slot 0 its first 16, slot 1 the
+    next 16). Every producer publishes a key under the same names (the pid
+    field is :data:`PUBLISHED_PID`), so a consumer opens them directly from
+    the key. ``pid`` is accepted for callers of earlier releases, whose names
+    carried the producer's pid, and ignored. Raises :class:`ValueError` for a
+    slot out of range."""
+    if not 0 <= slot < SLOTS:
+        raise ValueError(f"slot {slot} is not in 0..{SLOTS - 1}")
+    h = key.hex()
+    return f"{PREFIX}{PUBLISHED_PID}-{h[slot * NAME_KEY_HEX:(slot + 1) * NAME_KEY_HEX]}"
+
+
+# -- the payload digest --------------------------------------------------------------------
+def sampled_pages(key: bytes, nbytes: int) -> list[int]:
+    """Indexes of the 4 KiB pages of an ``nbytes`` payload that its digest
+    covers: every page up to ``SAMPLE_PAGES + 2`` pages, else the first, the
+    last, and one page in each of :data:`SAMPLE_PAGES` equal stretches
+    between them, at an offset drawn from ``key`` (the same on both sides)."""
+    pages = -(-nbytes // _PAGE)
+    if pages <= SAMPLE_PAGES + 2:
+        return list(range(pages))
+    draw = blake3.blake3(_DIGEST_DOMAIN + key).digest(8 * SAMPLE_PAGES)
+    inner = pages - 2
+    out = [0]
+    for i in range(SAMPLE_PAGES):
+        lo = 1 + inner * i // SAMPLE_PAGES
+        hi = 1 + inner * (i + 1) // SAMPLE_PAGES
+        out.append(lo + int.from_bytes(draw[8 * i:8 * i + 8], "little") % max(hi - lo, 1))
+    out.append(pages - 1)
+    return out
+
+
+def payload_digest(key: bytes, nbytes: int, read) -> bytes:
+    """The digest of an encoder output's payload: BLAKE3-128 over ``nbytes``
+    and the pages :func:`sampled_pages` names, each read with
+    ``read(offset, length)`` (a buffer). Returns ``b""`` when a read comes
+    back short (a truncated file)."""
+    h = blake3.blake3(_DIGEST_DOMAIN + struct.pack("<Q", nbytes))
+    for p in sampled_pages(key, nbytes):
+        off = p * _PAGE
+        n = min(_PAGE, nbytes - off)
+        b = read(off, n)
+        if len(b) != n:
+            return b""
+        h.update(b)
+    return h.digest(DIGEST_BYTES)
+
+
+def _fd_reader(fd: int):
+    return lambda off, n: os.pread(fd, n, HEADER_SIZE + off)
 
 
 # -- consumer side ----------------------------------------------------------------------
@@ -267,11 +382,15 @@ class EntryHandle(NamedTuple):
 
     Attributes:
         name: the segment's published name.
-        directory: its segment directory (None: ``MMSHM_DIR``).
+        directory: its segment directory (None: ``MMSHM_DIR``); the node id
+            the load checks is that directory's.
         gen: the segment's generation (a reused segment is refused).
         dtype: the tensor's dtype.
         shape: its shape.
         nbytes: its size in bytes.
+        key: its content key (``b""``: the digest is not checked).
+        digest: the payload's digest from the record (:func:`payload_digest`;
+            ``b""``: not checked).
     """
 
     name: str
@@ -280,8 +399,10 @@ class EntryHandle(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    key: bytes = b""
+    digest: bytes = b""
 
-    def load(self, server: str = "vllm") -> torch.Tensor:
+    def load(self, server: str = "vllm", verify: bool = True) -> torch.Tensor:
         """The encoder output as a zero-copy CPU view of the segment
         (``shape``, ``dtype``), holding one reference of its own that is given
         back when the tensor and every view of it are collected. A plain
@@ -291,23 +412,39 @@ class EntryHandle(NamedTuple):
         the entry was published under): registered with CUDA where CUDA is
         initialized, and then read-only (a write in place is a SIGSEGV of
         this process, never a change to the bytes), else copy-on-write with
-        the written pages dropped at release.
-        Counts ``mmshm_epd_loads_total``, ``mmshm_epd_bytes_total{direction=
-        "loaded"}`` and ``mmshm_epd_transfer_seconds`` for ``server``.
+        the written pages dropped at release. With ``verify`` (and a digest
+        in the handle) the payload's sampled pages are checked first, by
+        ``pread``. Counts ``mmshm_epd_loads_total``,
+        ``mmshm_epd_bytes_total{direction="loaded"}`` and
+        ``mmshm_epd_transfer_seconds`` for ``server``; a failure counts
+        ``mmshm_epd_fallbacks_total{reason}``.
 
         Raises:
-            SegmentNotFoundError: the segment is gone or was reused (its
-                holder let go: only possible if nobody held it).
-            SegmentCorruptError, DescriptorLimitError: it cannot be opened.
+            EncoderCacheError: (an ``OSError``) the entry cannot be loaded,
+                with ``reason``: ``segment_gone`` (the file was removed, or
+                the segment freed or reused: only possible if nobody held
+                it), ``torn`` (a truncated file, a header that cannot be
+                read, descriptors exhausted), ``digest`` (the payload is not
+                the record's). Nothing is mapped and no reference is kept.
         """
         t0 = time.perf_counter()
-        ref = SegmentRef(self.name, self.directory, self.gen)
-        ref.add(1)
+        try:
+            SegmentRef(self.name, self.directory, self.gen).add(1)
+        except (SegmentError, OSError) as exc:
+            raise _load_error(server, self, exc) from exc
         meta = HandleMeta(self.name, self.nbytes, codec.dtype_code(self.dtype),
-                          tuple(self.shape), b"", self.gen)
+                          tuple(self.shape), b"", self.gen, node.node_id(self.directory))
         h = ShmTensor(meta, owns=True, directory=self.directory)
         try:
+            if verify and self.digest and self.nbytes:
+                self._verify(server)
             out = h.materialize()
+        except EncoderCacheError:
+            h.release()
+            raise
+        except (MmshmError, OSError, ValueError) as exc:
+            h.release()
+            raise _load_error(server, self, exc) from exc
         except BaseException:
             h.release()
             raise
@@ -316,19 +453,51 @@ class EntryHandle(NamedTuple):
         EPD_TRANSFER_SECONDS.labels(server=server).observe(time.perf_counter() - t0)
         return out
 
+    def _verify(self, server: str) -> None:
+        seg = segment.attach(self.name, self.directory, self.gen)
+        segment.pin(seg)
+        try:
+            got = payload_digest(self.key, self.nbytes, _fd_reader(seg.fd))
+        finally:
+            segment.unpin(seg)
+        if got != self.digest:
+            reason = "torn" if not got else "digest"
+            count_fallback(server, reason, f"{self.name}: the payload is not the one its "
+                           f"record describes (sampled pages differ)")
+            raise EncoderCacheError(
+                f"encoder output {self.name}: its payload is not the one its record "
+                f"describes ({'truncated' if not got else 'sampled pages differ'}): "
+                f"something outside mmshm wrote into the segment directory", reason)
+
+
+def _load_error(server: str, h: EntryHandle, exc: BaseException) -> EncoderCacheError:
+    if isinstance(exc, SegmentNotFoundError):
+        reason = "segment_gone"
+    else:
+        reason = "torn"
+    count_fallback(server, reason, f"{h.name} cannot be loaded: {exc}")
+    return EncoderCacheError(
+        f"encoder output {h.name} in {segment_dir(h.directory)} cannot be loaded: {exc} "
+        f"(reason={reason}); fix: leave mmshm-* files in the segment directory to mmshm "
+        f"(a tmpfs cleaner, systemd's RemoveIPC=yes or an rm removes them)", reason)
+
 
 class Entry:
     """A published encoder output this process holds one reference on (from
     :meth:`EncoderCache.lookup`): the segment stays until :meth:`release`.
     ``key``, ``name``, ``gen``, ``dtype``, ``shape``, ``nbytes``, ``label``
-    (the producer's name for the item) describe it."""
+    (the producer's name for the item), ``digest`` describe it; ``holder``
+    (settable: "vLLM encoder cache", a request id) says who holds it, in
+    :meth:`EncoderCache.held` and ``mmshm status``."""
 
-    __slots__ = ("__weakref__", "_released", "_seg", "directory", "dtype", "gen", "key",
-                 "label", "name", "nbytes", "producer_pid", "shape")
+    __slots__ = ("__weakref__", "_released", "_seg", "_store", "digest", "directory", "dtype",
+                 "gen", "holder", "key", "label", "name", "nbytes", "producer_pid", "shape")
 
-    def __init__(self, seg, rec: _Record, directory: str | None, gen: int):
+    def __init__(self, seg, rec: _Record, directory: str | None, gen: int,
+                 store: EncoderCache | None = None, holder: str = ""):
         self._seg = seg
         self._released = False
+        self._store = store
         self.directory = directory
         self.name = seg.name
         self.gen = gen
@@ -338,15 +507,17 @@ class Entry:
         self.nbytes = rec.nbytes
         self.label = rec.label
         self.producer_pid = rec.pid
+        self.digest = rec.digest
+        self.holder = holder
 
     def handle(self) -> EntryHandle:
         """A picklable :class:`EntryHandle` for a loader in another process."""
         return EntryHandle(self.name, self.directory, self.gen, self.dtype, self.shape,
-                           self.nbytes)
+                           self.nbytes, self.key, self.digest)
 
-    def load(self, server: str = "vllm") -> torch.Tensor:
+    def load(self, server: str = "vllm", verify: bool = True) -> torch.Tensor:
         """:meth:`EntryHandle.load` in this process."""
-        return self.handle().load(server)
+        return self.handle().load(server, verify)
 
     def release(self) -> None:
         """Give this holder's reference back (idempotent, never raises)."""
@@ -354,12 +525,19 @@ class Entry:
             return
         self._released = True
         seg, self._seg = self._seg, None
+        store, self._store = self._store, None
         try:
             segment.update_refcount(self.name, -1, self.directory, self.gen)
         except (MmshmError, OSError) as exc:
             log.debug("mmshm: giving back %s failed: %s", self.name, exc)
         finally:
             segment.unpin(seg)
+            if store is not None:
+                store._forget_held(self)
+
+    @property
+    def released(self) -> bool:
+        return self._released
 
     def __del__(self):
         try:
@@ -369,14 +547,17 @@ class Entry:
 
     def __repr__(self) -> str:
         return (f"<Entry {self.name} {self.dtype} {list(self.shape)} label={self.label!r}"
+                f"{' holder=' + repr(self.holder) if self.holder else ''}"
                 f"{' released' if self._released else ''}>")
 
 
 class SaveResult(NamedTuple):
     """What :meth:`EncoderCache.save` did: ``published`` (the entry can be
     found now, written now or already there), ``name`` (its published name),
-    ``reason`` (why not: ``over_budget`` / ``no_space``; None when
-    published), ``nbytes`` written now (0 when it was there already)."""
+    ``reason`` (why not: ``over_budget`` / ``no_space`` / ``name_taken``;
+    None when published), ``nbytes`` written now (0 when it was there
+    already: this process's, or another producer's on which it now keeps a
+    reference)."""
 
     published: bool
     name: str | None
@@ -384,25 +565,48 @@ class SaveResult(NamedTuple):
     nbytes: int
 
 
+class HeldEntry(NamedTuple):
+    """One entry a process holds (:meth:`EncoderCache.held`): its published
+    ``name``, ``nbytes``, ``holder`` label and the producer's ``label``."""
+
+    name: str
+    nbytes: int
+    holder: str
+    label: str
+
+
 class _Own(NamedTuple):
     seg: Any
     name: str
     gen: int
     nbytes: int
+    #: another producer's entry this process keeps a reference on (not written here)
+    kept: bool = False
 
 
 _WARNED: set[str] = set()
 _FIX = {
     "over_budget": "raise MMSHM_MAX_BYTES or lower MMSHM_MIN_FREE_BYTES, give the segment "
-                   "directory more room, or lower the connector's keep_s",
+                   "directory more room, or lower the connector's keep_s (or raise its "
+                   "max_bytes)",
     "no_space": "give the segment directory (MMSHM_DIR, default /dev/shm) more room "
                 "(docker --shm-size), or lower the connector's keep_s",
+    "name_taken": "run `mmshm status` to see which files hold the entry's names and `mmshm "
+                  "gc` to reclaim orphans; leave mmshm-* files in the segment directory to "
+                  "mmshm",
     "missing": "normal when the encoder did not run for this item; otherwise send the "
                "encoder request first and keep both instances on one MMSHM_DIR and one model",
     "content_mismatch": "nothing to fix: two keys share 64 bits of name; the item is encoded here",
     "incompatible": "run the encoder and this instance with the same model and --dtype",
     "segment_gone": "the encoder instance exited or evicted the entry (raise keep_s if the "
                     "consumer's queue is long)",
+    "torn": "something outside mmshm truncated or overwrote the entry in the segment "
+            "directory (a tmpfs cleaner, systemd's RemoveIPC=yes, an rm): leave mmshm-* "
+            "files to mmshm",
+    "digest": "something outside mmshm wrote another payload into the entry: leave mmshm-* "
+              "files in the segment directory to mmshm",
+    "queue_full": "the encoder's scheduler sends keys faster than its worker publishes: "
+                  "lower the encoder's --max-num-seqs or raise the queue's limit",
 }
 
 
@@ -421,9 +625,9 @@ def count_fallback(server: str, reason: str, detail: str, fix: str | None = None
 
 
 def _read_record(seg) -> _Record | None:
-    off = HEADER_SIZE + seg.payload_size - RECORD_SIZE
     if seg.payload_size < RECORD_SIZE:
         return None
+    off = HEADER_SIZE + seg.payload_size - RECORD_SIZE
     raw = os.pread(seg.fd, RECORD_SIZE, off)
     if len(raw) < RECORD_SIZE or raw[:8] != _RECORD_MAGIC:
         return None
@@ -436,10 +640,69 @@ def _read_record(seg) -> _Record | None:
         return None
     if (len(rec.key) != KEY_BYTES or not 0 <= rec.dtype < len(codec.DTYPES)
             or codec.DTYPES[rec.dtype] is None
-            or rec.nbytes > seg.payload_size - RECORD_SIZE or rec.nbytes < 0):
+            or rec.nbytes > seg.payload_size - RECORD_SIZE or rec.nbytes < 0
+            or any(s < 0 for s in rec.shape)):
         return None
     want = codec.DTYPES[rec.dtype].itemsize * int(np.prod(rec.shape, dtype=np.int64))
     return rec if want == rec.nbytes else None
+
+
+def _shape_ok(got: tuple[int, ...], rows: int | None, shape) -> bool:
+    if rows is not None and (not got or got[0] != rows):
+        return False
+    if shape is None:
+        return True
+    shape = tuple(shape)
+    return len(shape) == len(got) and all(w is None or w < 0 or int(w) == g
+                                          for w, g in zip(shape, got))
+
+
+class KeyQueue:
+    """A producer's content keys by the server's item name, waiting for the
+    worker that publishes (vLLM: the scheduler learns an item's key, its
+    worker publishes the encoder output later). Keeps at most ``limit`` keys;
+    past it the oldest is dropped, counted in
+    ``mmshm_epd_fallbacks_total{reason="queue_full"}`` when it was never
+    taken (its output will not be published), and said once at WARNING with
+    the fix.
+
+    Args:
+        server: the ``server`` label of the counter.
+        limit: keys kept (default :data:`QUEUE_LIMIT`).
+    """
+
+    def __init__(self, server: str = "vllm", limit: int = QUEUE_LIMIT):
+        self.server = server
+        self.limit = int(limit)
+        self._keys: OrderedDict[str, list] = OrderedDict()
+        self.dropped = 0
+
+    def put(self, ident: str, key: bytes) -> None:
+        """Remember ``key`` for item ``ident`` (the newest)."""
+        self._keys[ident] = [key, False]
+        self._keys.move_to_end(ident)
+        while len(self._keys) > self.limit:
+            old, (_, taken) = self._keys.popitem(last=False)
+            if not taken:
+                self.dropped += 1
+                count_fallback(self.server, "queue_full",
+                               f"the producer's queue of content keys is past {self.limit} "
+                               f"keys: the key of item {old} was dropped before its encoder "
+                               f"output was published, so no consumer will find it")
+
+    def get(self, ident: str) -> bytes | None:
+        """The key of item ``ident`` (marked taken), or None."""
+        v = self._keys.get(ident)
+        if v is None:
+            return None
+        v[1] = True
+        return v[0]
+
+    def __contains__(self, ident: str) -> bool:
+        return ident in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class EncoderCache:
@@ -451,32 +714,57 @@ class EncoderCache:
         server: the ``server`` label of the metrics.
         keep_s: seconds a published entry stays after its last save.
         max_bytes: the most bytes (records included) this process's published
-            entries may take, 0 for no cap of its own (the core's budget
-            still applies): a save evicts this process's oldest entries to
-            stay under it, and an output larger than the cap is not published
-            (``over_budget``). The core's ``MMSHM_MAX_BYTES`` caps every
-            segment of the process (pixel payloads too); this caps only the
-            encoder cache.
+            entries may take, and the most bytes of entries it may hold as a
+            consumer; 0 for no cap of its own (the core's budget still
+            applies): a save evicts this process's oldest entries to stay
+            under it, an output larger than the cap is not published, and a
+            lookup that would hold more is a miss (``over_budget``). The
+            core's ``MMSHM_MAX_BYTES`` caps every segment of the process
+            (pixel payloads too); this caps only the encoder cache.
+        namespace: what both instances key under (the model), shown by
+            :meth:`describe` and in the warning of a pair that cannot meet;
+            the keys themselves come from :func:`content_key`.
     """
 
     def __init__(self, directory: str | None = None, server: str = "vllm",
-                 keep_s: float = DEFAULT_KEEP_S, max_bytes: int = 0):
+                 keep_s: float = DEFAULT_KEEP_S, max_bytes: int = 0, namespace: str = ""):
         if keep_s < 0 or max_bytes < 0:
             raise ValueError("keep_s and max_bytes must be >= 0")
         self.directory = directory
         self.server = server
         self.keep_s = float(keep_s)
         self.max_bytes = int(max_bytes)
+        self.namespace = namespace
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         #: key -> this process's published entry (holds the creator's reference)
+        #: or another producer's entry it keeps a reference on
         self._own: dict[bytes, _Own] = {}
         #: key -> monotonic time it expires at (insertion order = oldest first)
         self._expiry: dict[bytes, float] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
         self._pid = os.getpid()
+        #: entries this process holds as a consumer (from lookup)
+        self._held: weakref.WeakSet = weakref.WeakSet()
+        self._held_bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._meet_said = False
+        self._holders_file: str | None = None
         _register_exit(self)
+
+    # -- what it is ----------------------------------------------------------------
+    def describe(self) -> str:
+        """One line for a connector's "on:" line, to compare between the two
+        instances of a pair: the namespace, the segment directory and its
+        node id (:func:`mmshm.segments.node.node_id`)."""
+        d = segment_dir(self.directory)
+        try:
+            nid = str(node.node_id(self.directory))
+        except Exception as exc:  # noqa: BLE001 - a description never fails
+            nid = f"unknown ({exc})"
+        return f"namespace {self.namespace!r}, segment directory {d} (node {nid})"
 
     # -- producer ------------------------------------------------------------------
     def save(self, key: bytes, tensor: torch.Tensor, label: str = "") -> SaveResult:
@@ -486,14 +774,18 @@ class EncoderCache:
         across the copy threads from ``PARALLEL_MIN_BYTES``); a tensor on a
         GPU by one blocking device-to-host copy straight into the segment's
         mapping (:func:`mmshm.segments.arena.copy_from_device`: pinned speed
-        when it is an arena segment, counted in ``mmshm_gpu_copy_*``).
+        when it is an arena segment, counted in ``mmshm_gpu_copy_*``). The
+        record carries the payload's digest (:func:`payload_digest`).
 
         Content this process already published is not written again (its
         keep time restarts); content another producer of the node published
-        is not written either. A save that does not fit evicts this process's
-        oldest entries and tries once more; if it still does not fit the
-        entry is not published, and ``mmshm_epd_fallbacks_total`` counts the
-        reason (the consumer encodes the item itself).
+        is not written either: this process keeps a reference on that entry
+        for its own keep time. This key's old segment idle in this process's
+        pool under the published name is reused; another process's idle one
+        is replaced. A save that does not fit evicts this process's oldest
+        entries and tries once more; if it still does not fit the entry is
+        not published, and ``mmshm_epd_fallbacks_total`` counts the reason
+        (the consumer encodes the item itself).
 
         Returns:
             :class:`SaveResult`.
@@ -513,45 +805,73 @@ class EncoderCache:
                 return SaveResult(True, own.name, None, 0)
             if own is not None:
                 self._drop(key)
-        other = self._find(key, tensor.dtype, tensor.shape[0] if tensor.dim() else None)
-        if other is not None:
-            name = other.name
-            other.release()
-            return SaveResult(True, name, None, 0)
-        t0 = time.perf_counter()
         # a tensor on a GPU stays there until its one copy (D2H) into the segment
         t = tensor.detach().contiguous()
+        shape = tuple(int(s) for s in t.shape)
         nbytes = t.numel() * t.element_size()
+        other = self._search(key, t.dtype, None, shape=shape, hold=False)[0]
+        if other is not None:  # published by another producer: keep a reference on it
+            return self._keep(key, other)
+        t0 = time.perf_counter()
+        seg = self._take_own_pooled(key, nbytes + RECORD_SIZE)
+        if seg is None:
+            try:
+                self._make_room(nbytes + RECORD_SIZE)
+                seg = self._create(nbytes + RECORD_SIZE)
+            except SegmentError as exc:
+                reason = "over_budget" if getattr(exc, "reason", "") == "budget" else "no_space"
+                capped = isinstance(exc, _CacheCapError)
+                count_fallback(self.server, reason,
+                               f"an encoder output of {nbytes} bytes ({label or key.hex()[:16]}) "
+                               f"was not published: {exc}",
+                               fix=(f"raise the encoder cache's max_bytes ({self.max_bytes}; "
+                                    f"vLLM: ec_connector_extra_config max_bytes) above the "
+                                    f"largest output") if capped else None)
+                return SaveResult(False, None, reason, 0)
         try:
-            self._make_room(nbytes + RECORD_SIZE)
-            seg = self._create(nbytes + RECORD_SIZE)
-        except SegmentError as exc:
-            reason = "over_budget" if getattr(exc, "reason", "") == "budget" else "no_space"
-            capped = isinstance(exc, _CacheCapError)
-            count_fallback(self.server, reason,
-                           f"an encoder output of {nbytes} bytes ({label or key.hex()[:16]}) "
-                           f"was not published: {exc}",
-                           fix=(f"raise the encoder cache's max_bytes ({self.max_bytes}; vLLM: "
-                                f"ec_connector_extra_config max_bytes) above the largest "
-                                f"output") if capped else None)
-            return SaveResult(False, None, reason, 0)
-        try:
-            name = self._fill_and_publish(seg, key, t, code, nbytes, label)
+            digest = self._fill(seg, key, t, nbytes)
+            self._write_record(seg, key, code, shape, nbytes, label, digest)
+            got = self._publish(seg, key, t.dtype, shape)
         except BaseException:
             segment.update_refcount(seg.name, -1, self.directory, seg.gen)
             raise
-        if name is None:  # the name is taken (published since by this pid, or a stale file)
+        if isinstance(got, Entry):  # another producer published it first
             segment.update_refcount(seg.name, -1, self.directory, seg.gen)
-            count_fallback(self.server, "no_space",
-                           f"the name {published_name(key)} is taken by another file")
-            return SaveResult(False, None, "no_space", 0)
+            return self._keep(key, got)
+        if got is None:
+            segment.update_refcount(seg.name, -1, self.directory, seg.gen)
+            count_fallback(self.server, "name_taken",
+                           f"the encoder output {label or key.hex()[:16]} was not published: "
+                           f"its names {[published_name(key, slot=s) for s in range(SLOTS)]} "
+                           f"are held by files that are not its entry")
+            return SaveResult(False, None, "name_taken", 0)
         with self._lock:
-            self._own[key] = _Own(seg, name, seg.gen, nbytes)
+            self._own[key] = _Own(seg, got, seg.gen, nbytes)
             self._touch(key)
         EPD_SAVES.labels(server=self.server).inc()
         EPD_BYTES.labels(server=self.server, direction="saved").inc(nbytes)
         EPD_TRANSFER_SECONDS.labels(server=self.server).observe(time.perf_counter() - t0)
-        return SaveResult(True, name, None, nbytes)
+        return SaveResult(True, got, None, nbytes)
+
+    def _keep(self, key: bytes, entry: Entry) -> SaveResult:
+        """Turn ``entry`` (one reference, pinned) into this producer's keep
+        reference on ``key`` for :attr:`keep_s`."""
+        seg, entry._seg = entry._seg, None
+        entry._released = True
+        with self._lock:
+            if self._closed or key in self._own:
+                # closed meanwhile, or another thread of this process kept it first
+                try:
+                    segment.update_refcount(entry.name, -1, self.directory, entry.gen)
+                except (MmshmError, OSError):
+                    pass
+                segment.unpin(seg)
+                own = self._own.get(key)
+                return SaveResult(own is not None, own.name if own else None,
+                                  None if own else "closed", 0)
+            self._own[key] = _Own(seg, entry.name, entry.gen, entry.nbytes, kept=True)
+            self._touch(key)
+        return SaveResult(True, entry.name, None, 0)
 
     def _make_room(self, need: int) -> None:
         """Give back this process's oldest entries until ``need`` more bytes
@@ -570,8 +890,8 @@ class EncoderCache:
     def _create(self, nbytes: int):
         """A segment from the core (:func:`mmshm.segments.segment.create`: a
         warm one from this process's pool when ``MMSHM_POOL`` is on and one
-        of the size class is idle, else a new file), evicting this process's
-        oldest entries while the budget or the space refuses."""
+        fits, else a new file), evicting this process's oldest entries while
+        the budget or the space refuses."""
         while True:
             try:
                 return segment.create(nbytes, self.directory)
@@ -582,8 +902,34 @@ class EncoderCache:
                         raise
                     self._drop(oldest)
 
-    def _fill_and_publish(self, seg, key: bytes, t: torch.Tensor, code: int, nbytes: int,
-                          label: str) -> str | None:
+    def _take_own_pooled(self, key: bytes, need: int):
+        """This process's idle pooled segment under one of ``key``'s
+        published names (its old entry, after the keep time), revived (count
+        1, the next generation; a file shorter than its header says is
+        refused by :func:`mmshm.segments.segfile.revive`), or None."""
+        with TABLE.lock:
+            for slot in range(SLOTS):
+                seg = TABLE.get(published_name(key, slot=slot))
+                if (seg is None or not seg.owned or seg.pins or seg.payload_size < need
+                        or seg.status() != STATE_POOLED):
+                    continue
+                try:
+                    if os.fstat(seg.fd).st_size < HEADER_SIZE + seg.payload_size:
+                        continue
+                except OSError:
+                    continue
+                gen = revive(seg.fd, seg.path)
+                if gen is None:
+                    continue
+                seg.gen = gen
+                seg.idle_since = None
+                del TABLE.segments[seg.name]
+                TABLE.segments[seg.name] = seg
+                return seg
+        return None
+
+    def _fill(self, seg, key: bytes, t: torch.Tensor, nbytes: int) -> bytes:
+        """Write the payload; return its digest."""
         if nbytes and t.device.type != "cpu":
             # one D2H straight into the creator's mapping (a new file too: its
             # pages are written through the mapping, not by pwrite), which
@@ -594,7 +940,10 @@ class EncoderCache:
             arena.copy_from_device(dst, t.reshape(-1).view(torch.uint8), seg)
             del dst
             seg.cold = False
-        elif nbytes:
+            seg.blank = False
+            view = seg.payload_view()
+            return payload_digest(key, nbytes, lambda off, n: view[off:off + n])
+        if nbytes:
             # as the core fills a handle's segment: a new file by pwrite (no
             # zeroing, no page faults; the sweeper maps its pages once it is
             # pooled), a warm pooled one through its mapping; split across
@@ -618,39 +967,94 @@ class EncoderCache:
                     seg.cold = False
             except OSError as exc:
                 raise segfile.os_error(exc, "write", seg.path) from None
+            seg.blank = False
+            return payload_digest(key, nbytes, lambda off, n: src[off:off + n])
         seg.blank = False
-        rec = _REC_ENC.encode(_Record(key, code, tuple(int(s) for s in t.shape), nbytes,
-                                      label[:512], os.getpid(), time.time_ns(), seg.gen))
-        os.pwrite(seg.fd, _RECORD_MAGIC + _LEN.pack(len(rec)) + rec,
-                  HEADER_SIZE + seg.payload_size - RECORD_SIZE)
-        name = published_name(key)
-        d = os.path.dirname(seg.path)
-        final = os.path.join(d, name)
-        old = seg.path
+        return payload_digest(key, 0, None)
+
+    def _write_record(self, seg, key: bytes, code: int, shape: tuple[int, ...], nbytes: int,
+                      label: str, digest: bytes) -> None:
+        rec = _REC_ENC.encode(_Record(key, code, shape, nbytes, label[:512], os.getpid(),
+                                      time.time_ns(), seg.gen, digest))
         try:
-            os.link(old, final)  # atomic, never replaces: complete or invisible
-        except FileExistsError:
-            try:
-                same = os.path.samefile(old, final)  # a pooled segment of this key's name
-            except OSError:
-                same = False
-            if not same:
-                return None
-            if old == final:
-                return name
+            os.pwrite(seg.fd, _RECORD_MAGIC + _LEN.pack(len(rec)) + rec,
+                      HEADER_SIZE + seg.payload_size - RECORD_SIZE)
         except OSError as exc:
-            raise segfile.os_error(exc, "publish", final) from None
+            raise segfile.os_error(exc, "write", seg.path) from None
+
+    def _publish(self, seg, key: bytes, dtype, shape) -> str | Entry | None:
+        """Link ``seg`` to one of ``key``'s published names. Returns the name;
+        or the entry another producer published there meanwhile (held once,
+        pinned); or None when every name is held by something else."""
+        d = os.path.dirname(seg.path)
+        for slot in range(SLOTS):
+            name = published_name(key, slot=slot)
+            final = os.path.join(d, name)
+            if seg.path == final:
+                return name  # this key's old segment, reused from the pool under its name
+            for attempt in range(2):
+                try:
+                    os.link(seg.path, final)  # atomic, never replaces: complete or invisible
+                except FileExistsError:
+                    peer = self._check_name(name, key, dtype, None, shape, hold=False)[0]
+                    if peer is not None:
+                        return peer
+                    if attempt == 0 and self._clear_stale(final):
+                        continue
+                    break
+                except OSError as exc:
+                    raise segfile.os_error(exc, "publish", final) from None
+                old = seg.path
+                with TABLE.lock:
+                    if TABLE.segments.get(seg.name) is seg:
+                        del TABLE.segments[seg.name]
+                    seg.name = name
+                    seg.path = final
+                    TABLE.segments[name] = seg
+                try:
+                    os.unlink(old)
+                except OSError:
+                    pass
+                return name
+        return None
+
+    def _clear_stale(self, path: str) -> bool:
+        """Unlink the idle pooled segment (count 0) at ``path``, whoever's
+        it is, under its mutex (:func:`mmshm.segments.segfile.unlink_pooled`):
+        this key's old entry after its keep time, or a segment the name kept
+        through a reuse. Its owner sees it freed and lets go of it. A live
+        segment or a file that is not a segment is left alone. Returns
+        whether the name may be free now."""
         with TABLE.lock:
-            if TABLE.segments.get(seg.name) is seg:
-                del TABLE.segments[seg.name]
-            seg.name = name
-            seg.path = final
-            TABLE.segments[name] = seg
+            seg = TABLE.get(os.path.basename(path))
+            if (seg is not None and seg.owned and seg.pins == 0 and seg.path == path
+                    and seg.status() == STATE_POOLED):
+                TABLE.unlink_pooled(seg)
+                return True
         try:
-            os.unlink(old)
+            fd = os.open(path, OPEN_FLAGS)
+        except FileNotFoundError:
+            return True
         except OSError:
-            pass
-        return name
+            return False
+        try:
+            st = os.fstat(fd)
+            hdr = segfile.peek_header(fd)
+            if (hdr is None or st.st_uid != os.geteuid()
+                    or hdr.state != STATE_POOLED or hdr.refcount != 0):
+                return False
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                return True
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return True  # replaced meanwhile: try the link again
+            segfile.unlink_pooled(fd, path)  # re-checks POOLED and count 0 under the mutex
+            return not os.path.lexists(path)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     def _touch(self, key: bytes) -> None:
         """(under the lock) restart ``key``'s keep time; start the timer."""
@@ -663,7 +1067,8 @@ class EncoderCache:
         self._wake.notify()
 
     def _drop(self, key: bytes) -> None:
-        """(under the lock) give back the creator's reference of ``key``.
+        """(under the lock) give back this process's reference of ``key``
+        (the creator's, or the keep reference on another producer's entry).
         The name stays while a consumer holds the entry (a worker of that
         consumer may still attach it by name), and the core's last release
         unlinks it: a later lookup then misses."""
@@ -675,6 +1080,9 @@ class EncoderCache:
             segment.update_refcount(own.name, -1, self.directory, own.gen)
         except (MmshmError, OSError) as exc:
             log.debug("mmshm: releasing %s failed: %s", own.name, exc)
+        finally:
+            if own.kept:
+                segment.unpin(own.seg)
 
     def _expire_loop(self) -> None:
         with self._lock:
@@ -696,33 +1104,43 @@ class EncoderCache:
             return had
 
     def published(self) -> list[str]:
-        """Published names of this process's entries."""
+        """Published names of this process's entries (written here or kept)."""
         with self._lock:
             return [o.name for o in self._own.values()]
 
     def close(self) -> None:
-        """Give back the creator's reference of every entry of this process
-        (also run at exit): entries nobody else holds go at once, their
-        warm pages too.
-        Idempotent; the store publishes nothing after it."""
+        """Give back every reference of this process (also run at exit): the
+        creator's and keep references of its entries, and the entries it
+        holds as a consumer. Entries nobody else holds go at once, their
+        warm pages too. Idempotent; the store publishes nothing after it."""
         with self._lock:
             self._closed = True
             if os.getpid() != self._pid:
                 self._own.clear()
                 self._expiry.clear()
                 return
-            segs = [o.seg for o in self._own.values()]
+            segs = [o.seg for o in self._own.values() if not o.kept]
             for key in list(self._own):
                 self._drop(key)
             self._wake.notify_all()
+        for entry in list(self._held):
+            entry.release()
         with TABLE.lock:  # and no warm pages kept for saves that will not come
             for seg in segs:
                 if seg.fd >= 0 and seg.pins == 0 and seg.status() == STATE_POOLED:
                     TABLE.unlink_pooled(seg)
+            # this store's old entries idle in the pool under their published names
+            prefix = f"{PREFIX}{PUBLISHED_PID}-"
+            for seg in list(TABLE.segments.values()):
+                if (seg.owned and seg.pins == 0 and seg.name.startswith(prefix)
+                        and seg.status() == STATE_POOLED):
+                    TABLE.unlink_pooled(seg)
+        self._write_holders()
 
     # -- consumer --------------------------------------------------------------------
     def lookup(self, key: bytes, dtype: torch.dtype | None = None, rows: int | None = None,
-               *, count: bool = True) -> Entry | None:
+               *, shape: tuple | None = None, count: bool = True, holder: str = "",
+               verify: bool = True) -> Entry | None:
         """Find the published encoder output of ``key`` and take one
         reference on it (hold it until :meth:`Entry.release`).
 
@@ -731,69 +1149,199 @@ class EncoderCache:
             dtype: the dtype the consumer expects (None: any).
             rows: the number of rows (``shape[0]``: the item's embeddings) it
                 expects (None: any).
+            shape: the whole shape it expects, e.g. ``(rows, hidden size)``;
+                a ``None`` or negative dimension matches any (None: any shape).
             count: count a miss in ``mmshm_epd_fallbacks_total`` with its
                 reason (``missing``, ``content_mismatch``, ``incompatible``,
-                ``segment_gone``).
+                ``segment_gone``, ``torn``, ``digest``, ``over_budget``).
+                Every lookup counts ``mmshm_epd_lookups_total{result}``.
+            holder: the entry's :attr:`Entry.holder` label.
+            verify: check the payload's sampled pages against the record's
+                digest (``pread``, about 20 us for an output of 8.6 MB).
         Returns:
             an :class:`Entry`, or None (the caller encodes the item itself).
             Never raises for a missing, foreign, torn or vanishing file.
         """
-        found, reason, detail = self._search(key, dtype, rows)
-        if found is None and count:
+        found, reason, detail = self._search(key, dtype, rows, shape=shape, verify=verify,
+                                             holder=holder)
+        EPD_LOOKUPS.labels(server=self.server, result="hit" if found else "miss").inc()
+        if found is not None:
+            self._hits += 1
+            return found
+        self._misses += 1
+        if count:
             count_fallback(self.server, reason, detail)
-        return found
+        if not self._hits and self._misses >= MISSES_BEFORE_WARNING and not self._meet_said:
+            self._meet_said = True
+            log.warning(
+                "mmshm: encoder cache (%s): %d lookups and not one hit: this instance and the "
+                "encoder instance cannot meet, and every item is encoded here. Fix: run both "
+                "on the same node (one host, one IPC and mount namespace: the same /dev/shm), "
+                "with the same segment directory (here %s: MMSHM_DIR, or the connector's "
+                "directory setting) and the same namespace (here %r; compare the encoder's "
+                "\"on:\" line). Last miss: %s (reason=%s)", self.server, self._misses,
+                segment_dir(self.directory), self.namespace, detail, reason)
+        return None
 
     def _find(self, key: bytes, dtype, rows) -> Entry | None:
-        return self._search(key, dtype, rows)[0]
+        return self._search(key, dtype, rows, hold=False)[0]
 
-    def _search(self, key: bytes, dtype, rows) -> tuple[Entry | None, str, str]:
-        d = segment_dir(self.directory)
-        TABLE.first_use(d)  # reclaims orphans of this directory once per process
-        suffix = "-" + key.hex()[:NAME_KEY_HEX]
-        try:
-            names = [n for n in os.listdir(d) if n.endswith(suffix) and NAME_RE.match(n)]
-        except OSError as exc:
-            return None, "missing", f"cannot list {d}: {exc}"
-        reason, detail = "missing", f"no encoder output of content {key.hex()[:16]} in {d}"
-        own = published_name(key)
-        names.sort(key=lambda n: n != own)
-        for name in names:
-            try:
-                seg = segment.attach(name, self.directory)
-            except (MmshmError, OSError) as exc:
-                reason, detail = "segment_gone", f"{name}: {exc}"
-                continue
-            segment.pin(seg)  # the descriptor (and its liveness lock) stays while held
-            held = False
-            try:
-                rec = _read_record(seg)
-                gen = read_header(seg.fd, seg.path).gen
-                if rec is None or rec.gen != gen:
-                    reason, detail = "segment_gone", f"{name} holds no complete entry record"
-                    continue
-                if rec.key != key:
-                    reason, detail = "content_mismatch", (
-                        f"{name} holds the encoder output of other content "
-                        f"({rec.key.hex()[:16]}, item {rec.label!r})")
-                    continue
-                got = codec.DTYPES[rec.dtype]
-                if (dtype is not None and got != dtype) or (
-                        rows is not None and (not rec.shape or rec.shape[0] != rows)):
-                    reason, detail = "incompatible", (
-                        f"{name} holds {got} {list(rec.shape)}, expected {dtype} with "
-                        f"{rows} rows")
-                    continue
-                # fails if the last holder let go since the attach, or the segment
-                # was pooled and reused (another generation): a miss, never its bytes
-                segment.update_refcount(name, 1, self.directory, gen)
-                held = True
-                return Entry(seg, rec, self.directory, gen), "", ""
-            except (MmshmError, OSError) as exc:
-                reason, detail = "segment_gone", f"{name}: {exc}"
-            finally:
-                if not held:
-                    segment.unpin(seg)
+    def _search(self, key: bytes, dtype, rows, *, shape=None, verify: bool = True,
+                hold: bool = True, holder: str = "") -> tuple[Entry | None, str, str]:
+        """``(entry or None, reason, detail)`` for ``key``, opening its
+        published names directly (never listing the directory)."""
+        TABLE.first_use(segment_dir(self.directory))  # reclaims orphans once per process
+        reason, detail = "missing", (f"no encoder output of content {key.hex()[:16]} in "
+                                     f"{segment_dir(self.directory)}")
+        for slot in range(SLOTS):
+            found, r, det = self._check_name(published_name(key, slot=slot), key, dtype, rows,
+                                             shape, verify=verify, hold=hold, holder=holder)
+            if found is not None:
+                return found, "", ""
+            if r != "missing":  # a file under the name says more than an absent one
+                reason, detail = r, det
         return None, reason, detail
+
+    def _check_name(self, name: str, key: bytes, dtype, rows, shape, *, verify: bool = True,
+                    hold: bool = False, holder: str = "") -> tuple[Entry | None, str, str]:
+        try:
+            seg = segment.attach(name, self.directory)
+        except SegmentNotFoundError as exc:
+            if exc.errno == errno.ENOENT and "segment is gone" in str(exc):
+                return None, "missing", ""
+            return None, "segment_gone", f"{name}: {exc}"
+        except (MmshmError, OSError) as exc:
+            return None, "torn", f"{name}: {exc}"
+        segment.pin(seg)  # the descriptor (and its liveness lock) stays while held
+        held = False
+        try:
+            rec = _read_record(seg)
+            gen = read_header(seg.fd, seg.path).gen
+            if rec is None:
+                return None, "torn", f"{name} holds no complete entry record"
+            if rec.gen != gen:
+                return None, "segment_gone", f"{name} was reused since its entry was written"
+            if rec.key != key:
+                return None, "content_mismatch", (
+                    f"{name} holds the encoder output of other content "
+                    f"({rec.key.hex()[:16]}, item {rec.label!r})")
+            got = codec.DTYPES[rec.dtype]
+            if (dtype is not None and got != dtype) or not _shape_ok(tuple(rec.shape), rows,
+                                                                    shape):
+                return None, "incompatible", (
+                    f"{name} holds {got} {list(rec.shape)}, expected {dtype or 'any dtype'} "
+                    f"with shape {list(shape) if shape is not None else '?'} and "
+                    f"{rows if rows is not None else 'any number of'} rows")
+            if hold and self.max_bytes and self._held_bytes + rec.nbytes > self.max_bytes:
+                return None, "over_budget", (
+                    f"{name} ({rec.nbytes} bytes) would take the entries this process holds "
+                    f"past the encoder cache's max_bytes={self.max_bytes}")
+            if verify:
+                got_digest = payload_digest(key, rec.nbytes, _fd_reader(seg.fd))
+                if got_digest != rec.digest:
+                    return None, ("torn" if not got_digest else "digest"), (
+                        f"{name}: the payload is not the one its record describes "
+                        f"({'truncated' if not got_digest else 'sampled pages differ'})")
+            # fails if the last holder let go since the attach, or the segment
+            # was pooled and reused (another generation): a miss, never its bytes
+            segment.update_refcount(name, 1, self.directory, gen)
+            held = True
+            entry = Entry(seg, rec, self.directory, gen, self if hold else None, holder)
+            if hold:
+                self._hold(entry)
+            return entry, "", ""
+        except SegmentNotFoundError as exc:
+            return None, "segment_gone", f"{name}: {exc}"
+        except (MmshmError, OSError) as exc:
+            return None, "torn", f"{name}: {exc}"
+        finally:
+            if not held:
+                segment.unpin(seg)
+
+    # -- what a consumer holds -------------------------------------------------------
+    def _hold(self, entry: Entry) -> None:
+        with self._lock:
+            self._held.add(entry)
+            self._held_bytes += entry.nbytes
+        EPD_HELD_BYTES.labels(server=self.server).inc(entry.nbytes)
+        self._write_holders()
+
+    def _forget_held(self, entry: Entry) -> None:
+        with self._lock:
+            if entry not in self._held:
+                return
+            self._held.discard(entry)
+            self._held_bytes -= entry.nbytes
+        EPD_HELD_BYTES.labels(server=self.server).dec(entry.nbytes)
+        self._write_holders()
+
+    def held(self) -> list[HeldEntry]:
+        """The entries this process holds as a consumer, with their holders."""
+        with self._lock:
+            return [HeldEntry(e.name, e.nbytes, e.holder, e.label) for e in list(self._held)
+                    if not e.released]
+
+    def held_bytes(self) -> int:
+        """Bytes of the entries this process holds (they count against
+        :attr:`max_bytes`)."""
+        return self._held_bytes
+
+    def set_holder(self, entry: Entry, holder: str) -> None:
+        """Label ``entry``'s holder (shown by ``mmshm status``)."""
+        entry.holder = holder
+        self._write_holders()
+
+    def _write_holders(self) -> None:
+        """Write what this process holds to
+        ``<directory>/.mmshm-holders-<pid>.json`` for ``mmshm status``
+        (removed once it holds nothing). Never raises."""
+        if os.getpid() != self._pid:
+            return
+        try:
+            d = segment_dir(self.directory)
+            path = os.path.join(d, f"{_HOLDERS_PREFIX}{self._pid}.json")
+            held = self.held()
+            if not held:
+                if self._holders_file is not None:
+                    self._holders_file = None
+                    os.unlink(path)
+                return
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"pid": self._pid, "server": self.server,
+                           "entries": [h._asdict() for h in held]}, f)
+            os.replace(tmp, path)
+            self._holders_file = path
+        except (OSError, ValueError) as exc:
+            log.debug("mmshm: writing the encoder cache's holders failed: %s", exc)
+
+
+def read_holders(directory: str) -> dict[int, list[HeldEntry]]:
+    """What each process holds of the encoder cache in ``directory`` (its
+    ``.mmshm-holders-<pid>.json``), for ``mmshm status``; files of processes
+    that are gone are skipped. Never raises."""
+    out: dict[int, list[HeldEntry]] = {}
+    try:
+        names = [n for n in os.listdir(directory)
+                 if n.startswith(_HOLDERS_PREFIX) and n.endswith(".json")]
+    except OSError:
+        return out
+    for n in names:
+        try:
+            pid = int(n[len(_HOLDERS_PREFIX):-5])
+            os.kill(pid, 0)
+        except (ValueError, ProcessLookupError):
+            continue
+        except PermissionError:
+            pass
+        try:
+            with open(os.path.join(directory, n)) as f:
+                data = json.load(f)
+            out[pid] = [HeldEntry(str(e["name"]), int(e["nbytes"]), str(e.get("holder", "")),
+                                  str(e.get("label", ""))) for e in data["entries"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 # -- exit -------------------------------------------------------------------------------
