@@ -141,5 +141,25 @@ def test_both_integrations_are_packages_of_one_shape():
     shapes = {name: sorted(p.name for p in (ROOT / "integrations" / name).glob("*.py"))
               for name in ("sglang", "vllm")}
     assert shapes["sglang"] == shapes["vllm"], shapes
-    assert {"__init__.py", "requests.py", "workers.py", "disagg.py", "timing.py",
+    assert {"__init__.py", "requests.py", "workers.py", "pd.py", "epd.py", "timing.py",
             "roles.py", "server.py"} <= set(shapes["sglang"])
+
+
+def test_timing_is_a_leaf_in_both_integrations():
+    """Each server's ``timing.py`` imports, of its own package, only
+    ``server.py`` (vLLM's read the engines' input endpoint from
+    ``requests.py`` once; it lives in ``server.py`` now)."""
+    import ast
+
+    for name in ("sglang", "vllm"):
+        tree = ast.parse((ROOT / "integrations" / name / "timing.py").read_text())
+        siblings = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                siblings.add(node.module or "")
+                if not node.module:
+                    siblings.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    f"mmshm.integrations.{name}."):
+                siblings.add(node.module.rsplit(".", 1)[1])
+        assert siblings <= {"server"}, (name, siblings)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mmshm.transport import sending
-from mmshm.integrations.vllm import disagg as iv
+from mmshm.integrations.vllm import pd as iv
 from mmshm.integrations.vllm import requests as ivr
 
 

@@ -4,7 +4,7 @@ vLLM's code runs, the row is only checked) and the hop timer of both modes.
 The hooks, by process (file: what mmshm does):
 
 frontend: ``MPClient.__init__`` (roles: mmshm's ``oob_tensor_consumer``, the
-  line); ``_send_input`` (requests: an ``ADD``'s references; disagg: a decode
+  line); ``_send_input`` (requests: an ``ADD``'s references; pd: a decode
   instance's pixels withheld); ``MsgpackEncoder.encode`` (timing:
   ``frontend_encode``, the ``zmq_transfer`` stamp); ``add_request`` (requests:
   ``n > 1`` children share a segment).
@@ -12,7 +12,7 @@ EngineCore: ``process_input_sockets`` (roles: mmshm's ``oob_tensor_provider``,
   the line; timing: the stamp channel); ``MsgpackDecoder.decode`` (timing:
   ``engine_decode``); ``preprocess_add_request``, ``_free_request`` (requests:
   a failed handle fails its request, a finished one drops its views);
-  ``_try_schedule_encoder_inputs`` (disagg: no encoder on withheld pixels);
+  ``_try_schedule_encoder_inputs`` (pd: no encoder on withheld pixels);
   ``_init_executor``, ``MessageQueue.enqueue``, ``_reduce_tensor`` (workers:
   handles to the local readers; ``mq_enqueue``).
 worker: ``_init_message_queues`` (roles); ``MessageQueue.dequeue``,
@@ -22,7 +22,7 @@ worker: ``_init_message_queues`` (roles); ``MessageQueue.dequeue``,
 from mmshm.hooks import observe
 from mmshm.hooks.instrumentor import SHM, Instrumentor, Target
 
-from . import disagg, requests, roles, timing, workers
+from . import pd, requests, roles, timing, workers
 from .server import ASYNC, CLIENT, CORE, EXEC, LLM, MQ, SCHED, SERIAL, SERVER
 
 
@@ -63,7 +63,7 @@ class VLLMInstrumentor(Instrumentor):
             Target(SCHED, "Scheduler._free_request", requests.free_request, None,
                    params=("request",)),
             Target(SCHED, "Scheduler._try_schedule_encoder_inputs",
-                   disagg.try_schedule_encoder_inputs, None, optional=True,
+                   pd.try_schedule_encoder_inputs, None, optional=True,
                    params=("request", "num_computed_tokens", "num_new_tokens",
                            "encoder_compute_budget")),
             # per-hop timing: optional in shm mode (it never refuses the

@@ -10,9 +10,9 @@ from mmshm import config
 from mmshm.hooks.instrumentor import Role
 from mmshm.transport import receiving, sending, wrapping
 
-from . import disagg
-from .server import (FIX_RELEASE, PATH_FANOUT, PATH_REQUESTS, WIRE_KEY, is_add, log, me,
-                     tensors)
+from . import pd
+from .server import (FIX_RELEASE, KEY_PIXELS, PATH_FANOUT, PATH_REQUESTS, WIRE_KEY,
+                     input_endpoint, is_add, key_mode, log, me, tensors)
 
 _ATTACHED: weakref.WeakSet = weakref.WeakSet()  # encoders given a consumer
 _PROVIDED: weakref.WeakSet = weakref.WeakSet()  # EngineCoreProcs given a provider
@@ -20,6 +20,14 @@ _PROVIDED: weakref.WeakSet = weakref.WeakSet()  # EngineCoreProcs given a provid
 #: tensor -> (wire bytes, HandleMeta); see mmshm.transport.sending.SEGMENTS.
 VIEWS = sending.SEGMENTS
 HOPS = ("frontend_encode", "zmq_transfer's start")
+#: This frontend's engines run an EC connector (encoder disaggregation): each
+#: tensor's BLAKE3 digest is computed in the copy's pass (where items are keyed
+#: by their tensors, not by vLLM's mm_hash), here in the API
+#: server, so that the EngineCore keys items without reading their bytes
+#: (:func:`mmshm.integrations.vllm.epd.tensor_digest`).
+DIGEST_FOR_EC = False
+PATH_EC_DIGEST = ("encoder disaggregation: each tensor hashed (BLAKE3) in its copy's pass, "
+                  "so the EngineCore keys items without reading them")
 
 
 class ShmTensorConsumer:
@@ -46,12 +54,12 @@ class ShmTensorConsumer:
             return self.inner(tensor) if self.inner is not None else None
         if box is not None and box.path == "send" and not config.get().disable \
                 and sending.eligible(tensor):
-            withheld = disagg.WITHHOLDING.get()
+            withheld = pd.WITHHOLDING.get()
             if withheld is not None:  # a decode instance's request: no payload
                 withheld[0] += 1
                 withheld[1] += tensor.nbytes
-                return {disagg.WITHHELD_KEY: tensor.nbytes}
-            h = box.put(tensor)
+                return {pd.WITHHELD_KEY: tensor.nbytes}
+            h = box.put(tensor, hash_now=True if DIGEST_FOR_EC else None)
             if h is not None:
                 return {WIRE_KEY: h.encode()}
         return self.inner(tensor) if self.inner is not None else None
@@ -68,8 +76,8 @@ class ShmTensorProvider:
 
     def __call__(self, dtype, shape, meta):
         wire = meta.get(WIRE_KEY) if isinstance(meta, dict) else None
-        if wire is None and isinstance(meta, dict) and disagg.WITHHELD_KEY in meta:
-            return disagg.withheld_tensor(dtype, shape)
+        if wire is None and isinstance(meta, dict) and pd.WITHHELD_KEY in meta:
+            return pd.withheld_tensor(dtype, shape)
         if wire is None:
             if self.inner is None:
                 raise ValueError("received an out-of-band tensor but no tensor provider is set")
@@ -81,24 +89,6 @@ def materialize_request_tensor(wire, dtype: str, shape) -> torch.Tensor:
     """The tensor behind a placeholder (zero-copy); on failure an empty one, the
     reference given back: the request fails in ``preprocess_add_request``."""
     return receiving.materialize_wire(wire, dtype, shape)
-
-
-def input_endpoint(client) -> str:
-    """Where an ``MPClient`` sends requests: ``input_address`` (0.33), else its
-    socket's ``zmq.LAST_ENDPOINT`` (0.32); ``""`` if neither can be read."""
-    addr = getattr(client, "input_address", None)
-    if addr:
-        return str(addr)
-    sock = getattr(client, "input_socket", None)
-    if sock is None:
-        return ""
-    try:
-        import zmq
-
-        value = sock.getsockopt(zmq.LAST_ENDPOINT)
-    except Exception:  # noqa: BLE001 - a closed or foreign socket: unknown
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value or "")
 
 
 def _is_local(addr: str) -> bool:
@@ -130,10 +120,15 @@ def attach_encoder(client) -> bool:
         return False
     enc.oob_tensor_consumer = ShmTensorConsumer(enc.oob_tensor_consumer)
     _ATTACHED.add(enc)
-    decode = disagg.decode_payload_policy(getattr(client, "vllm_config", None))
-    disagg.DECODE_WITHHOLDS = None if decode is None else decode[0]
+    vllm_config = getattr(client, "vllm_config", None)
+    decode = pd.decode_payload_policy(vllm_config)
+    pd.DECODE_WITHHOLDS = None if decode is None else decode[0]
+    global DIGEST_FOR_EC
+    DIGEST_FOR_EC = (getattr(vllm_config, "ec_transfer_config", None) is not None
+                     and key_mode(vllm_config) == KEY_PIXELS)
     me().say(Role("frontend", [f"{PATH_REQUESTS} ({addr})", PATH_FANOUT]
-                  + ([] if decode is None else [decode[1]]), hops=HOPS))
+                  + ([] if decode is None else [decode[1]])
+                  + ([PATH_EC_DIGEST] if DIGEST_FOR_EC else []), hops=HOPS))
     return True
 
 
@@ -152,13 +147,13 @@ def send_input(wrapped, instance, args, kwargs):
     if not is_add(args[0] if args else kwargs.get("request_type")):
         return wrapped(*args, **kwargs)
     request = args[1] if len(args) > 1 else kwargs.get("request")
-    token = disagg.WITHHOLDING.set(
-        [0, 0] if disagg.DECODE_WITHHOLDS and disagg.remote_prefilled(request) else None)
+    token = pd.WITHHOLDING.set(
+        [0, 0] if pd.DECODE_WITHHOLDS and pd.remote_prefilled(request) else None)
     try:
         with sending.sending():
             return wrapped(*args, **kwargs)
     finally:
-        disagg.WITHHOLDING.reset(token)
+        pd.WITHHOLDING.reset(token)
 
 
 def add_request(wrapped, instance, args, kwargs):

@@ -82,3 +82,39 @@ def worker_role(rank) -> str:
     parallelism (``rank``: its rank in its engine's TP x PP world)."""
     dp = dp_rank()
     return f"worker ({'' if dp is None else f'DP rank {dp}, '}rank {rank})"
+
+
+def input_endpoint(client) -> str:
+    """Where an ``MPClient`` sends requests: ``input_address`` (0.33), else its
+    socket's ``zmq.LAST_ENDPOINT`` (0.32); ``""`` if neither can be read."""
+    addr = getattr(client, "input_address", None)
+    if addr:
+        return str(addr)
+    sock = getattr(client, "input_socket", None)
+    if sock is None:
+        return ""
+    try:
+        import zmq
+
+        value = sock.getsockopt(zmq.LAST_ENDPOINT)
+    except Exception:  # noqa: BLE001 - a closed or foreign socket: unknown
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+#: How the EC connector keys items (printed in its namespace: both instances
+#: of a pair must key alike): by vLLM's ``mm_hash``, or by the processed tensors.
+KEY_MM_HASH = "mm_hash"
+KEY_PIXELS = "pixels"
+
+
+def key_mode(vllm_config) -> str:
+    """:data:`KEY_MM_HASH` where this instance's ``mm_hash`` is a content hash
+    (its processor cache or prefix caching on), else :data:`KEY_PIXELS`."""
+    mc = getattr(vllm_config, "model_config", None)
+    mm = getattr(mc, "multimodal_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    if (getattr(mm, "mm_processor_cache_gb", 0) or 0) > 0 or getattr(
+            cache, "enable_prefix_caching", False):
+        return KEY_MM_HASH
+    return KEY_PIXELS

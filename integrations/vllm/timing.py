@@ -9,8 +9,7 @@ import weakref
 from mmshm.hooks import observe
 from mmshm.transport import receiving
 
-from .requests import input_endpoint
-from .server import SERVER, is_add, me
+from .server import SERVER, input_endpoint, is_add, me
 
 #: The hops timed, in the order a request takes them.
 HOPS = ("frontend_encode", "zmq_transfer", "engine_decode", "mq_enqueue", "mq_dequeue")

@@ -87,7 +87,7 @@ LOGS = Path(os.environ.get("MMSHM_E2E_LOGS") or tempfile.mkdtemp(prefix="mmshm-e
 SMALL = 8
 FLOW = 4
 #: The connector's class and module, as vLLM loads it.
-MMSHM_CONNECTOR = ("MmshmECConnector", "mmshm.integrations.vllm.disagg")
+MMSHM_CONNECTOR = ("MmshmECConnector", "mmshm.integrations.vllm.epd")
 #: The mmshm pair's private /dev/shm (shared by its two servers): vLLM's CPU
 #: engine checks for 160 MiB free there at start (its shm_broadcast
 #: MessageQueue, 10 chunks of VLLM_MQ_MAX_CHUNK_BYTES_MB), so a 64 MiB one

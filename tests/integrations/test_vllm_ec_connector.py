@@ -1,4 +1,4 @@
-"""``MmshmECConnector`` (mmshm.integrations.vllm.disagg) against vLLM 0.33's real
+"""``MmshmECConnector`` (mmshm.integrations.vllm.epd) against vLLM 0.33's real
 EC-connector modules, on CPU, producer and consumer in two processes.
 
 Run by ``python -m tests.run vllm`` in ``.venvs/vllm-0.33.0``; skipped where
@@ -60,7 +60,7 @@ from tests.harness.segments import segment_files
 
 pytestmark = pytest.mark.timeout(240)
 SPAWN = mp.get_context("spawn")
-MODULE = "mmshm.integrations.vllm.disagg"
+MODULE = "mmshm.integrations.vllm.epd"
 ROWS, WIDTH = 64, 96
 
 
@@ -236,9 +236,9 @@ def test_vllm_factory_loads_the_connector_by_module_path(shm_dir):
         assert (c.is_producer, c.is_consumer) == (prod, cons)
         c.shutdown()
     # the metadata crosses to TP workers by pickle (MultiprocExecutor's queue)
-    from mmshm.integrations.vllm import disagg
+    from mmshm.integrations.vllm import epd
 
-    meta = disagg.MmshmECConnectorMetadata([("r", "h", None)], {"h": b"k" * 32})
+    meta = epd.MmshmECConnectorMetadata([("r", "h", None)], {"h": b"k" * 32})
     assert pickle.loads(pickle.dumps(meta)) == meta
 
 
