@@ -152,6 +152,8 @@ REAP_REASONS = ("killed", "in_flight_expired")
 ROLES = ("src", "dst")
 #: ``result`` label values of ``mmshm_pool_requests_total``.
 POOL_RESULTS = ("hit", "miss")
+#: ``reason`` label values of ``mmshm_pool_dropped_total``.
+POOL_DROP_REASONS = ("truncated",)
 #: ``path`` label values of ``mmshm_references_handed_total``.
 HANDED_PATHS = ("send", "broadcast")
 #: ``server`` label values of the EPD families (created at 0 for both).
@@ -168,10 +170,13 @@ EPD_DIRECTIONS = ("saved", "loaded")
 #: instance died, was dropped by the registry, or rejected the item), ``torn`` (an
 #: entry truncated or whose header or record cannot be read), ``digest`` (its payload
 #: is not its record's), ``name_taken`` (its published names are held by other files),
-#: ``queue_full`` (a producer's key queue dropped a key before publishing).
+#: ``queue_full`` (a producer's key queue dropped a key before publishing),
+#: ``unproven`` (SGLang: the language instance did not prove it can open the
+#: encoder's segments; SGLang's own bytes carried the output).
 EPD_FALLBACK_REASONS = ("over_budget", "no_space", "missing", "content_mismatch",
                         "incompatible", "segment_gone", "encoder_gone", "encoder_dropped",
-                        "encoder_error", "torn", "digest", "name_taken", "queue_full")
+                        "encoder_error", "torn", "digest", "name_taken", "queue_full",
+                        "unproven")
 #: ``result`` label values of ``mmshm_epd_lookups_total``.
 EPD_LOOKUP_RESULTS = ("hit", "miss")
 
@@ -243,6 +248,9 @@ _SPECS = (
      {"multiprocess_mode": "mostrecent"}),
     ("POOL_REQUESTS", "counter", "mmshm_pool_requests",
      "Segment pool lookups, by result (hit or miss).", ("result",), {}),
+    ("POOL_DROPPED", "counter", "mmshm_pool_dropped",
+     "Idle pooled segments dropped instead of reused, by reason (truncated: a third party "
+     "shortened the file).", ("reason",), {}),
     ("IPC_SECONDS", "histogram", "mmshm_ipc_seconds",
      "Seconds one message spends in one hop of the multimodal path, by server, hop and "
      "transport (server: the server's own, timed by observe mode; mmshm).",
@@ -317,6 +325,7 @@ _PREINIT = {
     "BROADCAST_SECONDS": ("role", ROLES),
     "BROADCAST_BYTES": ("role", ROLES),
     "POOL_REQUESTS": ("result", POOL_RESULTS),
+    "POOL_DROPPED": ("reason", POOL_DROP_REASONS),
     "REFERENCES_HANDED": ("path", HANDED_PATHS),
     "REAPED_SEGMENTS": ("reason", REAP_REASONS),
     "REAPED_BYTES": ("reason", REAP_REASONS),
@@ -380,6 +389,7 @@ REAPED_BYTES = _deferred["REAPED_BYTES"]
 FREE_BYTES = _deferred["FREE_BYTES"]
 DIR_SIZE_BYTES = _deferred["DIR_SIZE_BYTES"]
 POOL_REQUESTS = _deferred["POOL_REQUESTS"]
+POOL_DROPPED = _deferred["POOL_DROPPED"]
 INTERNODE_BYTES = _deferred["INTERNODE_BYTES"]
 IPC_SECONDS = _deferred["IPC_SECONDS"]
 IPC_BYTES = _deferred["IPC_BYTES"]

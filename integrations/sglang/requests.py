@@ -11,7 +11,7 @@ from mmshm.transport import sending
 from mmshm.transport.receiving import unwrap_each
 from mmshm.transport.sending import digest_of
 
-from . import disagg
+from . import pd
 from .server import (gpu_proxy_types, hash_int, items, log, on_failure, set_item_hashes,
                      transport_off_reason, unhashed_features)
 
@@ -61,7 +61,7 @@ def wrap_shm_features(wrapped, instance, args, kwargs):
     if not mm_inputs or not items(mm_inputs):
         return obj
     min_bytes = config.get().min_bytes
-    kept = disagg.withhold_payloads(mm_inputs) if disagg.DECODE_WITHHOLDS else mm_inputs
+    kept = pd.withhold_payloads(mm_inputs) if pd.DECODE_WITHHOLDS else mm_inputs
     # the features of items SGLang's processor did not hash: hashed in the copy's pass
     unhashed = unhashed_features(kept)
     before = box.written
@@ -143,4 +143,4 @@ local_unwrap = functools.partial(unwrap_each, on_failure=on_failure)
 
 def recv_requests(wrapped, instance, args, kwargs):
     """``recv_requests``: unwrapped here at TP size 1, withheld pixels settled."""
-    return disagg.settle_withheld(local_unwrap(wrapped(*args, **kwargs)))
+    return pd.settle_withheld(local_unwrap(wrapped(*args, **kwargs)))

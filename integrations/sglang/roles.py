@@ -4,7 +4,7 @@ import weakref
 
 from mmshm.hooks.instrumentor import Role
 
-from . import disagg, timing
+from . import epd, pd, timing
 from .requests import dp_hops, forward_then_release
 from .server import (FIX_BUG, PATH_BROADCAST, PATH_DP_FORWARD, PATH_FANOUT, PATH_MULTINODE,
                      PATH_REQUESTS, PATH_SCHED_IN, dp_rank, gpu_feature_transport,
@@ -26,13 +26,13 @@ def say(role: str, on: list[str], offs: list[str], hops: tuple[str, ...] = ()) -
 
 def tokenizer_ready(wrapped, instance, args, kwargs):
     """``TokenizerManager.__init__``: the tokenizer's line; a PD decode
-    instance's pixel policy (:func:`disagg.decode_payload_policy`); SGLang's
+    instance's pixel policy (:func:`pd.decode_payload_policy`); SGLang's
     own GPU transport of the features, if on (:func:`gpu_transport_note`)."""
     result = wrapped(*args, **kwargs)
     paths = [PATH_REQUESTS + (" (via the data-parallel controller)" if dp_hops(instance)
                               else ""), PATH_FANOUT]
-    decode = disagg.decode_payload_policy(instance)
-    disagg.DECODE_WITHHOLDS = decode is not None and decode[0]
+    decode = pd.decode_payload_policy(instance)
+    pd.DECODE_WITHHOLDS = decode is not None and decode[0]
     if decode is not None:
         paths.append(decode[1])
     gpu = gpu_feature_transport(getattr(instance, "server_args", None))
@@ -45,7 +45,7 @@ def tokenizer_ready(wrapped, instance, args, kwargs):
 def scheduler_ready(wrapped, instance, args, kwargs):
     """``Scheduler.__init__``: the line of this scheduler (DP rank, TP rank)."""
     result = wrapped(*args, **kwargs)
-    disagg.SCHEDULER = weakref.ref(instance)
+    pd.SCHEDULER = weakref.ref(instance)
     rank, size = tp_rank_size(instance)
     on = [PATH_SCHED_IN] + ([f"{PATH_BROADCAST} ({size} ranks)"] if size > 1 else [])
     if size > 1 and nnodes(instance) > 1:
@@ -85,11 +85,11 @@ def encoder_ready(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     backend = getattr(instance, "transfer_backend", None)
     if backend == "zmq_to_scheduler":
-        me().say(Role("encoder", [disagg.PATH_EPD_SEND]))
+        me().say(Role("encoder", [epd.PATH_EPD_SEND]))
     else:
-        me().say(Role("encoder", [], [(disagg.PATH_EPD_SEND,
+        me().say(Role("encoder", [], [(epd.PATH_EPD_SEND,
                                        f"--encoder-transfer-backend {backend}: mmshm carries "
-                                       "zmq_to_scheduler only", disagg.FIX_EPD_BACKEND)]))
+                                       "zmq_to_scheduler only", epd.FIX_EPD_BACKEND)]))
     return result
 
 
@@ -102,11 +102,12 @@ def epd_receiver_ready(wrapped, instance, args, kwargs):
     role = f"encoder receiver ({scheduler_role(rank)})"
     backend = getattr(instance, "encoder_transfer_backend", None)
     if backend == "zmq_to_scheduler":
-        me().say(Role(role, [disagg.PATH_EPD_RECV, disagg.PATH_EPD_FAULTS]))
+        epd.publish_card(instance)  # the handshake: the encoder sends handles here
+        me().say(Role(role, [epd.PATH_EPD_RECV, epd.PATH_EPD_FAULTS]))
     else:
-        me().say(Role(role, [disagg.PATH_EPD_FAULTS], [(
-            disagg.PATH_EPD_RECV, f"--encoder-transfer-backend {backend}: mmshm carries "
-            "zmq_to_scheduler only", disagg.FIX_EPD_BACKEND)]))
+        me().say(Role(role, [epd.PATH_EPD_FAULTS], [(
+            epd.PATH_EPD_RECV, f"--encoder-transfer-backend {backend}: mmshm carries "
+            "zmq_to_scheduler only", epd.FIX_EPD_BACKEND)]))
     return result
 
 
@@ -117,7 +118,7 @@ def epd_unrecognized(role: str, path: str):
     def wrapper(wrapped, instance, args, kwargs):
         me().say(Role(role, [], [(path, "mmshm does not recognize this SGLang release's "
                                   "encoder code (disaggregation/encode_server.py, "
-                                  "encode_receiver.py)", disagg.FIX_EPD_RELEASE)]))
+                                  "encode_receiver.py)", epd.FIX_EPD_RELEASE)]))
         return wrapped(*args, **kwargs)
 
     return wrapper

@@ -60,6 +60,33 @@ def mode(request, monkeypatch):
     gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def epd_state():
+    """mmshm's EPD state (the encoder's outputs, the ranks' cards) given back
+    after each test, before the private segment directory is checked."""
+    yield
+    from mmshm.integrations.sglang import epd
+
+    for part in list(epd._STATE.values()):
+        if hasattr(part, "close"):
+            part.close()
+    epd._STATE.clear()
+    gc.collect()
+
+
+def _cards() -> set[str]:
+    """The published names of this process's rank cards."""
+    from mmshm.integrations.sglang import epd
+
+    cards = epd._STATE.get("cards")
+    return set(cards._store.published()) if cards is not None else set()
+
+
+def _outputs() -> list[str]:
+    """The segment files that are no rank's card."""
+    return [n for n in segment_files() if n not in _cards()]
+
+
 needs_package = pytest.mark.skipif(not HAS_ENCODER_PACKAGE,
                                    reason="SGLang's encoder package is 0.5.23's")
 
@@ -95,9 +122,11 @@ def _encoder(mods, monkeypatch):
     return enc
 
 
-def _rank(mods, processor, rid):
+def _rank(mods, processor, rid, card=True):
     """One TP rank of the language instance: ``MMReceiverHTTP`` with its shared
-    PULL socket, and the ``WaitingZmqRequest`` of ``rid``."""
+    PULL socket, and the ``WaitingZmqRequest`` of ``rid``; with ``card``,
+    under mmshm, the rank's card published (what ``MMReceiverBase.__init__``
+    does: the handshake)."""
     import zmq
 
     r = mods.receiver
@@ -105,6 +134,11 @@ def _rank(mods, processor, rid):
     recv.scheduler_context = zmq.Context()
     recv.scheduler_recv_socket = recv.scheduler_context.socket(zmq.PULL)
     port = recv.scheduler_recv_socket.bind_to_random_port("tcp://127.0.0.1")
+    recv.hostname, recv.scheduler_embedding_port = "127.0.0.1", port
+    if card:
+        from mmshm.integrations.sglang import epd
+
+        epd.publish_card(recv)
     recv.waiting_by_rid, recv.waiting_list = {}, []
     recv.tp_rank, recv.tp_size = None, TP
     req = types.SimpleNamespace(rid=rid, input_ids=None, input_text="<image>",
@@ -184,7 +218,6 @@ def test_each_rank_gets_the_encoder_output(mods, mode, monkeypatch):
     ranks = [_rank(mods, p, "r1") for p in procs]
     enc = _encoder(mods, monkeypatch)
     data = _staged(mods, enc, "r1", emb.clone())
-    written = metric("mmshm_shm_written_bytes_total")
     loads, saves = _epd("loads_total"), _epd("saves_total")
     saved, loaded = (_epd("bytes_total", direction=d) for d in ("saved", "loaded"))
     seen_refs = []
@@ -195,7 +228,7 @@ def test_each_rank_gets_the_encoder_output(mods, mode, monkeypatch):
 
         async def watch(self, *a, **kw):  # the segment's count as each send leaves
             out = await real(self, *a, **kw)
-            for name in segment_files():
+            for name in _outputs():
                 path = os.path.join(mmshm.config.get().dir, name)
                 fd = os.open(path, os.O_RDWR)
                 try:
@@ -214,19 +247,67 @@ def test_each_rank_gets_the_encoder_output(mods, mode, monkeypatch):
             (got,) = p.got
             assert torch.equal(_only(got), emb)
         if mode == "mmshm":
-            assert len(segment_files()) == 1
+            assert len(_outputs()) == 1
             assert seen_refs[-1] == TP + 1  # the encoder's own + one per rank
-            assert metric("mmshm_shm_written_bytes_total") - written == emb.nbytes
             assert _epd("loads_total") - loads == TP and _epd("saves_total") - saves == 1
             assert _epd("bytes_total", direction="saved") - saved == emb.nbytes
             assert _epd("bytes_total", direction="loaded") - loaded == TP * emb.nbytes
         else:
-            assert segment_files() == []
+            assert _outputs() == []
     finally:
         _close(enc, ranks)
     del ranks, procs, w, p, got
     gc.collect()
-    assert segment_files() == []  # the encoder released, both ranks freed their views
+    assert _outputs() == []  # the encoder released, both ranks freed their views
+
+
+@needs_package
+def test_only_a_rank_that_proved_it_gets_a_handle(mods, monkeypatch, caplog):
+    """The handshake. Three language ranks: one published its card (under
+    mmshm, in the encoder's directory, of the encoder's node id), one
+    published none (not under mmshm run, or another /dev/shm), one a card of
+    another node id (another IPC or mount namespace). Bytes equal on all
+    three; only the first got a handle (one load), the other two SGLang's
+    bytes, counted ``unproven`` (one per send) and said once at WARNING;
+    nothing left."""
+    import logging
+
+    from mmshm.integrations.sglang import epd
+    from mmshm.transport import encoder_cache
+
+    encoder_cache._WARNED.discard("unproven")  # said once per process: this test's
+    mmshm.uninstrument("sglang")
+    mmshm.instrument("sglang")
+    emb = torch.randn(16, HIDDEN).to(torch.bfloat16)
+    procs = [_Processor() for _ in range(3)]
+    ranks = [_rank(mods, procs[0], "r7"), _rank(mods, procs[1], "r7", card=False)]
+    monkeypatch.setenv("MMSHM_NODE_ID", "7")  # the third rank's node: another one
+    mmshm.config.reload()
+    ranks.append(_rank(mods, procs[2], "r7"))
+    monkeypatch.delenv("MMSHM_NODE_ID")
+    mmshm.config.reload()
+    loads, saves = _epd("loads_total"), _epd("saves_total")
+    unproven = _epd("fallbacks_total", reason="unproven")
+    try:
+        enc = _encoder(mods, monkeypatch)
+        _staged(mods, enc, "r7", emb.clone())
+        with caplog.at_level(logging.WARNING, logger="mmshm"):
+            _send(mods, enc, "r7", [u for _, _, u in ranks])
+            _drain(ranks)
+        for (_, w, _), p in zip(ranks, procs):
+            assert w.status == 1, w.error_msg
+            assert torch.equal(_only(p.got[0]), emb)
+        assert _epd("saves_total") - saves == 1 and _epd("loads_total") - loads == 1
+        assert _epd("fallbacks_total", reason="unproven") - unproven == 2
+        said = [r.getMessage() for r in caplog.records if "reason=unproven" in r.getMessage()]
+        assert len(said) == 1 and "gets SGLang's own bytes" in said[0], said
+        assert len(epd.cards()._store._own) == 2  # the cards stay while the ranks live
+    finally:
+        _close(enc, ranks)
+        mmshm.uninstrument("sglang")
+    del ranks, procs, p, w
+    gc.collect()
+    assert _outputs() == []
 
 
 @needs_package
@@ -241,19 +322,21 @@ def test_handle_message_is_small(mods, monkeypatch):
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
         port = pull.bind_to_random_port("tcp://127.0.0.1")
+        from mmshm.integrations.sglang import epd
+        from mmshm.transport import handoff
+
+        assert epd.cards().publish(f"127.0.0.1:{port}")
         emb = torch.randn(256, HIDDEN)
         _staged(mods, enc, "r2", emb)
         _send(mods, enc, "r2", [f"127.0.0.1:{port}"])
         parts = pull.recv_multipart()
-        assert len(parts[1]) < 200 < emb.nbytes
-        from mmshm.segments.shmtensor import ShmTensor
-
-        ShmTensor.decode(parts[1]).release()  # nobody maps it: give it back
+        assert len(parts[1]) < 100 < emb.nbytes
+        assert handoff.give_back(parts[1])  # nobody maps it: give it back
         pull.close(linger=0)
         for sock in enc.scheduler_send_sockets.values():
             sock.close(linger=0)
         gc.collect()
-        assert segment_files() == []
+        assert _outputs() == []
     finally:
         mmshm.uninstrument("sglang")
 
@@ -274,12 +357,12 @@ def test_unread_handles_are_given_back(mods, monkeypatch):
         import time
 
         deadline = time.monotonic() + 10
-        while segment_files() and time.monotonic() < deadline:
+        while _outputs() and time.monotonic() < deadline:
             for recv, _, _ in ranks:
                 recv._drain_scheduler_embeddings()
             gc.collect()
             time.sleep(0.01)
-        assert segment_files() == []
+        assert _outputs() == []
         _close(enc, ranks)
     finally:
         mmshm.uninstrument("sglang")
@@ -289,14 +372,14 @@ def test_unread_handles_are_given_back(mods, monkeypatch):
 def test_no_room_falls_back_to_the_tensor_path(mods, monkeypatch):
     """A segment over mmshm's byte cap (the budget guard, MMSHM_MAX_BYTES):
     SGLang's own bytes travel, counted by reason."""
-    monkeypatch.setenv("MMSHM_MAX_BYTES", "1024")
-    mmshm.config.reload()
     mmshm.uninstrument("sglang")
     mmshm.instrument("sglang")
+    procs = [_Processor() for _ in range(TP)]
+    ranks = [_rank(mods, p, "r4") for p in procs]  # their cards before the cap
+    monkeypatch.setenv("MMSHM_MAX_BYTES", "1024")
+    mmshm.config.reload()
     before = _epd("fallbacks_total", reason="over_budget")
     try:
-        procs = [_Processor() for _ in range(TP)]
-        ranks = [_rank(mods, p, "r4") for p in procs]
         enc = _encoder(mods, monkeypatch)
         emb = torch.randn(8, HIDDEN)  # 2048 bytes
         saves = _epd("saves_total")
@@ -309,9 +392,9 @@ def test_no_room_falls_back_to_the_tensor_path(mods, monkeypatch):
             assert torch.equal(_only(got), emb)
         assert _epd("fallbacks_total", reason="over_budget") - before == 1
         assert _epd("saves_total") == saves
-        assert segment_files() == []
+        assert _outputs() == []
         _close(enc, ranks)
-        assert segment_files() == []
+        assert _outputs() == []
     finally:
         mmshm.uninstrument("sglang")
         monkeypatch.delenv("MMSHM_MAX_BYTES")
@@ -324,16 +407,16 @@ def test_a_vanished_segment_fails_only_its_request(mods, monkeypatch):
     by someone else: what a reaper or a hand-removed segment leaves): that
     request fails cleanly on that rank with the typed error, counted; the
     receive loop goes on."""
-    from mmshm.segments.shmtensor import ShmTensor
+    from mmshm.transport import handoff
 
     wires = []
-    encode = ShmTensor.encode
+    handle = handoff.Handoff.handle
 
-    def spy(self):
-        wires.append(encode(self))
+    def spy(self, pub):
+        wires.append(handle(self, pub))
         return wires[-1]
 
-    monkeypatch.setattr(ShmTensor, "encode", spy)
+    monkeypatch.setattr(handoff.Handoff, "handle", spy)
     mmshm.uninstrument("sglang")
     mmshm.instrument("sglang")
     before = _epd("fallbacks_total", reason="segment_gone")
@@ -344,7 +427,7 @@ def test_a_vanished_segment_fails_only_its_request(mods, monkeypatch):
         _send(mods, enc, "r5", [url])
         gc.collect()
         (wire,) = wires
-        ShmTensor.decode(wire).release()  # the rank's reference: the segment is freed
+        assert handoff.give_back(wire)  # the rank's reference: the segment is freed
         _drain([(recv, w, url)])
         assert w.status == -1
         assert "Failed to decode embedding message" in w.error_msg
