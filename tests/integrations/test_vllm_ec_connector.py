@@ -422,3 +422,128 @@ def test_on_a_device_the_worker_copies_with_arena_to_device(produced, consumer, 
     sched.request_finished(req)
     assert refcount(name, shm_dir) == 1
     del cache, t
+
+
+# -- failures per request --------------------------------------------------------------
+def test_an_entry_removed_under_a_held_entry_is_encoded_locally(produced, consumer, shm_dir):
+    """A third party removes the held entry's file before vLLM schedules the
+    item: ``has_cache_item`` says no (the item is encoded here, counted
+    ``segment_gone``), the scheduler's reference is given back."""
+    from tests.harness.segments import refcount
+
+    sched, _ = consumer
+    (name,) = produced.ask("encode", [("enc-0", [("a", 11)])])
+    req = request("pd-0", [("b", 11)])
+    assert sched.ensure_cache_available(req, 0) is True
+    assert refcount(name, shm_dir) == 2
+    path, away = os.path.join(shm_dir, name), os.path.join(shm_dir, "moved-by-a-third-party")
+    os.rename(path, away)  # removed from its name (and kept here to count on it)
+    try:
+        gone0 = fallbacks("segment_gone")
+        out, loads = schedule(sched, [req])
+        assert loads == [[False]] and out.ec_connector_metadata.loads == []
+        assert fallbacks("segment_gone") - gone0 == 1
+        assert sched._held == {} and sched.take_unavailable_requests() == set()
+        assert refcount("moved-by-a-third-party", shm_dir) == 1  # the producer's only
+    finally:
+        os.rename(away, path)
+    sched.request_finished(req)
+
+
+def test_a_failed_worker_load_fails_its_request_and_the_engine_goes_on(produced, consumer,
+                                                                       shm_dir):
+    """The file goes between the scheduler's decision and the worker's load:
+    the worker raises nothing (zeros fill the step's slot), its worker
+    metadata names the request, and the scheduler returns it from
+    ``take_unavailable_requests`` (vLLM fails it). No reference of the
+    worker's stays; the next request is loaded; a later request naming the
+    failed item (vLLM may still hold the zeros) is failed too until vLLM asks
+    the connector for the item again."""
+    from tests.harness.segments import refcount
+
+    sched, _ = consumer
+    (name,) = produced.ask("encode", [("enc-0", [("sha-a", 12)])])
+    req = request("pd-0", [("sha-a", 12)])
+    out, loads = schedule(sched, [req])
+    assert loads == [[True]]
+    path, away = os.path.join(shm_dir, name), os.path.join(shm_dir, "moved-by-a-third-party")
+    os.rename(path, away)  # after the scheduler's check, before the worker's load
+    # a worker of another process opens the name (this one's scheduler still has the
+    # segment open: its table would hand it over): a name nobody has open here
+    meta = out.ec_connector_metadata
+    meta.loads = [(rid, h, handle._replace(name=handle.name[:-1] + (
+        "0" if handle.name[-1] != "0" else "1"))) for rid, h, handle in meta.loads]
+    try:
+        failed0 = fallbacks("load_failed")
+        cache, ec_out = load_step(out)  # no exception: the engine lives
+        t = cache["sha-a"]
+        assert tuple(t.shape) == (ROWS, WIDTH) and not t.any()
+        wmeta = ec_out.ec_connector_worker_meta
+        assert wmeta.failed == {"pd-0": "sha-a"} and wmeta.counts["load_failed"] == 1
+        assert fallbacks("load_failed") - failed0 == 1
+        assert sched.take_unavailable_requests() == set()  # vLLM asks before the output
+        sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wmeta))
+        assert sched.take_unavailable_requests() == {"pd-0"}
+        assert sched.take_unavailable_requests() == set()
+        # a later request naming the item while vLLM may hold its zeros: failed as well
+        again = request("pd-1", [("sha-a", 12)])
+        assert sched.ensure_cache_available(again, 0) is False
+        assert sched.take_unavailable_requests() == {"pd-1"}
+        sched.request_finished(again)
+        sched.request_finished(req)  # vLLM's FINISHED_ERROR frees it
+        assert sched._held == {}
+        del cache, t
+        gc.collect()
+        assert refcount("moved-by-a-third-party", shm_dir) == 1  # the producer's only
+    finally:
+        os.rename(away, path)
+    # the next request is served: another photo, loaded
+    produced.ask("encode", [("enc-1", [("sha-b", 13)])])
+    nxt = request("pd-2", [("sha-b", 13)])
+    out, loads = schedule(sched, [nxt])
+    assert loads == [[True]]
+    cache, ec_out = load_step(out)
+    assert torch.equal(cache["sha-b"], encoder_output(13))
+    assert not ec_out.ec_connector_worker_meta.failed
+    sched.request_finished(nxt)
+    # vLLM asks for the failed item again once it holds no output of it: the poison goes
+    assert sched.has_cache_item("sha-a") is False
+    later = request("pd-3", [("sha-a", 12)])
+    assert sched.ensure_cache_available(later, 0) is True
+    sched.request_finished(later)
+    del cache
+    gc.collect()
+
+
+def test_the_directory_setting_need_not_be_mmshm_dir(shm_dir, tmp_path, monkeypatch):
+    """``ec_connector_extra_config.directory`` is the store's directory while
+    ``MMSHM_DIR`` names another: the worker loads the producer's bytes (a
+    handle names the node of the directory it lives in)."""
+    p = Producer()
+    other = tmp_path / "elsewhere"
+    other.mkdir(mode=0o700)
+    try:
+        assert p.ask("open", shm_dir, 60.0) == "MmshmECConnector"
+        p.ask("encode", [("enc-0", [("renderer0-mm-0-image-0", 14)])])
+        monkeypatch.setenv("MMSHM_DIR", str(other))
+        config.reload()
+        vc = vllm_config("ec_consumer", shm_dir)
+        ec_transfer_state.ensure_ec_transfer_initialized(vc)
+        sched = ECConnectorFactory.create_connector(vc, ECConnectorRole.SCHEDULER)
+        try:
+            req = request("pd-0", [("renderer0-mm-4-image-0", 14)])
+            out, loads = schedule(sched, [req])
+            assert loads == [[True]]
+            cache, ec_out = load_step(out)
+            assert not ec_out.ec_connector_worker_meta.failed
+            assert torch.equal(cache["renderer0-mm-4-image-0"], encoder_output(14))
+            sched.request_finished(req)
+            del cache
+            gc.collect()
+        finally:
+            sched.shutdown()
+            ec_transfer_state.ensure_ec_transfer_shutdown()
+        assert p.ask("close") == "closed"
+    finally:
+        p.stop()
+    assert os.listdir(other) == []
