@@ -5,8 +5,10 @@
 its one table of :class:`~mmshm.hooks.instrumentor.Target` rows, each naming the
 shm-mode wrapper, the observe-mode wrapper and the hop timer, and an index of
 the hooks), ``server.py`` (the server's own names), ``requests.py`` (frontend ->
-scheduler/engine), ``workers.py`` (the TP/worker path), ``disagg.py``
-(disaggregation), ``timing.py`` (the hops, :func:`mmshm.hooks.observe.timed`)
+scheduler/engine), ``workers.py`` (the TP/worker path), ``pd.py`` (PD
+disaggregation), ``epd.py`` (encoder disaggregation, on
+:mod:`mmshm.transport.handoff` and :mod:`mmshm.transport.encoder_cache`),
+``timing.py`` (the hops, :func:`mmshm.hooks.observe.timed`)
 and ``roles.py`` (each process's "on:" line, one
 :class:`~mmshm.hooks.instrumentor.Role` record). The machinery they share is in
 the core: :mod:`mmshm.hooks` (the version gate, the source check, wrapt

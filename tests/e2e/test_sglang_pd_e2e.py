@@ -174,7 +174,7 @@ def test_decode_answers_images_and_writes_no_pixels(decode):
     for role in roles:
         assert re.search(rf"mmshm\[\d+\] sglang {re.escape(RELEASE)}, {re.escape(role)} "
                          rf"\(pid \d+\): on: ", log), (role, log[-4000:])
-    from mmshm.integrations.sglang.disagg import PATH_DECODE_WITHHOLD
+    from mmshm.integrations.sglang.pd import PATH_DECODE_WITHHOLD
 
     tok = re.search(r"tokenizer \(pid \d+\): on: (.*)", log).group(1)
     assert PATH_DECODE_WITHHOLD in tok, tok
@@ -291,7 +291,7 @@ def test_withheld_request_keeps_what_the_scheduler_needs():
     import torch
 
     from tests.integrations import sglang_env
-    from mmshm.integrations.sglang import disagg as glue
+    from mmshm.integrations.sglang import pd as glue
     from mmshm.integrations.sglang import server as sgl
 
     ns = sglang_env.load(scheduler=False)
