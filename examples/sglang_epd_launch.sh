@@ -15,8 +15,12 @@
 #     examples/sglang_epd_launch.sh
 # Extra arguments go to sglang.launch_server. Clients send their requests to
 # the language instance only; it asks the encoder for the items itself (no
-# proxy). Both instances must be one node for mmshm: the same host or
-# container (mount and IPC namespaces) and the same MMSHM_DIR. The encoder
+# proxy). Run both under mmshm run on one node for mmshm: the same host or
+# container (mount and IPC namespaces) and the same MMSHM_DIR. Each language
+# TP rank proves it (a card in MMSHM_DIR naming its node id); the encoder sends
+# shared-memory handles only to ranks that did, and SGLang's own bytes to any
+# other (counted: mmshm_epd_fallbacks_total{reason="unproven"} on the
+# encoder), so a language instance elsewhere still gets its answers. The encoder
 # pushes to the address SGLang detects for the host; SGLANG_HOST_IP sets it
 # (e.g. 127.0.0.1 when everything stays on loopback, on both instances).
 #
@@ -26,7 +30,9 @@
 # (encoder_error: the encoder rejected the item, the request fails cleanly;
 # encoder_gone: the encoder died or did not deliver; encoder_dropped: SGLang's
 # registry dropped the encoder and the item was encoded here); on the
-# encoder's: mmshm_epd_saves_total and mmshm_epd_bytes_total{direction="saved"}.
+# encoder's: mmshm_epd_saves_total and mmshm_epd_bytes_total{direction="saved"},
+# and mmshm_epd_fallbacks_total{reason="unproven"} (sends in SGLang's bytes to
+# a language TP rank that did not prove it can open the encoder's segments).
 # Check the node from the same environment: mmshm doctor; mmshm status; mmshm gc
 set -euo pipefail
 
