@@ -547,3 +547,175 @@ def test_the_directory_setting_need_not_be_mmshm_dir(shm_dir, tmp_path, monkeypa
     finally:
         p.stop()
     assert os.listdir(other) == []
+
+
+# -- a key that cannot give another answer -----------------------------------------------
+def lora_request(request_: Request, name: str, path: str) -> Request:
+    from vllm.lora.request import LoRARequest
+
+    request_.lora_request = LoRARequest(name, abs(hash(name)) % 1000 + 1, path)
+    return request_
+
+
+def model_config(model: str, **kw) -> SimpleNamespace:
+    return SimpleNamespace(model=model, dtype=torch.float32, revision=None, hf_overrides={},
+                           quantization=None, hf_config=None, multimodal_config=None, **kw)
+
+
+def tower_config(role: str, directory: str, tower_lora: bool = True) -> SimpleNamespace:
+    vc = vllm_config(role, directory)
+    vc.lora_config = SimpleNamespace(enable_tower_connector_lora=tower_lora)
+    return vc
+
+
+def test_the_key_folds_the_adapter_when_tower_lora_is_on(shm_dir):
+    """With ``enable_tower_connector_lora`` the encoder output depends on the
+    request's adapter (vLLM keys its own encoder cache ``<lora>:<mm_hash>``):
+    what adapter A's request published is never loaded for adapter B's (a
+    miss, encoded here), and a request whose adapter cannot be read is not
+    keyed at all (counted ``unkeyed``). Without tower LoRA the adapter does
+    not matter."""
+    from mmshm.transport.encoder_cache import EncoderCache
+
+    from mmshm.integrations.vllm import epd
+
+    sched = ECConnectorFactory.create_connector(tower_config("ec_consumer", shm_dir),
+                                                ECConnectorRole.SCHEDULER)
+    plain = ECConnectorFactory.create_connector(tower_config("ec_consumer", shm_dir, False),
+                                                ECConnectorRole.SCHEDULER)
+    store = EncoderCache(shm_dir, keep_s=60)
+    try:
+        # vLLM names the items <lora_name>:<mm_hash> under tower LoRA
+        a = lora_request(request("pd-a", [("adapter-a:x", 21)]), "adapter-a", "/adapters/a")
+        b = lora_request(request("pd-b", [("adapter-b:x", 21)]), "adapter-b", "/adapters/b")
+        (key_a,) = sched._keys_of(a)
+        (key_b,) = sched._keys_of(b)
+        assert key_a != key_b
+        assert plain._keys_of(a) == plain._keys_of(b)  # tower LoRA off: one key
+        store.save(key_a, encoder_output(21), label="x")
+        _, loads = schedule(sched, [b])
+        assert loads == [[False]]  # adapter B never gets adapter A's output
+        _, loads = schedule(sched, [a])
+        assert loads == [[True]]
+        unkeyed0 = fallbacks("unkeyed")
+        nameless = lora_request(request("pd-c", [(":x", 21)]), "", "/adapters/a")
+        assert sched._keys_of(nameless) == [None]
+        _, loads = schedule(sched, [nameless])
+        assert loads == [[False]] and fallbacks("unkeyed") - unkeyed0 == 1
+        for r in (a, b, nameless):
+            sched.request_finished(r)
+        assert epd.adapter_of(a, True) != epd.adapter_of(b, True)
+    finally:
+        store.close()
+        sched.shutdown()
+        plain.shutdown()
+
+
+def _snapshot(root, commit: str, weights: bytes = b"w" * 64):
+    """An HF cache layout: ``models--org--tiny/snapshots/<commit>/`` and
+    ``refs/main``."""
+    repo = root / "models--org--tiny"
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text('{"vision_config": {"depth": 2}}')
+    (snap / "model.safetensors").write_bytes(weights)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snap
+
+
+def test_the_namespace_is_the_weights_not_their_spelling(tmp_path, monkeypatch):
+    """The default namespace: the same weights under two spellings meet (a
+    hub id cached here, its snapshot path, a symlink to it; a local
+    directory and a symlink to it), changed weights do not (another
+    snapshot commit; a local directory whose weights were rewritten), nor do
+    another dtype, revision, ``--hf-overrides`` or quantization."""
+    from mmshm.integrations.vllm.epd import ec_namespace
+
+    def ns(model, **kw):
+        return ec_namespace(SimpleNamespace(model_config=model_config(model, **kw)), {})
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    snap = _snapshot(cache, "a" * 40)
+    link = tmp_path / "tiny-link"
+    link.symlink_to(snap)
+    by_id, by_path, by_link = ns("org/tiny"), ns(str(snap)), ns(str(link))
+    assert by_id == by_path == by_link and "snapshot:" + "a" * 40 in by_id
+    other = _snapshot(tmp_path / "other", "b" * 40)
+    assert ns(str(other)) != by_path  # another commit: other weights
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "config.json").write_text('{"vision_config": {"depth": 2}}')
+    (local / "model.safetensors").write_bytes(b"w" * 64)
+    (tmp_path / "local-link").symlink_to(local)
+    first = ns(str(local))
+    assert first == ns(str(tmp_path / "local-link")) and "files:" in first
+    (local / "model.safetensors").write_bytes(b"v" * 65)  # a rolling update
+    assert ns(str(local)) != first
+    changed = ns(str(local))
+    assert ns(str(local), ) == changed
+    assert ns(str(local), ).replace("float32", "bfloat16") != changed
+    m = model_config(str(local))
+    for field, value in (("revision", "v2"), ("hf_overrides", {"vision_config": {"x": 1}}),
+                         ("quantization", "fp8")):
+        setattr(m, field, value)
+        assert ec_namespace(SimpleNamespace(model_config=m), {}) != changed, field
+    # the user's own namespace wins
+    assert ec_namespace(SimpleNamespace(model_config=m), {"namespace": "mine"}) == "mine"
+
+
+def test_a_withheld_stand_in_is_never_keyed():
+    """A decode instance's stand-in for a withheld tensor (empty) is never
+    keyed: every withheld item of a grid would share one key."""
+    from mmshm.integrations.vllm import epd, pd
+
+    req = request("pd-0", [("x", 31)])
+    feature = req.mm_features[0]
+    assert epd.item_key(feature, "ns", "", "pixels") is not None
+    elem = feature.data["pixel_values"]
+    elem.data = pd.withheld_tensor("float32", tuple(elem.data.shape))
+    assert epd.item_key(feature, "ns", "", "pixels") is None
+    assert epd.item_key(feature, "ns", "", "mm_hash") is None
+
+
+def test_the_engine_core_reuses_the_frontends_digest(shm_dir):
+    """Items keyed by their tensors: where mmshm's frontend hashed a tensor
+    while copying it (its segment's handle carries the digest), the
+    EngineCore's key reads no byte of it (``hashed_bytes`` 0) and equals the
+    key of the bytes; a digest that disagrees gives another key (it is what
+    the key is made of). With vLLM's ``mm_hash`` as the key nothing is
+    hashed either."""
+    import blake3
+
+    from mmshm.segments.codec import HandleMeta
+    from mmshm.transport import sending
+
+    from mmshm.integrations.vllm import epd
+
+    req = request("pd-0", [("x", 32)])
+    feature = req.mm_features[0]
+    counts = epd._new_counts()
+    plain_key = epd.item_key(feature, "ns", "", "pixels", counts)
+    assert counts["hashed_bytes"] == ROWS * 4 * 1176 * 4 + 3 * 8
+    pv = feature.data["pixel_values"].data
+    digest = blake3.blake3(pv.contiguous().view(torch.uint8).numpy()).digest(16)
+    meta = HandleMeta("mmshm-1-0000000000000000", pv.nbytes, 0, tuple(pv.shape), digest)
+    sending.SEGMENTS.put(pv, (b"", meta, shm_dir))
+    try:
+        counts = epd._new_counts()
+        assert epd.item_key(feature, "ns", "", "pixels", counts) == plain_key
+        assert counts["hashed_bytes"] == 3 * 8  # the grid only (inline, 24 bytes)
+        sending.SEGMENTS.put(pv, (b"", meta._replace(hash=b"\0" * 16) if hasattr(
+            meta, "_replace") else HandleMeta(meta.name, meta.nbytes, 0, meta.shape,
+                                             b"\0" * 16), shm_dir))
+        assert epd.item_key(feature, "ns", "", "pixels") != plain_key
+    finally:
+        sending.SEGMENTS.drop(pv)
+    counts = epd._new_counts()
+    k1 = epd.item_key(feature, "ns", "", "mm_hash", counts)
+    assert counts["hashed_bytes"] == 0 and k1 != plain_key
+    assert epd.item_key(feature, "ns", "adapter", "mm_hash") != k1
