@@ -72,7 +72,7 @@ case "$ROLE" in
   *) echo "ROLE must be encoder, pd or ask (not $ROLE)" >&2; exit 2 ;;
 esac
 EC_CONFIG=$(printf '{"ec_connector": "MmshmECConnector", "ec_connector_module_path": "%s", "ec_role": "%s", "ec_connector_extra_config": {"keep_s": %s, "max_bytes": %s}}' \
-  mmshm.integrations.vllm.disagg "$EC_ROLE" "${KEEP_S:-60}" "${MAX_BYTES:-0}")
+  mmshm.integrations.vllm.epd "$EC_ROLE" "${KEEP_S:-60}" "${MAX_BYTES:-0}")
 
 # Under `mmshm run` the frontend -> EngineCore -> worker hops of each instance
 # go through shared memory too, and mmshm's series (mmshm_epd_* included)
