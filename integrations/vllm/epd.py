@@ -106,6 +106,16 @@ def _new_counts() -> dict:
     return dict.fromkeys(EC_STAT_KEYS, 0)
 
 
+def _store(directory, keep_s: float, max_bytes: int, namespace: str) -> EncoderCache:
+    """The process's side of the store, told the namespace (for its "cannot
+    meet" warning and its description) where it takes one."""
+    try:
+        return EncoderCache(directory, server="vllm", keep_s=keep_s, max_bytes=max_bytes,
+                            namespace=namespace)
+    except TypeError:
+        return EncoderCache(directory, server="vllm", keep_s=keep_s, max_bytes=max_bytes)
+
+
 # -- the namespace ------------------------------------------------------------------------
 def _snapshot_commit(model: str, revision: str | None) -> str | None:
     """The HF cache commit of ``model``: from a local path under
@@ -458,9 +468,13 @@ class MmshmECConnector(ECConnectorBase):
         self._namespace = ec_namespace(vllm_config, extra)
         self._tower_lora = tower_lora_on(vllm_config)
         self._directory = extra.get("directory")
-        self._store = EncoderCache(self._directory, server="vllm",
-                                   keep_s=float(extra.get("keep_s", DEFAULT_KEEP_S)),
-                                   max_bytes=int(extra.get("max_bytes", 0)))
+        self._store = _store(self._directory, float(extra.get("keep_s", DEFAULT_KEEP_S)),
+                             int(extra.get("max_bytes", 0)), self._namespace)
+        dtype = getattr(vllm_config.model_config, "dtype", None)
+        #: what a loaded output must be: the model's dtype, the measured width
+        #: per modality where vLLM measured it (an EC producer's config)
+        self._dtype = dtype if isinstance(dtype, torch.dtype) else None
+        self._widths = dict(getattr(tc, "mm_encoder_output_widths", None) or {})
         self._counts = _new_counts()
         # scheduler side
         self._req_keys: dict[str, list] = {}           # req id -> key per feature
@@ -481,10 +495,12 @@ class MmshmECConnector(ECConnectorBase):
         side = "scheduler" if role == ECConnectorRole.SCHEDULER else "worker"
         what = {"ec_producer": "published", "ec_consumer": "loaded",
                 "ec_both": "published and loaded"}.get(tc.ec_role, "?")
+        describe = getattr(self._store, "describe", None)
+        where = describe() if describe is not None else (
+            f"namespace '{self._namespace}', segment directory "
+            f"{self._directory or os.environ.get('MMSHM_DIR') or '/dev/shm'}")
         line = (f"encoder outputs {what} through shared memory ({tc.ec_role}), keyed by "
-                f"content{' and LoRA adapter' if self._tower_lora else ''}; namespace "
-                f"'{self._namespace}'; segment directory "
-                f"{self._directory or os.environ.get('MMSHM_DIR') or '/dev/shm'} "
+                f"content{' and LoRA adapter' if self._tower_lora else ''}; {where} "
                 f"(compare both instances' lines: they meet only on one namespace and one "
                 f"directory of one node)")
         try:
@@ -540,8 +556,7 @@ class MmshmECConnector(ECConnectorBase):
             if self._by_id.get(f.identifier) is not None:
                 continue  # held for another request (looked up again once it lets go)
             self._looked.add((rid, i))
-            entry = self._store.lookup(key, rows=request.get_num_encoder_embeds(i),
-                                       count=False)
+            entry = self._lookup(key, request.get_num_encoder_embeds(i), f, rid)
             if entry is None:
                 continue  # counted when vLLM allocates the local encode
             self._held[(rid, i)] = entry
@@ -549,6 +564,18 @@ class MmshmECConnector(ECConnectorBase):
             log.debug("mmshm: EC hit %s (request %s item %d) -> %s", f.identifier, rid, i,
                       entry.name)
         return True
+
+    def _lookup(self, key: bytes, rows: int, feature, rid: str):
+        """The store's entry of ``key`` if it is what this instance would
+        encode: this model's dtype, ``rows`` rows, the measured width where
+        known; held for request ``rid``."""
+        width = self._widths.get(getattr(feature, "modality", ""))
+        try:
+            return self._store.lookup(key, dtype=self._dtype, rows=rows, count=False,
+                                      shape=(rows, width if width else None),
+                                      holder=f"request {rid}")
+        except TypeError:  # a store without shape/holder checks
+            return self._store.lookup(key, dtype=self._dtype, rows=rows, count=False)
 
     def has_cache_item(self, identifier: str) -> bool:
         """Whether this consumer holds an intact entry for the item (vLLM

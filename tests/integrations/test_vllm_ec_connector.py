@@ -719,3 +719,24 @@ def test_the_engine_core_reuses_the_frontends_digest(shm_dir):
     k1 = epd.item_key(feature, "ns", "", "mm_hash", counts)
     assert counts["hashed_bytes"] == 0 and k1 != plain_key
     assert epd.item_key(feature, "ns", "adapter", "mm_hash") != k1
+
+
+def test_the_on_line_names_the_namespace_and_directory(shm_dir, caplog):
+    """Each process's connector says its "on:" line once: its role, the
+    namespace (weights, dtype, key mode...) and the segment directory, so an
+    operator can compare the two instances of a pair."""
+    import logging
+
+    from mmshm.hooks import report
+
+    report._reset_for_tests()
+    with caplog.at_level(logging.INFO, logger="mmshm"):
+        c = ECConnectorFactory.create_connector(vllm_config("ec_consumer", shm_dir),
+                                                ECConnectorRole.SCHEDULER)
+        c.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "EC connector (scheduler)" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert ": on: encoder outputs loaded through shared memory (ec_consumer)" in lines[0]
+    assert "weights=id:tiny-qwen2-vl@main dtype=float32" in lines[0] and "key=pixels" in lines[0]
+    assert shm_dir in lines[0]
+    report._reset_for_tests()
