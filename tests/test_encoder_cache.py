@@ -364,3 +364,362 @@ def test_a_large_output_fresh_and_pooled_is_byte_equal(shm_dir, monkeypatch, use
     from mmshm.segments.table import TABLE
 
     TABLE.trim_pool()
+
+
+# -- the directory setting: handles name the node of their own directory --------------------
+@pytest.fixture
+def other_dir():
+    """A second segment directory (another node id than MMSHM_DIR's: the
+    directory is part of a node's identity), removed after the test."""
+    import secrets
+    import shutil
+
+    d = os.path.join("/dev/shm", f"pytest-ec-other-{os.getpid()}-{secrets.token_hex(4)}")
+    os.mkdir(d, 0o700)
+    try:
+        yield d
+    finally:
+        left = segment_files(d)
+        shutil.rmtree(d, ignore_errors=True)
+        assert left == [], left
+
+
+def test_a_store_in_another_directory_than_mmshm_dir_loads_its_own_handles(shm_dir, other_dir):
+    from mmshm.segments import node
+
+    assert node.node_id(other_dir) != node.node_id(None)  # two directories, two node ids
+    p, conn, names = _start_producer_in([7], other_dir)
+    try:
+        assert names[0][0] and segment_files(other_dir) == [names[0][1]]
+        assert segment_files(shm_dir) == []
+        store = ec.EncoderCache(other_dir)
+        entry = store.lookup(ec.content_key(_item(7), "m"), torch.float32, 64)
+        assert entry is not None
+        h = entry.handle()
+        t = h.load()  # as a worker does with the handle its scheduler sent
+        assert torch.equal(t, _output(7))
+        del t
+        gc.collect()
+        entry.release()
+        store.close()
+    finally:
+        _finish(p, conn)
+    assert segment_files(other_dir) == []  # no reference leaked
+
+
+def producer_in(conn, seeds, directory, keep_s: float) -> None:
+    store = ec.EncoderCache(directory, keep_s=keep_s)
+    out = []
+    for s in seeds:
+        r = store.save(ec.content_key(_item(s), "m"), _output(s), f"img-{s}")
+        out.append((r.published, r.name, r.nbytes))
+    conn.send(out)
+    while True:
+        cmd = conn.recv()
+        if cmd == "exit":
+            return
+        if cmd[0] == "evict":
+            conn.send(store.evict(ec.content_key(_item(cmd[1]), "m")))
+        elif cmd[0] == "save":
+            r = store.save(ec.content_key(_item(cmd[1]), "m"), _output(cmd[1]), "again")
+            conn.send((r.published, r.name, r.nbytes))
+        elif cmd[0] == "published":
+            conn.send(store.published())
+
+
+def _start_producer_in(seeds, directory=None, keep_s=60.0):
+    import multiprocessing as mp
+
+    a, b = mp.get_context("spawn").Pipe()
+    p = spawn(producer_in, b, list(seeds), directory, keep_s)
+    assert a.poll(60), "the producer did not report"
+    return p, a, a.recv()
+
+
+def _ask(conn, *cmd):
+    conn.send(cmd)
+    assert conn.poll(30), cmd
+    return conn.recv()
+
+
+# -- the warm pool: the same content again after the keep time --------------------------------
+def test_content_saved_again_after_its_keep_time_is_published_and_found(shm_dir, pool):
+    store = ec.EncoderCache(keep_s=0.2)
+    k1, k2 = ec.content_key(_item(1), "m"), ec.content_key(_item(2), "m")
+    # k2 first, so that its idle segment is the pool's first candidate for k1
+    assert store.save(k2, _output(2), "b").published
+    assert store.save(k1, _output(1), "a").published
+    deadline = time.monotonic() + 10
+    while store.published() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.published() == []
+    # both idle in the pool, under their published names
+    assert sorted(segment_files(shm_dir)) == sorted([ec.published_name(k1),
+                                                     ec.published_name(k2)])
+    before = {r: _fallbacks(r) for r in ("no_space", "name_taken")}
+    again = store.save(k1, _output(1), "a again")
+    assert again.published and again.name == ec.published_name(k1) and again.nbytes > 0
+    assert {r: _fallbacks(r) for r in before} == before
+    e = store.lookup(k1, torch.float32, 64)
+    assert e is not None and torch.equal(e.load(), _output(1))
+    e.release()
+    gc.collect()
+    store.close()
+    assert segment_files(shm_dir) == []
+
+
+def test_another_producers_idle_segment_under_the_name_is_replaced(shm_dir, pool):
+    p, conn, names = _start_producer_in([3], keep_s=0.2)
+    try:
+        deadline = time.monotonic() + 10
+        while _ask(conn, "published") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        k = ec.content_key(_item(3), "m")
+        assert segment_files(shm_dir) == [ec.published_name(k)]  # idle in its pool
+        store = ec.EncoderCache()
+        r = store.save(k, _output(3), "mine now")
+        assert r.published and r.nbytes > 0 and r.name == ec.published_name(k)
+        e = store.lookup(k, torch.float32, 64)
+        assert e is not None and e.label == "mine now" and torch.equal(e.load(), _output(3))
+        e.release()
+        gc.collect()
+        # the other producer's pool let go of the segment it no longer names
+        assert _ask(conn, "save", 4)[0]
+        store.close()
+    finally:
+        _finish(p, conn)
+    assert segment_files(shm_dir) == []
+
+
+# -- a second producer keeps a reference -------------------------------------------------------
+def test_a_second_producer_keeps_the_entry_alive_for_its_own_keep_time(shm_dir):
+    p, conn, names = _start_producer_in([5], keep_s=60.0)
+    k = ec.content_key(_item(5), "m")
+    second = ec.EncoderCache(keep_s=60.0)
+    try:
+        r = second.save(k, _output(5), "second encoder")
+        assert r.published and r.nbytes == 0 and r.name == names[0][1]
+        assert second.published() == [r.name]
+        assert _ask(conn, "evict", 5)  # the first producer lets go
+        e = second.lookup(k, torch.float32, 64)
+        assert e is not None and torch.equal(e.load(), _output(5))  # kept for the second
+        e.release()
+        gc.collect()
+    finally:
+        _finish(p, conn)
+    assert segment_files(shm_dir) == [names[0][1]]  # still kept after the first exited
+    second.keep_s = 0.1
+    assert second.save(k, _output(5), "again").nbytes == 0  # refreshes its keep time
+    deadline = time.monotonic() + 10
+    while second.published() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert second.published() == [] and segment_files(shm_dir) == []  # gone with it
+    second.close()
+
+
+# -- the payload digest, dtype and shape --------------------------------------------------------
+def test_another_items_bytes_under_a_valid_record_are_never_loaded(shm_dir):
+    from mmshm.segments.segfile import HEADER_SIZE
+
+    store = ec.EncoderCache()
+    k1, k2 = ec.content_key(_item(1), "m"), ec.content_key(_item(2), "m")
+    store.save(k1, _output(1, rows=2048), "a")
+    store.save(k2, _output(2, rows=2048), "b")
+    held = store.lookup(k1, torch.float32, 2048)  # a scheduler's entry, before the swap
+    handle = held.handle()
+    swapped = _output(2, rows=2048).view(torch.uint8).numpy().tobytes()
+    fd = os.open(os.path.join(shm_dir, ec.published_name(k1)), os.O_RDWR)
+    try:
+        os.pwrite(fd, swapped, HEADER_SIZE)  # the other photo's output, record left alone
+    finally:
+        os.close(fd)
+    before = _fallbacks("digest")
+    assert store.lookup(k1, torch.float32, 2048) is None  # a miss, counted
+    assert _fallbacks("digest") - before == 1
+    loads0 = metric("mmshm_epd_loads_total", server="vllm")
+    with pytest.raises(ec.EncoderCacheError) as ei:
+        handle.load()  # a worker's load after the swap: one failed load, never the bytes
+    assert ei.value.reason == "digest" and isinstance(ei.value, OSError)
+    assert _fallbacks("digest") - before == 2
+    assert metric("mmshm_epd_loads_total", server="vllm") == loads0
+    held.release()
+    gc.collect()
+    store.close()
+    assert segment_files(shm_dir) == []
+
+
+def test_the_digest_samples_pages_drawn_from_the_key():
+    k1, k2 = ec.content_key(_item(1), "m"), ec.content_key(_item(2), "m")
+    n = 8_573_952  # one 720p photo's Qwen2-VL-7B output, [1196, 3584] bf16
+    p1, p2 = ec.sampled_pages(k1, n), ec.sampled_pages(k2, n)
+    pages = -(-n // 4096)
+    assert len(p1) == ec.SAMPLE_PAGES + 2 and p1[0] == 0 and p1[-1] == pages - 1
+    assert p1 == sorted(p1) and p1 != p2 and p1 == ec.sampled_pages(k1, n)
+    assert ec.sampled_pages(k1, 3 * 4096) == [0, 1, 2]  # small payloads: every page
+
+
+def test_another_dtype_or_width_is_a_counted_miss(shm_dir):
+    store = ec.EncoderCache()
+    k = ec.content_key(_item(1), "m")
+    store.save(k, _output(1), "img-1")  # [64, 96] float32
+    before = _fallbacks("incompatible")
+    assert store.lookup(k, torch.bfloat16, 64, shape=(64, 96)) is None
+    assert store.lookup(k, torch.float32, 64, shape=(64, 95)) is None  # another hidden size
+    assert store.lookup(k, torch.float32, 64, shape=(64, 96, 1)) is None
+    assert _fallbacks("incompatible") - before == 3
+    for shape in ((64, 96), (None, 96), (-1, 96), None):
+        e = store.lookup(k, torch.float32, 64, shape=shape)
+        assert e is not None, shape
+        e.release()
+    store.close()
+
+
+# -- lookups and saves open names, never list the directory --------------------------------------
+def test_saves_and_lookups_never_list_the_segment_directory(shm_dir, pool, monkeypatch):
+    store = ec.EncoderCache(keep_s=0.1)
+    store.save(ec.content_key(_item(0), "m"), _output(0), "first")  # the first use's reap
+    listed = []
+    real = os.listdir
+
+    def spy(path="."):
+        listed.append(path)
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", spy)
+    monkeypatch.setattr(os, "scandir", lambda *a: pytest.fail("scandir"))
+    for s in range(1, 6):
+        assert store.save(ec.content_key(_item(s), "m"), _output(s), str(s)).published
+    for s in range(0, 8):
+        e = store.lookup(ec.content_key(_item(s), "m"), count=False)
+        assert (e is not None) == (s < 6)
+        if e is not None:
+            e.release()
+    assert [p for p in listed if os.path.realpath(p) == os.path.realpath(shm_dir)] == []
+    monkeypatch.undo()
+    store.close()
+
+
+# -- operators: a full producer queue, a pair that cannot meet, the hit ratio --------------------
+def test_a_producer_queue_past_its_limit_says_so_once_and_counts(caplog):
+    q = ec.KeyQueue(limit=4)
+    before = _fallbacks("queue_full")
+    for i in range(4):
+        q.put(f"item-{i}", bytes([i]) * 32)
+    assert q.get("item-0") == bytes(32)  # taken: its output is being published
+    with caplog.at_level("DEBUG", logger="mmshm"):
+        for i in range(4, 7):
+            q.put(f"item-{i}", bytes([i]) * 32)
+    # item-0 (taken) and item-1, item-2 (never taken) dropped: two outputs never published
+    assert q.dropped == 2 and _fallbacks("queue_full") - before == 2
+    assert "item-0" not in q and q.get("item-6") == bytes([6]) * 32 and len(q) == 4
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "queue_full" in
+              r.getMessage()]
+    assert len(warned) <= 1  # once per process (maybe said by an earlier test)
+    assert all("fix:" in r.getMessage() for r in warned)
+
+
+def test_a_consumer_that_never_hits_says_once_that_the_pair_cannot_meet(shm_dir, caplog):
+    store = ec.EncoderCache(namespace="Qwen/Qwen2-VL-7B-Instruct|bfloat16")
+    assert "Qwen/Qwen2-VL-7B-Instruct|bfloat16" in store.describe()
+    assert shm_dir in store.describe() and "node" in store.describe()
+    hits0 = metric("mmshm_epd_lookups_total", server="vllm", result="hit")
+    miss0 = metric("mmshm_epd_lookups_total", server="vllm", result="miss")
+    with caplog.at_level("WARNING", logger="mmshm"):
+        for s in range(ec.MISSES_BEFORE_WARNING + 5):
+            assert store.lookup(ec.content_key(_item(s), "m"), count=False) is None
+    said = [r.getMessage() for r in caplog.records if "cannot meet" in r.getMessage()]
+    assert len(said) == 1
+    assert shm_dir in said[0] and "MMSHM_DIR" in said[0] and "same node" in said[0]
+    assert "Qwen/Qwen2-VL-7B-Instruct|bfloat16" in said[0]
+    assert metric("mmshm_epd_lookups_total", server="vllm", result="miss") - miss0 == \
+        ec.MISSES_BEFORE_WARNING + 5
+    store.save(ec.content_key(_item(1), "m"), _output(1), "x")
+    e = store.lookup(ec.content_key(_item(1), "m"))
+    e.release()
+    assert metric("mmshm_epd_lookups_total", server="vllm", result="hit") - hits0 == 1
+    store.close()
+
+
+def test_a_consumer_that_hits_does_not_warn(shm_dir, caplog):
+    store = ec.EncoderCache()
+    store.save(ec.content_key(_item(1), "m"), _output(1), "x")
+    store.lookup(ec.content_key(_item(1), "m")).release()
+    with caplog.at_level("WARNING", logger="mmshm"):
+        for s in range(2, ec.MISSES_BEFORE_WARNING + 4):
+            store.lookup(ec.content_key(_item(s), "m"), count=False)
+    assert not [r for r in caplog.records if "cannot meet" in r.getMessage()]
+    store.close()
+
+
+# -- what a consumer holds, and a clean stop leaves nothing ---------------------------------------
+def test_held_entries_have_holders_count_against_max_bytes_and_go_at_close(shm_dir):
+    producer_store = ec.EncoderCache()
+    keys = [ec.content_key(_item(s), "m") for s in range(3)]
+    for s, k in enumerate(keys):
+        producer_store.save(k, _output(s), f"img-{s}")
+    one = _output(0).nbytes
+    consumer = ec.EncoderCache(max_bytes=2 * one)
+    held0 = metric("mmshm_epd_held_bytes", server="vllm")
+    a = consumer.lookup(keys[0], holder="vLLM encoder cache")
+    b = consumer.lookup(keys[1], holder="request r-1")
+    before = _fallbacks("over_budget")
+    assert consumer.lookup(keys[2]) is None  # a third would pass its max_bytes
+    assert _fallbacks("over_budget") - before == 1
+    assert sorted((h.name, h.holder) for h in consumer.held()) == sorted(
+        [(a.name, "vLLM encoder cache"), (b.name, "request r-1")])
+    assert consumer.held_bytes() == 2 * one
+    assert metric("mmshm_epd_held_bytes", server="vllm") - held0 == 2 * one
+    got = {h.holder for h in ec.read_holders(os.getpid(), shm_dir)}
+    assert got == {"vLLM encoder cache", "request r-1"}  # what mmshm status reads
+    producer_store.close()
+    assert sorted(segment_files(shm_dir)) == sorted([a.name, b.name])  # held: kept
+    consumer.close()  # gives back what it holds
+    assert a.released and b.released and consumer.held() == []
+    assert metric("mmshm_epd_held_bytes", server="vllm") == held0
+    assert ec.read_holders(os.getpid(), shm_dir) == []
+    assert segment_files(shm_dir) == []
+
+
+def consumer_then_exit(conn, seeds, how: str) -> None:
+    """Look up and load each seed's entry, report, then leave as ``how``
+    says: "return" (a clean exit), "views" (a worker: its entries given
+    back, the loaded views kept in its cache, a clean exit), "os_exit" (no
+    exit code at all runs). A clean exit is a forked multiprocessing
+    child's, as vLLM's EngineCore and workers leave: multiprocessing's
+    finalizers, then ``os._exit`` (no ``atexit``, so no ``weakref``
+    finalizer: a spawned child's ``sys.exit`` would run them)."""
+    import multiprocessing.util
+
+    store = ec.EncoderCache()
+    entries = [store.lookup(ec.content_key(_item(s), "m"), holder="vLLM encoder cache")
+               for s in seeds]
+    views = [e.load() for e in entries if e is not None]
+    if how == "views":
+        for e in entries:
+            e.release()
+    conn.send(len(views))
+    conn.recv()
+    if how != "os_exit":
+        multiprocessing.util._exit_function()
+    os._exit(0)
+
+
+@pytest.mark.parametrize(("how", "first"), [("return", "producer"), ("views", "producer"),
+                                           ("os_exit", "consumer")])
+def test_a_clean_stop_of_both_instances_leaves_nothing(shm_dir, pool, how, first):
+    """(A consumer gone without running any exit code after its producer
+    leaves its references counted: only the reaper, ``mmshm gc`` or the
+    next start, can reclaim what it held.)"""
+    import multiprocessing as mp
+
+    seeds = list(range(6))
+    p, pconn, names = _start_producer_in(seeds)
+    a, b = mp.get_context("spawn").Pipe()
+    c = spawn(consumer_then_exit, b, seeds, how)
+    assert a.poll(60) and a.recv() == 6
+    order = [(pconn, p), (a, c)] if first == "producer" else [(a, c), (pconn, p)]
+    for conn, proc in order:
+        conn.send("exit")
+        stop_all([proc], timeout=20)
+        assert proc.exitcode == 0
+    assert segment_files(shm_dir) == []

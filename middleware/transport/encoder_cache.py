@@ -5,7 +5,7 @@ instance runs the vision encoder and publishes each item's encoder output; a
 *consumer* instance (prefill, or unified prefill+decode) loads it instead of
 running its own encoder. This module is the transport for that hop, built on
 mmshm's segments; the server glue (vLLM's ``MmshmECConnector``,
-:mod:`mmshm.integrations.vllm.disagg`) sits on top of it.
+:mod:`mmshm.integrations.vllm.epd`) sits on top of it.
 
 **Keyed by content, never by the server's item names.** A server may name an
 item by a per-instance counter (vLLM names images ``renderer0-mm-<n>-image-<i>``
@@ -103,8 +103,8 @@ cannot go away: not by the producer's keep timer, not by its eviction, not
 by the reaper (the consumer holds the liveness lock), not when the producer
 is SIGKILLed. What a process holds is listed by :meth:`EncoderCache.held`
 with each entry's holder (:attr:`Entry.holder`, set by the connector: "vLLM
-encoder cache", a request id), written for ``mmshm status`` to
-``<directory>/.mmshm-holders-<pid>.json``, and given back by
+encoder cache", a request id), shown by ``mmshm status`` (:func:`read_holders`:
+a memfd of the process, nothing on disk), and given back by
 :meth:`EncoderCache.close` (also at exit).
 
 **How long an entry lives.** The producer holds the creator's reference for
@@ -189,6 +189,7 @@ from mmshm.segments.segfile import (
     revive,
     segment_dir,
 )
+from mmshm.segments.segfile import STATE_LIVE
 from mmshm.segments.segment import SegmentRef
 from mmshm.segments.shmtensor import (
     PARALLEL_MIN_BYTES,
@@ -226,7 +227,6 @@ _RECORD_MAGIC = b"MMSHMEC2"
 _LEN = struct.Struct("<I")
 _KEY_DOMAIN = b"mmshm-encoder-cache-v1\0"
 _DIGEST_DOMAIN = b"mmshm-encoder-output-pages-v1\0"
-_HOLDERS_PREFIX = ".mmshm-holders-"
 
 
 class EncoderCacheError(MmshmError, OSError):
@@ -448,6 +448,7 @@ class EntryHandle(NamedTuple):
         except BaseException:
             h.release()
             raise
+        _note_load()
         EPD_LOADS.labels(server=server).inc()
         EPD_BYTES.labels(server=server, direction="loaded").inc(self.nbytes)
         EPD_TRANSFER_SECONDS.labels(server=server).observe(time.perf_counter() - t0)
@@ -468,6 +469,20 @@ class EntryHandle(NamedTuple):
                 f"encoder output {self.name}: its payload is not the one its record "
                 f"describes ({'truncated' if not got else 'sampled pages differ'}): "
                 f"something outside mmshm wrote into the segment directory", reason)
+
+
+_LOADED_PID = 0
+
+
+def _note_load() -> None:
+    """This process loaded a view: give back what is left of them at exit
+    (:func:`_release_views_at_exit`), through multiprocessing's finalizers
+    too (``exitpriority`` 1, before the segment layer's at 0)."""
+    global _LOADED_PID
+    if _LOADED_PID != os.getpid():
+        _LOADED_PID = os.getpid()
+        if _EXIT_PID != os.getpid():
+            multiprocessing.util.Finalize(None, _close_stores, exitpriority=1)
 
 
 def _load_error(server: str, h: EntryHandle, exc: BaseException) -> EncoderCacheError:
@@ -751,7 +766,6 @@ class EncoderCache:
         self._hits = 0
         self._misses = 0
         self._meet_said = False
-        self._holders_file: str | None = None
         _register_exit(self)
 
     # -- what it is ----------------------------------------------------------------
@@ -1129,6 +1143,8 @@ class EncoderCache:
             for seg in segs:
                 if seg.fd >= 0 and seg.pins == 0 and seg.status() == STATE_POOLED:
                     TABLE.unlink_pooled(seg)
+                elif seg.fd >= 0 and seg.status() == STATE_LIVE:
+                    _unlink_unheld(seg)
             # this store's old entries idle in the pool under their published names
             prefix = f"{PREFIX}{PUBLISHED_PID}-"
             for seg in list(TABLE.segments.values()):
@@ -1292,55 +1308,80 @@ class EncoderCache:
         self._write_holders()
 
     def _write_holders(self) -> None:
-        """Write what this process holds to
-        ``<directory>/.mmshm-holders-<pid>.json`` for ``mmshm status``
-        (removed once it holds nothing). Never raises."""
+        """Publish what this process holds for ``mmshm status``
+        (:func:`read_holders`), as JSON in a memfd of this process
+        (:data:`HOLDERS_MEMFD`): nothing in any directory, gone with the
+        process. Never raises."""
         if os.getpid() != self._pid:
             return
         try:
-            d = segment_dir(self.directory)
-            path = os.path.join(d, f"{_HOLDERS_PREFIX}{self._pid}.json")
-            held = self.held()
-            if not held:
-                if self._holders_file is not None:
-                    self._holders_file = None
-                    os.unlink(path)
-                return
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"pid": self._pid, "server": self.server,
-                           "entries": [h._asdict() for h in held]}, f)
-            os.replace(tmp, path)
-            self._holders_file = path
+            data = json.dumps({"pid": self._pid, "server": self.server,
+                               "directory": segment_dir(self.directory),
+                               "entries": [h._asdict() for h in self.held()]}).encode()
+            _HOLDERS.write(self, data)
         except (OSError, ValueError) as exc:
-            log.debug("mmshm: writing the encoder cache's holders failed: %s", exc)
+            log.debug("mmshm: publishing the encoder cache's holders failed: %s", exc)
 
 
-def read_holders(directory: str) -> dict[int, list[HeldEntry]]:
-    """What each process holds of the encoder cache in ``directory`` (its
-    ``.mmshm-holders-<pid>.json``), for ``mmshm status``; files of processes
-    that are gone are skipped. Never raises."""
-    out: dict[int, list[HeldEntry]] = {}
+#: the name of the memfd in which a process lists the entries it holds
+#: (``/proc/<pid>/fd/*`` links to ``/memfd:<this> (deleted)``)
+HOLDERS_MEMFD = "mmshm-epd-holders"
+
+
+class _Holders:
+    """One memfd per process with every store's held entries (JSON lines)."""
+
+    def __init__(self):
+        self.fd = -1
+        self.pid = 0
+        self.lock = threading.Lock()
+        self.parts: dict[int, bytes] = {}
+
+    def write(self, store, data: bytes) -> None:
+        with self.lock:
+            if self.pid != os.getpid():
+                self.fd, self.pid, self.parts = -1, os.getpid(), {}
+            self.parts[id(store)] = data
+            if self.fd < 0:
+                self.fd = os.memfd_create(HOLDERS_MEMFD, os.MFD_CLOEXEC)
+            body = b"\n".join(self.parts.values())
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, body, 0)
+
+
+_HOLDERS = _Holders()
+
+
+def read_holders(pid: int, directory: str | None = None) -> list[HeldEntry]:
+    """The entries process ``pid`` holds of the encoder cache (in
+    ``directory`` when given), with their holders, read from its memfd
+    (:data:`HOLDERS_MEMFD`) through ``/proc/<pid>/fd``; empty when it holds
+    none or cannot be read (another user's process). Never raises."""
+    out: list[HeldEntry] = []
+    want = os.path.realpath(directory) if directory else None
     try:
-        names = [n for n in os.listdir(directory)
-                 if n.startswith(_HOLDERS_PREFIX) and n.endswith(".json")]
+        fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return out
-    for n in names:
+    for n in fds:
+        p = f"/proc/{pid}/fd/{n}"
         try:
-            pid = int(n[len(_HOLDERS_PREFIX):-5])
-            os.kill(pid, 0)
-        except (ValueError, ProcessLookupError):
+            if not os.readlink(p).startswith(f"/memfd:{HOLDERS_MEMFD}"):
+                continue
+            with open(p, "rb") as f:
+                raw = f.read()
+        except OSError:
             continue
-        except PermissionError:
-            pass
-        try:
-            with open(os.path.join(directory, n)) as f:
-                data = json.load(f)
-            out[pid] = [HeldEntry(str(e["name"]), int(e["nbytes"]), str(e.get("holder", "")),
+        for line in raw.splitlines():
+            try:
+                data = json.loads(line)
+                if want and os.path.realpath(data.get("directory", "")) != want:
+                    continue
+                out += [HeldEntry(str(e["name"]), int(e["nbytes"]), str(e.get("holder", "")),
                                   str(e.get("label", ""))) for e in data["entries"]]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+            except (ValueError, KeyError, TypeError):
+                continue
+        break
     return out
 
 
@@ -1349,12 +1390,67 @@ _STORES: weakref.WeakSet = weakref.WeakSet()
 _EXIT_PID = 0
 
 
+def _unlink_unheld(seg) -> bool:
+    """(a producer's own entry, under the table's lock) Unlink ``seg``'s
+    published name when no other process has it open (its liveness lock):
+    the references still counted on it belong to holders that died without
+    giving them back (a consumer's EngineCore or worker SIGKILLed, or leaving
+    through ``os._exit``), which no one can give back any more. A consumer
+    that holds the entry has it open (another process's liveness lock, or a
+    pin in this one), and keeps it. Returns whether it was
+    unlinked. Never raises."""
+    if seg.pins:
+        return False  # held in this process (an entry, a view): one descriptor for all
+    try:
+        with segfile.mutex(seg.fd):
+            if segfile.lock_holders_present(seg.fd, segfile.LIVE_BYTE):
+                return False
+            if os.fstat(seg.fd).st_nlink == 0:
+                return False
+            now = os.stat(seg.path, follow_symlinks=False)
+            st = os.fstat(seg.fd)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return False
+            os.unlink(seg.path)
+        log.debug("mmshm: %s unlinked at close: its other holders are gone", seg.name)
+        return True
+    except OSError:
+        return False
+
+
+def _release_views_at_exit() -> int:
+    """Give back the references of this process's loaded views of published
+    entries (:meth:`EntryHandle.load`) that are still alive at exit. Their
+    finalizers (``weakref.finalize``) run at ``atexit`` in a main process,
+    but a multiprocessing child (vLLM's workers, whose encoder cache keeps
+    the views) leaves through ``os._exit`` after running only
+    multiprocessing's finalizers, so without this the references stay
+    counted and the segments stay in the directory until ``mmshm gc``.
+    Returns how many were given back."""
+    from mmshm.segments import shmtensor
+
+    n = 0
+    prefix = f"{PREFIX}{PUBLISHED_PID}-"
+    for f in list(getattr(weakref.finalize, "_registry", {})):
+        try:
+            info = f.peek()
+            if (info is not None and info[1] is shmtensor._release_view
+                    and str(info[2][0]).startswith(prefix)):
+                f()
+                n += 1
+        except Exception as exc:  # noqa: BLE001 - never stop the exit path
+            log.debug("mmshm: giving back a view at exit failed: %s", exc)
+    return n
+
+
 def _close_stores() -> None:
     for store in list(_STORES):
         try:
             store.close()
         except Exception as exc:  # noqa: BLE001 - never stop the exit path
             log.debug("mmshm: closing an encoder cache failed: %s", exc)
+    if _EXIT_PID == os.getpid() or _LOADED_PID == os.getpid():
+        _release_views_at_exit()
 
 
 def _register_exit(store: EncoderCache) -> None:
