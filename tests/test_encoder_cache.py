@@ -723,3 +723,149 @@ def test_a_clean_stop_of_both_instances_leaves_nothing(shm_dir, pool, how, first
         stop_all([proc], timeout=20)
         assert proc.exitcode == 0
     assert segment_files(shm_dir) == []
+
+
+# -- faults between publication and load: a table -------------------------------------------------
+#: fault -> (reason of the lookup's miss after the fault, reason of the load's failure
+#: when the fault comes after the lookup, while the consumer holds the entry)
+FAULTS = {
+    "torn": ("digest", "digest"),              # the payload's second half overwritten
+    "truncated": ("torn", "torn"),             # the file cut to half its payload
+    "swapped": ("digest", "digest"),           # another item's payload under this record
+    "header_zeroed": ("torn", "torn"),         # the segment header zeroed
+    "removed": ("missing", "segment_gone"),    # the file unlinked (an rm, RemoveIPC=yes)
+}
+_ROWS = 2048  # [2048, 96] float32: 768 KiB, 192 pages (the digest samples 18)
+
+
+def _fault(path: str, fault: str, donor: bytes) -> None:
+    from mmshm.segments.segfile import HEADER_SIZE
+
+    n = len(donor)
+    if fault == "removed":
+        os.unlink(path)
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if fault == "torn":
+            os.pwrite(fd, os.urandom(n // 2), HEADER_SIZE + n // 2)
+        elif fault == "truncated":
+            os.ftruncate(fd, HEADER_SIZE + n // 2)
+        elif fault == "swapped":
+            os.pwrite(fd, donor, HEADER_SIZE)
+        elif fault == "header_zeroed":
+            os.pwrite(fd, bytes(HEADER_SIZE), 0)
+    finally:
+        os.close(fd)
+
+
+def producer_for_faults(conn, seeds) -> None:
+    """Publish each seed's output ([_ROWS, 96] float32); on "churn" give every
+    entry back and publish new ones (its warm pool reuses what it can: never a
+    truncated file), then report; "exit": a clean exit."""
+    store = ec.EncoderCache(keep_s=60)
+    out = []
+    for s in seeds:
+        r = store.save(ec.content_key(_item(s), "m"), _output(s, rows=_ROWS), f"img-{s}")
+        out.append((r.published, r.name))
+    conn.send(out)
+    assert conn.recv() == "churn"
+    for s in seeds:
+        store.evict(ec.content_key(_item(s), "m"))
+    again = [store.save(ec.content_key(_item(100 + s), "m"), _output(100 + s, rows=_ROWS),
+                        "new").published for s in seeds]
+    for s in seeds:  # and the faulted content once more (its names may hold wrecks)
+        again.append(store.save(ec.content_key(_item(s), "m"), _output(s, rows=_ROWS),
+                                "again").published)
+    conn.send(again)
+    assert conn.recv() == "exit"
+
+
+def _load_in_a_worker(handle, want: torch.Tensor, reason: str) -> tuple[str, float]:
+    """Load ``handle`` in a forked child (another process, as vLLM's worker is
+    to its scheduler: it opens the segment by name). Returns the failure's
+    reason, or "loaded" (after checking the bytes: never other ones), and
+    what the child counted in ``mmshm_epd_fallbacks_total{reason}``."""
+    import pickle
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's exit code
+        try:
+            before = _fallbacks(reason)
+            try:
+                t = handle.load()
+            except ec.EncoderCacheError as exc:
+                out = exc.reason
+            else:
+                out = "loaded" if torch.equal(t, want) else "WRONG BYTES"
+                del t
+            os.write(w, pickle.dumps((out, _fallbacks(reason) - before)))
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the worker died (a SIGBUS?)"
+    return pickle.loads(data)
+
+
+@pytest.mark.parametrize("moment", ["published", "held"])
+def test_a_faulted_entry_is_a_counted_miss_or_one_failed_load_never_wrong_bytes(
+        shm_dir, pool, moment):
+    import multiprocessing as mp
+
+    faults = list(FAULTS)
+    seeds = list(range(20, 20 + len(faults)))
+    donor = _output(99, rows=_ROWS).view(torch.uint8).numpy().tobytes()
+    a, b = mp.get_context("spawn").Pipe()
+    p = spawn(producer_for_faults, b, seeds)
+    try:
+        assert a.poll(60)
+        assert all(ok for ok, _ in a.recv())
+        store = ec.EncoderCache()
+        keys = {f: ec.content_key(_item(s), "m") for f, s in zip(faults, seeds)}
+        held = {}
+        if moment == "held":  # the consumer's scheduler holds each entry, then the fault
+            held = {f: store.lookup(keys[f], torch.float32, _ROWS) for f in faults}
+            assert all(held.values())
+        for f in faults:
+            _fault(os.path.join(shm_dir, ec.published_name(keys[f])), f, donor)
+        seen = {}
+        for f, s in zip(faults, seeds):
+            want = FAULTS[f][0] if moment == "published" else FAULTS[f][1]
+            before = _fallbacks(want)
+            if moment == "published":
+                got = store.lookup(keys[f], torch.float32, _ROWS)
+                seen[f] = "hit" if got is not None else "miss"
+            else:  # a worker of the consumer loads the handle its scheduler sent
+                seen[f], counted = _load_in_a_worker(held[f].handle(), _output(s, rows=_ROWS),
+                                                     want)
+                before -= counted  # counted in the worker's process
+            assert _fallbacks(want) - before == 1, (f, want)
+        expect = {f: ("miss" if moment == "published" else FAULTS[f][1]) for f in faults}
+        assert seen == expect
+        for e in held.values():
+            e.release()
+        gc.collect()
+        a.send("churn")  # the producer gives its wrecks back and publishes again: no SIGBUS
+        assert a.poll(60)
+        assert all(a.recv())
+        a.send("exit")
+        stop_all([p], timeout=30)
+        assert p.exitcode == 0  # never a SIGBUS in the producer
+        store.close()
+    finally:
+        if p.exitcode is None:
+            stop_all([p], timeout=10)
+    # what the faults left that no process can give back: the reaper's business, or
+    # a zeroed header it cannot read (removed here)
+    reaper.reap(shm_dir, grace_s=0)
+    for n in segment_files(shm_dir):
+        fd = os.open(os.path.join(shm_dir, n), os.O_RDONLY)
+        try:
+            assert os.pread(fd, 8, 0) == bytes(8), n  # only the zeroed header's file
+        finally:
+            os.close(fd)
+        os.unlink(os.path.join(shm_dir, n))
