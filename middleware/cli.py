@@ -644,6 +644,11 @@ def status(directory, as_json) -> None:
                                f"held by the cache of the {p.role or 'process'} (e.g. vLLM's "
                                f"multimodal processor cache, --mm-processor-cache-gb): kept on "
                                f"purpose, released when the cache evicts them; not a leak"))
+            for g in p.epd_held:
+                con.print(Text(f"  {p.pid}: holds {g.entries} encoder output(s) "
+                               f"({_size(g.bytes)}) of another instance (EPD) for "
+                               f"{g.holder or 'an unnamed holder'}: given back when that "
+                               f"lets go of them"))
     else:
         con.print(Text("no process holds a segment in this directory, and no SGLang or vLLM "
                        "process is running" if not rep.segments else

@@ -798,3 +798,59 @@ def test_status_shows_the_arena_per_producer_and_idle_arena_segments_are_not_lea
                 recv(conn, 30)
                 join(p, 30)
     assert segment_files(shm_dir) == []
+
+
+# -- encoder outputs (EPD) an idle consumer still holds, in `mmshm status` ------------------
+def _w_epd_holder(directory: str, keys: list, conn) -> None:
+    """A consumer instance: holds each published encoder output of ``keys``,
+    the first two for "vLLM encoder cache", the last for a request; waits
+    for ``"exit"``, then leaves cleanly (its store gives them back)."""
+    workers.use_dir(directory)
+    from mmshm.transport.encoder_cache import EncoderCache
+
+    store = EncoderCache()
+    held = [store.lookup(k, holder="vLLM encoder cache") for k in keys[:-1]]
+    held.append(store.lookup(keys[-1], holder="request chatcmpl-7"))
+    conn.send(all(e is not None for e in held))
+    assert conn.recv() == "exit"
+    store.close()
+    conn.send("bye")
+
+
+def test_status_shows_the_encoder_outputs_an_idle_consumer_holds_and_for_whom(shm_dir):
+    import torch
+
+    from mmshm.transport import encoder_cache as ec
+
+    producer = ec.EncoderCache()
+    keys = [ec.content_key({"pixel_values": torch.full((8, 8), float(i))}, "m")
+            for i in range(3)]
+    outs = [torch.full((64, 96), float(i)) for i in range(3)]
+    for k, t in zip(keys, outs):
+        assert producer.save(k, t, "img").published
+    parent, child = fork_ctx().Pipe()
+    holder = fork_start(_w_epd_holder, shm_dir, keys, child)
+    try:
+        assert recv(parent, 60) is True
+        producer.close()  # the encoder is gone: only the consumer keeps them
+        assert len(segment_files(shm_dir)) == 3
+        rep = status.status(shm_dir)
+        (p,) = [p for p in rep.processes if p.pid == holder.pid]
+        one = outs[0].nbytes
+        assert p.held == 3
+        assert [(g.holder, g.entries, g.bytes) for g in p.epd_held] == [
+            ("vLLM encoder cache", 2, 2 * one), ("request chatcmpl-7", 1, one)]
+        r = _invoke("status", "--dir", shm_dir)
+        assert r.exit_code == 0, r.output
+        lines = [ln for ln in r.output.splitlines() if f"{holder.pid}: holds" in ln]
+        assert len(lines) == 2 and "for vLLM encoder cache" in lines[0], r.output
+        assert "2 encoder output(s)" in lines[0] and "request chatcmpl-7" in lines[1]
+        r = _invoke("status", "--dir", shm_dir, "--json")
+        (pj,) = [p for p in json.loads(r.output)["processes"] if p["pid"] == holder.pid]
+        assert pj["epd_held"][0] == {"holder": "vLLM encoder cache", "entries": 2,
+                                     "bytes": 2 * one}
+    finally:
+        parent.send("exit")
+        assert recv(parent, 30) == "bye"
+        assert join(holder, 30) == 0
+    assert segment_files(shm_dir) == []

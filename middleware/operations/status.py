@@ -123,6 +123,17 @@ class SegmentState(msgspec.Struct):
         return not self.held and not self.in_flight and self.state != "unreadable"
 
 
+class EpdHeld(msgspec.Struct):
+    """Encoder outputs (EPD) a consumer process holds for one holder
+    (:mod:`mmshm.transport.ec_holders`): ``entries`` of ``bytes`` (payload
+    bytes), held by ``holder`` ("vLLM encoder cache", a request id; empty:
+    no label given)."""
+
+    holder: str
+    entries: int = 0
+    bytes: int = 0
+
+
 class ProcessEntry(msgspec.Struct):
     """A process that holds segments, or a server process mmshm knows.
 
@@ -152,6 +163,9 @@ class ProcessEntry(msgspec.Struct):
             consumer's persistent mapping, :class:`mmshm.segments.arena.ArenaViews`,
             seen as an ``O_PATH`` descriptor): no reference and no lock, so
             neither ``owned`` nor ``held``, and not counted in ``bytes``.
+        epd_held: encoder outputs of other instances (EPD) it holds, by
+            holder (what an idle consumer still holds, and why); part of
+            ``held`` and ``bytes``.
     """
 
     pid: int
@@ -170,6 +184,7 @@ class ProcessEntry(msgspec.Struct):
     cached_bytes: int = 0
     mapped: int = 0
     mapped_bytes: int = 0
+    epd_held: list[EpdHeld] = msgspec.field(default_factory=list)
 
 
 #: Where a consumer's registration of the arena with CUDA can be seen: it is
@@ -670,6 +685,19 @@ def survey(root: str, directory: str) -> tuple[list[OtherGroup], list[str]]:
     return sorted(groups.values(), key=lambda g: -g.bytes), notes
 
 
+def epd_held(pid: int, directory: str) -> list[EpdHeld]:
+    """The encoder outputs (EPD) process ``pid`` holds in ``directory``, by
+    holder, largest first (:func:`mmshm.transport.ec_holders.read_holders`)."""
+    from mmshm.transport.ec_holders import read_holders
+
+    by: dict[str, EpdHeld] = {}
+    for h in read_holders(pid, directory):
+        g = by.setdefault(h.holder, EpdHeld(h.holder))
+        g.entries += 1
+        g.bytes += h.nbytes
+    return sorted(by.values(), key=lambda g: -g.bytes)
+
+
 def status(directory: str | None = None) -> StatusReport:
     """Survey the segment directory (default ``MMSHM_DIR``) and its file system.
 
@@ -718,6 +746,8 @@ def status(directory: str | None = None) -> StatusReport:
             if s is not None:
                 e.mapped += 1
                 e.mapped_bytes += s.bytes
+        if p["held"]:
+            e.epd_held = epd_held(pid, d)
         entries.append(e)
     hidden = [s for s in segs if s.held and s.name not in seen]
     orphans = [s for s in segs if s.orphan]

@@ -146,7 +146,6 @@ from __future__ import annotations
 
 import atexit
 import errno
-import json
 import logging
 import multiprocessing.util
 import os
@@ -199,6 +198,11 @@ from mmshm.segments.shmtensor import (
     write_and_hash,
 )
 from mmshm.segments.table import TABLE
+from mmshm.transport.ec_holders import (  # noqa: F401 - HeldEntry, read_holders: re-exported
+    HOLDERS,
+    HeldEntry,
+    read_holders,
+)
 
 log = logging.getLogger("mmshm")
 
@@ -578,16 +582,6 @@ class SaveResult(NamedTuple):
     name: str | None
     reason: str | None
     nbytes: int
-
-
-class HeldEntry(NamedTuple):
-    """One entry a process holds (:meth:`EncoderCache.held`): its published
-    ``name``, ``nbytes``, ``holder`` label and the producer's ``label``."""
-
-    name: str
-    nbytes: int
-    holder: str
-    label: str
 
 
 class _Own(NamedTuple):
@@ -1309,80 +1303,14 @@ class EncoderCache:
 
     def _write_holders(self) -> None:
         """Publish what this process holds for ``mmshm status``
-        (:func:`read_holders`), as JSON in a memfd of this process
-        (:data:`HOLDERS_MEMFD`): nothing in any directory, gone with the
-        process. Never raises."""
+        (:mod:`mmshm.transport.ec_holders`: a memfd of this process, nothing
+        in any directory, gone with the process). Never raises."""
         if os.getpid() != self._pid:
             return
         try:
-            data = json.dumps({"pid": self._pid, "server": self.server,
-                               "directory": segment_dir(self.directory),
-                               "entries": [h._asdict() for h in self.held()]}).encode()
-            _HOLDERS.write(self, data)
+            HOLDERS.write(id(self), self.server, segment_dir(self.directory), self.held())
         except (OSError, ValueError) as exc:
             log.debug("mmshm: publishing the encoder cache's holders failed: %s", exc)
-
-
-#: the name of the memfd in which a process lists the entries it holds
-#: (``/proc/<pid>/fd/*`` links to ``/memfd:<this> (deleted)``)
-HOLDERS_MEMFD = "mmshm-epd-holders"
-
-
-class _Holders:
-    """One memfd per process with every store's held entries (JSON lines)."""
-
-    def __init__(self):
-        self.fd = -1
-        self.pid = 0
-        self.lock = threading.Lock()
-        self.parts: dict[int, bytes] = {}
-
-    def write(self, store, data: bytes) -> None:
-        with self.lock:
-            if self.pid != os.getpid():
-                self.fd, self.pid, self.parts = -1, os.getpid(), {}
-            self.parts[id(store)] = data
-            if self.fd < 0:
-                self.fd = os.memfd_create(HOLDERS_MEMFD, os.MFD_CLOEXEC)
-            body = b"\n".join(self.parts.values())
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, body, 0)
-
-
-_HOLDERS = _Holders()
-
-
-def read_holders(pid: int, directory: str | None = None) -> list[HeldEntry]:
-    """The entries process ``pid`` holds of the encoder cache (in
-    ``directory`` when given), with their holders, read from its memfd
-    (:data:`HOLDERS_MEMFD`) through ``/proc/<pid>/fd``; empty when it holds
-    none or cannot be read (another user's process). Never raises."""
-    out: list[HeldEntry] = []
-    want = os.path.realpath(directory) if directory else None
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return out
-    for n in fds:
-        p = f"/proc/{pid}/fd/{n}"
-        try:
-            if not os.readlink(p).startswith(f"/memfd:{HOLDERS_MEMFD}"):
-                continue
-            with open(p, "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        for line in raw.splitlines():
-            try:
-                data = json.loads(line)
-                if want and os.path.realpath(data.get("directory", "")) != want:
-                    continue
-                out += [HeldEntry(str(e["name"]), int(e["nbytes"]), str(e.get("holder", "")),
-                                  str(e.get("label", ""))) for e in data["entries"]]
-            except (ValueError, KeyError, TypeError):
-                continue
-        break
-    return out
 
 
 # -- exit -------------------------------------------------------------------------------

@@ -1,0 +1,99 @@
+"""What a process holds of the encoder-output store (EPD), for ``mmshm status``.
+
+A consumer instance holds published encoder outputs
+(:class:`mmshm.transport.encoder_cache.Entry`) while its requests need them.
+Each process lists what it holds, with each entry's holder ("vLLM encoder
+cache", a request id), as JSON lines in a memfd of its own named
+:data:`HOLDERS_MEMFD`: nothing in any directory (so nothing to leave behind),
+gone with the process, and readable by ``mmshm status`` through
+``/proc/<pid>/fd`` (same user, or root). This module imports neither torch nor
+the store, so that ``mmshm status`` stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import NamedTuple
+
+#: the name of the memfd in which a process lists the entries it holds
+#: (``/proc/<pid>/fd/*`` links to ``/memfd:<this> (deleted)``)
+HOLDERS_MEMFD = "mmshm-epd-holders"
+
+
+class HeldEntry(NamedTuple):
+    """One entry a process holds: its published ``name``, ``nbytes`` (its
+    payload), ``holder`` label and the producer's ``label`` for the item."""
+
+    name: str
+    nbytes: int
+    holder: str
+    label: str
+
+
+class _Holders:
+    """This process's memfd: one JSON line per store."""
+
+    def __init__(self):
+        self.fd = -1
+        self.pid = 0
+        self.lock = threading.Lock()
+        self.parts: dict[int, bytes] = {}
+
+    def write(self, store_id: int, server: str, directory: str,
+              entries: list[HeldEntry]) -> None:
+        """Replace what store ``store_id`` holds. Raises :class:`OSError`."""
+        data = json.dumps({"pid": os.getpid(), "server": server, "directory": directory,
+                           "entries": [e._asdict() for e in entries]}).encode()
+        with self.lock:
+            if self.pid != os.getpid():  # a forked child: its own list
+                self.fd, self.pid, self.parts = -1, os.getpid(), {}
+            if not entries:
+                self.parts.pop(store_id, None)
+            else:
+                self.parts[store_id] = data
+            if self.fd < 0:
+                if not self.parts:
+                    return
+                self.fd = os.memfd_create(HOLDERS_MEMFD, os.MFD_CLOEXEC)
+            body = b"\n".join(self.parts.values())
+            os.ftruncate(self.fd, 0)
+            if body:
+                os.pwrite(self.fd, body, 0)
+
+
+HOLDERS = _Holders()
+
+
+def read_holders(pid: int, directory: str | None = None) -> list[HeldEntry]:
+    """The entries process ``pid`` holds of the encoder cache (in
+    ``directory`` when given), with their holders, read from its memfd
+    through ``/proc/<pid>/fd``; empty when it holds none or cannot be read
+    (another user's process without root). Never raises."""
+    out: list[HeldEntry] = []
+    want = os.path.realpath(directory) if directory else None
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for n in fds:
+        p = f"/proc/{pid}/fd/{n}"
+        try:
+            if not os.readlink(p).startswith(f"/memfd:{HOLDERS_MEMFD}"):
+                continue
+            with open(p, "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        for line in raw.splitlines():
+            try:
+                data = json.loads(line)
+                if want and os.path.realpath(data.get("directory", "")) != want:
+                    continue
+                out += [HeldEntry(str(e["name"]), int(e["nbytes"]), str(e.get("holder", "")),
+                                  str(e.get("label", ""))) for e in data["entries"]]
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+        break
+    return out
