@@ -116,6 +116,9 @@ _PM_PRESENT = 1 << 63
 _PM_FILE = 1 << 61
 #: seconds between two sweeps of the mappings on the ``mmshm-arena-sweep`` thread
 SWEEP_EVERY_S = 5.0
+#: at exit, how long the settling thread may take to settle what is queued
+#: before the exiting thread gives those views back itself (:meth:`ArenaViews.drain`)
+EXIT_SETTLE_S = 5.0
 
 
 # -- the registrar seam --------------------------------------------------------
@@ -445,8 +448,12 @@ class ArenaViews:
         #: a finalizer only puts (SimpleQueue.put takes no lock a finalizer's
         #: own thread could hold); the settling thread does the rest
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        #: views the settling thread took from the queue and has not given back
-        self._settling = 0
+        #: views taken from the queue and not given back yet, by id: whoever
+        #: pops one (dict.pop, atomic) gives it back, so that an exit that
+        #: cannot wait for a stuck settling thread gives its views back once
+        self._inflight: dict[int, tuple] = {}
+        #: set by drain() at exit: views released after it settle on their own thread
+        self._exiting = False
         self._settler: threading.Thread | None = None
 
     def _check_pid(self) -> None:
@@ -547,13 +554,15 @@ class ArenaViews:
         collection runs the finalizer), and the settling thread gives its
         reference back once the GPU has run the copies queued from it; at
         the interpreter's exit (weakref runs the finalizers of live views
-        then) it is settled and given back here. The last unregistered view of
+        then) after :meth:`drain` it is settled and given back here. The last unregistered view of
         a mapping in this process drops the pages written through the mapping
         (views of one segment in one process share it, as views of one tensor
         do); then the reference goes back."""
         if m.registered:
-            if getattr(weakref.finalize, "_shutdown", False):  # at exit: no settling thread
-                self._settle([(m, seg, gen, time.monotonic())])
+            if self._exiting:  # after drain() at exit: no settling thread to rely on
+                item = (m, seg, gen, time.monotonic())
+                self._inflight[id(item)] = item
+                self._settle([item])
             else:
                 self._queue.put((m, seg, gen, time.monotonic()))
             return
@@ -597,20 +606,23 @@ class ArenaViews:
                 self._settler = self._running(self._settler, self._settle_loop,
                                               "mmshm-arena-settle")
 
+    def _take(self) -> list:
+        """What is queued now, without waiting, marked in flight."""
+        batch = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return batch
+            self._inflight[id(item)] = item
+            batch.append(item)
+
     def _settle_loop(self) -> None:
         q = self._queue
         while True:
-            batch = [q.get()]
-            while True:
-                try:
-                    batch.append(q.get_nowait())
-                except queue.Empty:
-                    break
-            self._settling += len(batch)
-            try:
-                self._settle(batch)
-            finally:
-                self._settling -= len(batch)
+            item = q.get()
+            self._inflight[id(item)] = item
+            self._settle([item, *self._take()])
 
     def _settle(self, batch: list) -> None:
         """Wait for the devices of ``batch``'s mappings (each on its own device,
@@ -632,7 +644,10 @@ class ArenaViews:
                        "failed (%s): the released views are given back all the same (a device "
                        "that failed runs no more copies from them)", exc)
         now = time.monotonic()
-        for m, seg, gen, released in batch:
+        for item in batch:
+            if self._inflight.pop(id(item), None) is None:
+                continue  # given back already (drain() at exit)
+            m, seg, gen, released = item
             self._give_back(m, seg, gen)
             try:
                 ARENA_SETTLE_SECONDS.observe(now - released)
@@ -644,32 +659,31 @@ class ArenaViews:
         (tests, and a clean exit). Returns False on timeout."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if (self._queue.empty() and not self._settling
+            if (self._queue.empty() and not self._inflight
                     and all(m.views == 0 or not m.registered
                             for m in list(self.mappings.values()))):
                 return True
             time.sleep(0.005)
         return False
 
-    def drain(self, timeout: float = 5.0) -> int:
+    def drain(self, timeout: float | None = None) -> int:
         """At exit (:data:`mmshm.segments.segment.exit_reporters`): give the
-        references of released registered views back, after the settling
-        thread had up to ``timeout`` seconds to settle them; what is still
-        queued then is settled and given back on this thread. Returns how many
+        references of released registered views back. The settling thread
+        has up to ``timeout`` seconds (:data:`EXIT_SETTLE_S`) to settle what
+        is queued; then what is still queued or in its hands (a device that
+        hangs) is settled once more on this thread and given back, each view
+        once, a device that fails or went away included. Returns how many
         were given back here. Never raises."""
         if self._pid != os.getpid():
             return 0
-        end = time.monotonic() + timeout
-        while (not self._queue.empty() or self._settling) and time.monotonic() < end:
+        self._exiting = True
+        end = time.monotonic() + (EXIT_SETTLE_S if timeout is None else timeout)
+        while (not self._queue.empty() or self._inflight) and time.monotonic() < end:
             if self._settler is None or not self._settler.is_alive():
                 break
             time.sleep(0.005)
-        batch = []
-        while True:
-            try:
-                batch.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
+        batch = self._take() + [it for it in list(self._inflight.values())]
+        batch = list({id(it): it for it in batch}.values())
         if batch:
             try:
                 self._settle(batch)
