@@ -16,7 +16,7 @@ from mmshm.segments import reaper, segfile, table
 from mmshm.segments.table import TABLE
 from mmshm.errors import SegmentNotFoundError
 
-from tests.harness.procs import spawn_ctx
+from tests.harness.procs import run_child, spawn_ctx
 from tests.harness.segments import header, refcount, segment_files
 from tests.harness.metrics import metric
 from tests.harness.shm import run_script
@@ -221,3 +221,113 @@ def test_a_sigkilled_owners_pool_is_reclaimed_by_the_reaper(pool):
     rep = reaper.reap(pool)
     assert rep.names == [name]
     assert segment_files() == []
+
+
+# -- a pooled file truncated by a third party ------------------------------------------------
+def _truncated_then_reused(d: str, cut: int) -> dict:
+    """In a child (a SIGBUS kills only it): pool one 1 MiB segment, truncate
+    its file to ``cut`` bytes, then make a tensor of the same size class."""
+    import logging
+
+    from prometheus_client import REGISTRY
+
+    _mp_use(d)
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                records.append(record.getMessage())
+
+    logging.getLogger("mmshm").addHandler(_Keep())
+    h = mmshm.ShmTensor.from_tensor(torch.full((MiB,), 1.0))
+    name = h.name
+    h.release()
+    path = os.path.join(d, name)
+    os.truncate(path, cut)
+    x = torch.arange(MiB, dtype=torch.float32)
+    g = mmshm.ShmTensor.from_tensor(x)  # the pool's only segment of that class is short
+    y = torch.arange(MiB, dtype=torch.float32) * 2
+    k = mmshm.ShmTensor.from_tensor(y)  # a second one: nothing said or counted again
+    out = {"old": name, "new": g.name, "old_exists": os.path.exists(path),
+           "equal": bool(torch.equal(g.materialize(copy=True), x))
+           and bool(torch.equal(k.materialize(copy=True), y)),
+           "dropped": REGISTRY.get_sample_value("mmshm_pool_dropped_total",
+                                                {"reason": "truncated"}),
+           "warnings": [m for m in records if "truncated" in m]}
+    return out
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cut", [segfile.HEADER_SIZE + 8192, segfile.HEADER_SIZE + MiB])
+def test_a_pooled_segment_truncated_by_a_third_party_is_dropped_never_written(pool, cut):
+    """A tmpfs cleaner or an operator shortened an idle pooled file (header
+    intact, payload short): the next tensor of its size class must not be
+    written through the creator's mapping (SIGBUS); the file is unlinked,
+    counted once, said once at WARNING, and the new tensor's bytes are right."""
+    res, code = run_child(_truncated_then_reused, pool, cut, timeout=100)
+    assert code == 0, f"the producer died: exit code {code} (-7: SIGBUS)"
+    assert res["equal"], res
+    assert res["new"] != res["old"] and not res["old_exists"], res
+    assert res["dropped"] == 1.0, res
+    assert len(res["warnings"]) == 1 and "MMSHM_DIR" in res["warnings"][0], res
+    assert segment_files() == []
+
+
+def test_the_sweep_drops_an_idle_segment_truncated_by_a_third_party(pool):
+    h = mmshm.ShmTensor.from_tensor(torch.ones(MiB))
+    h.release()
+    dropped = metric("mmshm_pool_dropped_total", reason="truncated")
+    os.truncate(os.path.join(pool, h.name), segfile.HEADER_SIZE + 4096)
+    TABLE.sweep()
+    assert segment_files() == [] and h.name not in TABLE.names()
+    assert metric("mmshm_pool_dropped_total", reason="truncated") - dropped == 1
+
+
+# -- best fit: a larger idle segment serves a smaller tensor --------------------------------
+def test_an_idle_segment_up_to_twice_the_size_serves_a_smaller_tensor(pool):
+    big = mmshm.ShmTensor.from_tensor(torch.ones(MiB))  # 4 MiB + header
+    name = big.name
+    big.release()
+    hits = _hits()
+    t = torch.arange(600 * 1024, dtype=torch.float32)  # 2.34 MiB: within 2x
+    h = mmshm.ShmTensor.from_tensor(t)
+    assert h.name == name and _hits() - hits == 1
+    assert h.nbytes == t.numel() * 4
+    # every consumer sees the tensor's bytes only, never the slack behind them
+    remote = pickle.loads(pickle.dumps(h.share(1) or h))
+    view = remote.materialize()
+    assert view.shape == t.shape and torch.equal(view, t)
+    copied = h.materialize(copy=True)
+    assert copied.shape == t.shape and torch.equal(copied, t)
+    del view
+    gc.collect()
+    small = mmshm.ShmTensor.from_tensor(torch.ones(256 * 1024))  # 1 MiB: beyond 2x, a miss
+    assert small.name != name and _hits() - hits == 1
+    small.release()
+
+
+def test_best_fit_takes_the_smallest_idle_segment_that_holds_the_tensor(pool):
+    a = mmshm.ShmTensor.from_tensor(torch.ones(3 * MiB // 4))  # 3 MiB class
+    b = mmshm.ShmTensor.from_tensor(torch.ones(MiB))  # 4 MiB class
+    c = mmshm.ShmTensor.from_tensor(torch.ones(3 * MiB // 2))  # 6 MiB class
+    names = (a.name, b.name, c.name)
+    for x in (c, a, b):
+        x.release()
+    t = torch.full(((3 * MiB + 300 * 1024) // 4,), 5.0)  # above the first one's size class
+    h = mmshm.ShmTensor.from_tensor(t)
+    got = h.name
+    assert torch.equal(h.materialize(copy=True), t)
+    assert got == names[1]  # the 4 MiB one, not the larger 6 MiB one
+
+
+def test_the_exact_size_class_rule_misses_where_best_fit_hits(pool, monkeypatch):
+    """The rule before (a segment only at its size class) is FIT_RATIO 1:
+    the same sequence misses."""
+    monkeypatch.setattr(table, "FIT_RATIO", 1.0)
+    big = mmshm.ShmTensor.from_tensor(torch.ones(MiB))
+    big.release()
+    h = mmshm.ShmTensor.from_tensor(torch.ones(600 * 1024))
+    assert h.name != big.name
+    h.release()

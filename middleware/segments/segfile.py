@@ -405,11 +405,15 @@ def revive(fd: int, path: str) -> int | None:
     """Take a pooled segment back into use (its owner only): count 1, the
     next generation, no hand-out yet, in one locked update. Returns the new
     generation, or None if the segment is not idle in the pool (state
-    ``POOLED`` at count 0, still linked) or cannot be read."""
+    ``POOLED`` at count 0, still linked), its file is shorter than its
+    header says (``HEADER_SIZE`` + payload size: a third party truncated
+    it, and a write through a mapping would SIGBUS) or it cannot be read."""
     try:
         with mutex(fd):
             hdr = read_header(fd, path)
-            if hdr.state != STATE_POOLED or hdr.refcount != 0 or os.fstat(fd).st_nlink == 0:
+            st = os.fstat(fd)
+            if (hdr.state != STATE_POOLED or hdr.refcount != 0 or st.st_nlink == 0
+                    or st.st_size < HEADER_SIZE + hdr.size):
                 return None
             gen = hdr.gen + 1
             os.pwrite(fd, _U64.pack(gen), _OFF_GEN)

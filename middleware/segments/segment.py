@@ -256,9 +256,13 @@ def _check_fd(fd: int, path: str) -> None:
 
 
 def create(nbytes: int, directory: str | None = None) -> Segment:
-    """Get a segment with room for ``nbytes`` payload bytes: a warm one from
-    this process's pool when one of the right size class is idle, else a new
-    file.
+    """Get a segment with room for ``nbytes`` payload bytes: the warm idle
+    segment of this process's pool that fits best (at least ``nbytes``' size
+    class, at most twice it: :meth:`~mmshm.segments.table.SegmentTable.pool_take`),
+    else a new file. ``Segment.payload_size`` is the capacity, which may
+    exceed ``nbytes``: the caller writes ``nbytes`` and its handles say
+    ``nbytes``, so no consumer sees the bytes past them. A pooled file that a
+    third party truncated is dropped (counted), never written.
 
     A new file is made with O_CREAT|O_EXCL|O_NOFOLLOW and mode 0600, sized with
     ``ftruncate`` and reserved with ``posix_fallocate`` before anything is
@@ -268,7 +272,8 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     While this process's arena (``MMSHM_ARENA_BYTES``, see
     :mod:`mmshm.segments.arena`) has room, a new file is an arena segment
     (``FLAG_ARENA``): its last release returns it to the pool for good. When
-    it has none, idle arena segments of other sizes are unlinked to make room;
+    it has none and no idle arena segment fits, idle arena segments of other
+    sizes are unlinked to make room;
     a tensor that still does not fit gets a plain segment, counted in
     ``mmshm_arena_fallbacks_total{reason}`` (``full``, ``too_big``).
 

@@ -11,9 +11,8 @@ are closed, not released (their references are the parent's).
 **The warm pool.** Writing into a fresh tmpfs segment runs at the kernel's
 page-allocation speed (``posix_fallocate``, then a ``pwrite`` that spares
 the zeroing a page fault would do: a few GB/s); copying into warm pages at
-memcpy speed. So a producing process keeps the segments it created, in size
-classes (:func:`size_class`: eight per power of two, at most 12.5% slack),
-and reuses one whose count came back to zero instead of creating a file.
+memcpy speed. So a producing process keeps the segments it created and
+reuses one whose count came back to zero instead of creating a file.
 Every reuse bumps the segment's *generation* (:func:`mmshm.segments.segfile.revive`);
 a handle carries the generation it was made for, and attach and every
 reference update check it, so a stale handle can never read a reused
@@ -21,6 +20,57 @@ segment's new bytes. Idle pooled segments are unlinked after
 ``MMSHM_POOL_IDLE_S``, beyond ``MMSHM_POOL_MAX_BYTES``, when the budget guard
 needs the room, and when the owner exits; after a SIGKILL the reaper
 reclaims them (nobody holds them).
+
+**Which idle segment serves a request: best fit.** A new segment is made at
+its size class (:func:`size_class`: eight per power of two, at most 12.5%
+slack). A request takes the *smallest* idle segment of this process (arena or
+plain, as asked) that holds its size class, the longest idle first among
+equal sizes: a plain segment up to :data:`FIT_RATIO` (2) times the size
+class, an arena segment of any size (:data:`ARENA_FIT_RATIO`).
+
+Why: Qwen2-VL-style processors give a different ``pixel_values`` size for
+almost every photo (dynamic resolution between ``min_pixels`` and
+``max_pixels``), so reuse by exact size class (what the pool did first)
+misses on most photos, and a miss in the arena is a new mapping that every
+TP rank registers with CUDA. Power-of-two classes, as PyTorch's
+``CachingHostAllocator`` rounds (reusing a block only within its class),
+bound the waste to 2x too, but every segment pays it (1.4x on average, new
+ones included), and a request whose class has no idle segment still misses
+beside an idle segment one class up; jemalloc's four classes per doubling
+waste less and miss more. Best fit wastes only on a hit, only memory the
+pool already holds, and creates tight segments on a miss. The bound differs:
+an idle plain segment is memory the pool could give back, and a small
+tensor holding a large one can make the next large tensor miss into fresh
+pages (the slow case), so a plain segment serves only tensors of at least
+half its size; an idle arena segment is memory the arena keeps (and every
+rank has registered) whatever it holds, and any miss costs a registration
+per rank, so any idle arena segment that holds the tensor serves it (the
+arena's size, ``MMSHM_ARENA_BYTES``, bounds the waste). On the mixed-size
+workload (``mmshm bench --workload mixed``: 1-8 photos per request, 3 in
+flight; docs/gpu.md gives the figures) this raises the pool's hit rate and
+cuts the registrations; the arena then gives idle segments back only when
+no idle one fits. A consumer never sees the slack: a handle carries its
+tensor's ``nbytes``, and every view and copy is cut to it.
+
+**A file shortened by a third party** (a tmpfs cleaner, an operator's
+``truncate``) is never written through a mapping, which would SIGBUS the
+producer: :meth:`SegmentTable.pool_take` checks the file's size (one
+``fstat``, about 1 us) against ``HEADER_SIZE + payload size`` before it
+revives an idle segment, and :func:`~mmshm.segments.segfile.revive` again
+under the segment's mutex; a short one is unlinked and let go, counted in
+``mmshm_pool_dropped_total{reason="truncated"}`` and said once at WARNING
+(the sweep drops an idle one it finds short the same way). What is left is
+a truncation *during* the copy into a reused segment (a millisecond or two
+per photo): that still SIGBUSes the producer. Closing it would cost the
+copy: ``pwrite`` (which extends a short file instead of faulting) runs at a
+third of a mapped copy's speed on one thread, and tmpfs serialises writes to
+one file, so the copy could not be split across threads; a second
+``posix_fallocate`` before each reuse (which restores a short file's size)
+costs half a warm copy and still leaves the copy itself open. Measured on
+the project's 2-core host, 22.5 MB (one 720p photo) into a warm pooled
+segment: mapped copy 1.1 ms, ``pwrite`` 3.1-3.4 ms, ``posix_fallocate`` of
+the allocated file 0.53-0.66 ms, ``fstat`` 1 us. A consumer never reads
+wrong bytes either way: attach and every view check the file's size.
 
 **The sweeper.** :meth:`SegmentTable.sweep` runs on every creation (before
 the budget is counted) and every ``MMSHM_SWEEP_INTERVAL_S`` on a daemon
@@ -58,7 +108,7 @@ import time
 from typing import Any
 
 from mmshm import config
-from mmshm.metrics import ARENA_IN_USE_BYTES, BYTES_IN_USE, SEGMENTS_IN_USE
+from mmshm.metrics import ARENA_IN_USE_BYTES, BYTES_IN_USE, POOL_DROPPED, SEGMENTS_IN_USE
 from mmshm.segments.reaper import ReapReport, reap
 from mmshm.segments.segfile import (
     HEADER_SIZE,
@@ -104,6 +154,16 @@ def cuda_host() -> bool:
         _CUDA_HOST = (built and os.path.exists("/dev/nvidiactl")
                       and (visible is None or visible.strip() not in ("", "-1")))
     return _CUDA_HOST
+
+
+#: a plain pooled segment serves a request whose size class is at least
+#: ``1 / FIT_RATIO`` of its own size (see the module docstring: best fit up to 2x)
+FIT_RATIO = 2.0
+#: the same for an arena segment: any idle arena segment that holds the request
+#: (the arena's size bounds what is kept; see the module docstring)
+ARENA_FIT_RATIO = float("inf")
+
+_said: set[str] = set()
 
 
 def size_class(total: int) -> int:
@@ -281,26 +341,87 @@ class SegmentTable:
 
     # -- the warm pool -----------------------------------------------------
     def pool_take(self, directory: str, total: int, arena: bool) -> Segment | None:
-        """An idle pooled segment of ``total`` bytes (a size class) in
-        ``directory``, an arena segment or a plain one as ``arena`` says,
-        revived (count 1, next generation); None if there is none (call under
-        :attr:`lock`). A segment taken moves to the end of the table, so the
-        scan meets the longest-idle segments first and under steady traffic
-        stops at the first candidate (one ``fstat``)."""
-        candidates = (seg for seg in list(self.segments.values())
-                      if seg.owned and seg.pins == 0 and seg.directory == directory
-                      and HEADER_SIZE + seg.payload_size == total and seg.arena == arena)
-        for seg in candidates:
-            if seg.status() == STATE_POOLED:
-                gen = revive(seg.fd, seg.path)
-                if gen is None:
-                    continue
-                seg.gen = gen
-                seg.idle_since = None
-                del self.segments[seg.name]
-                self.segments[seg.name] = seg
-                return seg
+        """The idle pooled segment that best fits a request of ``total`` bytes
+        (its size class, header included) in ``directory``, an arena segment
+        or a plain one as ``arena`` says, revived (count 1, next generation);
+        None if there is none (call under :attr:`lock`).
+
+        Best fit: the smallest idle segment of at least ``total`` bytes and
+        at most :data:`FIT_RATIO` (plain) or :data:`ARENA_FIT_RATIO` (arena:
+        any) times it; among equal sizes the longest idle (a segment taken
+        moves to the end of the table). A candidate whose file is shorter than its header says
+        (truncated by a third party) is unlinked and let go, counted in
+        ``mmshm_pool_dropped_total{reason="truncated"}`` (WARNING once), never
+        written. Cost: one ``fstat`` and one memory read per candidate looked
+        at; under steady traffic the first candidate is idle."""
+        ratio = ARENA_FIT_RATIO if arena else FIT_RATIO
+        limit = total * ratio
+        fits = sorted(
+            (seg for seg in self.segments.values()
+             if seg.owned and seg.pins == 0 and seg.arena == arena
+             and total <= HEADER_SIZE + seg.payload_size <= limit
+             and seg.directory == directory),
+            key=lambda seg: seg.payload_size)  # stable: the longest idle first
+        for seg in fits:
+            size = HEADER_SIZE + seg.payload_size
+            try:
+                st = os.fstat(seg.fd)
+            except OSError:
+                continue
+            if st.st_nlink == 0 or st.st_size < HEADER_SIZE:
+                continue  # gone for good: the sweep lets go of it
+            if st.st_size < size:
+                self.drop_truncated(seg, st.st_size)
+                continue
+            if seg.status() != STATE_POOLED:
+                continue
+            gen = revive(seg.fd, seg.path)
+            if gen is None:
+                continue
+            seg.gen = gen
+            seg.idle_since = None
+            del self.segments[seg.name]
+            self.segments[seg.name] = seg
+            return seg
         return None
+
+    @staticmethod
+    def _short(seg: Segment) -> int | None:
+        """The size on disk of ``seg``'s file if it is shorter than its header
+        says (``HEADER_SIZE`` + payload size), else None (also if it cannot
+        be read: the state checks see to that)."""
+        try:
+            size = os.fstat(seg.fd).st_size
+        except OSError:
+            return None
+        return size if size < HEADER_SIZE + seg.payload_size else None
+
+    def drop_truncated(self, seg: Segment, on_disk: int) -> None:
+        """Let go of an idle pooled segment whose file a third party shortened
+        to ``on_disk`` bytes (call under :attr:`lock`): unlinked if its name
+        still names this file, closed, counted in
+        ``mmshm_pool_dropped_total{reason="truncated"}``, said once at
+        WARNING. Never raises."""
+        POOL_DROPPED.labels(reason="truncated").inc()
+        if "truncated" not in _said:
+            _said.add("truncated")
+            log.warning(
+                "mmshm: a pooled segment, %s, is %d bytes on disk where its header says %d: "
+                "something outside mmshm truncated it (a tmpfs cleaner, an operator's "
+                "truncate); it is dropped, never written (said once; "
+                "mmshm_pool_dropped_total{reason=\"truncated\"} counts each); fix: keep "
+                "cleaners off the segment directory (%s) or give mmshm a directory of its "
+                "own (MMSHM_DIR)", seg.path, on_disk, HEADER_SIZE + seg.payload_size,
+                seg.directory)
+        try:
+            st = os.fstat(seg.fd)
+            if st.st_nlink:
+                cur = os.stat(seg.path, follow_symlinks=False)
+                if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
+                    os.unlink(seg.path)
+        except OSError:
+            pass
+        self.forget(seg)
 
     def unlink_pooled(self, seg: Segment) -> None:
         """Unlink an idle pooled segment (the owner's decision) and let go of it."""
@@ -356,7 +477,14 @@ class SegmentTable:
                 if st == STATE_FREED:
                     self.forget(seg)
                     n += 1
-                elif st == STATE_POOLED and seg.arena and cfg.pool:
+                    continue
+                if st == STATE_POOLED:
+                    short = self._short(seg)
+                    if short is not None:  # truncated by a third party while idle
+                        self.drop_truncated(seg, short)
+                        n += 1
+                        continue
+                if st == STATE_POOLED and seg.arena and cfg.pool:
                     arena_idle += HEADER_SIZE + seg.payload_size
                 elif st == STATE_POOLED:
                     if seg.idle_since is None:
