@@ -279,12 +279,14 @@ def test_doctor_arena_on_a_cuda_host_too_small_a_dev_shm_and_memlock(cuda_host, 
     (p,) = problems
     assert "below one request of 8 Qwen2-VL 720p photos (180 MB)" in p.problem
     assert "--shm-size=1g" in p.fix and notes == []
-    # 16 GiB: a 1 GiB arena fits; a 64 MiB memlock limit does not hold it
+    # 16 GiB: a 1 GiB arena fits; a 64 MiB memlock limit is information, not a
+    # problem (whether it limits a registration with CUDA is not measured)
     (size, *_), problems, notes = _arena(16 * GiB)
-    assert size == GiB
-    (p,) = problems
-    assert "RLIMIT_MEMLOCK" in p.problem and "64 MiB" in p.problem and "1.0 GiB" in p.problem
-    assert "--ulimit memlock=-1" in p.fix and "hard limit is 64 MiB" in p.fix
+    assert size == GiB and problems == []
+    (note,) = notes
+    assert "RLIMIT_MEMLOCK" in note and "64 MiB" in note and "1.0 GiB" in note
+    assert "for information only" in note and "pin_user_pages" in note
+    assert "memlock=-1" not in note
     monkeypatch.setattr(doctor, "memlock_limits", lambda: (None, None))
     assert _arena(16 * GiB)[1:] == ([], [])
     # set too small by hand: raise it; set to 0: a note, no problem
@@ -326,14 +328,15 @@ def test_doctor_arena_without_cuda_is_off_and_only_notes(monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_doctor_cli_says_the_arena_and_the_memlock_fix(segdir, cuda_host):
-    r = _invoke("doctor", "--dir", segdir, "--expected-bytes", str(MiB))
-    assert r.exit_code == 1, r.output
-    text = _flat(r.output)
-    assert "arena" in text and "ulimit -l 64 MiB" in text and "CUDA is available here" in text
-    assert "RLIMIT_MEMLOCK" in text and "--ulimit memlock=-1" in text
+def test_doctor_cli_says_the_arena_and_memlock_as_information(segdir, cuda_host):
     rep = json.loads(_invoke("doctor", "--dir", segdir, "--expected-bytes", str(MiB),
                              "--json").stdout)
     assert rep["cuda_host"] is True and rep["memlock_soft_limit"] == 64 * MiB
     assert rep["arena_bytes"] == min(GiB, rep["fs_size_bytes"] // 4)
-    assert any("--ulimit memlock=-1" in p["fix"] for p in rep["problems"])
+    assert not any("MEMLOCK" in p["problem"] or "memlock" in p["fix"] for p in rep["problems"])
+    r = _invoke("doctor", "--dir", segdir, "--expected-bytes", str(MiB))
+    text = _flat(r.output)
+    assert "arena" in text and "ulimit -l 64 MiB" in text and "CUDA is available here" in text
+    if rep["arena_bytes"] * 2 > 64 * MiB:
+        assert "RLIMIT_MEMLOCK" in text and "for information only" in text
+    assert "--ulimit memlock=-1" not in text

@@ -7,7 +7,8 @@ the memory cgroup that tmpfs pages are charged to, the installed SGLang and
 vLLM against the instrumentors' supported ranges, which server processes
 run under ``mmshm run``, and the arena (:func:`arena_check`): on or off, its
 size against the directory's, whether it holds one request of 8 photos on a
-CUDA host, and ``RLIMIT_MEMLOCK`` against it.
+CUDA host, and ``RLIMIT_MEMLOCK`` beside it, as information only (whether it
+limits a registration with CUDA is not measured).
 
 **Sizing /dev/shm** (:func:`shm_size_advice`; the README states the same
 formula): the smallest whole number of GiB ``S`` such that::
@@ -84,8 +85,8 @@ class DoctorReport(msgspec.Struct):
     :func:`mmshm.operations.status.arena_config`), ``arena_source`` where it
     comes from, ``cuda_host`` whether CUDA is available here,
     ``memlock_soft_limit``/``memlock_hard_limit`` ``RLIMIT_MEMLOCK`` (None:
-    unlimited) that a registration with CUDA counts against
-    (:func:`arena_check`).
+    unlimited), information only: whether a registration with CUDA counts
+    against it is not measured (:func:`arena_check`).
     """
 
     directory: str
@@ -261,8 +262,8 @@ def _descriptors(expected: int, fs_size: int, problems: list[Problem]
 
 def memlock_limits() -> tuple[int | None, int | None]:
     """``(soft, hard)`` ``RLIMIT_MEMLOCK`` of this process in bytes (None:
-    unlimited): what page-locked memory, a registration with CUDA included,
-    may take."""
+    unlimited): what ``mlock`` may lock. Whether it limits a registration
+    with CUDA is not measured (:func:`arena_check`)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return (None if soft == resource.RLIM_INFINITY else soft,
             None if hard == resource.RLIM_INFINITY else hard)
@@ -278,10 +279,14 @@ def arena_check(fs_size: int, reserve: int, problems: list[Problem], notes: list
     segment directory of ``fs_size`` bytes with ``reserve`` kept free:
     appends to ``problems`` an arena larger than the directory can hold, an
     arena below one request of 8 photos (:data:`ARENA_REQUEST_BYTES`) on a
-    CUDA host, and a ``RLIMIT_MEMLOCK`` below twice the arena's size on a CUDA host
-    (CUDA may refuse the registration: the arena is then served unregistered,
-    at pageable speed); to ``notes`` the same where CUDA is not available.
-    Returns ``(arena bytes, source, cuda host, memlock soft, memlock hard)``."""
+    CUDA host; to ``notes`` the same where CUDA is not available, and
+    ``RLIMIT_MEMLOCK`` below twice the arena's size (what a TP rank may keep
+    registered) as information, never a problem: NVIDIA's driver page-locks a
+    registration with ``pin_user_pages(FOLL_LONGTERM)``, which, as far as its
+    open kernel module shows, is not charged to ``RLIMIT_MEMLOCK``; nothing
+    measured says the limit refuses a registration (a refusal is said by the
+    rank itself, with CUDA's error). Returns ``(arena bytes, source, cuda
+    host, memlock soft, memlock hard)``."""
     size, source, cuda = arena_config(fs_size)
     soft, hard = memlock_limits()
     explicit = config.get().arena_bytes is not None
@@ -318,18 +323,14 @@ def arena_check(fs_size: int, reserve: int, problems: list[Problem], notes: list
                 f"a bigger /dev/shm: {size_fix(gib)}; or set MMSHM_ARENA_BYTES (docs/gpu.md)"))
     # a TP rank page-locks what it keeps mapped: up to twice the arena (arena.ArenaViews)
     if soft is not None and soft < 2 * size:
-        what = (f"ulimit -l (RLIMIT_MEMLOCK) is {_mib(soft)}, below twice the arena's "
-                f"{_mib(size)} (what a TP rank may keep mapped and registered): CUDA may "
-                f"refuse to register the arena (one WARNING per process, which then "
-                f"serves it unregistered: copies to the GPU at pageable speed)")
-        if cuda:
-            problems.append(Problem(
-                what, "raise the locked-memory limit: docker run --ulimit memlock=-1 (systemd "
-                      "LimitMEMLOCK=infinity, ulimit -l unlimited), or lower MMSHM_ARENA_BYTES"
-                + (f"; the hard limit is {_mib(hard)}" if hard is not None and hard < 2 * size
-                   else "")))
-        else:
-            notes.append(what + " where CUDA runs; this host has no CUDA")
+        notes.append(
+            f"ulimit -l (RLIMIT_MEMLOCK) is {_mib(soft)}, below twice the arena's {_mib(size)} "
+            f"(what a TP rank may keep registered with CUDA): for information only; NVIDIA's "
+            f"driver page-locks a registration with pin_user_pages(FOLL_LONGTERM), which its "
+            f"open kernel module does not charge to this limit as far as it shows, and no "
+            f"measurement says the limit refuses one. A refused registration is said by the "
+            f"rank at WARNING with CUDA's error (docs/gpu.md)"
+            + ("" if cuda else "; this host has no CUDA"))
     return size, source, cuda, soft, hard
 
 
