@@ -94,8 +94,8 @@ class WrongNodeError(HandleError):
 
 
 class RegistrationError(MmshmError, RuntimeError):
-    """CUDA refused to register an arena mapping (``cudaHostRegister``: a driver
-    error, or ``RLIMIT_MEMLOCK``). Raised by a registrar
+    """CUDA refused to register an arena mapping (``cudaHostRegister``; the
+    message names CUDA's error). Raised by a registrar
     (:mod:`mmshm.segments.arena`); the arena then serves that mapping
     unregistered and says so once at WARNING. ``code`` is CUDA's error number
     (0 when unknown)."""

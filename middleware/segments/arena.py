@@ -47,7 +47,7 @@ it, under the same budget guard.
   bytes another rank reads, but it kills the process that tries. SGLang's and
   vLLM's model paths never write pixel values in place (they move them to the
   GPU first). Before the producer may reuse the pages, a released registered
-  view waits for the GPU (a device synchronize, on a background thread) so
+  view waits for the GPU (the settle, below, on a background thread) so
   that an asynchronous copy (``non_blocking=True``, which from page-locked
   memory really is asynchronous) has read them.
 - *Unregistered* (no CUDA, or the driver refused): a copy-on-write
@@ -63,6 +63,64 @@ holds no lock: it does not keep the segment alive for the reaper. A mapping of
 a segment that was unlinked (its producer died and the reaper reclaimed it, or
 the arena gave it back) is unregistered and unmapped by :meth:`ArenaViews.sweep`,
 which runs on each view and every few seconds on a daemon thread.
+
+**Every CUDA call on its own device.** A thread that never called
+``cudaSetDevice`` has device 0 current, and the runtime makes GPU 0's primary
+context (0.3-0.5 GiB) at the first call there: a TP rank on ``cuda:k`` whose
+sweeping thread, finalizers or exit unregistered a mapping without a guard
+would put a context on GPU 0, whose KV cache took about 90% of its memory. So
+each mapping records the device current in the thread that maps it (the
+rank's ``torch.cuda.current_device()``; the producer's registration records its
+copy's source device), and the registrar runs register, unregister and settle
+under ``torch.cuda.device(that device)``, whatever thread runs them (the
+``mmshm-arena-sweep`` and ``mmshm-arena-settle`` threads, weakref finalizers,
+an eviction or ``trim_pool`` in the producer, the exit). torch's guard makes
+no context on the device it restores when that device has none
+(``c10::cuda::MaybeExchangeDevice``). ``tests/test_arena_cuda.py`` runs the
+product's :class:`CudaRegistrar` over a fake runtime that makes contexts as
+CUDA does and finds none on GPU 0 for a rank on ``cuda:1``.
+
+**No lock in a finalizer.** A registered view's finalizer only puts the view
+on a :class:`queue.SimpleQueue` (its ``put`` takes no lock a finalizer's own
+thread could hold, which is what it was made for); the settling thread,
+started where a mapping is registered (never from a finalizer: starting a
+thread takes locks), does the rest. An unregistered view's finalizer takes
+only re-entrant locks (:attr:`ArenaViews.lock`, the table's).
+
+**The settle** (unmeasured on a GPU). The server queued its copy from the view
+(``.to(device, non_blocking=True)``) on *its* stream, which mmshm cannot see
+from a finalizer, and the view may be released on another thread than the
+copy's. A wait that covers that copy whatever its stream must be device-wide:
+an event recorded on the legacy default stream waits for the blocking streams
+too, but not for ``cudaStreamNonBlocking`` streams, and torch's side streams
+(``torch.cuda.Stream()``; SGLang's overlap scheduler runs its forward on one)
+are non-blocking (``c10/cuda/CUDAStream.cpp``: ``kDefaultFlags``). So the
+settling thread takes every view released meanwhile as one batch and, for each
+device of the batch's mappings (each mapping's own, not one captured once),
+runs ``cudaDeviceSynchronize`` under that device's guard
+(:data:`SETTLE_MODE` ``"device"``, the default): correct for every stream, at
+the cost that CUDA's default scheduling spins the settling thread's core while
+the device drains what was queued before the call (once per batch, not per
+view). :data:`SETTLE_MODE` ``"event"`` waits without spinning (an event made
+with ``cudaEventBlockingSync``, recorded on the device's legacy default stream,
+polled with a sleep of 0.2-4 ms) and is correct only where the server copies
+on the default stream or a blocking stream; which to make the default is for a
+GPU host's measurement (``benchmarks/gpu_arena.py``'s race check), not this
+module. Changing the context's scheduling to blocking sync would stop the spin
+but change every wait of the server's own, so mmshm does not. The time from a
+view's release to its give-back is observed in ``mmshm_arena_settle_seconds``.
+A device that fails or went away (a rank on its way out) runs no more copies:
+its views are given back all the same, said once at WARNING; at exit
+(:meth:`ArenaViews.drain`) what is queued or stuck in a settle is given back,
+each view once.
+
+**A refused registration** is said once per process at WARNING with CUDA's
+own error name and text (``cudaGetErrorName``/``cudaGetErrorString``) and the
+fix for that error, counted in ``mmshm_arena_registrations_total{result="failed"}``,
+and this process then maps every new arena segment unregistered without asking
+CUDA again for :data:`REFUSAL_RETRY_S` (an hour): the causes seen last, and a
+retry per new mapping would put a refused ``cudaHostRegister`` on the request
+path of every request that brings a new size.
 
 May import: :mod:`mmshm.errors`, :mod:`mmshm.config`, :mod:`mmshm.metrics` and
 the segment modules below it (:mod:`~mmshm.segments.segfile`,
