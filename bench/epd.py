@@ -94,6 +94,7 @@ import statistics
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass
 
 from mmshm.operations.status import mount_of
@@ -286,7 +287,37 @@ class _Mmshm:
         res = self.cache.save(self.key(name), tensor, label="bench-epd")
         if not res.published:
             raise RuntimeError(f"mmshm did not publish the encoder output: {res.reason}")
+        self.last_name = res.name
         return {"bytes": res.nbytes}
+
+    def digest_costs(self, tensor, name: str) -> tuple[float, float]:
+        """ms of the entry's payload digest as the store computes it
+        (sampled pages, from the producer's tensor) plus one check of it by
+        ``pread`` from the segment (what a lookup or a load does), and ms of
+        a BLAKE3 of every byte with blake3's ``max_threads`` (what a digest of
+        the whole payload would cost at each end). Outside the hop."""
+        import blake3
+
+        from mmshm.segments.segfile import segment_dir
+        from mmshm.transport.encoder_cache import _fd_reader, payload_digest
+
+        key = self.key(name)
+        src = tensor.reshape(-1).view(__import__("torch").uint8).numpy()
+        n = src.nbytes
+        fd = os.open(os.path.join(segment_dir(self.cache.directory), self.last_name),
+                     os.O_RDONLY)
+        try:
+            t0 = time.perf_counter()
+            a = payload_digest(key, n, lambda off, k: src[off:off + k])
+            b = payload_digest(key, n, _fd_reader(fd))
+            sampled = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        if a != b:
+            raise RuntimeError("mmshm: the segment's sampled pages differ from the tensor's")
+        t0 = time.perf_counter()
+        blake3.blake3(src, max_threads=blake3.blake3.AUTO).digest()
+        return sampled * 1e3, (time.perf_counter() - t0) * 1e3
 
     def load(self, note: dict, dtype, rows: int):
         entry = self.cache.lookup(self.key(note["key"]), dtype=dtype, rows=rows)
@@ -428,6 +459,11 @@ class Row:
     why: str = ""
     skipped: str = ""
     threads: int | None = None
+    #: ms of the payload digest the store computes (sampled pages) and checks
+    #: once by pread; ms of a BLAKE3 of every byte (blake3's max_threads), what a
+    #: whole-payload digest would cost at each end (mmshm only, outside the hop)
+    digest_ms: list = dataclasses.field(default_factory=list)
+    full_digest_ms: list = dataclasses.field(default_factory=list)
 
 
 class _Producer:
@@ -565,6 +601,10 @@ class _Producer:
         if path in self.examples:
             self.examples[path].remove(key)
         if path == "mmshm":
+            if row is not None:
+                sampled, full = self.store.digest_costs(tensor, key)
+                row.digest_ms.append(sampled)
+                row.full_digest_ms.append(full)
             self.store.evict(key)
         failed = [g for g in got if not g["ok"] and "end" not in g]
         if failed:
@@ -674,6 +714,8 @@ def _result(rows, tp, repeats, warmup, dirs, real_vllm, leftovers, wall_s) -> di
             "bytes_sent": r.sent if not r.skipped else None,
             "bytes_copied": r.copied if not r.skipped else None,
             "wrong": r.bad, "wrong_detail": r.why or None, "copy_threads": r.threads,
+            "digest_ms_median": _med(r.digest_ms),
+            "full_digest_ms_median": _med(r.full_digest_ms),
         })
     return {"tp": tp, "repeats": repeats, "warmup": warmup,
             "vllm_class": "vllm's ECExampleConnector" if real_vllm else
@@ -761,7 +803,7 @@ def print_result(res: dict, console=None) -> None:
                           "until the last rank holds its tensor; +touch: and has read each "
                           "of its pages once; bytes checked on every rank")
         cols = ("path", "sent", "copied by ranks", "save", "load", "hop", "hop p90",
-                "x floor", "+touch", "bytes")
+                "x floor", "+touch", "digest", "bytes")
         for col in cols:
             t.add_column(col, justify="left" if col == "path" else "right")
         for r in res["rows"]:
@@ -774,9 +816,20 @@ def print_result(res: dict, console=None) -> None:
                       _ms(r["save_ms_median"]), _ms(r["load_ms_median"]),
                       _ms(r["hop_ms_median"]), _ms(r["hop_ms_p90"]),
                       "—" if r["x_floor"] is None else f"{r['x_floor']:.2f}",
-                      _ms(r["touched_ms_median"]),
+                      _ms(r["touched_ms_median"]), _ms(r.get("digest_ms_median")),
                       "equal" if not r["wrong"] else f"[red]{r['wrong']} WRONG[/]")
         console.print(t)
+        for r in res["rows"]:
+            if (r["size"] == size and r["path"] == "mmshm" and not r["skipped"]
+                    and r.get("digest_ms_median") and r["hop_ms_median"]):
+                console.print(
+                    f"digest (mmshm, {size}): its payload check, sampled pages computed once "
+                    f"and checked once, {_ms(r['digest_ms_median'])} ms "
+                    f"({100 * r['digest_ms_median'] / r['hop_ms_median']:.1f}% of the hop; "
+                    f"every lookup and load checks once more); a BLAKE3 of every byte "
+                    f"would cost {_ms(r['full_digest_ms_median'])} ms at each end "
+                    f"({100 * r['full_digest_ms_median'] / r['hop_ms_median']:.0f}% of the "
+                    f"hop)")
     console.print(f"vLLM path: {res['vllm_class']}; storage: "
                   + ", ".join(f"{p}: {d}" for p, d in res["dirs"].items()))
     for r in res["rows"]:
