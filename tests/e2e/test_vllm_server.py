@@ -65,7 +65,7 @@ import pytest
 
 from mmshm.segments.segfile import FLAG_ARENA
 
-from tests.harness import faults, matrix, models
+from tests.harness import epd, faults, matrix, models
 from tests.harness.segments import header
 from tests.harness.servers import (
     PRIVATE_SHM, ROOT, Server, data_url, free_port, in_parallel, metric, mount_tmpfs, needs_e2e,
@@ -661,6 +661,12 @@ def test_restart_after_sigkill_reclaims_before_the_first_request(restarted):
     assert restarted["left_after_stop"] == []
 
 
+#: The read-only run's answers to the EPD e2e's photos
+#: (:func:`tests.harness.epd.reference_urls`): a unified server's, read by
+#: tests/e2e/test_vllm_epd.py later in the session.
+EPD_UNIFIED: list[dict] = []
+
+
 def _read_only(model: str, photos: dict) -> dict | None:
     """Run 5: TP=1, ``MMSHM_DIR`` on a read-only tmpfs in a private mount
     namespace (root is not stopped by permissions, a read-only mount is),
@@ -681,6 +687,9 @@ def _read_only(model: str, photos: dict) -> dict | None:
             rec["answers"] = {key: ask(srv, [photos[p] for p in ps], n)
                               for key, ps, n in REQUESTS[:2]}
             rec["metrics"] = srv.metrics_text()
+            # then a unified TP=1 server's answers to the EPD e2e's photos (its
+            # pixels inline here, as plain vLLM's), for tests/e2e/test_vllm_epd.py
+            EPD_UNIFIED[:] = [epd.chat(srv, [u]) for u in epd.reference_urls(epd.photos())]
             srv.stop()
     finally:
         try:

@@ -243,3 +243,26 @@ def kill_while_decoding(srv: Server, urls: list[str], uuids: list[str] | None = 
     except Exception:  # noqa: BLE001 - the server is gone
         pass
     return {"first_token": first, "metrics": text}
+
+
+def photos(small: int = 8) -> dict:
+    """The EPD e2e photos: ``small`` 336 x 224 photos, a 720p one (``big``),
+    a tiny red square (``dummy``) and two mirrored photos no other flow sends
+    (``extra``), as data URLs."""
+    from PIL import Image, ImageOps
+
+    from mmshm.bench.photos import _load_rgb, available_photos
+    from tests.harness import faults
+    from tests.harness.servers import data_url, photo_url
+
+    names = available_photos()
+    extra = [data_url(ImageOps.mirror(_load_rgb(names[i % len(names)], faults.SMALL)))
+             for i in range(2)]
+    return {"small": faults.small_photo_urls(small), "big": photo_url(0),
+            "dummy": data_url(Image.new("RGB", (56, 56), (200, 30, 30))), "extra": extra}
+
+
+def reference_urls(ph: dict) -> list[str]:
+    """The photos the EPD e2e compares, in its order: the small ones, the
+    720p one, the extra ones (a unified server answers the same list)."""
+    return ph["small"] + [ph["big"]] + ph["extra"]
