@@ -9,8 +9,9 @@ private /dev/shm of its own (a tmpfs bind-mounted in one mount namespace
 that both servers of the pair enter, as two instances of one node share
 /dev/shm: what a SIGKILLed server leaves never reaches the host's):
 **plain** (``ECExampleConnector``, its files in that tmpfs) and **mmshm**
-(both servers under ``mmshm run`` on one segment directory,
-``MmshmECConnector``, the encoder's ``max_bytes`` :data:`EC_BUDGET`). Both
+(both servers under ``mmshm run``, ``MmshmECConnector`` with its
+``directory`` setting :data:`EC_DIRECTORY` apart from ``MMSHM_DIR``, the
+pixels' directory; the encoder's ``max_bytes`` :data:`EC_BUDGET`). Both
 run the same flows in the same order, side by side; the harness's vLLM flags
 (processor cache and prefix caching off) make vLLM name each item by a
 per-server counter (``renderer0-mm-<n>-image-0``) unless the request gives a
@@ -20,8 +21,10 @@ baseline (the figures), not failed on.
 Flows, in order, on each pair:
 
 0. **References**: each photo sent to PD alone, with a uuid the encoder
-   never saw: PD encodes it itself (its log says so), which is what a
-   unified server computes (no unified server is started). The encoder then
+   never saw: PD encodes it itself (its log says so). A unified server's
+   answers to the same photos come from tests/e2e/test_vllm_server.py's
+   read-only TP=1 run when it ran earlier in the session (no server is
+   started for them), and both pairs must equal them. The encoder then
    gets as many requests of a small other picture, so the two counters are
    in step again.
 1. **Normal flow**: each photo through the proxy. PD loads each encoder
@@ -38,6 +41,11 @@ Flows, in order, on each pair:
 3. **An item that does not fit**: a 720p photo, whose encoder output is over
    the mmshm encoder's budget: it is not published (``over_budget`` on the
    encoder), PD encodes it itself (``missing`` on PD). Plain has no budget.
+3b. **An entry removed before PD loads it** (mmshm's pair): the encoder
+   publishes a new photo's output, the test removes the file (as a tmpfs
+   cleaner or an operator would), PD is asked: it encodes the item itself
+   (a miss, counted) and answers as the reference; the next new photo
+   through the proxy is loaded. PD lives.
 4. **SIGKILL of the encoder mid-burst**: proxy flows of four other photos,
    three at once; once the first encoder answer is in, the encoder's
    process group is SIGKILLed, then the fourth flow starts (the proxy sends
