@@ -339,7 +339,7 @@ def _collect_holding_locks(make_garbage) -> bool:
     return done.wait(10)
 
 
-def test_a_collection_with_the_arena_s_locks_held_does_not_hang(fake_cuda):
+def test_a_collection_with_the_arena_s_locks_held_does_not_hang(fake_cuda, monkeypatch):
     """A registered view freed by a garbage collection in a thread that holds
     the arena's locks (as a thread allocating under them may): its finalizer
     only queues it, the thread goes on, and the view is given back; the same
@@ -347,7 +347,7 @@ def test_a_collection_with_the_arena_s_locks_held_does_not_hang(fake_cuda):
     fake = fake_cuda
     fake.set_device(1)
     h = mmshm.ShmTensor.from_tensor(_photo(20))
-    holder = {}
+    holder = {}  # "done": the settling thread's collection ran
 
     def in_a_cycle():
         v = _shared_view(h)
@@ -381,8 +381,7 @@ def test_a_collection_with_the_arena_s_locks_held_does_not_hang(fake_cuda):
                 for lk in reversed(locks):
                     lk.release()
 
-    import torch as _t
-    _t.cuda.synchronize = sync_collecting  # undone by the fixture's monkeypatch
+    monkeypatch.setattr(torch.cuda, "synchronize", sync_collecting)
     v = _shared_view(h)
     del v
     gc.collect()

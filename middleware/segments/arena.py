@@ -301,8 +301,9 @@ class CudaRegistrar:
                 _cudart_last_error_reset()
         if code != 0:
             name, text = cuda_error_text(code, self._cudart)
+            where = "" if device is None else f" on cuda:{device}"
             raise RegistrationError(
-                f"cudaHostRegister of {nbytes} bytes{'' if device is None else f' on cuda:{device}'}"
+                f"cudaHostRegister of {nbytes} bytes{where}"
                 f"{' (read-only)' if read_only else ''} failed: {name}: {text}", code)
 
     def unregister(self, addr: int, device: int | None) -> None:
