@@ -64,6 +64,11 @@ def test_quick_run_moves_equal_bytes_on_every_path(tmp_path, shm_dir):
     assert rows["sglang-zmq"]["bytes_copied"] == TP * n
     # mmshm: written once, mapped by every rank
     assert rows["mmshm"]["bytes_sent"] == n and rows["mmshm"]["bytes_copied"] == 0
+    # the payload digest's cost (sampled pages) beside what a digest of every byte costs
+    m = rows["mmshm"]
+    assert 0 < m["digest_ms_median"] and 0 < m["full_digest_ms_median"]
+    assert rows["floor"]["digest_ms_median"] is None
+    assert "digest (mmshm, tiny): its payload check" in proc.stdout
     goals = {g["goal"]: g for g in res["goals"]}
     assert len(goals) == 3 and all(g["met"] in (True, False) for g in goals.values())
     fewer = next(g for k, g in goals.items() if "fewer bytes" in k)
