@@ -106,14 +106,6 @@ def _new_counts() -> dict:
     return dict.fromkeys(EC_STAT_KEYS, 0)
 
 
-def _store(directory, keep_s: float, max_bytes: int, namespace: str) -> EncoderCache:
-    """The process's side of the store, told the namespace (for its "cannot
-    meet" warning and its description) where it takes one."""
-    try:
-        return EncoderCache(directory, server="vllm", keep_s=keep_s, max_bytes=max_bytes,
-                            namespace=namespace)
-    except TypeError:
-        return EncoderCache(directory, server="vllm", keep_s=keep_s, max_bytes=max_bytes)
 
 
 # -- the namespace ------------------------------------------------------------------------
@@ -468,8 +460,10 @@ class MmshmECConnector(ECConnectorBase):
         self._namespace = ec_namespace(vllm_config, extra)
         self._tower_lora = tower_lora_on(vllm_config)
         self._directory = extra.get("directory")
-        self._store = _store(self._directory, float(extra.get("keep_s", DEFAULT_KEEP_S)),
-                             int(extra.get("max_bytes", 0)), self._namespace)
+        self._store = EncoderCache(self._directory, server="vllm",
+                                   keep_s=float(extra.get("keep_s", DEFAULT_KEEP_S)),
+                                   max_bytes=int(extra.get("max_bytes", 0)),
+                                   namespace=self._namespace)
         dtype = getattr(vllm_config.model_config, "dtype", None)
         #: what a loaded output must be: the model's dtype, the measured width
         #: per modality where vLLM measured it (an EC producer's config)
@@ -495,12 +489,9 @@ class MmshmECConnector(ECConnectorBase):
         side = "scheduler" if role == ECConnectorRole.SCHEDULER else "worker"
         what = {"ec_producer": "published", "ec_consumer": "loaded",
                 "ec_both": "published and loaded"}.get(tc.ec_role, "?")
-        describe = getattr(self._store, "describe", None)
-        where = describe() if describe is not None else (
-            f"namespace '{self._namespace}', segment directory "
-            f"{self._directory or os.environ.get('MMSHM_DIR') or '/dev/shm'}")
         line = (f"encoder outputs {what} through shared memory ({tc.ec_role}), keyed by "
-                f"content{' and LoRA adapter' if self._tower_lora else ''}; {where} "
+                f"content{' and LoRA adapter' if self._tower_lora else ''}; "
+                f"{self._store.describe()} "
                 f"(compare both instances' lines: they meet only on one namespace and one "
                 f"directory of one node)")
         try:
@@ -570,12 +561,8 @@ class MmshmECConnector(ECConnectorBase):
         encode: this model's dtype, ``rows`` rows, the measured width where
         known; held for request ``rid``."""
         width = self._widths.get(getattr(feature, "modality", ""))
-        try:
-            return self._store.lookup(key, dtype=self._dtype, rows=rows, count=False,
-                                      shape=(rows, width if width else None),
-                                      holder=f"request {rid}")
-        except TypeError:  # a store without shape/holder checks
-            return self._store.lookup(key, dtype=self._dtype, rows=rows, count=False)
+        return self._store.lookup(key, dtype=self._dtype, rows=rows, count=False,
+                                  shape=(rows, width or None), holder=f"request {rid}")
 
     def has_cache_item(self, identifier: str) -> bool:
         """Whether this consumer holds an intact entry for the item (vLLM
@@ -621,10 +608,7 @@ class MmshmECConnector(ECConnectorBase):
     def _miss_reason(self, key: bytes, rows: int) -> str:
         """Why ``key`` missed, looked up once more, counting nothing (an
         entry published since is not taken: the local encode is decided)."""
-        search = getattr(self._store, "_search", None)
-        if search is None:
-            return "missing"
-        found, reason, _ = search(key, None, rows)
+        found, reason, _ = self._store._search(key, None, rows, hold=False)
         if found is not None:
             found.release()
         return reason or "missing"
