@@ -629,3 +629,21 @@ def test_answers_equal_a_unified_servers(runs):
     rec = _mmshm(runs)
     assert rec["removed_answer"].get("tokens") == want[-2]["tokens"]
     assert rec["next"].get("tokens") == want[-1]["tokens"]
+
+
+def test_the_engine_cores_hash_no_pixels_and_say_one_namespace(runs):
+    """Items are keyed by their tensors here (processor cache and prefix
+    caching off): under ``mmshm run`` each frontend hashes the pixels while
+    copying them into shared memory, and the EngineCores hash only what
+    travels inline (``image_grid_thw``, 24 bytes per item), as vLLM's stats
+    line shows (``hashed_bytes``; a 336 x 224 photo's pixel_values are about
+    1.8 MB). Both instances' connector "on:" lines name one namespace."""
+    _mmshm(runs)
+    logs = runs["logs"]["mmshm"]
+    hashed = [int(m) for role in ("E", "PD")
+              for m in re.findall(r"EC Transfer metrics:.*?hashed_bytes=(\d+)", logs[role])]
+    assert hashed and max(hashed) < 4096, hashed
+    spaces = {role: re.findall(r"EC connector \(scheduler\).*? on: .*?namespace '([^']*)'",
+                               logs[role]) for role in ("E", "PD")}
+    assert len(spaces["E"]) == len(spaces["PD"]) == 1 and spaces["E"] == spaces["PD"], spaces
+    assert "key=pixels" in spaces["PD"][0], spaces
