@@ -383,8 +383,11 @@ class _Session:
 
         ctx = mp.get_context("spawn")
         port = _free_port()
+        # the mode classes themselves: a spawned rank unpickles each by its module,
+        # which registers it there too (vllm_modes' are registered by the package)
         wcfg = {"timeout_s": self.cfg.timeout_s, "min_bytes": self.cfg.min_bytes,
-                "parent_pid": os.getpid(), "device": self.cfg.device}
+                "parent_pid": os.getpid(), "device": self.cfg.device,
+                "mode_classes": {m: MODES[m] for m in self.cfg.modes}}
         for r in range(self.tp):
             parent, child = ctx.Pipe()
             rcfg = dict(wcfg)

@@ -108,7 +108,9 @@ class _Rank:
 
         m = self.modes.get(name)
         if m is None:
-            m = get_mode(name, min_bytes=self.cfg.get("min_bytes"))
+            cls = self.cfg.get("mode_classes", {}).get(name)  # the producer's registry
+            m = (cls(min_bytes=self.cfg.get("min_bytes")) if cls is not None
+                 else get_mode(name, min_bytes=self.cfg.get("min_bytes")))
 
             def inner(fn):
                 def timed(*args, **kwargs):

@@ -215,10 +215,16 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
               help="Skip requested modes this interpreter cannot run (sglang, vllm, "
                    "vllm-arena without the server installed) instead of stopping with an "
                    "error.")
+@click.option("--workload", type=click.Choice(["fixed", "mixed"]), default="fixed",
+              show_default=True,
+              help="mixed: real photo sizes after Qwen2-VL's processor, 1-8 per request, 3 in "
+                   "flight, 200 requests: the pool's hits and the registrations a CUDA host "
+                   "would make per request (the first --tp, --shm-dir, --timeout and --json "
+                   "apply; `mmshm bench mixed --help` has the rest).")
 @click.pass_context
 def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_mem_gb,
           min_bytes, shm_dir, nodes, timeout_s, warmup, device, json_path, plot_path,
-          metrics_port, quick, skip_missing) -> None:
+          metrics_port, quick, skip_missing, workload) -> None:
     """Time transports on the request path of a VLM server, against the floor.
 
     Real photos go through the Qwen2-VL image processor, each request is
@@ -249,6 +255,13 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     """
     if ctx.invoked_subcommand is not None:
         return  # `mmshm bench serve ...`: its own options
+    if workload == "mixed":
+        from mmshm.bench import mixed
+
+        args = ["--tp", str(tp[0]), "--timeout", str(timeout_s)]
+        args += ["--shm-dir", shm_dir] if shm_dir is not None else []
+        args += ["--json", json_path] if json_path else []
+        sys.exit(mixed.main(args, prog="mmshm bench --workload mixed"))
     from click.core import ParameterSource
     from rich.console import Console
 
@@ -399,6 +412,22 @@ def hop(args) -> None:
     from mmshm.bench import hop as hop_bench
 
     sys.exit(hop_bench.main(list(args), prog="mmshm bench hop"))
+
+
+@bench.command(name="mixed", context_settings={"ignore_unknown_options": True,
+                                                "allow_interspersed_args": False},
+               add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def mixed_workload(args) -> None:
+    """Real photo sizes after Qwen2-VL's processor, requests in flight (its own --help).
+
+    The producer's pool hits and the registrations a CUDA host would make
+    (simulated on a CPU host) per request, in steady state, for the pool's
+    reuse rules and with the arena on or off (mmshm.bench.mixed).
+    """
+    from mmshm.bench import mixed
+
+    sys.exit(mixed.main(list(args), prog="mmshm bench mixed"))
 
 
 @bench.command(name="epd", context_settings={"ignore_unknown_options": True,

@@ -506,3 +506,106 @@ def test_bench_homes_edit_no_sys_path():
              for f in sorted((root / d).rglob("*.py"))
              for i, line in enumerate(f.read_text().splitlines(), 1) if edit.search(line)]
     assert found == []
+
+
+# -- the package loads its names on first use --------------------------------------------------
+def test_importing_the_serve_helpers_loads_no_torch():
+    """The test harness and ``mmshm bench serve`` import the server starter
+    (``mmshm.bench.serve.servers``); the package must not load torch for it."""
+    code = ("import sys\n"
+            "import mmshm.bench.serve.servers, mmshm.bench.serve.ttft, "
+            "mmshm.bench.serve.transport\n"
+            "heavy = sorted(m for m in ('torch', 'numpy', 'mmshm.bench.modes', "
+            "'mmshm.bench.runner') if m in sys.modules)\n"
+            "print(heavy)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_the_package_names_load_on_first_use_with_the_vllm_modes():
+    code = ("import sys\n"
+            "import mmshm.bench as b\n"
+            "assert 'mmshm.bench.modes' not in sys.modules\n"
+            "modes = b.MODES\n"
+            "from mmshm.bench import run_bench, BenchConfig\n"
+            "print(sorted(modes), 'mmshm.bench.runner' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "'vllm'" in proc.stdout and "'vllm-arena'" in proc.stdout and "'mmshm'" in proc.stdout
+    assert proc.stdout.strip().endswith("True")
+    with pytest.raises(AttributeError):
+        import mmshm.bench as b
+        b.no_such_name  # noqa: B018
+
+
+# -- the mixed-size workload --------------------------------------------------------------------
+def test_the_mixed_workload_sizes_are_qwen2_vl_processor_outputs():
+    pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    import random
+
+    from mmshm.bench import mixed
+
+    rng = random.Random(7)
+    groups = set()
+    for _ in range(2000):
+        group, w, h = mixed.draw_photo(rng)
+        groups.add(group)
+        want = pil.smart_resize(h, w, factor=28, min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+        assert mixed.smart_resize(h, w) == tuple(want), (w, h)
+    assert groups == {g for _, g, _ in mixed.PHOTO_MIX}
+    work = mixed.workload(200, seed=0)
+    assert work == mixed.workload(200, seed=0) and work != mixed.workload(200, seed=1)
+    assert all(1 <= len(r) <= 8 for r in work)
+    rows = [t * gh * gw for r in work for t, gh, gw in r]
+    assert min(rows) >= 56 * 56 // 196 and max(rows) <= 28 * 28 * 1280 // 196
+    d = mixed.describe(work)
+    assert d["distinct_shapes"] > 40  # almost every photo has its own size
+    assert mixed.COLUMNS == 1176 and mixed.grid(1280, 720) == (1, 52, 92)  # 720p: [4784, 1176]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_the_mixed_workload_counts_hits_and_registrations_with_bytes_checked(shm_dir, tmp_path):
+    """A short mixed run, both reuse rules, the arena on: every photo's bytes
+    checked on every rank, nothing left, each rank's simulated registrations
+    equal to the arena segments the producer made (each mapped and
+    registered once), and best fit hitting at least as often as the exact
+    size class."""
+    out = tmp_path / "mixed.json"
+    proc = _cli("bench", "mixed", "--tp", "2", "--requests", "14", "--warm", "4", "--rule",
+                "exact,best", "--arena", "on", "--timeout", "120", "--json", str(out),
+                timeout=230)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    exact, best = res["variants"]
+    for v in (exact, best):
+        assert v["correct"] and v["problems"] == [], v
+        made = v["totals"]["created"]
+        assert made > 0 and v["totals"]["hits"] + v["totals"]["misses"] == res["workload"]["photos"]
+        # no eviction in a 1 GiB arena: every segment made is one registration per rank
+        assert v["totals"]["evicted"] == 0
+        regs = [v["first_requests"]["registrations_per_rank"][k]
+                + v["registrations_per_rank_steady"][k] for k in range(2)]
+        assert regs == [made, made], v
+    assert best["totals"]["hits"] >= exact["totals"]["hits"]
+    assert res["leftover_segments"] == [] and _bench_files(shm_dir) == set()
+    assert "simulated on a CPU host" in proc.stdout and "segments left: none" in proc.stdout
+
+
+def test_bench_workload_mixed_runs_the_mixed_workload(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from mmshm import cli
+    from mmshm.bench import mixed
+
+    seen = []
+    monkeypatch.setattr(mixed, "main", lambda args, prog=None: seen.append((args, prog)) or 0)
+    out = str(tmp_path / "m.json")
+    r = CliRunner().invoke(cli.main, ["bench", "--workload", "mixed", "--tp", "4,2", "--json",
+                                      out])
+    assert r.exit_code == 0, r.output
+    assert seen == [(["--tp", "4", "--timeout", "300.0", "--json", out],
+                     "mmshm bench --workload mixed")]
