@@ -740,3 +740,16 @@ def test_the_on_line_names_the_namespace_and_directory(shm_dir, caplog):
     assert "weights=id:tiny-qwen2-vl@main dtype=float32" in lines[0] and "key=pixels" in lines[0]
     assert shm_dir in lines[0]
     report._reset_for_tests()
+
+
+def test_importing_the_integration_imports_neither_vllm_nor_the_connector():
+    """Only vLLM's factory imports the connector's file (it imports vLLM);
+    importing mmshm's vLLM integration does neither, here where vLLM is
+    installed."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mmshm.integrations.vllm; "
+            "print('vllm' in sys.modules, 'mmshm.integrations.vllm.epd' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["False", "False"], r.stdout + r.stderr
