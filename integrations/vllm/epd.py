@@ -535,8 +535,11 @@ class MmshmECConnector(ECConnectorBase):
         if not self.is_consumer:
             return True
         rid = request.request_id
-        if self._poisoned and any(f.identifier in self._poisoned for f in request.mm_features):
-            self._unavailable.add(rid)  # vLLM's encoder cache may hold the zeros: failed
+        if self._poisoned and any(
+                f.identifier in self._poisoned
+                and f.mm_position.offset + f.mm_position.length > num_computed_tokens
+                for f in request.mm_features):
+            self._unavailable.add(rid)  # it needs an item vLLM may hold zeros for: failed
             return False
         for i, (f, key) in enumerate(zip(request.mm_features, keys)):
             if key is None or (rid, i) in self._looked:

@@ -490,6 +490,11 @@ def test_a_failed_worker_load_fails_its_request_and_the_engine_goes_on(produced,
         assert sched.ensure_cache_available(again, 0) is False
         assert sched.take_unavailable_requests() == {"pd-1"}
         sched.request_finished(again)
+        # one whose KV already holds the item needs no output of it: left alone
+        past = request("pd-9", [("sha-a", 12)])
+        assert sched.ensure_cache_available(past, 4 + ROWS + 2) is True
+        assert sched.take_unavailable_requests() == set()
+        sched.request_finished(past)
         sched.request_finished(req)  # vLLM's FINISHED_ERROR frees it
         assert sched._held == {}
         del cache, t
