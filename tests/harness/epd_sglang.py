@@ -20,10 +20,10 @@ reach the host's /dev/shm. Under ``mmshm run`` mmshm's segment directory is
 that /dev/shm (``MMSHM_DIR=/dev/shm``).
 
 The language instance's registry of encoders probes them every 10 s with a 2 s
-timeout and drops one after 3 misses (``EncoderBootstrapServer``); a busy
-encoder on two cores misses probes, so the pairs run with a probe timeout
-of :data:`PROBE_TIMEOUT_S` (``SGLANG_ENCODER_BOOTSTRAP_HEALTH_CHECK_TIMEOUT``):
-a dead encoder refuses the connection at once and is still dropped in 30 s.
+timeout and drops one after 3 misses (``EncoderBootstrapServer``). The pairs
+run with SGLang's defaults, so that a busy encoder dropped shows
+(:class:`Pair`'s ``probe_timeout_s`` sets
+``SGLANG_ENCODER_BOOTSTRAP_HEALTH_CHECK_TIMEOUT`` where a test wants another).
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ from pathlib import Path
 
 from tests.harness import servers
 
-#: Seconds the language instance's encoder probe waits (SGLang's default: 2).
-PROBE_TIMEOUT_S = 30
 #: The language instance's TP size.
 TP = 2
 
@@ -119,10 +117,13 @@ class Pair:
         mmshm: run both under ``mmshm run``.
         shm_size: the pair's private /dev/shm (tmpfs size, mount's syntax).
         extra_env: more environment for both instances (``MMSHM_*`` ...).
+        probe_timeout_s: the language instance's encoder probe timeout
+            (None: SGLang's default, 2 s).
     """
 
     def __init__(self, name: str, model, version: tuple[int, ...], logs: Path,
-                 mmshm: bool, shm_size: str = "512m", extra_env: dict | None = None):
+                 mmshm: bool, shm_size: str = "512m", extra_env: dict | None = None,
+                 probe_timeout_s: float | None = None):
         self.name, self.mmshm = name, mmshm
         self.private = PRIVATE_SHM
         self.ns = None
@@ -140,9 +141,9 @@ class Pair:
         prefix = self.ns.prefix if self.ns is not None else None
         self.encoder_port, lang_port = servers.free_port(), servers.free_port()
         self.bootstrap_port = servers.free_port()
-        env = dict(SGLANG_HOST_IP="127.0.0.1",
-                   SGLANG_ENCODER_BOOTSTRAP_HEALTH_CHECK_TIMEOUT=str(PROBE_TIMEOUT_S),
-                   **(extra_env or {}))
+        env = dict(SGLANG_HOST_IP="127.0.0.1", **(extra_env or {}))
+        if probe_timeout_s is not None:
+            env["SGLANG_ENCODER_BOOTSTRAP_HEALTH_CHECK_TIMEOUT"] = f"{probe_timeout_s:g}"
         if mmshm:
             env["MMSHM_DIR"] = seg_dir
         self.encoder = servers.Server(
