@@ -160,6 +160,9 @@ def test_a_consumer_maps_and_registers_once_for_n_outputs(arena_on, on_gpu):
     p = Producer(on_gpu)
     try:
         saves, addrs = _round_trips(p, range(5))
+        # before the producer's exit (its pool unlinked, our mapping goes with it
+        # at the next sweep, the sweeping thread's included)
+        st = arena.VIEWS.status()
     finally:
         p.stop()
     assert all(s[3] for s in saves)  # every output went to an arena segment
@@ -168,11 +171,11 @@ def test_a_consumer_maps_and_registers_once_for_n_outputs(arena_on, on_gpu):
     assert [c[3] for c in fake.calls if c[0] == "register"] == [True]  # read-only
     assert len(set(addrs)) == 1  # the same mapping every time
     assert metric("mmshm_arena_views_total", registered="yes") - views0 == 5
-    st = arena.VIEWS.status()
-    assert st["mappings"] == 1 and st["registered"] == 1 and st["views"] == 0
+    assert st["mappings"] == 1 and st["registered"] == 1 and st["views"] == 0, st
     gc.collect()
     arena.VIEWS.sweep()  # the producer's exit unlinked its pool: our mapping goes too
     assert arena.VIEWS.status()["mappings"] == 0
+    assert ("unregister", addrs[0], 0) in fake.calls  # on the device it was mapped on
     assert segment_files() == []
 
 
