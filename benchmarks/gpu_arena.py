@@ -68,6 +68,35 @@ bf16, 68.6 MB) on the producer's GPU moves to the consumer's GPU:
   reason, where safetensors does not import);
 - ``floor: pinned round trip``: a D2H into pinned memory, then an H2D from it.
 
+**Part 3: the mixed-size workload and the race check** (``--skip-mixed``
+leaves it out, ``--only-mixed`` runs it alone). Photo sizes as
+``mmshm bench --workload mixed`` draws them (:mod:`mmshm.bench.mixed`: real
+phone, screenshot and web dimensions through Qwen2-VL's ``smart_resize``, 1-8
+photos a request), the arena on, 2 consumers. Each consumer copies as the
+server does: the GPU busy with a forward (``torch.cuda._sleep``, 100 ms),
+then per photo ``materialize()`` (an arena view) and ``.to(device,
+non_blocking=True)`` on the current stream, the view dropped at once; it
+tells the producer it released the request *before* any wait, and the
+producer writes the next request at once, into the released segments when
+they are back in its pool. After its stream is synchronized each consumer
+checks every GPU tensor against the producer's checksum. With the arena's
+settle on (a released registered view goes back only once the device has
+run the copies queued before) no photo may be torn; the **control** run
+switches the settle off (a registrar whose settle returns at once) and must
+see torn photos, which shows the check can fail. Both print registrations
+per request per consumer (counted by wrapping the arena's registrar) and the
+producer's pool hits. On a CPU (``--dry-run``) the copy is queued on a
+stand-in stream (a thread that copies later from the mapping's address, as
+a DMA would, busy until the producer's next request has arrived) and the
+registrations are **simulated** (nothing is registered).
+
+**The memlock probe** (CUDA only): a child running as ``nobody`` (when the
+script runs as root) under ``RLIMIT_MEMLOCK`` = 64 KiB (``ulimit -l 64``)
+registers 64 MiB of anonymous memory with ``cudaHostRegister`` and reports
+CUDA's error name and text: whether the locked-memory limit refuses a
+registration at all (NVIDIA's driver pins with ``FOLL_LONGTERM``, which may
+not be charged to it).
+
 Each row gives its time over the floor of the same payload (``x floor``).
 Goals of issue 42 are checked at the end (where the rows ran).
 
@@ -793,6 +822,455 @@ def host_info(p: Producer | None = None) -> dict:
     return info
 
 
+# -- part 3: the mixed-size workload and the race check ---------------------------------------
+MIXED = "mixed sizes, the server's own copy"
+RACE_CONTROL = "control: settle off"
+#: the GPU is busy for this long ahead of each request's copies (a forward in
+#: flight), so that an early rewrite by the producer lands before the copy
+#: (the producer writes a request of 8 photos, 190 MB, in about 20 ms)
+BUSY_S = 0.1
+#: --dry-run: the fake stream is busy until the producer's next request has
+#: arrived (at most this long), so the control's tear does not hang on timing
+BUSY_GATE_S = 2.0
+#: --dry-run: pixel_values rows divided by this (tiny payloads)
+TINY_ROWS_DIV = 64
+
+
+class FakeStream:
+    """A CPU stand-in for a CUDA stream (``--dry-run``): work queued on one
+    thread, run in order, later. :meth:`copy` returns the destination at once
+    and fills it when its turn comes (as ``.to(device, non_blocking=True)``
+    from page-locked memory); :meth:`busy` queues a pause (a kernel);
+    :meth:`synchronize` waits for everything queued so far."""
+
+    def __init__(self):
+        import queue
+
+        self.q = queue.Queue()
+        self.t = threading.Thread(target=self._run, daemon=True, name="fake-stream")
+        self.t.start()
+
+    def _run(self):
+        while True:
+            fn, done = self.q.get()
+            try:
+                if fn is not None:
+                    fn()
+            finally:
+                if done is not None:
+                    done.set()
+
+    def busy(self, seconds: float) -> None:
+        self.q.put((lambda: time.sleep(seconds), None))
+
+    def busy_until(self, ready, seconds: float) -> None:
+        """Busy until ``ready()`` is true, at most ``seconds``."""
+        def wait():
+            end = time.monotonic() + seconds
+            while not ready() and time.monotonic() < end:
+                time.sleep(0.001)
+
+        self.q.put((wait, None))
+
+    def copy(self, src):
+        """A copy of ``src`` made later, from its address: like a DMA, it holds
+        no reference to ``src`` (the arena keeps the mapping, not the view)."""
+        import ctypes
+
+        import torch
+
+        dst = torch.empty_like(src)
+        addr, n = src.data_ptr(), src.numel() * src.element_size()
+        self.q.put((lambda: ctypes.memmove(dst.data_ptr(), addr, n), None))
+        return dst
+
+    def synchronize(self) -> None:
+        done = threading.Event()
+        self.q.put((None, done))
+        done.wait(60)
+
+
+class CountingRegistrar:
+    """Wraps the arena's registrar in a consumer: counts registrations (what
+    ``cudaHostRegister`` was asked), and with ``settle=False`` switches the
+    settle off (the race check's control: a released view's pages go back
+    to the producer while a copy may still read them). ``inner`` None: a
+    **simulated registration on a CPU host** (``--dry-run``), whose settle
+    waits for the :class:`FakeStream`."""
+
+    name = "counting"
+
+    def __init__(self, inner=None, settle: bool = True, stream: FakeStream | None = None):
+        self.inner = inner
+        self.do_settle = settle
+        self.stream = stream
+        self.registered = 0
+        self.unregistered = 0
+        self._lock = threading.Lock()
+
+    def current_device(self):
+        return self.inner.current_device() if self.inner is not None else None
+
+    def register(self, addr, nbytes, read_only, device=None):
+        with self._lock:
+            self.registered += 1
+        if self.inner is not None:
+            self.inner.register(addr, nbytes, read_only, device)
+
+    def unregister(self, addr, device=None):
+        with self._lock:
+            self.unregistered += 1
+        if self.inner is not None:
+            self.inner.unregister(addr, device)
+
+    def settle(self, devices=()):
+        if not self.do_settle:
+            return
+        if self.inner is not None:
+            self.inner.settle(devices)
+        elif self.stream is not None:
+            self.stream.synchronize()
+
+
+def mixed_consumer_main(index: int, cfg: dict, conn) -> None:
+    """A TP rank of the mixed workload: per request, the GPU is made busy
+    (:data:`BUSY_S`), each photo is materialized (an arena view) and copied as
+    the server copies (``.to(device, non_blocking=True)`` on the current
+    stream), the view dropped at once; ``("released", i)`` goes to the
+    producer before any wait; then the stream is synchronized and every GPU
+    tensor checked against the producer's checksum: ``("checked", i, ok,
+    registrations so far)``."""
+    import gc
+
+    import torch
+
+    cuda = cfg["device"] == "cuda"
+    stream = None
+    cycles_per_s = 0.0
+    if cuda:
+        dev = torch.device("cuda", index % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        torch.ones(1, device=dev)
+        torch.cuda.synchronize(dev)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(10_000_000)
+        b.record()
+        b.synchronize()
+        cycles_per_s = 10_000_000 / max(a.elapsed_time(b) / 1e3, 1e-6)
+    else:
+        dev = torch.device("cpu")
+        stream = FakeStream()
+    from mmshm.segments import arena
+
+    reg = CountingRegistrar(arena.CudaRegistrar() if cuda else None, settle=cfg["settle"],
+                            stream=stream)
+    arena.set_registrar(reg)
+    conn.send(("ready", os.getpid()))
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                return
+            if msg[0] == "stop":
+                return
+            _, i, items = msg
+            try:
+                if cuda:
+                    torch.cuda._sleep(int(BUSY_S * cycles_per_s))
+                else:  # until the producer has written the next request
+                    stream.busy_until(conn.poll, BUSY_GATE_S)
+                outs = []
+                for h, _expected in items:
+                    t = h.materialize()
+                    outs.append(t.to(dev, non_blocking=True) if cuda else stream.copy(t))
+                    del t  # the view goes now; the copy may still be queued
+                del h
+                gc.collect()
+                conn.send(("released", i))
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                else:
+                    stream.synchronize()
+                ok = [checksum(g) == e for g, (_, e) in zip(outs, items)]
+                del outs, items
+                conn.send(("checked", i, ok, reg.registered, reg.unregistered))
+            except Exception:  # noqa: BLE001 - said to the producer
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        arena.VIEWS.settled(10.0)
+
+
+def mixed_producer_main(cfg: dict, conns, ctrl) -> None:
+    """The tokenizer of the mixed workload, the arena on: per request, each
+    photo's ``pixel_values`` (sizes from :func:`mmshm.bench.mixed.workload`,
+    bytes changed in every page per request) written with
+    ``ShmTensor.from_tensor`` (a warm arena segment when one is idle: the
+    producer rewrites a released segment at once), a reference per consumer;
+    the next request as soon as every consumer said it released this one."""
+    out = {"requests": 0, "photos": 0, "torn": 0, "photos_checked": 0, "registrations": [],
+           "unregistrations": [], "hits": 0, "misses": 0, "error": None}
+    try:
+        import torch
+
+        import mmshm
+        from mmshm.bench.mixed import COLUMNS, workload
+        from prometheus_client import REGISTRY
+
+        def counter(result):
+            return REGISTRY.get_sample_value("mmshm_pool_requests_total",
+                                             {"result": result}) or 0.0
+
+        work = workload(cfg["requests"], cfg["seed"])
+        div = TINY_ROWS_DIV if cfg["device"] != "cuda" else 1
+        rows_max = max(max(t * h * w for t, h, w in r) for r in work) // div + 1
+        base = torch.randint(-2**30, 2**30, (rows_max * COLUMNS,), dtype=torch.int32)
+        for c in conns:
+            if not c.poll(120):
+                raise RuntimeError("a consumer did not start")
+            c.recv()
+        pending: list = []
+        h0, m0 = counter("hit"), counter("miss")
+        t0 = time.time()
+        for i, grids in enumerate(work):
+            if time.time() > cfg["deadline"]:
+                out["error"] = "stopped at the run's deadline"
+                break
+            items = []
+            for j, (t, gh, gw) in enumerate(grids):
+                rows = max(1, t * gh * gw // div)
+                words = base[:rows * COLUMNS].clone()
+                words[(i * 8 + j) % STRIDE_WORDS::STRIDE_WORDS] += i + 1
+                x = words.view(torch.float32).view(rows, COLUMNS)
+                h = mmshm.ShmTensor.from_tensor(x, hash=b"")
+                h.share(len(conns))  # one reference per consumer, handed over by the pickle
+                items.append((h, checksum(x)))
+            for c in conns:
+                c.send(("request", i, items))
+            for h, _ in items:
+                h.release()
+            del items, h
+            if pending:  # the previous request's check: its copies ran while this was written
+                _mixed_checked(conns, out, cfg)
+            for c in conns:  # the release, not the copy: the next rewrite follows at once
+                _expect(c, "released", cfg["request_timeout"])
+            pending = [i]
+            out["requests"] += 1
+            out["photos"] += len(grids)
+        if pending:
+            _mixed_checked(conns, out, cfg)
+        out["hits"], out["misses"] = counter("hit") - h0, counter("miss") - m0
+        out["elapsed_s"] = time.time() - t0
+    except Exception:  # noqa: BLE001 - said to the orchestrator
+        out["error"] = traceback.format_exc()
+    finally:
+        for c in conns:
+            try:
+                c.send(("stop",))
+            except OSError:
+                pass
+        try:
+            from mmshm.segments.table import TABLE
+
+            TABLE.sweep()
+            TABLE.trim_pool()
+        except Exception:  # noqa: BLE001
+            pass
+        ctrl.send(("mixed", out))
+
+
+def _expect(conn, kind: str, timeout: float):
+    if not conn.poll(timeout):
+        raise RuntimeError(f"no {kind!r} from a consumer in {timeout} s")
+    msg = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError(f"a consumer failed:\n{msg[1]}")
+    if msg[0] != kind:
+        raise RuntimeError(f"expected {kind!r} from a consumer, got {msg[0]!r}")
+    return msg
+
+
+def _mixed_checked(conns, out: dict, cfg: dict) -> None:
+    regs, unregs = [], []
+    for c in conns:
+        _, _i, ok, r, u = _expect(c, "checked", cfg["request_timeout"])
+        out["photos_checked"] += len(ok)
+        out["torn"] += sum(1 for x in ok if not x)
+        regs.append(r)
+        unregs.append(u)
+    out["registrations"], out["unregistrations"] = regs, unregs
+
+
+def memlock_probe(nbytes: int = 64 << 20, limit: int = 64 << 10, timeout: float = 60.0) -> dict:
+    """Register ``nbytes`` of anonymous memory with CUDA in a child running as
+    ``nobody`` (when this process is root) under ``RLIMIT_MEMLOCK`` =
+    ``limit`` bytes (``ulimit -l 64``): does the locked-memory limit refuse a
+    ``cudaHostRegister``? Returns the child's report (CUDA's error name and
+    text, the user it ran as, the limit it had), or the reason it could not
+    run."""
+    import pwd
+    import resource
+
+    code = r"""
+import ctypes, json, mmap, os, resource
+import torch
+torch.cuda.init()
+torch.ones(1, device="cuda")
+n = %d
+buf = mmap.mmap(-1, n)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+rt = torch.cuda.cudart()
+rc = int(rt.cudaHostRegister(addr, n, 0))
+name = text = None
+with open("/proc/self/maps") as f:
+    libs = {l.split()[-1] for l in f if "libcudart" in l}
+for lib in libs:
+    try:
+        L = ctypes.CDLL(lib)
+        L.cudaGetErrorName.restype = L.cudaGetErrorString.restype = ctypes.c_char_p
+        name = L.cudaGetErrorName(rc).decode(); text = L.cudaGetErrorString(rc).decode()
+        if rc == 0:
+            L.cudaGetLastError()
+        break
+    except Exception:
+        pass
+if rc == 0:
+    rt.cudaHostUnregister(addr)
+print(json.dumps({"rc": rc, "error_name": name, "error_text": text, "uid": os.getuid(),
+                  "memlock": resource.getrlimit(resource.RLIMIT_MEMLOCK), "bytes": n}))
+""" % nbytes
+    user = "root (not root: the limit only)"
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        nobody = None
+
+    def demote():
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, limit))
+        if os.geteuid() == 0 and nobody is not None:
+            os.setgroups([])
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+
+    if os.geteuid() == 0 and nobody is not None:
+        user = "nobody"
+    elif os.geteuid() != 0:
+        user = f"uid {os.geteuid()}"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout, preexec_fn=demote, cwd="/",
+                              env=dict(os.environ, HOME="/tmp"))
+    except Exception as exc:  # noqa: BLE001 - reported
+        return {"error": f"the probe did not run: {exc!r}", "user": user}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}", "user": user}
+    res = json.loads(lines[-1])
+    res["user"] = user
+    res["limit_bytes"] = limit
+    return res
+
+
+def run_mixed(cfg: dict, env: dict, deadline: float, out: dict) -> None:
+    """Part 3: the mixed workload with the settle on (the check must pass)
+    and, as its control, with the settle off (the check must see a tear where
+    copies are asynchronous); each its own spawned set; rows in
+    ``out["mixed"]``."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    for label, settle, requests in ((MIXED, True, cfg["mixed_requests"]),
+                                    (RACE_CONTROL, False, cfg["control_requests"])):
+        if time.time() > deadline - 10:
+            out["errors"].append(f"{label}: not run (the run's deadline)")
+            continue
+        c = dict(cfg, settle=settle, requests=requests, deadline=deadline - 5)
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        pipes = [ctx.Pipe() for _ in range(cfg["mixed_consumers"])]
+        ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
+        cons = [ctx.Process(target=mixed_consumer_main, args=(i, c, b), daemon=True)
+                for i, (_, b) in enumerate(pipes)]
+        prod = ctx.Process(target=mixed_producer_main, args=(c, [a for a, _ in pipes], ctrl_w),
+                           daemon=True)
+        try:
+            for pr in (*cons, prod):
+                pr.start()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        for a, b in pipes:
+            a.close()
+            b.close()
+        ctrl_w.close()
+        res = None
+        while time.time() < deadline:
+            if ctrl_r.poll(1.0):
+                try:
+                    kind, res = ctrl_r.recv()
+                except (EOFError, OSError):
+                    break
+                break
+            if not prod.is_alive() and not ctrl_r.poll(0.5):
+                break
+        killed = _kill([prod, *cons], 30.0 if res is not None else 5.0)
+        if res is None:
+            out["errors"].append(f"{label}: the producer gave no result")
+            res = {"error": "no result"}
+        if killed:
+            out["errors"].append(f"{label}: killed processes {killed} that did not exit")
+            os.environ["MMSHM_DIR"] = env["MMSHM_DIR"]
+            try:
+                from mmshm.segments.reaper import reclaim_left_by
+
+                reclaim_left_by({p.pid for p in (prod, *cons)}, env["MMSHM_DIR"])
+            finally:
+                os.environ.pop("MMSHM_DIR", None)
+        ctrl_r.close()
+        res["path"], res["settle"] = label, settle
+        out["mixed"].append(res)
+
+
+def mixed_lines(out: dict) -> list:
+    """The mixed rows, the race check's verdict and the memlock probe, as text."""
+    lines = []
+    for r in out.get("mixed", []):
+        regs = r.get("registrations") or []
+        n = max(1, r.get("requests", 0))
+        lookups = (r.get("hits") or 0) + (r.get("misses") or 0)
+        lines.append(
+            f"{r['path']}: {r.get('requests', 0)} requests, {r.get('photos', 0)} photos, "
+            f"torn {r.get('torn', 0)} of {r.get('photos_checked', 0)} checked; registrations "
+            f"per request per consumer {max(regs, default=0) / n:.3f} ({regs} in all); "
+            f"pool hits {r.get('hits', 0):.0f} of {lookups:.0f}"
+            + (f"; error: {r['error'].strip().splitlines()[-1]}" if r.get("error") else ""))
+    by = {r["path"]: r for r in out.get("mixed", [])}
+    on, off = by.get(MIXED), by.get(RACE_CONTROL)
+    if on is not None and off is not None:
+        passed = not on.get("error") and on.get("photos_checked") and on.get("torn") == 0
+        lines.append(f"race check (settle on): {'passed' if passed else 'FAILED'}")
+        if off.get("torn"):
+            lines.append(f"race check control (settle off): the check saw {off['torn']} torn "
+                         f"photo(s): it can fail")
+        else:
+            lines.append("race check control (settle off): NO tear seen: the check did not "
+                         "show it can fail in this run")
+    m = out.get("memlock")
+    if m is not None:
+        if "error" in m:
+            lines.append(f"memlock probe: {m['error']}")
+        else:
+            verdict = "refused" if m["rc"] else "accepted"
+            lines.append(f"memlock probe: cudaHostRegister of {m['bytes'] >> 20} MiB as "
+                         f"{m['user']} under RLIMIT_MEMLOCK={m['limit_bytes'] >> 10} KiB: "
+                         f"{verdict} ({m['error_name']}: {m['error_text']})")
+    return lines
+
+
 # -- the orchestrator -----------------------------------------------------------------------
 def _kill(procs, grace: float) -> list:
     """Join ``procs`` (``grace`` seconds in all), then terminate and kill those still
@@ -999,6 +1477,13 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=280.0, help="seconds for the whole run")
     ap.add_argument("--request-timeout", type=float, default=60.0)
     ap.add_argument("--json")
+    ap.add_argument("--mixed-requests", type=int, default=60,
+                    help="requests of the mixed-size workload with the settle on (part 3)")
+    ap.add_argument("--control-requests", type=int, default=12,
+                    help="requests of its control, the settle off (part 3)")
+    ap.add_argument("--skip-mixed", action="store_true", help="leave part 3 out")
+    ap.add_argument("--only-mixed", action="store_true",
+                    help="part 3 (and the memlock probe) only")
     ap.add_argument("--hang-for-test", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     t_start = time.time()
@@ -1015,6 +1500,12 @@ def main(argv=None) -> int:
     tiny = a.device == "cpu"
     if a.dry_run:
         a.warmup, a.reps = 1, 3
+        a.mixed_requests, a.control_requests = min(a.mixed_requests, 8), min(
+            a.control_requests, 4)
+    if a.mixed_requests < 1 or a.control_requests < 1:
+        ap.error("--mixed-requests and --control-requests must be >= 1")
+    if a.skip_mixed and a.only_mixed:
+        ap.error("--skip-mixed and --only-mixed exclude each other")
     run_dir = tempfile.mkdtemp(prefix="mmshm-gpu-arena-", dir=a.shm_dir)
     seg_dir = os.path.join(run_dir, "seg")
     st_dir = os.path.join(run_dir, "st")
@@ -1034,21 +1525,32 @@ def main(argv=None) -> int:
            "reps": a.reps, "cell_s": a.cell_s, "hash": a.hash,
            "request_timeout": a.request_timeout, "photo_shape": photo_shape,
            "epd_shape": TINY_EPD_SHAPE if tiny else EPD_SHAPE, "st_dir": st_dir,
-           "hang": a.hang_for_test}
+           "hang": a.hang_for_test, "mixed_requests": a.mixed_requests,
+           "control_requests": a.control_requests, "mixed_consumers": max(consumers),
+           "seed": 0}
     out = {"device": a.device, "photos": photos, "consumers": consumers, "hash": a.hash,
            "arena_bytes": a.arena_bytes, "host": {}, "rows": [], "skipped": [],
-           "errors": [], "reports": {}}
+           "errors": [], "reports": {}, "mixed": [], "memlock": None}
     # the warm pool on, as by default (the arena is the pool made persistent)
     base_env = {"MMSHM_DIR": seg_dir, "MMSHM_POOL": "1", "PYTHONUNBUFFERED": "1"}
     print(f"gpu_arena: device {a.device}, photos {photos}, consumers {consumers}, "
           f"segments in {seg_dir}", file=sys.stderr, flush=True)
     rc = 0
     try:
-        end = t_start + a.timeout - 10
-        # the arena set first (with the floors): the rows the issue is about
-        run_set("arena", cfg, dict(base_env, MMSHM_ARENA_BYTES=a.arena_bytes),
-                min(end, time.time() + max(30.0, 0.4 * (end - time.time()))), out)
-        run_set("today", cfg, dict(base_env, MMSHM_ARENA_BYTES="0"), end, out)
+        end = t_start + a.timeout - 10 - (25 if a.device == "cuda" else 0)  # the memlock probe
+        if not a.only_mixed:
+            # the arena set first (with the floors): the rows the issue is about
+            run_set("arena", cfg, dict(base_env, MMSHM_ARENA_BYTES=a.arena_bytes),
+                    min(end, time.time() + max(30.0, 0.4 * (end - time.time()))), out)
+            # part 3 keeps its share of the time (about 30 s on a GPU host)
+            mixed_s = 0 if a.skip_mixed else min(60.0, 0.25 * (end - time.time()))
+            run_set("today", cfg, dict(base_env, MMSHM_ARENA_BYTES="0"), end - mixed_s, out)
+        if not a.skip_mixed:
+            run_mixed(cfg, dict(base_env, MMSHM_ARENA_BYTES=a.arena_bytes), end, out)
+        if a.device == "cuda":
+            out["memlock"] = memlock_probe(timeout=max(5.0, t_start + a.timeout - time.time()))
+        else:
+            out["skipped"].append({"path": "memlock probe", "why": "needs CUDA"})
     finally:
         left = segments_left(seg_dir)
         st_left = os.listdir(st_dir) if os.path.isdir(st_dir) else []
@@ -1078,6 +1580,13 @@ def main(argv=None) -> int:
                   f"request (a consumer new to the arena segment maps{reg} it) "
                   f"{_ms(r['first_s'])} ms, then {_ms(r['median_s'])} ms: "
                   f"{_ms(r['first_s'] - r['median_s'])} ms once")
+    for line in mixed_lines(out):
+        print(line)
+    by = {r["path"]: r for r in out["mixed"]}
+    if not a.skip_mixed and (MIXED not in by or by[MIXED].get("error")
+                             or by[MIXED].get("torn") or not by[MIXED].get("photos_checked")
+                             or RACE_CONTROL not in by or not by[RACE_CONTROL].get("torn")):
+        rc = 1  # the race check failed, or its control could not show that it can fail
     gl = goals(out)
     out["goals"] = gl
     for g in gl:

@@ -27,6 +27,9 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 # issue 42: the time from the tokenizer to the GPU (plain pickle, SGLang's CUDA IPC, mmshm
 # today, mmshm's arena, the pinned floor; 1/8/32 720p photos, 1 and 2 consumers) and the EPD
 # GPU hop (mmshm, safetensors on tmpfs, the pinned round trip), every row over its floor;
+# then the mixed-size workload with the server's own copy and the race check (settle on: no
+# torn photo; settle off, the control: torn photos), registrations per request, and the
+# memlock probe (cudaHostRegister of 64 MiB as nobody under ulimit -l 64);
 # its own limit (--timeout) is below the shell's, so the table is printed whatever happens
 timeout 300 python3 benchmarks/gpu_arena.py --timeout 280 --json "$OUT/arena.json" 2>&1 \
   | tee "$OUT/arena.txt" || true

@@ -48,7 +48,7 @@ def _run(tmp_path, shm_dir, *extra, timeout=120):
 
 
 def test_the_cpu_dry_run_runs_every_path_with_equal_bytes_and_leaves_nothing(tmp_path, shm_dir):
-    proc, data, _ = _run(tmp_path, shm_dir)
+    proc, data, _ = _run(tmp_path, shm_dir, "--skip-mixed")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     mod = _load()
     rows = {(r["path"], r["consumers"], r["photos"]): r for r in data["rows"]}
@@ -96,7 +96,8 @@ def test_a_consumer_that_hangs_is_killed_and_its_segments_reclaimed(tmp_path, sh
     """Consumer 0 of the arena set never answers its first handle: the producer
     gives up after --request-timeout, the set's processes are killed, what they
     held is reclaimed, the other set still runs, and the exit status says so."""
-    proc, data, took = _run(tmp_path, shm_dir, "--request-timeout", "3", "--hang-for-test")
+    proc, data, took = _run(tmp_path, shm_dir, "--request-timeout", "3", "--hang-for-test",
+                            "--skip-mixed")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert took < 90
     errors = "\n".join(data["errors"])
@@ -148,8 +149,33 @@ def test_gpu_h2d_sh_runs_the_arena_benchmark_within_its_time():
     assert sum(t for t, _ in runs) <= 510, runs
 
 
-@pytest.mark.parametrize("bad", ["--warmup 0", "--reps 0"])
+@pytest.mark.parametrize("bad", ["--warmup 0", "--reps 0", "--mixed-requests 0",
+                                 "--skip-mixed --only-mixed"])
 def test_bad_arguments_are_refused(bad):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *bad.split()],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 2 and "must be >= 1" in proc.stderr
+    assert proc.returncode == 2
+    assert "must be >= 1" in proc.stderr or "exclude each other" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_mixed_workload_race_check_passes_and_its_control_tears(tmp_path, shm_dir):
+    """Part 3 on CPU: mixed photo sizes, each consumer's copy queued on a
+    stand-in stream (run later, from the mapping's address, as a DMA) and
+    the view dropped at once, the producer rewriting released segments at
+    once. With the arena's settle on, every copy has its bytes; with the
+    settle switched off (the control) the check sees torn photos, so the
+    check can fail. Registrations (simulated on a CPU host) are counted."""
+    proc, data, _ = _run(tmp_path, shm_dir, "--only-mixed", timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    mod = _load()
+    by = {r["path"]: r for r in data["mixed"]}
+    on, off = by[mod.MIXED], by[mod.RACE_CONTROL]
+    assert on["error"] is None and off["error"] is None, (on, off)
+    assert on["requests"] == 8 and on["photos_checked"] == 2 * on["photos"] and on["torn"] == 0
+    assert off["requests"] == 4 and off["torn"] > 0
+    assert on["hits"] > 0 and all(r > 0 for r in on["registrations"])
+    assert "race check (settle on): passed" in proc.stdout
+    assert "the check saw" in proc.stdout and "it can fail" in proc.stdout
+    assert "registrations per request per consumer" in proc.stdout
+    assert data["segments_left"] == [] and os.listdir(shm_dir) == []
