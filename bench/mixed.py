@@ -752,7 +752,14 @@ def run(tp: int = 2, requests: int = DEFAULT_REQUESTS, warm: int = DEFAULT_WARM,
         for arena_on in arenas:
             for rule in rules:
                 log(f"variant: arena {'on' if arena_on else 'off'}, reuse rule {rule}")
-                variants.append(_Variant(cfg, rule, arena_on, directory).run(work, photos, log))
+                v = _Variant(cfg, rule, arena_on, directory).run(work, photos, log)
+                variants.append(v)
+                rate = v["pool_hit_rate"]
+                log(f"  steady state: pool hit rate "
+                    f"{'-' if rate is None else f'{100 * rate:.1f}%'}, registrations per "
+                    f"rank {v['registrations_per_rank_steady']}, segments created "
+                    f"{v['segments_created_steady']:.0f}, bytes "
+                    f"{'ok' if v['correct'] else 'WRONG'} ({v['elapsed_s']:.0f} s)")
     finally:
         if before_dir is None:
             os.environ.pop("MMSHM_DIR", None)

@@ -331,3 +331,30 @@ def test_the_exact_size_class_rule_misses_where_best_fit_hits(pool, monkeypatch)
     h = mmshm.ShmTensor.from_tensor(torch.ones(600 * 1024))
     assert h.name != big.name
     h.release()
+
+
+def test_an_idle_arena_segment_of_any_larger_size_serves_and_its_views_stop_at_the_tensor(
+        pool, monkeypatch):
+    """Arena segments are reused whatever their size (the arena bounds the
+    waste): no eviction, no new mapping; the consumer's view from the
+    persistent mapping is the tensor's bytes only."""
+    from mmshm.segments import arena
+
+    monkeypatch.setenv("MMSHM_ARENA_BYTES", str(64 * MiB))
+    config.reload()
+    big = mmshm.ShmTensor.from_tensor(torch.ones(4 * MiB))  # 16 MiB + header
+    name = big.name
+    big.release()
+    hits = _hits()
+    t = torch.arange(MiB // 2, dtype=torch.float32)  # 2 MiB: an eighth of the segment
+    h = mmshm.ShmTensor.from_tensor(t)
+    assert h.name == name and _hits() - hits == 1
+    h.share(1)
+    remote = pickle.loads(pickle.dumps(h))
+    h.release()
+    view = remote.materialize()  # through this process's persistent arena mapping
+    assert view.shape == t.shape and torch.equal(view, t)
+    assert view.untyped_storage().nbytes() == t.numel() * 4  # nothing past the tensor
+    assert arena.VIEWS.status()["mappings"] == 1
+    del view
+    gc.collect()
