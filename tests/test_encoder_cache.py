@@ -869,3 +869,16 @@ def test_a_faulted_entry_is_a_counted_miss_or_one_failed_load_never_wrong_bytes(
         finally:
             os.close(fd)
         os.unlink(os.path.join(shm_dir, n))
+
+
+def test_mmshm_runs_exit_reclaim_covers_a_killed_producers_published_entries(shm_dir):
+    """Published names carry no pid; ``mmshm run``'s reclaim of the server's
+    pids reads the creator from the header."""
+    p, conn, names = _start_producer([8])
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(20)
+    assert segment_files(shm_dir) == [names[0][1]]
+    assert reaper.reclaim_left_by({p.pid + 1}, shm_dir).reclaimed == 0  # another pid's
+    assert reaper.creator_of(shm_dir, names[0][1]) == p.pid
+    rep = reaper.reclaim_left_by({p.pid}, shm_dir)
+    assert rep.reclaimed == 1 and segment_files(shm_dir) == []

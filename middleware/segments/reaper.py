@@ -62,6 +62,7 @@ from mmshm.segments.segfile import (
     STATE_LIVE,
     boottime_ns,
     iter_segment_files,
+    peek_header,
     read_state,
     segment_dir,
     try_lock_unheld,
@@ -167,6 +168,31 @@ def _probe(path: str, unlink: bool, grace_s: float) -> tuple[str, int] | None:
         os.close(fd)  # drops our exclusive lock; blocked attachers see nlink == 0
 
 
+def creator_of(directory: str, name: str) -> int:
+    """The pid that created segment ``name``: the name's pid field, or, for a
+    name whose field is 0 (an encoder output published under a name derived
+    from its content, :func:`mmshm.transport.encoder_cache.published_name`),
+    the creator pid in its header (0 if it cannot be read)."""
+    try:
+        pid = int(name.split("-")[1])
+    except (IndexError, ValueError):
+        return 0
+    if pid:
+        return pid
+    try:
+        fd = os.open(os.path.join(directory, name),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return 0
+    try:
+        hdr = peek_header(fd)
+        return hdr.creator_pid if hdr is not None else 0
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+
+
 def _grace(grace_s: float | None) -> float:
     return config.get().in_flight_grace_s if grace_s is None else grace_s
 
@@ -189,7 +215,7 @@ def scan(directory: str | None = None, grace_s: float | None = None) -> list[Seg
             age = now - os.stat(path, follow_symlinks=False).st_mtime
         except OSError:
             age = 0.0
-        pid = int(name.split("-")[1])
+        pid = creator_of(d, name)
         out.append(SegmentInfo(name, r[1], pid, pid_alive(pid), r[0] in REASONS, age, r[0]))
     return out
 
@@ -210,12 +236,8 @@ def _pass(d: str, dry_run: bool, grace: float, creators: set[int] | None = None,
     rep = ReapReport(directory=d, dry_run=dry_run)
     nbytes = dict.fromkeys(REASONS, 0)
     for name in sorted(iter_segment_files(d)):
-        if creators is not None:
-            try:
-                if int(name.split("-")[1]) not in creators:
-                    continue
-            except (IndexError, ValueError):
-                continue
+        if creators is not None and creator_of(d, name) not in creators:
+            continue
         r = _probe(os.path.join(d, name), unlink=not dry_run, grace_s=grace)
         if r is None:
             continue
