@@ -149,7 +149,6 @@ cannot meet (another directory, namespace or node).
 from __future__ import annotations
 
 import atexit
-import errno
 import logging
 import multiprocessing.util
 import os
@@ -1221,8 +1220,8 @@ class EncoderCache:
         try:
             seg = segment.attach(name, self.directory)
         except SegmentNotFoundError as exc:
-            if exc.errno == errno.ENOENT and "segment is gone" in str(exc):
-                return None, "missing", ""
+            if not os.path.lexists(os.path.join(segment_dir(self.directory), name)):
+                return None, "missing", ""  # no file of that name: the usual miss
             return None, "segment_gone", f"{name}: {exc}"
         except (MmshmError, OSError) as exc:
             return None, "torn", f"{name}: {exc}"
