@@ -857,6 +857,8 @@ class EncoderCache:
                            f"are held by files that are not its entry")
             return SaveResult(False, None, "name_taken", 0)
         with self._lock:
+            if key in self._own:  # a concurrent save kept this very entry meanwhile
+                self._drop(key)
             self._own[key] = _Own(seg, got, seg.gen, nbytes)
             self._touch(key)
         EPD_SAVES.labels(server=self.server).inc()
