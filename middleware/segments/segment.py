@@ -223,8 +223,15 @@ def check_budget(directory: str, total: int) -> None:
     """The budget guard: raise :class:`ShmSpaceError` (reason ``budget``) if a
     new segment of ``total`` bytes would leave less than the reserve
     (``MMSHM_MIN_FREE_BYTES``) free in ``directory``, or push this process
-    over ``MMSHM_MAX_BYTES``. One ``statvfs`` call."""
-    st = os.statvfs(directory)
+    over ``MMSHM_MAX_BYTES``. One ``statvfs`` call. A directory that cannot
+    be read (missing, its parent missing: a typo in a store's ``directory``
+    setting) raises :class:`SegmentError` with the errno, never a bare
+    :class:`OSError`."""
+    try:
+        st = os.statvfs(directory)
+    except OSError as exc:
+        raise SegmentError(exc.errno, f"the segment directory cannot be used: {exc.strerror}",
+                           directory) from exc
     free = st.f_bavail * st.f_frsize
     FREE_BYTES.set(free)
     reserve = config.min_free_bytes(st.f_blocks * st.f_frsize)

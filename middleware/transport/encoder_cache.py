@@ -740,8 +740,9 @@ class EncoderCache:
 
     def __init__(self, directory: str | None = None, server: str = "vllm",
                  keep_s: float = DEFAULT_KEEP_S, max_bytes: int = 0, namespace: str = ""):
-        if keep_s < 0 or max_bytes < 0:
-            raise ValueError("keep_s and max_bytes must be >= 0")
+        if not (keep_s >= 0 and max_bytes >= 0):  # NaN too: it compares false with any time
+            raise ValueError(f"keep_s and max_bytes must be numbers >= 0, not {keep_s!r} and "
+                             f"{max_bytes!r}")
         self.directory = directory
         self.server = server
         self.keep_s = float(keep_s)
