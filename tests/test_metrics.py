@@ -353,6 +353,7 @@ def test_free_bytes_is_read_at_scrape_time(private_dir, tmp_path, monkeypatch):
 COUNTERS = {"mmshm_segments_created", "mmshm_shm_written_bytes", "mmshm_inline_fallbacks",
             "mmshm_materialize_failures", "mmshm_fanout_copies", "mmshm_request_failures",
             "mmshm_reaped_segments", "mmshm_reaped_bytes", "mmshm_pool_requests",
+            "mmshm_pool_dropped",
             "mmshm_internode_bytes", "mmshm_references_handed", "mmshm_observe_errors",
             "mmshm_epd_saves", "mmshm_epd_loads", "mmshm_epd_bytes", "mmshm_epd_fallbacks",
             "mmshm_epd_lookups",
