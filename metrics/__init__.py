@@ -153,7 +153,7 @@ ROLES = ("src", "dst")
 #: ``result`` label values of ``mmshm_pool_requests_total``.
 POOL_RESULTS = ("hit", "miss")
 #: ``reason`` label values of ``mmshm_pool_dropped_total``.
-POOL_DROP_REASONS = ("truncated",)
+POOL_DROP_REASONS = ("truncated", "damaged")
 #: ``path`` label values of ``mmshm_references_handed_total``.
 HANDED_PATHS = ("send", "broadcast")
 #: ``server`` label values of the EPD families (created at 0 for both).
@@ -250,7 +250,7 @@ _SPECS = (
      "Segment pool lookups, by result (hit or miss).", ("result",), {}),
     ("POOL_DROPPED", "counter", "mmshm_pool_dropped",
      "Idle pooled segments dropped instead of reused, by reason (truncated: a third party "
-     "shortened the file).", ("reason",), {}),
+     "shortened the file; damaged: its header was overwritten).", ("reason",), {}),
     ("IPC_SECONDS", "histogram", "mmshm_ipc_seconds",
      "Seconds one message spends in one hop of the multimodal path, by server, hop and "
      "transport (server: the server's own, timed by observe mode; mmshm).",

@@ -274,3 +274,82 @@ def test_a_pooled_file_truncated_during_the_copy_never_kills_the_producer(shm_di
     assert proc.returncode != -signal.SIGBUS, "the producer died of SIGBUS"
     assert proc.returncode == 0 and "survived" in out, err[-3000:]
 
+
+
+# -- damaged pooled files --------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["zero_header", "extend", "replace"])
+def test_a_damaged_idle_pooled_segment_is_never_reused_with_wrong_bytes(arena_on, damage):
+    """An idle arena segment of the pool whose file a third party damaged
+    (header zeroed; extended past its size; replaced by another file of the
+    same name): the next tensors of its size come back byte-equal, through
+    a segment that is not the damaged one where it cannot be trusted, and
+    no process crashes; the damaged segment does not stay counted as the
+    arena's for good."""
+    from mmshm.segments.segfile import HEADER_SIZE
+    from mmshm.segments.table import TABLE
+
+    h = mmshm.ShmTensor.from_tensor(_photo(1))
+    name = h.name
+    h.release()
+    path = os.path.join(arena_on, name)
+    if damage == "zero_header":
+        fd = os.open(path, os.O_WRONLY)
+        os.pwrite(fd, b"\0" * HEADER_SIZE, 0)
+        os.close(fd)
+    elif damage == "extend":
+        os.truncate(path, os.stat(path).st_size + 3 * 4096)
+    else:
+        os.rename(path, path + ".old")
+        with open(path, "wb") as f:
+            f.write(b"\xaa" * (HEADER_SIZE + MiB))
+        os.unlink(path + ".old")
+    for seed in (2, 3):
+        h = mmshm.ShmTensor.from_tensor(_photo(seed))
+        h.share(1)
+        got = pickle.loads(pickle.dumps(h)).materialize(copy=True)
+        assert torch.equal(got, _photo(seed))
+        if damage != "extend":
+            assert h.name != name
+        h.release()
+    TABLE.sweep()
+    TABLE.trim_pool()
+    with TABLE.lock:
+        stuck = [s.name for s in TABLE.segments.values() if s.name == name]
+    if damage == "replace":  # not ours any more: the file is the third party's
+        os.unlink(path)
+    assert not stuck, f"the damaged segment {name} stays in the table for good"
+
+
+def test_a_bimodal_workload_registers_rarely_once_the_arena_covers_the_requests_in_flight(
+        arena_on, monkeypatch):
+    """Small photos (0.5-1 MiB) and one large tensor (8 MiB) in three,
+    3 in flight, released in random order, through a 64 MiB arena: a small
+    one may take an idle large segment (best fit, any size), which then
+    makes the next large one miss. In steady state (after the first 20 of
+    200) at most 1 new registered mapping per 50 requests."""
+    import random
+
+    from tests.harness.registrar import FakeRegistrar
+
+    monkeypatch.setenv("MMSHM_ARENA_BYTES", str(64 * MiB))
+    from mmshm import config
+    config.reload()
+    reg = FakeRegistrar()
+    arena.set_registrar(reg)
+    rng = random.Random(1)
+    inflight, regs = [], []
+    for _ in range(200):
+        n = 8 * MiB if rng.random() < 0.3 else rng.randrange(MiB // 2, MiB, 4096)
+        n0 = reg.registrations()
+        h = mmshm.ShmTensor.from_tensor(torch.full((n // 4,), 1.0))
+        h.share(1)
+        inflight.append(pickle.loads(pickle.dumps(h)).materialize())
+        h.release()
+        if len(inflight) > 3:
+            inflight.pop(rng.randrange(len(inflight)))
+            gc.collect()
+        regs.append(reg.registrations() - n0)
+    del inflight
+    gc.collect()
+    assert arena.VIEWS.settled()
+    assert sum(regs[20:]) * 50 <= len(regs[20:]), regs

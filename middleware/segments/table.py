@@ -113,8 +113,10 @@ from mmshm.segments.reaper import ReapReport, reap
 from mmshm.segments.segfile import (
     HEADER_SIZE,
     STATE_FREED,
+    STATE_LIVE,
     STATE_POOLED,
     detach,
+    peek_header,
     revive,
     segment_dir,
     unlink_pooled,
@@ -396,14 +398,32 @@ class SegmentTable:
             return None
         return size if size < HEADER_SIZE + seg.payload_size else None
 
-    def drop_truncated(self, seg: Segment, on_disk: int) -> None:
+    @staticmethod
+    def _damaged(seg: Segment) -> bool:
+        """Whether ``seg``'s file no longer starts with an mmshm header (a
+        third party overwrote it); False if it cannot be read."""
+        try:
+            return peek_header(seg.fd) is None
+        except OSError:
+            return False
+
+    def drop_truncated(self, seg: Segment, on_disk: int, reason: str = "truncated") -> None:
         """Let go of an idle pooled segment whose file a third party shortened
         to ``on_disk`` bytes (call under :attr:`lock`): unlinked if its name
         still names this file, closed, counted in
         ``mmshm_pool_dropped_total{reason="truncated"}``, said once at
-        WARNING. Never raises."""
-        POOL_DROPPED.labels(reason="truncated").inc()
-        if "truncated" not in _said:
+        WARNING. ``reason="damaged"``: its header was overwritten (no
+        mmshm header any more), counted and said as such. Never raises."""
+        POOL_DROPPED.labels(reason=reason).inc()
+        if reason == "damaged" and "damaged" not in _said:
+            _said.add("damaged")
+            log.warning(
+                "mmshm: a segment of this process, %s, no longer has an mmshm header: "
+                "something outside mmshm overwrote it; it is dropped, never reused (said "
+                "once; mmshm_pool_dropped_total{reason=\"damaged\"} counts each); fix: keep "
+                "other programs off the segment directory (%s) or give mmshm a directory of "
+                "its own (MMSHM_DIR)", seg.path, seg.directory)
+        elif reason == "truncated" and "truncated" not in _said:
             _said.add("truncated")
             log.warning(
                 "mmshm: a pooled segment, %s, is %d bytes on disk where its header says %d: "
@@ -476,6 +496,12 @@ class SegmentTable:
                 st = seg.status()
                 if st == STATE_FREED:
                     self.forget(seg)
+                    n += 1
+                    continue
+                if st not in (STATE_LIVE, STATE_POOLED) and self._damaged(seg):
+                    # its header overwritten by a third party: neither live nor
+                    # pooled for good, so nothing else would ever let go of it
+                    self.drop_truncated(seg, 0, reason="damaged")
                     n += 1
                     continue
                 if st == STATE_POOLED:
