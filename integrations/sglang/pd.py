@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mmshm.errors import PayloadWithheldError
 
-from .server import items, log, on_failure, set_item_hashes, tensors
+from .server import items, on_failure, set_item_hashes, tensors
 
 DECODE_WITHHOLDS = False  # this tokenizer's decode_payload_policy: True withholds
 SCHEDULER = None  # this process's Scheduler (weak): its disaggregation_mode
