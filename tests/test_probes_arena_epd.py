@@ -353,3 +353,63 @@ def test_a_bimodal_workload_registers_rarely_once_the_arena_covers_the_requests_
     gc.collect()
     assert arena.VIEWS.settled()
     assert sum(regs[20:]) * 50 <= len(regs[20:]), regs
+
+
+
+# -- the SGLang hand-off's loads -------------------------------------------------------------
+_TAKE = r"""
+import sys, torch
+from mmshm.transport import handoff
+n = int(sys.argv[2])
+try:
+    got = handoff.take(bytes.fromhex(sys.argv[1]), torch.float32, (n,), "sglang", None)
+except OSError as exc:  # EncoderCacheError
+    print("raised", flush=True)
+else:
+    want = torch.arange(n, dtype=torch.float32)
+    print("equal" if torch.equal(got, want) else "other", flush=True)
+"""
+
+
+@pytest.mark.parametrize("damage", ["overwrite", "swap"])
+def test_a_handed_off_output_whose_payload_a_third_party_changed_is_never_taken(shm_dir,
+                                                                                damage):
+    """An output handed to a reader (:mod:`mmshm.transport.handoff`, SGLang's
+    EPD) whose payload is overwritten, or whose file is replaced by another
+    output's file of the same size and generation, before the reader takes
+    it: :func:`take` raises (counted), never hands back other bytes; the
+    references go back."""
+    from mmshm.segments.segfile import HEADER_SIZE
+    from mmshm.transport import handoff
+
+    ho = handoff.Handoff("sglang", keep_s=60)
+    a = torch.arange(8 * 4096 // 4, dtype=torch.float32)
+    b = a.flip(0).contiguous()
+    pa, pb = ho.publish(a), ho.publish(b)
+    wire = ho.handle(pa)
+    path_a, path_b = os.path.join(shm_dir, pa.name), os.path.join(shm_dir, pb.name)
+    if damage == "overwrite":
+        fd = os.open(path_a, os.O_WRONLY)
+        os.pwrite(fd, b.numpy().tobytes(), HEADER_SIZE)
+        os.close(fd)
+    else:
+        assert pa.gen == pb.gen
+        with open(path_b, "rb") as f:
+            raw = f.read()
+        os.unlink(path_a)
+        with open(path_a, "wb") as f:  # another output's file under this name
+            f.write(raw)
+    # the reader: another process (this one's table holds the producer's own
+    # descriptors of the files it wrote)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TAKE, wire.hex(), str(a.numel())], cwd=ROOT,
+        capture_output=True, text=True, timeout=100, env={**os.environ, "MMSHM_DIR": shm_dir})
+    said = proc.stdout.strip().splitlines()[-1:] or [proc.stderr[-2000:]]
+    ok = said[0] in ("raised", "equal")
+    gc.collect()
+    ho.done(pa)
+    ho.done(pb)
+    ho.close()
+    if damage == "swap" and os.path.lexists(path_a):
+        os.unlink(path_a)
+    assert ok, f"the reader took other bytes than the output handed to it: {said}"

@@ -395,9 +395,11 @@ class EntryHandle(NamedTuple):
         dtype: the tensor's dtype.
         shape: its shape.
         nbytes: its size in bytes.
-        key: its content key (``b""``: the digest is not checked).
+        key: its content key (``b""``: read from the record).
         digest: the payload's digest from the record (:func:`payload_digest`;
-            ``b""``: not checked).
+            ``b""``: the load reads key and digest from the segment's record,
+            which must name this handle's segment: its key gives ``name``,
+            its generation, shape and size are the handle's).
     """
 
     name: str
@@ -421,7 +423,9 @@ class EntryHandle(NamedTuple):
         this process, never a change to the bytes), else copy-on-write with
         the written pages dropped at release. With ``verify`` (and a digest
         in the handle) the payload's sampled pages are checked first, by
-        ``pread``. Counts ``mmshm_epd_loads_total``,
+        ``pread``; a handle without a digest (a hand-off's,
+        :mod:`mmshm.transport.handoff`) is checked against the segment's
+        own record. Counts ``mmshm_epd_loads_total``,
         ``mmshm_epd_bytes_total{direction="loaded"}`` and
         ``mmshm_epd_transfer_seconds`` for ``server``; a failure counts
         ``mmshm_epd_fallbacks_total{reason}``.
@@ -442,9 +446,13 @@ class EntryHandle(NamedTuple):
         meta = HandleMeta(self.name, self.nbytes, codec.dtype_code(self.dtype),
                           tuple(self.shape), b"", self.gen, node.node_id(self.directory))
         h = ShmTensor(meta, owns=True, directory=self.directory)
+        checked = None
         try:
-            if verify and self.digest and self.nbytes:
-                self._verify(server)
+            if verify and self.nbytes:
+                # pinned until the view is made: it maps the very file checked
+                # (a sweep between would let go of it, and a new attach could
+                # open another file put under the name meanwhile)
+                checked = self._verify(server)
             out = h.materialize()
         except EncoderCacheError:
             h.release()
@@ -455,20 +463,42 @@ class EntryHandle(NamedTuple):
         except BaseException:
             h.release()
             raise
+        finally:
+            if checked is not None:
+                segment.unpin(checked)
         _note_load()
         EPD_LOADS.labels(server=server).inc()
         EPD_BYTES.labels(server=server, direction="loaded").inc(self.nbytes)
         EPD_TRANSFER_SECONDS.labels(server=server).observe(time.perf_counter() - t0)
         return out
 
-    def _verify(self, server: str) -> None:
+    def _verify(self, server: str):
+        """Check the payload's sampled pages; returns the segment checked,
+        pinned (the caller unpins it). Raises :class:`EncoderCacheError`."""
         seg = segment.attach(self.name, self.directory, self.gen)
         segment.pin(seg)
+        ok = False
         try:
-            got = payload_digest(self.key, self.nbytes, _fd_reader(seg.fd))
+            key, want = self.key, self.digest
+            if not want:  # a hand-off's handle: the segment's record must be this output's
+                rec = _read_record(seg)
+                if (rec is None or rec.gen != self.gen or rec.nbytes != self.nbytes
+                        or tuple(rec.shape) != tuple(self.shape)
+                        or self.name not in {published_name(rec.key, slot=s)
+                                             for s in range(SLOTS)}):
+                    count_fallback(server, "torn", f"{self.name}: its record is not the "
+                                   f"handle's output")
+                    raise EncoderCacheError(
+                        f"encoder output {self.name}: its record does not describe the "
+                        f"output the handle names: something outside mmshm wrote into the "
+                        f"segment directory", "torn")
+                key, want = rec.key, rec.digest
+            got = payload_digest(key, self.nbytes, _fd_reader(seg.fd))
+            ok = got == want
         finally:
-            segment.unpin(seg)
-        if got != self.digest:
+            if not ok:
+                segment.unpin(seg)
+        if not ok:
             reason = "torn" if not got else "digest"
             count_fallback(server, reason, f"{self.name}: the payload is not the one its "
                            f"record describes (sampled pages differ)")
@@ -476,6 +506,7 @@ class EntryHandle(NamedTuple):
                 f"encoder output {self.name}: its payload is not the one its record "
                 f"describes ({'truncated' if not got else 'sampled pages differ'}): "
                 f"something outside mmshm wrote into the segment directory", reason)
+        return seg
 
 
 _LOADED_PID = 0
