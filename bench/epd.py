@@ -71,7 +71,7 @@ Exit status: 0; 1 if a rank got other bytes than the producer sent or a
 storage directory was left non-empty; 2 on a usage error; 3 if a rank failed
 or did not answer (no figures).
 
-Goals (issue 43): mmshm <= 1.5 x the floor; >= 5 x faster than
+Goals: mmshm <= 1.5 x the floor; >= 5 x faster than
 ``ECExampleConnector`` on tmpfs; ``tp`` x fewer bytes sent than SGLang's zmq.
 Each is printed met or not, with the measured ratio.
 
@@ -111,7 +111,7 @@ STEP_TIMEOUT_S = 120.0
 PAGE = 4096
 #: seconds between rounds, so that no round starts while the last one's threads still spin
 SETTLE_S = 0.005
-#: the goals of issue 43
+#: the EPD hop's goals
 GOAL_FLOOR_X = 1.5
 GOAL_EXAMPLE_X = 5.0
 
@@ -735,7 +735,7 @@ def _nbytes(size: str) -> int:
 
 
 def _goals(rows: list[dict], tp: int) -> list[dict]:
-    """Issue 43's three goals per size, met or not (on the hop), with the
+    """The three EPD goals per size, met or not (on the hop), with the
     measured ratio, and the same ratio with every rank's first read of its
     tensor's pages added (``touched``)."""
     goals = []

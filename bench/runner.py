@@ -103,7 +103,7 @@ from .modes import MODES, fresh_files, get_mode, remove_fresh_dirs
 
 DEFAULT_IMAGES = (1, 8, 32)
 DEFAULT_MODES = ("inline", "fresh-segment", "mmshm")
-# issue 7's grid: ``mmshm bench --sweep``
+# the sweep's grid: ``mmshm bench --sweep``
 SWEEP = {"tp": (2, 4), "n": (1, 8), "images": (1, 8, 32), "resolution": ("720p", "1080p")}
 # memory left to the rest of the host when deciding what fits
 HEADROOM_BYTES = 2 << 30

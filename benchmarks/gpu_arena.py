@@ -1,4 +1,4 @@
-"""Issue 42's GPU benchmark: the time from the tokenizer to a TP rank's GPU, and the EPD GPU hop.
+"""The GPU benchmark: the time from the tokenizer to a TP rank's GPU, and the EPD GPU hop.
 
     python3 benchmarks/gpu_arena.py [--json out.json]     # a CUDA host: about 2-4 minutes
     python3 benchmarks/gpu_arena.py --dry-run             # CPU, tiny payloads: the plumbing only
@@ -98,7 +98,7 @@ registration at all (NVIDIA's driver pins with ``FOLL_LONGTERM``, which may
 not be charged to it).
 
 Each row gives its time over the floor of the same payload (``x floor``).
-Goals of issue 42 are checked at the end (where the rows ran).
+The arena's goals are checked at the end (where the rows ran).
 
 **Which host.** Figures from this script must name the host: the GPU model
 and its PCIe link, the CPU cores, torch and CUDA versions and the mmshm
@@ -1415,7 +1415,7 @@ def table(out: dict) -> str:
 
 
 def goals(out: dict) -> list:
-    """Issue 42's goals, in this run, where the rows ran (CUDA only)."""
+    """The arena's goals, in this run, where the rows ran (CUDA only)."""
     if out["device"] != "cuda":
         return ["goals: not checked (no CUDA: the dry run's times are no evidence)"]
     by = {(r["path"], r["consumers"], r["photos"]): r for r in out["rows"] if r["median_s"]}
@@ -1539,7 +1539,7 @@ def main(argv=None) -> int:
     try:
         end = t_start + a.timeout - 10 - (25 if a.device == "cuda" else 0)  # the memlock probe
         if not a.only_mixed:
-            # the arena set first (with the floors): the rows the issue is about
+            # the arena set first (with the floors): the rows the arena is about
             run_set("arena", cfg, dict(base_env, MMSHM_ARENA_BYTES=a.arena_bytes),
                     min(end, time.time() + max(30.0, 0.4 * (end - time.time()))), out)
             # part 3 keeps its share of the time (about 30 s on a GPU host)

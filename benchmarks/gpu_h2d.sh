@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, prepared to run in at most about nine minutes on a lent GPU machine that
-# cannot reach PyPI: issue 42's arena benchmark (benchmarks/gpu_arena.py: pixels from the
+# cannot reach PyPI: the arena benchmark (benchmarks/gpu_arena.py: pixels from the
 # tokenizer to each TP rank's GPU by every path, and the EPD GPU hop; at most 5 minutes),
 # the wrap's copy threads, and `mmshm bench --device cuda` (its table prints the producer's
 # copy threads and wrap/floor too). The machine: one H200 or H100, its image's
@@ -24,7 +24,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
   | tee -a "$OUT/gpu.txt"
-# issue 42: the time from the tokenizer to the GPU (plain pickle, SGLang's CUDA IPC, mmshm
+# the arena: the time from the tokenizer to the GPU (plain pickle, SGLang's CUDA IPC, mmshm
 # today, mmshm's arena, the pinned floor; 1/8/32 720p photos, 1 and 2 consumers) and the EPD
 # GPU hop (mmshm, safetensors on tmpfs, the pinned round trip), every row over its floor;
 # then the mixed-size workload with the server's own copy and the race check (settle on: no
@@ -33,7 +33,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 # its own limit (--timeout) is below the shell's, so the table is printed whatever happens
 timeout 300 python3 benchmarks/gpu_arena.py --timeout 280 --json "$OUT/arena.json" 2>&1 \
   | tee "$OUT/arena.txt" || true
-# the producer's wrap at the host's speed (issue 41): 1 and 8 photos at 720p into new and
+# the producer's wrap at the host's speed: 1 and 8 photos at 720p into new and
 # pooled segments, with and without the hash asked for now, on 1, 2, 4, 8 and 16 copy
 # threads and the automatic setting (0), each line with the threads used, GB/s and the
 # ratio to a warm multi-threaded copy of the same bytes (about 20 s)

@@ -91,7 +91,7 @@ def test_decode(benchmark, handle):
 
 
 def test_encode_decode(benchmark, handle):
-    """The issue's per-handle goal: encode plus decode <= 2 us."""
+    """The per-handle goal: encode plus decode <= 2 us."""
 
     def roundtrip():
         h = mmshm.ShmTensor.decode(handle.encode())

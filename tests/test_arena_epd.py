@@ -17,7 +17,7 @@ what is registered and how often (the producer's writable mapping, the
 consumer's read-only one), the counters, the arena's fallback. Not covered:
 a real ``cudaMemcpy`` into memory registered with ``cudaHostRegister``, what
 the driver does with the registration flags, and the speed (pinned against
-pageable): those need a GPU host (issue 42's GPU benchmark).
+pageable): those need a GPU host (benchmarks/gpu_arena.py).
 """
 
 from __future__ import annotations

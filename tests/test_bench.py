@@ -104,7 +104,7 @@ def test_bench_small_run_is_correct_and_leaves_nothing(shm_dir, tmp_path):
         assert by["mmshm", k]["wrap_bytes"] == by["mmshm-hash-given", k]["wrap_bytes"] == p
         assert by["mmshm-eager-hash", k]["wrap_bytes"] == p
         # zero-copy: a rank holding both copies (read in full) grows by the payload
-        # once (issue 7: at most 1.1x). (Inline's private copies are not checked:
+        # once (at most 1.1x). (Inline's private copies are not checked:
         # the allocator may reuse pages an earlier run left resident.)
         assert by["mmshm", k]["rss_growth_over_payload"] <= 1.1, by["mmshm", k]
         assert by["fresh-segment", k]["copies"] == 3

@@ -1,4 +1,4 @@
-"""Chaos (issue 3): 100 randomized SIGKILL trials beside a second live instance.
+"""Chaos: 100 randomized SIGKILL trials beside a second live instance.
 
 Kill points:
 

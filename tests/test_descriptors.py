@@ -1,4 +1,4 @@
-"""One descriptor per mapped segment (issue 14, item 3).
+"""One descriptor per mapped segment.
 
 Python's ``mmap`` duplicated every descriptor it mapped: a producer held two
 per segment, a reader two per view. Segments are now mapped without a

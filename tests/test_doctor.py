@@ -1,4 +1,4 @@
-"""``mmshm doctor`` and ``mmshm gc`` (issue 3).
+"""``mmshm doctor`` and ``mmshm gc``.
 
 * in a 64 MiB tmpfs (Docker's default, ``unshare -m``) ``mmshm doctor`` exits
   non-zero and names the problem and the fix (--shm-size / --ipc=host /
@@ -247,7 +247,7 @@ def test_gc_prints_one_summary_per_reclaim_and_the_reaper_still_warns(segdir):
                      records[0].getMessage())
 
 
-# -- the arena (issue 42) ------------------------------------------------------------------
+# -- the arena ---------------------------------------------------------------------------
 GiB = 1 << 30
 
 

@@ -1,4 +1,4 @@
-"""Typed errors cross processes (issue 14, item 1).
+"""Typed errors cross processes.
 
 * every public exception class round-trips through pickle, and through
   ``concurrent.futures``' remote-traceback wrapper, with its type, message and

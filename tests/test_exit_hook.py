@@ -1,5 +1,5 @@
 """The exit hook in children of the third-party ``multiprocess`` package
-(issue 14, item 5): they leave through ``os._exit`` after running only
+: they leave through ``os._exit`` after running only
 ``multiprocess.util``'s finalizers, so mmshm's hook must be registered there
 too (mmshm never imports the package itself)."""
 

@@ -1,4 +1,4 @@
-"""Issue 38 item 6: the frictions a new user met, each pinned by a test.
+"""The frictions a new user met, each pinned by a test.
 
 * ``mmshm bench`` in a small /dev/shm skips the shared-memory modes with the
   exact sizes (bytes and MiB, not "0.1 GB exceed the 0.1 GB free") and the
@@ -71,7 +71,7 @@ def test_bench_skip_for_space_gives_exact_sizes_and_doctors_fix(monkeypatch, shm
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_bench_quick_in_a_64mib_shm_says_sizes_and_fix():
-    """The reproduction of the issue: ``mmshm bench --quick`` in a private
+    """The reproduction of the friction: ``mmshm bench --quick`` in a private
     64 MiB tmpfs on /dev/shm (``unshare -m``, root only) still exits 0 and
     says, for each skipped shared-memory mode, the sizes and the fix."""
     if os.geteuid() != 0:

@@ -1,4 +1,4 @@
-"""Issue 42's GPU benchmark, ``benchmarks/gpu_arena.py``, without a GPU.
+"""The GPU benchmark, ``benchmarks/gpu_arena.py``, without a GPU.
 
 The script runs on a GPU host that cannot reach PyPI (``benchmarks/gpu_h2d.sh``);
 no GPU is lent to the tests, so they run its CPU dry run end to end (spawned

@@ -19,7 +19,7 @@ from tests.harness.segments import refcount, seg_dir, segment_files
 from tests.harness.tensors import as_bytes, make_tensor
 from tests.harness import children
 
-# the dtypes the issue names; each must be supported
+# the dtypes servers send; each must be supported
 REQUIRED_DTYPES = (
     "float32", "bfloat16", "float16", "float64", "int8", "int16", "int32", "int64", "uint8",
     "uint16", "uint32", "uint64", "bool", "complex64", "complex128", "float8_e4m3fn",

@@ -1,4 +1,4 @@
-"""The handshake never breaks a broadcast (issue 32): whatever the store or a
+"""The handshake never breaks a broadcast: whatever the store or a
 peer does, a broadcast completes on the safe path or raises a typed
 :class:`mmshm.PeerLostError` within the group's own timeout, and the
 references handed to a peer the broadcast found lost are given back at once.

@@ -408,7 +408,7 @@ def test_a_fan_out_copies_a_tensor_again_once_it_is_modified_in_place(toy, shm_d
 
 def test_a_remembered_segment_is_shared_and_given_back_in_its_own_directory(shm_dir,
                                                                                monkeypatch):
-    """Issue 24: a tensor remembered in a segment of one directory, sent
+    """A tensor remembered in a segment of one directory, sent
     again after ``MMSHM_DIR`` changed, shares that segment in the directory
     it lives in (its handle was made for ``MMSHM_DIR`` at the time of use,
     so it looked like another node's: the share was refused, the tensor went

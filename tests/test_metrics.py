@@ -583,7 +583,7 @@ def test_metrics_wait_for_a_server_that_sets_multiproc_dir_late(tmp_path):
     assert segment_files(shm) == []
 
 
-# -- killed processes' live gauges (issue 24) ---------------------------------------------------
+# -- killed processes' live gauges -------------------------------------------------------------
 HOLDER = textwrap.dedent("""
     import signal, sys, os
     import torch

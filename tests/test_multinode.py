@@ -1,4 +1,4 @@
-"""Multi-node tensor parallelism (issue 8): node identity, handles that carry
+"""Multi-node tensor parallelism: node identity, handles that carry
 their node, and the node-aware deferred unwrap over gloo.
 
 Simulated nodes live on this machine: each gets its own segment directory

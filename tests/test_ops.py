@@ -1,4 +1,4 @@
-"""Operators' tools (issue 15): ``mmshm status``, ``mmshm config``, the
+"""Operators' tools: ``mmshm status``, ``mmshm config``, the
 extended ``mmshm doctor``, one-line errors for bad ``MMSHM_*`` values, ``gc``
 on a bad directory, the bench's up-front checks, and examples that agree
 with the code."""
@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import msgspec
 import pytest
 from click.testing import CliRunner
 
@@ -646,7 +645,7 @@ def test_vllm_launch_script_across_nodes(tmp_path):
 
 
 def test_status_says_which_process_keeps_a_segment_in_its_cache(shm_dir):
-    """Issue 24: an idle vLLM server's one live segment, kept by the
+    """An idle vLLM server's one live segment, kept by the
     EngineCore's multimodal processor cache, is shown as held by that
     process's cache (JSON: ``cached``/``cached_bytes``; text: who holds it
     and that it is not a leak), not as an unexplained live segment."""
@@ -680,7 +679,7 @@ def test_status_says_which_process_keeps_a_segment_in_its_cache(shm_dir):
     assert segment_files(shm_dir) == []
 
 
-# -- the arena in `mmshm status` (issue 42) ------------------------------------------------
+# -- the arena in `mmshm status` ----------------------------------------------------------
 def _w_arena_producer(directory: str, conn) -> None:
     """A producer with a 32 MiB arena: one arena segment in use (its own
     reference, plus one handed to the consumer), one idle in its warm pool
@@ -728,7 +727,7 @@ def _w_arena_consumer(directory: str, conn) -> None:
 @pytest.mark.timeout(120)
 def test_status_shows_the_arena_per_producer_and_idle_arena_segments_are_not_leaks(
         shm_dir, monkeypatch):
-    """Issue 42: ``mmshm status`` gives the arena's configured size and its
+    """``mmshm status`` gives the arena's configured size and its
     segments (header flag FLAG_ARENA) per producer, idle vs in use; an arena
     segment idle in a live producer's pool is held, not an orphan (``gc
     --dry-run`` lists nothing); a consumer's persistent mapping is ``mapped``,

@@ -49,7 +49,7 @@ def test_size_classes_bound_the_slack():
 
 
 def test_size_classes_keep_the_slack_below_an_eighth_as_documented():
-    """Issue 14: an 8 MiB tensor took a 10 MiB segment (25% slack)."""
+    """Before size classes, an 8 MiB tensor took a 10 MiB segment (25% slack)."""
     hdr = segfile.HEADER_SIZE
     assert table.size_class(8 * MiB + hdr) == 9 * MiB
     assert table.size_class(90_000_000 + hdr) == 88 * MiB

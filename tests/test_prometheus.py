@@ -329,7 +329,7 @@ def _panel_exprs(title: str) -> dict[str, str]:
 @needs_promtool
 @pytest.mark.timeout(60)
 def test_arena_panels_compute_size_in_use_registered_fallbacks_and_copy_time(tmp_path):
-    """Issue 42: the "Arena (GPU)" row's panels on synthetic series of two
+    """The "Arena (GPU)" row's panels on synthetic series of two
     instances: the size, in-use and registered bytes per instance, fallbacks
     per second by reason, the median GPU copy time by direction."""
     d = dashboard()

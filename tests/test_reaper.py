@@ -1,4 +1,4 @@
-"""The reaper (issue 3): liveness from locks, never from pids.
+"""The reaper: liveness from locks, never from pids.
 
 * pid reuse, both directions, with the reaper's pid view faked
   (``mmshm.segments.reaper.pid_alive``) and once for real;
@@ -7,7 +7,7 @@
 * a reaper pass racing a creation;
 * references in flight after a writer's clean exit are kept for the grace
   period, a killed holder's segments are reclaimed at once, and the reason is
-  logged, counted and reported (issue 14), by ``mmshm gc`` too.
+  logged, counted and reported, by ``mmshm gc`` too.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def test_reaper_racing_a_creation_never_leaves_a_live_segment_unlinked(segdir, m
         h.release()
 
 
-# -- references in flight after a clean exit (issue 14, item 2) -----------------------------
+# -- references in flight after a clean exit ------------------------------------------------
 def _writer_exits_cleanly(d: str, nbytes: int, seed: int) -> tuple[bytes, bytes, str]:
     """A writer hands one reference to a pickled handle (in flight: nobody
     opened it yet), releases its own and exits normally."""
@@ -424,7 +424,7 @@ def test_status_counts_references_in_flight_apart_from_orphans(segdir):
 
 @pytest.mark.timeout(60)
 def test_a_reference_a_killed_reader_had_opened_is_reclaimed_at_once(segdir):
-    """Issue 24: the in-flight grace protects only references nobody opened.
+    """The in-flight grace protects only references nobody opened.
     A reader that opened its segment (and closed it again: it read the
     content hash) is SIGKILLed owning its reference, the writer exits
     cleanly: reclaimed at the first pass, reason ``killed``. A reference

@@ -1,4 +1,4 @@
-"""``MMSHM_DEBUG_REFS=1`` (issue 14, item 6): where references were taken and
+"""``MMSHM_DEBUG_REFS=1`` : where references were taken and
 given back, leaks reported, a use after the last release names the release.
 """
 
@@ -117,7 +117,7 @@ def _run(code: str, shm_dir: str, stdin: bytes = b"", debug: str = "1"):
 
 @pytest.mark.timeout(120)
 def test_a_forgotten_share_names_the_release_in_the_other_process(shm_dir, debug_refs):
-    """The issue's case: two sends, one reference: the first receiver frees
+    """The leak it was made for: two sends, one reference: the first receiver frees
     the segment; the second gets SegmentNotFoundError naming that call."""
     h = mmshm.ShmTensor.from_tensor(pattern(1 << 17, 5))
     first, second = pickle.dumps(h), pickle.dumps(h)  # share(1) forgotten

@@ -1,4 +1,4 @@
-"""Reliability under a small or full /dev/shm and under OS failures (issue 3).
+"""Reliability under a small or full /dev/shm and under OS failures.
 
 * container burst: TP=2, n=4, 200 real-photo requests in a 64 MiB tmpfs;
 * foreign fill and the budget guard (``MMSHM_MAX_BYTES``, ``MMSHM_MIN_FREE_BYTES``);
@@ -57,7 +57,7 @@ def _set_env(monkeypatch, **kv):
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_container_burst_tp2_n4_200_photos_in_64mib(tmp_path):
-    """The issue's container burst. The summary line is meant to be quoted."""
+    """The container burst. The summary line is meant to be quoted."""
     skip_without_unshare()
     pytest.importorskip("transformers")
     pytest.importorskip("skimage")

@@ -78,7 +78,7 @@ from mmshm.transport.encoder_cache import (
 )
 
 from . import pd
-from .server import KEY_MM_HASH, KEY_PIXELS, key_mode, log, me
+from .server import KEY_MM_HASH, key_mode, log, me
 
 #: ``ec_connector`` and ``ec_connector_module_path`` of the connector.
 EC_CONNECTOR = "MmshmECConnector"

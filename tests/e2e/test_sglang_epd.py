@@ -89,7 +89,7 @@ DISPATCH = r"Dispatching 1 mm items to 1 encoder\(s\)"
 NO_ENCODER = r"No encoder URLs available for request"
 #: mmshm's own log lines at WARNING ("mmshm[<pid>] WARNING <message>")
 WARN = r"mmshm\[\d+\] WARNING .*"
-#: plain 0.5.23's crash of a failed encode (issue 43)
+#: plain 0.5.23's crash of a failed encode
 PLAIN_CRASH = "TypeError: object of type 'NoneType' has no len()"
 
 S: dict = {"starts": {}}  # figures shared by the cases (file order), all printed

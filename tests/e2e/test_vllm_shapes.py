@@ -71,7 +71,7 @@ import pytest
 
 from tests.harness import faults, matrix, models
 from tests.harness.servers import (
-    PRIVATE_SHM, ROOT, Server, data_url, free_port, metric, mount_tmpfs, needs_e2e,
+    PRIVATE_SHM, Server, data_url, free_port, metric, mount_tmpfs, needs_e2e,
     private_shm_prefix, report_figures, segments, series, unmount_tmpfs, vllm_argv, vllm_env)
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(2400)]

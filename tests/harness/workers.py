@@ -1,4 +1,4 @@
-"""Forkserver workers of the fault tests (issue 3): servers' processes that
+"""Forkserver workers of the fault tests: servers' processes that
 create, hold, hand over and die.
 
 Workers are plain module-level functions so that a ``forkserver`` context

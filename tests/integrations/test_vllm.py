@@ -1072,7 +1072,7 @@ def test_bench_runs_vllm_transport_modes(shm_dir, tmp_path):
     assert not segment_files(shm_dir)
 
 
-# -- the EngineCore's multimodal receiver cache (issue 24) --------------------------------------
+# -- the EngineCore's multimodal receiver cache ------------------------------------------------
 def test_views_the_engine_cores_mm_cache_keeps_are_marked_for_status(instrumented, shm_dir):
     """vLLM's multimodal receiver cache in the EngineCore keeps the views of
     a request's items after the request (an idle server shows a live
@@ -1107,7 +1107,7 @@ def test_views_the_engine_cores_mm_cache_keeps_are_marked_for_status(instrumente
     _assert_clean(shm_dir)
 
 
-# -- a finished request lets go of its segments (issue 21) ----------------------------------------
+# -- a finished request lets go of its segments --------------------------------------------------
 def _bare_scheduler():
     """A ``Scheduler`` with only what ``_free_request`` reads for a request
     without KV transfer (no connectors; blocks left to the caller)."""

@@ -1,4 +1,4 @@
-"""Container burst driver (issue 3), meant to run inside a 64 MiB tmpfs:
+"""Container burst driver, meant to run inside a 64 MiB tmpfs:
 
     unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && python -m tests.scripts.burst --out R.json'
 

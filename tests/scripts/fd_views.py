@@ -1,4 +1,4 @@
-"""Descriptors per mapped segment (issue 14, item 3). Prints one JSON object:
+"""Descriptors per mapped segment. Prints one JSON object:
 
 * ``producer_fds``: descriptors this process gained by creating ``N``
   segments (default 1000) and holding them;

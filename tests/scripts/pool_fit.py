@@ -1,5 +1,5 @@
 """How many tensors of one size a small tmpfs holds with the warm pool on
-(issue 14, item 4), run inside
+run inside
 
     unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && python -m tests.scripts.pool_fit 8388608 8 0'
 

@@ -1,4 +1,4 @@
-"""A ``ProcessPoolExecutor`` race for the last space in a small tmpfs (issue 14),
+"""A ``ProcessPoolExecutor`` race for the last space in a small tmpfs,
 run inside
 
     unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && python -m tests.scripts.pool_race'

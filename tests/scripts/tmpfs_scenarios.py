@@ -1,4 +1,4 @@
-"""Budget scenarios in a small private tmpfs (issue 3), run inside
+"""Budget scenarios in a small private tmpfs, run inside
 
     unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && python -m tests.scripts.tmpfs_scenarios'
 
