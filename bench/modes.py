@@ -719,15 +719,6 @@ def load_sglang():
     return _SGLANG["mm"], _SGLANG["common"]
 
 
-def _sglang_version() -> str | None:
-    import importlib.metadata as md
-
-    try:
-        return md.version("sglang")
-    except md.PackageNotFoundError:
-        return None
-
-
 @register
 class SglangMode(FreshSegmentMode):
     """SGLang's own transport code (written for 0.5.23), run when

@@ -228,11 +228,6 @@ def result_tables(result: dict, width: int | None = None) -> list[Table]:
     return tables
 
 
-def result_table(result: dict) -> Table:
-    """The first of :func:`result_tables` (one TP/n/resolution)."""
-    return result_tables(result)[0]
-
-
 def h2d_line(r: dict) -> str | None:
     """``--device cuda``: a run's host-to-device copies in words, or None."""
     if not r.get("h2d_bytes"):
