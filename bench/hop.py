@@ -43,6 +43,8 @@ PHOTO_360P = (1, 3, 360, 640)  # one 360p photo's pixel_values, float32 (2.76 MB
 
 
 def _free_port() -> int:
+    # its own, not mmshm.bench.serve.servers.free_port: this file runs beside another
+    # mmshm (--baseline), which may not have that module
     import socket
 
     with socket.socket() as s:

@@ -86,7 +86,6 @@ import multiprocessing.connection as mp_connection
 import os
 import resource
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -100,6 +99,7 @@ from mmshm.segments.segfile import NAME_RE, STATE_POOLED, iter_segment_files, st
 from mmshm.segments.table import TABLE
 
 from .modes import MODES, fresh_files, get_mode, remove_fresh_dirs
+from .serve.servers import free_port
 
 DEFAULT_IMAGES = (1, 8, 32)
 DEFAULT_MODES = ("inline", "fresh-segment", "mmshm")
@@ -267,11 +267,6 @@ class Reporter:
         """Something the user should see."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -382,7 +377,7 @@ class _Session:
         from .worker import rank_main
 
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         # the mode classes themselves: a spawned rank unpickles each by its module,
         # which registers it there too (vllm_modes' are registered by the package)
         wcfg = {"timeout_s": self.cfg.timeout_s, "min_bytes": self.cfg.min_bytes,

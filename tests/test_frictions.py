@@ -27,6 +27,8 @@ from click.testing import CliRunner
 
 from mmshm import config
 
+from tests.harness.shm import run_in_tmpfs, skip_without_unshare
+
 MiB = 1 << 20
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -74,14 +76,9 @@ def test_bench_quick_in_a_64mib_shm_says_sizes_and_fix():
     """The reproduction of the friction: ``mmshm bench --quick`` in a private
     64 MiB tmpfs on /dev/shm (``unshare -m``, root only) still exits 0 and
     says, for each skipped shared-memory mode, the sizes and the fix."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root for a private tmpfs (unshare -m)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMSHM_")}
-    script = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && "
-              f"exec {sys.executable} -m mmshm.cli bench --quick --modes inline,mmshm "
-              "--timeout 60")
-    r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
-                       timeout=110, env=env)
+    skip_without_unshare()
+    r = run_in_tmpfs([sys.executable, "-m", "mmshm.cli", "bench", "--quick", "--modes",
+                      "inline,mmshm", "--timeout", "60"], size="64m", timeout=110)
     out = _flat(r.stdout + r.stderr)
     assert r.returncode == 0, out
     assert "mmshm TP=2 n=2 720p x2 skipped:" in out, out

@@ -68,9 +68,10 @@ class MountNamespace:
     def __init__(self, shm_dir: str | os.PathLike, timeout_s: float = 30.0):
         import subprocess
 
+        from tests.harness.shm import private_shm_prefix
+
         self.proc = subprocess.Popen(
-            ["unshare", "-m", "sh", "-c",
-             f"mount --make-rprivate / && mount --bind {shm_dir} /dev/shm && exec sleep 86400"],
+            private_shm_prefix(bind=shm_dir) + ["sleep", "86400"],
             start_new_session=True, stdin=subprocess.DEVNULL)
         servers._LIVE.add(self.proc.pid)  # killed at exit if a test fails half way
         deadline = time.monotonic() + timeout_s

@@ -156,9 +156,11 @@ def private_shm_prefix(shm_dir: str | os.PathLike) -> list[str]:
     directory of the host's): what the server makes there, its own files
     included (SGLang's ``sgl_shm_mq_*`` and ``sglang_loads_*``, which a TP=2
     server leaves after a clean stop), never reaches the host's /dev/shm.
-    Needs root and ``unshare`` (see :data:`PRIVATE_SHM`)."""
-    return ["unshare", "-m", "sh", "-c",
-            f'mount --make-rprivate / && mount --bind {shm_dir} /dev/shm && exec "$0" "$@"']
+    Needs root and ``unshare`` (see :data:`PRIVATE_SHM`). The one
+    implementation is :func:`tests.harness.shm.private_shm_prefix`."""
+    from tests.harness.shm import private_shm_prefix as prefix
+
+    return prefix(bind=shm_dir)
 
 
 #: Whether :func:`private_shm_prefix` can work here.
