@@ -413,3 +413,53 @@ def test_a_handed_off_output_whose_payload_a_third_party_changed_is_never_taken(
     if damage == "swap" and os.path.lexists(path_a):
         os.unlink(path_a)
     assert ok, f"the reader took other bytes than the output handed to it: {said}"
+
+
+# -- fork after CUDA init ------------------------------------------------------------------
+@pytest.mark.parametrize("registered", [True, False], ids=["registered", "unregistered"])
+def test_a_forked_child_that_drops_inherited_views_gives_back_none_of_the_parent_s(
+        arena_on, monkeypatch, registered):
+    """A rank (registered views on ``cuda:3``, or unregistered ones) forks a
+    helper that drops the views it inherited, collects and drains as mmshm's
+    exit hook does: the parent's references stay (no double release), its
+    views keep their bytes, and the child makes no CUDA call."""
+    from tests.harness.segments import header
+
+    fake = None
+    if registered:
+        fake = FakeCuda(devices=8).install(monkeypatch)
+        fake.set_device(3)
+    hs = [mmshm.ShmTensor.from_tensor(_photo(i)) for i in (1, 2)]
+    views = []
+    for h in hs:
+        h.share(1)
+        views.append(pickle.loads(pickle.dumps(h)).materialize())
+    before = [header(h.name)[4] for h in hs]
+    calls = len(fake.calls) if fake else 0
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 1
+        try:
+            os.close(r)
+            views.clear()
+            gc.collect()
+            arena.VIEWS.drain(1)
+            os.write(w, str(len(fake.calls) - calls if fake else 0).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    child_calls = os.read(r, 64).decode()
+    os.close(r)
+    after = [header(h.name)[4] for h in hs]
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert after == before, "the child gave back the parent's references"
+    assert child_calls == "0", f"the child made {child_calls} CUDA calls"
+    assert all(torch.equal(v, _photo(i)) for v, i in zip(views, (1, 2)))
+    del views
+    for h in hs:
+        h.release()
+    gc.collect()
+    assert arena.VIEWS.settled()
