@@ -335,7 +335,7 @@ def test_arena_panels_compute_size_in_use_registered_fallbacks_and_copy_time(tmp
     d = dashboard()
     row = next(i for i, p in enumerate(d["panels"]) if p["title"] == ARENA_ROW)
     titles = [p["title"] for p in d["panels"][row + 1:]]
-    assert len(titles) == 8 and all(
+    assert len(titles) == 9 and all(
         any(m in " ".join(t["expr"] for t in p["targets"]) for m in ("mmshm_arena_",
             "mmshm_gpu_copy_", "mmshm_device_tensors_")) for p in d["panels"][row + 1:])
     sizes = _panel_exprs("Arena: size, in use, registered with CUDA")
