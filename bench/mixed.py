@@ -814,25 +814,36 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """``mmshm bench mixed``: exit 0, 1 if bytes differed or a segment was
     left, 2 on a bad argument, 3 if the run failed."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tp", type=int, default=2, help="TP ranks (default 2)")
-    ap.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--tp", type=int, default=2, help="TP ranks")
+    ap.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
+                    help="requests sent, the first --warm of them not counted")
+    ap.add_argument("--quick", action="store_true",
+                    help="a shorter check: 60 requests, the last 40 counted")
     ap.add_argument("--warm", type=int, default=DEFAULT_WARM,
                     help="requests before the steady state (not counted)")
-    ap.add_argument("--in-flight", type=int, default=DEFAULT_IN_FLIGHT)
+    ap.add_argument("--in-flight", type=int, default=DEFAULT_IN_FLIGHT,
+                    help="requests the producer keeps in flight at once")
     ap.add_argument("--photos", default="1,8", help="fewest,most photos per request")
     ap.add_argument("--rule", default="best",
                     help="the pool's reuse rule(s), comma separated: best (mmshm's: best fit, "
                          "plain segments up to 2x, arena segments any size), exact (the size "
                          "class only, the rule before), or a number R (best fit up to R x)")
     ap.add_argument("--arena", default="on", help="on, off or on,off")
-    ap.add_argument("--arena-bytes", type=int, default=DEFAULT_ARENA_BYTES)
-    ap.add_argument("--max-pixels", type=int, default=MAX_PIXELS)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--shm-dir", default=None)
-    ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--arena-bytes", type=int, default=DEFAULT_ARENA_BYTES,
+                    help="the producer's arena (MMSHM_ARENA_BYTES) with --arena on, bytes")
+    ap.add_argument("--max-pixels", type=int, default=MAX_PIXELS,
+                    help="Qwen2-VL's max_pixels: the largest photo after smart_resize")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the photo sizes drawn")
+    ap.add_argument("--shm-dir", default=None,
+                    help="the segment directory of the run (default: MMSHM_DIR, else /dev/shm)")
+    ap.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds a variant may take before the run fails")
+    ap.add_argument("--json", default=None, help="write the result as JSON to this path")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.requests = min(a.requests, 60)
     try:
         lo, hi = (int(x) for x in a.photos.split(","))
         rules = tuple(x for x in a.rule.split(",") if x)

@@ -219,7 +219,7 @@ def _resolution_list(ctx, param, value: str) -> tuple[str, ...]:
               show_default=True,
               help="mixed: real photo sizes after Qwen2-VL's processor, 1-8 per request, 3 in "
                    "flight, 200 requests: the pool's hits and the registrations a CUDA host "
-                   "would make per request (the first --tp, --shm-dir, --timeout and --json "
+                   "would make per request (the first --tp, --quick, --shm-dir, --timeout and --json "
                    "apply; `mmshm bench mixed --help` has the rest).")
 @click.pass_context
 def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_mem_gb,
@@ -258,7 +258,7 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     if workload == "mixed":
         from mmshm.bench import mixed
 
-        args = ["--tp", str(tp[0]), "--timeout", str(timeout_s)]
+        args = ["--tp", str(tp[0]), "--timeout", str(timeout_s)] + (["--quick"] if quick else [])
         args += ["--shm-dir", shm_dir] if shm_dir is not None else []
         args += ["--json", json_path] if json_path else []
         sys.exit(mixed.main(args, prog="mmshm bench --workload mixed"))

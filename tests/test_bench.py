@@ -609,3 +609,8 @@ def test_bench_workload_mixed_runs_the_mixed_workload(monkeypatch, tmp_path):
     assert r.exit_code == 0, r.output
     assert seen == [(["--tp", "4", "--timeout", "300.0", "--json", out],
                      "mmshm bench --workload mixed")]
+    seen.clear()  # --quick is passed on, never silently dropped
+    r = CliRunner().invoke(cli.main, ["bench", "--workload", "mixed", "--quick"])
+    assert r.exit_code == 0, r.output
+    assert seen == [(["--tp", "2", "--timeout", "300.0", "--quick"],
+                     "mmshm bench --workload mixed")]
