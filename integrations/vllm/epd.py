@@ -418,6 +418,22 @@ class MmshmECPromMetrics(ECConnectorPromMetrics):
 
 
 # -- the connector ------------------------------------------------------------------------
+def _setting(extra: dict, key: str, default, kind):
+    """``ec_connector_extra_config[key]`` as ``kind`` (a number at least 0),
+    else ``default`` with a WARNING naming the key, the value and the default:
+    a bad setting never stops the server (as a bad ``MMSHM_*`` value)."""
+    raw = extra.get(key, default)
+    try:
+        value = kind(raw)
+        if not value >= 0:  # NaN and negatives
+            raise ValueError
+        return value
+    except (TypeError, ValueError):
+        log.warning("mmshm: ec_connector_extra_config.%s=%r is not a number at least 0: using "
+                    "%r; fix the setting", key, raw, default)
+        return default
+
+
 class MmshmECConnector(ECConnectorBase):
     """vLLM's EC connector on mmshm's content-keyed encoder cache (see the
     module docstring). Roles ``ec_producer`` (encoder instance),
@@ -461,8 +477,8 @@ class MmshmECConnector(ECConnectorBase):
         self._tower_lora = tower_lora_on(vllm_config)
         self._directory = extra.get("directory")
         self._store = EncoderCache(self._directory, server="vllm",
-                                   keep_s=float(extra.get("keep_s", DEFAULT_KEEP_S)),
-                                   max_bytes=int(extra.get("max_bytes", 0)),
+                                   keep_s=_setting(extra, "keep_s", DEFAULT_KEEP_S, float),
+                                   max_bytes=_setting(extra, "max_bytes", 0, int),
                                    namespace=self._namespace)
         dtype = getattr(vllm_config.model_config, "dtype", None)
         #: what a loaded output must be: the model's dtype, the measured width

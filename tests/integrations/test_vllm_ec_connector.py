@@ -747,6 +747,26 @@ def test_the_on_line_names_the_namespace_and_directory(shm_dir, caplog):
     report._reset_for_tests()
 
 
+@pytest.mark.parametrize("keep_s", ["abc", -1, float("nan")])
+def test_a_bad_keep_time_setting_is_said_and_never_stops_the_server(shm_dir, caplog, keep_s):
+    """A ``keep_s`` in ``ec_connector_extra_config`` that is no number at
+    least 0: one WARNING naming the key and the value, the default used, and
+    the connector (so the server) starts."""
+    import logging
+
+    from mmshm.transport.encoder_cache import DEFAULT_KEEP_S
+
+    with caplog.at_level(logging.WARNING, logger="mmshm"):
+        c = ECConnectorFactory.create_connector(vllm_config("ec_consumer", shm_dir, keep_s),
+                                                ECConnectorRole.SCHEDULER)
+    try:
+        assert c._store.keep_s == DEFAULT_KEEP_S
+        said = [r.getMessage() for r in caplog.records if "keep_s" in r.getMessage()]
+        assert len(said) == 1 and repr(keep_s) in said[0], said
+    finally:
+        c.shutdown()
+
+
 def test_importing_the_integration_imports_neither_vllm_nor_the_connector():
     """Only vLLM's factory imports the connector's file (it imports vLLM);
     importing mmshm's vLLM integration does neither, here where vLLM is
