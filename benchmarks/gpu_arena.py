@@ -1172,6 +1172,35 @@ print(json.dumps({"rc": rc, "error_name": name, "error_text": text, "uid": os.ge
     return res
 
 
+def _start_set(ctx, env: dict, c: dict, n_consumers: int, consumer_target, producer_target):
+    """Start ``n_consumers`` consumer processes and one producer (spawned, with
+    ``env`` added to their environment, each consumer on a pipe of its own to
+    the producer). Returns ``(producer, consumers, control)``: ``control`` is
+    the read end of the producer's pipe of results."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    pipes = [ctx.Pipe() for _ in range(n_consumers)]
+    ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
+    cons = [ctx.Process(target=consumer_target, args=(i, c, b), daemon=True)
+            for i, (_, b) in enumerate(pipes)]
+    prod = ctx.Process(target=producer_target, args=(c, [a for a, _ in pipes], ctrl_w),
+                       daemon=True)
+    try:
+        for pr in (*cons, prod):
+            pr.start()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    for a, b in pipes:  # the children hold these now
+        a.close()
+        b.close()
+    ctrl_w.close()
+    return prod, cons, ctrl_r
+
+
 def run_mixed(cfg: dict, env: dict, deadline: float, out: dict) -> None:
     """Part 3: the mixed workload with the settle on (the check must pass)
     and, as its control, with the settle off (the check must see a tear where
@@ -1186,27 +1215,8 @@ def run_mixed(cfg: dict, env: dict, deadline: float, out: dict) -> None:
             out["errors"].append(f"{label}: not run (the run's deadline)")
             continue
         c = dict(cfg, settle=settle, requests=requests, deadline=deadline - 5)
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        pipes = [ctx.Pipe() for _ in range(cfg["mixed_consumers"])]
-        ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
-        cons = [ctx.Process(target=mixed_consumer_main, args=(i, c, b), daemon=True)
-                for i, (_, b) in enumerate(pipes)]
-        prod = ctx.Process(target=mixed_producer_main, args=(c, [a for a, _ in pipes], ctrl_w),
-                           daemon=True)
-        try:
-            for pr in (*cons, prod):
-                pr.start()
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        for a, b in pipes:
-            a.close()
-            b.close()
-        ctrl_w.close()
+        prod, cons, ctrl_r = _start_set(ctx, env, c, cfg["mixed_consumers"],
+                                        mixed_consumer_main, mixed_producer_main)
         res = None
         while time.time() < deadline:
             if ctrl_r.poll(1.0):
@@ -1294,28 +1304,9 @@ def run_set(which: str, cfg: dict, env: dict, deadline: float, out: dict) -> Non
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     c = dict(cfg, set=which, deadline=deadline)
-    pipes = [ctx.Pipe() for _ in range(max(cfg["consumers"]))]
-    ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
-    cons = [ctx.Process(target=consumer_main, args=(i, c, b), daemon=True)
-            for i, (_, b) in enumerate(pipes)]
-    prod = ctx.Process(target=producer_main, args=(c, [a for a, _ in pipes], ctrl_w),
-                       daemon=True)
-    try:
-        for pr in (*cons, prod):
-            pr.start()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    for a, b in pipes:  # the children hold these now
-        a.close()
-        b.close()
-    ctrl_w.close()
+    prod, cons, ctrl_r = _start_set(ctx, env, c, max(cfg["consumers"]), consumer_main,
+                                    producer_main)
     done = False
     while time.time() < deadline:
         try:

@@ -377,15 +377,23 @@ class SegmentTable:
                 continue
             if seg.status() != STATE_POOLED:
                 continue
-            gen = revive(seg.fd, seg.path)
-            if gen is None:
-                continue
-            seg.gen = gen
-            seg.idle_since = None
-            del self.segments[seg.name]
-            self.segments[seg.name] = seg
-            return seg
+            if self.take_pooled(seg):
+                return seg
         return None
+
+    def take_pooled(self, seg: Segment) -> bool:
+        """Take idle pooled ``seg`` for reuse (call under :attr:`lock`):
+        revived (count 1, next generation) and moved to the end of the table,
+        so the scans meet the longest-idle segments first. False if it could
+        not be revived (its state changed, or its file is short)."""
+        gen = revive(seg.fd, seg.path)
+        if gen is None:
+            return False
+        seg.gen = gen
+        seg.idle_since = None
+        del self.segments[seg.name]
+        self.segments[seg.name] = seg
+        return True
 
     @staticmethod
     def _short(seg: Segment) -> int | None:

@@ -188,7 +188,6 @@ from mmshm.segments.segfile import (
     PREFIX,
     STATE_POOLED,
     read_header,
-    revive,
     segment_dir,
 )
 from mmshm.segments.segfile import STATE_LIVE
@@ -963,14 +962,8 @@ class EncoderCache:
                         continue
                 except OSError:
                     continue
-                gen = revive(seg.fd, seg.path)
-                if gen is None:
-                    continue
-                seg.gen = gen
-                seg.idle_since = None
-                del TABLE.segments[seg.name]
-                TABLE.segments[seg.name] = seg
-                return seg
+                if TABLE.take_pooled(seg):
+                    return seg
         return None
 
     def _fill(self, seg, key: bytes, t: torch.Tensor, nbytes: int) -> bytes:
