@@ -713,6 +713,18 @@ class ArenaViews:
             except Exception:  # noqa: BLE001 - never stop giving back for a metric
                 pass
 
+    def drained(self, timeout: float = 10.0) -> bool:
+        """Wait until every registered view released so far has been settled
+        and given back (views still alive are not waited for). Returns False
+        on timeout. The settle runs on its own thread, so a producer in this
+        process may otherwise find a just-released segment still held."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self._queue.empty() and not self._inflight:
+                return True
+            time.sleep(0.001)
+        return False
+
     def settled(self, timeout: float = 10.0) -> bool:
         """Wait until every released registered view has been given back
         (tests, and a clean exit). Returns False on timeout."""
