@@ -71,15 +71,11 @@ def fake8(arena_on, monkeypatch):
     arena.set_registrar(None)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a view first made on a thread that never set the rank's device (vLLM's EngineCore "
-    "input thread materializes requests) records device 0: the mapping is registered, "
-    "settled and unregistered on GPU 0, which makes a context there; the arena has no "
-    "way to learn the rank's device off its own thread"))
 def test_a_view_first_made_off_the_rank_s_thread_makes_no_context_on_gpu_0(fake8):
     """A rank on ``cuda:3`` of 8 (set in its main thread) whose first view of an
-    arena segment is made on another thread (device 0 current there): no
-    CUDA call of mmshm may land on GPU 0."""
+    arena segment is made on another thread (device 0 current there, as on
+    vLLM's EngineCore input thread): no CUDA call of mmshm may land on GPU 0;
+    the mapping is recorded on the one device with a context, 3."""
     fake = fake8
     fake.set_device(3)
     h = mmshm.ShmTensor.from_tensor(_photo(1))
@@ -92,6 +88,7 @@ def test_a_view_first_made_off_the_rank_s_thread_makes_no_context_on_gpu_0(fake8
     gc.collect()
     assert arena.VIEWS.settled()
     assert fake.contexts_on(0) == 0, fake.contexts
+    assert {c[1] for c in fake.calls if c[0] != "cudaSetDevice"} == {3}, fake.calls
 
 
 def test_a_view_released_and_swept_on_threads_without_a_device_stays_on_cuda_3(fake8):

@@ -80,6 +80,17 @@ no context on the device it restores when that device has none
 product's :class:`CudaRegistrar` over a fake runtime that makes contexts as
 CUDA does and finds none on GPU 0 for a rank on ``cuda:1``.
 
+**The rank's device seen from another thread.** A server may materialize on
+a thread that never set the device: vLLM's EngineCore decodes requests on its
+input thread, where device 0 is current whatever GPU the engine runs on. So
+the device recorded for a new mapping is the calling thread's current device
+only where that device already has a primary context; where it has none and
+exactly one device of the process has one (the rank's own GPU), that device
+is recorded (:meth:`CudaRegistrar.current_device`: the driver's
+``cuDevicePrimaryCtxGetState``, which makes no context, about 1 us a device,
+once per new mapping). A process with no context yet, or with contexts on
+several devices, records the current device as before.
+
 **No lock in a finalizer.** A registered view's finalizer only puts the view
 on a :class:`queue.SimpleQueue` (its ``put`` takes no lock a finalizer's own
 thread could hold, which is what it was made for); the settling thread,
@@ -215,6 +226,50 @@ def _libcudart():
         return None
 
 
+_LIBCUDA: list = []  # [ctypes.CDLL | None], loaded once
+
+
+def _libcuda():
+    """The CUDA driver (``libcuda.so.1``) as a :class:`ctypes.CDLL`, with
+    ``cuInit`` called; None where it cannot be loaded (no driver)."""
+    if not _LIBCUDA:
+        lib = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            if int(lib.cuInit(0)) != 0:
+                lib = None
+        except Exception:  # noqa: BLE001 - no driver: nothing to ask
+            lib = None
+        _LIBCUDA.append(lib)
+    return _LIBCUDA[0]
+
+
+def _active_devices(count: int) -> list[int] | None:
+    """The devices (ordinals as this process sees them, ``0 <= d < count``)
+    whose primary context is active in this process, from the driver's
+    ``cuDevicePrimaryCtxGetState`` (which makes no context); None where the
+    driver cannot be asked."""
+    lib = _libcuda()
+    if lib is None:
+        return None
+    active = []
+    try:
+        for ordinal in range(count):
+            dev = ctypes.c_int()
+            flags = ctypes.c_uint()
+            on = ctypes.c_int()
+            if int(lib.cuDeviceGet(ctypes.byref(dev), ordinal)) != 0:
+                return None
+            if int(lib.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags),
+                                                  ctypes.byref(on))) != 0:
+                return None
+            if on.value:
+                active.append(ordinal)
+    except Exception:  # noqa: BLE001 - an old driver without the call
+        return None
+    return active
+
+
 def _cudart_last_error_reset() -> None:
     """Clear CUDA's last-error word (per thread) after a refused registration,
     so that the server's next kernel launch check does not report it as its
@@ -286,7 +341,16 @@ class CudaRegistrar:
         self._cudart = torch.cuda.cudart()
 
     def current_device(self) -> int:
-        return int(self._torch.cuda.current_device())
+        """The device a new mapping made on this thread belongs to: the
+        thread's current device where it has a primary context, else the one
+        device of the process that has one (a rank's GPU, seen from a thread
+        that never set it: vLLM's EngineCore input thread), else the current
+        device. Makes no context. See the module docstring."""
+        dev = int(self._torch.cuda.current_device())
+        active = _active_devices(int(self._torch.cuda.device_count()))
+        if active is None or dev in active or len(active) != 1:
+            return dev
+        return active[0]
 
     def _guard(self, device: int | None):
         if device is None:

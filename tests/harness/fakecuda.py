@@ -23,7 +23,10 @@ which GPU a call lands on:
 - ``torch.cuda.synchronize(device=None)``, ``torch.cuda.Event`` (``record``,
   ``query``, ``synchronize``), ``torch.cuda.default_stream``/``current_stream``,
   ``torch.cuda.set_device``, ``current_device``, ``is_initialized``,
-  ``device_count``.
+  ``device_count``;
+- the driver's ``cuDevicePrimaryCtxGetState`` (with ``cuInit`` and
+  ``cuDeviceGet``, as mmshm calls them through ctypes): whether a device's
+  primary context is active, from the contexts made (asking makes none).
 
 :meth:`FakeCuda.install` puts it in place with a pytest ``monkeypatch`` (or
 :meth:`FakeCuda.patch` without one, for a child process), and makes the arena see a
@@ -105,6 +108,29 @@ class _LibCudart:
         return self._cuda._pop_last_error()
 
 
+class _LibCuda:
+    """The driver calls mmshm makes through ctypes (``libcuda.so.1``):
+    ``cuInit``, ``cuDeviceGet`` and ``cuDevicePrimaryCtxGetState``, answered
+    from the fake's contexts (asking makes none, as in CUDA)."""
+
+    def __init__(self, cuda: FakeCuda):
+        self._cuda = cuda
+
+    def cuInit(self, flags: int) -> int:  # noqa: N802 - the driver's name
+        return 0
+
+    def cuDeviceGet(self, dev, ordinal: int) -> int:  # noqa: N802
+        if not 0 <= ordinal < self._cuda.devices:
+            return 101  # CUDA_ERROR_INVALID_DEVICE
+        dev._obj.value = ordinal
+        return 0
+
+    def cuDevicePrimaryCtxGetState(self, dev, flags, active) -> int:  # noqa: N802
+        flags._obj.value = 0
+        active._obj.value = int(dev.value in self._cuda._active)
+        return 0
+
+
 class _Stream:
     def __init__(self, device: int, stream_id: int = 0):
         self.device = device
@@ -165,6 +191,7 @@ class FakeCuda:
         self._active: set[int] = set()
         self._cudart = _Cudart(self)
         self._lib = _LibCudart(self)
+        self._driver = _LibCuda(self)
 
     # -- the runtime's state ----------------------------------------------------
     def current_device(self) -> int:
@@ -300,6 +327,7 @@ class FakeCuda:
             (arena, "cuda_host", lambda: True),
             (table, "_CUDA_HOST", True),
             (arena, "_libcudart", self.libcudart),
+            (arena, "_libcuda", lambda: self._driver),
         ]
 
     def install(self, monkeypatch) -> FakeCuda:
