@@ -819,6 +819,16 @@ def host_info(p: Producer | None = None) -> dict:
             info["pcie_gen_width_driver"] = q.splitlines()[0] if q else None
         except Exception:  # noqa: BLE001
             info["pcie_gen_width_driver"] = None
+        # the arena's device for a view made on a thread that never set one
+        # (vLLM's EngineCore input thread): the one device with a context
+        from mmshm.segments import arena
+
+        seen: list = []
+        t = threading.Thread(target=lambda: seen.append(arena.CudaRegistrar().current_device()))
+        t.start()
+        t.join(30)
+        info["driver_active_contexts"] = arena._active_devices(torch.cuda.device_count())
+        info["device_seen_from_a_fresh_thread"] = seen[0] if seen else None
     return info
 
 
