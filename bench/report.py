@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from mmshm.segments.segfile import PREFIX
 
@@ -150,45 +151,39 @@ _MULTI_NODE = (
 )
 
 
-# the columns kept on a terminal narrower than FULL_WIDTH, and than NARROW_WIDTH
+#: the console width the bench prints its tables with into a file or a pipe
+#: (every column: no terminal to fit)
+FULL_WIDTH = 260
+# the columns kept on a terminal too narrow for every column, and for these
 _COMPACT = ("images", "mode", "e2e ms", "e2e/floor", "vs inline", "vs fresh",
             "threads", "wrap/floor", "RSS/payload", "ok")
 _NARROW = ("images", "mode", "e2e ms", "e2e/floor", "vs inline", "wrap/floor", "ok")
-FULL_WIDTH = 160
-NARROW_WIDTH = 100
+
+
+def _table_width(widths: list[int]) -> int:
+    """Characters a rich table of columns of these text widths takes (a
+    space each side of a cell, a rule between and around the columns)."""
+    return sum(w + 3 for w in widths) + 1
 
 
 def result_tables(result: dict, width: int | None = None) -> list[Table]:
     """One table per (TP, n, resolution): medians in milliseconds; for each
     image count a ``floor`` row (warm memcpy of the payload + metadata-only
-    broadcast) and one row per mode with its ratios. With ``width`` below
-    :data:`FULL_WIDTH` (characters) only the :data:`_COMPACT` columns are kept,
-    below :data:`NARROW_WIDTH` only the :data:`_NARROW` ones (the JSON output
-    has everything)."""
-    shown = (None if width is None or width >= FULL_WIDTH
-             else _COMPACT if width >= NARROW_WIDTH else _NARROW)
-    compact = shown is not None
+    broadcast) and one row per mode with its ratios. With ``width`` (a
+    terminal's characters) the table keeps every column if they fit, else the
+    :data:`_COMPACT` ones if they fit, else the :data:`_NARROW` ones (the JSON
+    output has everything); no header or cell is ever cut short (rich would
+    squeeze a column below its text: ``re…``, ``flo…``)."""
     tables = []
     for (tp, n, res), runs in _groups(result):
         nodes = max((r.get("nodes", 1) for r in runs), default=1)
         multi = nodes > 1
         where = f" over {nodes} nodes" if multi else ""
         columns = _COLUMNS + (_MULTI_NODE if multi else ())
-        keep = [i for i, (col, _, _) in enumerate(columns)
-                if shown is None or col in shown or columns[i] in _MULTI_NODE]
-        caption = "; ".join(columns[i][2] for i in keep if columns[i][2])
-        caption += ("; a mode can land below the floor when the host is busy"
-                    + (f"; a terminal of {FULL_WIDTH}+ columns (or --json) shows every column"
-                       if compact else ""))
-        reps = max((r.get("repeat") or 0 for r in runs), default=0)
-        how = "1 run" if reps <= 1 else f"medians of up to {reps} runs"
-        t = Table(title=f"mmshm bench: TP={tp} n={n} {res}{where} ({how})", caption=caption)
-        for i in keep:
-            col, just, _ = columns[i]
-            t.add_column(col, justify=just, no_wrap=True)
+        rows: list = []  # (cells, style), None for a section break
 
-        def row(*cells, t=t, keep=keep, **kw):
-            t.add_row(*(cells[i] for i in keep), **kw)
+        def row(*cells, rows=rows, **kw):
+            rows.append((list(cells), kw))
 
         extra = (lambda *v: v) if multi else (lambda *v: ())
         by_images: dict[int, list[dict]] = {}
@@ -223,7 +218,34 @@ def result_tables(result: dict, width: int | None = None) -> list[Table]:
                     *extra(_bytes(r.get("internode_bytes")), _ms(r.get("broadcast_total_s")),
                            _x(r.get("broadcast_over_link"), 2)),
                 )
-            t.add_section()
+            rows.append(None)
+        widest = [max([len(col)] + [Text.from_markup(r[0][i]).cell_len
+                                    for r in rows if r is not None])
+                  for i, (col, _, _) in enumerate(columns)]
+        keep = list(range(len(columns)))
+        for shown in (_COMPACT, _NARROW):
+            if width is None or _table_width([widest[i] for i in keep]) <= width:
+                break
+            keep = [i for i, c in enumerate(columns) if c[0] in shown or c in _MULTI_NODE]
+        compact = len(keep) < len(columns)
+        caption = "; ".join(
+            ["floor (row): a warm memcpy of the payload plus a broadcast of metadata only, "
+             "the least any transport could take"]
+            + [columns[i][2] for i in keep if columns[i][2]])
+        caption += ("; a mode can land below the floor when the host is busy"
+                    + (f"; a terminal of {_table_width(widest)}+ columns (or --json) shows "
+                       "every column" if compact else ""))
+        reps = max((r.get("repeat") or 0 for r in runs), default=0)
+        how = "1 run" if reps <= 1 else f"medians of up to {reps} runs"
+        t = Table(title=f"mmshm bench: TP={tp} n={n} {res}{where} ({how})", caption=caption)
+        for i in keep:
+            col, just, _ = columns[i]
+            t.add_column(col, justify=just, no_wrap=True, min_width=widest[i])
+        for r in rows:
+            if r is None:
+                t.add_section()
+            else:
+                t.add_row(*(r[0][i] for i in keep), **r[1])
         tables.append(t)
     return tables
 

@@ -310,7 +310,7 @@ def bench(ctx, tp, n, images, resolution, sweep, modes, repeat, budget_s, max_me
     err = Console(stderr=True)
     out = Console(stderr=json_path == "-")
     if not out.is_terminal:  # a file or a pipe: the full table
-        out.width = max(out.width, FULL_WIDTH + 20)
+        out.width = max(out.width, FULL_WIDTH)
     metrics_dir = _start_bench_metrics(metrics_port, err) if metrics_port is not None else None
     try:
         with (RichReporter(err) if err.is_terminal else PlainReporter(err)) as rep:

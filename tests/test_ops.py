@@ -576,6 +576,40 @@ def test_plain_progress_lines_and_summary_words():
     assert "(medians of up to 3 runs)" in result_tables({"runs": [{**run, "repeat": 3}]})[0].title
 
 
+@pytest.mark.parametrize("width", [100, 120, 140, 159, 160, 170, 190, 230])
+def test_bench_table_headers_are_never_cut_and_the_floor_row_is_explained(width):
+    """At every terminal width the bench may meet, every column's header is
+    shown whole (rich squeezed ``reps`` and ``left`` to ``re…`` and ``le…``
+    between 160 and 200 columns), and the caption says what the floor row is."""
+    import io
+
+    from rich.console import Console
+
+    from mmshm.bench.report import result_tables
+
+    run = {"tp": 2, "n": 2, "resolution": "720p", "images": 8, "mode": "mmshm", "copies": 2,
+           "payload_bytes": 180_031_488, "broadcast_s": 0.0123, "end_to_end_s": 0.0456,
+           "correct": True, "repeat": 5, "floor_s": 0.02, "floor_broadcast_s": 0.001,
+           "e2e_over_floor": 2.28, "wrap_over_floor": 1.4, "left": 0}
+    for t in result_tables({"runs": [run]}, width=width):
+        buf = io.StringIO()
+        Console(file=buf, width=width).print(t)
+        out = buf.getvalue()
+        heads = [c.header for c in t.columns]
+        lines = out.splitlines()
+        head = next(i for i, ln in enumerate(lines) if "images" in ln)
+        table = lines[head - 1:head + 6]
+        assert "…" not in "".join(table), (width, out)  # rich's mark of a cut text
+        assert lines[head - 1].rstrip().endswith("┓"), (width, out)  # not cropped on the right
+        for h in heads:  # each header whole, on the header line
+            assert f" {h} " in lines[head], (width, h, out)
+        for cell in ("floor", "mmshm", "45.6"):
+            assert any(f" {cell} " in ln for ln in table), (width, cell, out)
+        assert "floor (row): a warm memcpy of the payload" in t.caption
+        if width >= 230:
+            assert "left" in heads and "reps" in heads  # every column on a wide terminal
+
+
 # -- examples ------------------------------------------------------------------------------
 def test_launch_scripts_are_executable_and_agree_with_doctor():
     for script in ("sglang_launch.sh", "vllm_launch.sh"):
