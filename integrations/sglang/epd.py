@@ -14,8 +14,6 @@ receive socket) carries a handle owning one reference in that frame, with
 
 from __future__ import annotations
 
-import weakref
-
 from mmshm.transport import handoff
 
 from .server import SERVER, log
@@ -36,12 +34,12 @@ FIX_UNPROVEN = ("run the language instance under mmshm run too, in the encoder's
                 "mount namespaces with the same MMSHM_DIR (one host or pod sharing /dev/shm); "
                 "otherwise nothing: SGLang's bytes carry the outputs")
 _STATE: dict = {}  # "handoff", "cards": this process's, made at first use
+endpoint = handoff.endpoint
 
 
 def _handoff() -> handoff.Handoff:
     if "handoff" not in _STATE:
         _STATE["handoff"] = handoff.Handoff(SERVER)
-        _STATE["sent"] = weakref.WeakKeyDictionary()  # EmbeddingData -> Published | None
     return _STATE["handoff"]
 
 
@@ -50,13 +48,6 @@ def cards() -> handoff.Cards:
     if "cards" not in _STATE:
         _STATE["cards"] = handoff.Cards(SERVER)
     return _STATE["cards"]
-
-
-def endpoint(host: str, port: int) -> str:
-    """``host:port`` as SGLang addresses a receive socket (its
-    ``NetworkAddress.to_host_port_str``: IPv6 bracketed)."""
-    host = str(host).strip("[]")
-    return f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}"
 
 
 def publish_card(receiver) -> None:
@@ -84,19 +75,6 @@ def _destination(args, kwargs) -> str | None:
     return None if host is None or port is None else endpoint(host, port)
 
 
-def _published(mm_data):
-    """``mm_data``'s embedding published once (at its first send) or None."""
-    ho = _handoff()
-    sent = _STATE["sent"]
-    if mm_data not in sent:
-        emb = mm_data.embedding
-        pub = ho.publish(emb, label=str(getattr(mm_data, "req_id", "")))
-        sent[mm_data] = pub
-        if pub is not None:  # goes when SGLang lets go of the embedding, at the latest
-            weakref.finalize(mm_data, ho.done, pub)
-    return sent[mm_data]
-
-
 async def encoder_send(wrapped, instance, args, kwargs):
     """``MMEncoder._send`` (0.5.23): on the zmq_to_scheduler backend, to a
     language TP rank whose card this encoder finds (:class:`~mmshm.transport.
@@ -113,22 +91,10 @@ async def encoder_send(wrapped, instance, args, kwargs):
             or mm_data is None or getattr(mm_data, "error_msg", None) is not None
             or getattr(mm_data, "embedding", None) is None or dest is None):
         return await wrapped(*args, **kwargs)
-    why = cards().check(dest)
-    if why is not None:
-        handoff.count(SERVER, "unproven", f"the language TP rank at {dest} gets SGLang's own "
-                      f"bytes, not a shared-memory handle: {why}", FIX_UNPROVEN)
-        return await wrapped(*args, **kwargs)
-    pub = _published(mm_data)
-    if pub is None:
-        return await wrapped(*args, **kwargs)
-    from mmshm import MmshmError
-
-    try:
-        wire = _handoff().handle(pub)
-    except (MmshmError, OSError) as exc:  # the segment is gone: SGLang's bytes
-        handoff.count(SERVER, "segment_gone", f"an encoder output's segment vanished before "
-                      f"its send ({exc}); SGLang's own bytes carry it",
-                      "nothing may remove mmshm's segments while the encoder runs")
+    wire = _handoff().wire_for(mm_data, mm_data.embedding, str(getattr(mm_data, "req_id", "")),
+                               cards(), dest, f"the language TP rank at {dest}",
+                               "SGLang's own bytes", FIX_UNPROVEN)
+    if wire is None:
         return await wrapped(*args, **kwargs)
     import torch
 
@@ -152,55 +118,23 @@ def delivery_release(wrapped, instance, args, kwargs):
     send): the encoder's own reference goes; the TP ranks' keep the output."""
     state = args[0] if args else kwargs.get("state")
     mm_data = getattr(state, "embedding_data", None)
-    if mm_data is not None and "sent" in _STATE:
-        pub = _STATE["sent"].pop(mm_data, None)
-        if pub is not None:
-            _handoff().done(pub)
+    if mm_data is not None and "handoff" in _STATE:
+        _STATE["handoff"].finish(mm_data)
     return wrapped(*args, **kwargs)
-
-
-class _Noting:
-    """A zmq socket whose received handle frames are noted in an inbox."""
-
-    def __init__(self, sock, box: handoff.Inbox):
-        self._sock, self._box = sock, box
-
-    def recv_multipart(self, *a, **kw):
-        parts = self._sock.recv_multipart(*a, **kw)
-        if len(parts) > 1:
-            self._box.saw(parts[1])
-        return parts
-
-    def __getattr__(self, name):
-        return getattr(self._sock, name)
-
-
-def _receiving(instance, attr: str, wrapped, args, kwargs):
-    """Run ``wrapped`` with the handles ``instance.<attr>`` (a zmq socket)
-    receives noted; those it did not map are given back afterwards."""
-    sock = getattr(instance, attr, None)
-    if sock is None:
-        return wrapped(*args, **kwargs)
-    with handoff.Inbox() as box:
-        setattr(instance, attr, _Noting(sock, box))
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            if isinstance(getattr(instance, attr, None), _Noting):
-                setattr(instance, attr, sock)
 
 
 def drain_embeddings(wrapped, instance, args, kwargs):
     """``MMReceiverBase._drain_scheduler_embeddings`` (0.5.23, the TP rank's
     shared receive socket): handles SGLang drops (inactive request, stale
     part) are given back."""
-    return _receiving(instance, "scheduler_recv_socket", wrapped, args, kwargs)
+    return handoff.Inbox.around(instance, "scheduler_recv_socket",
+                                lambda: wrapped(*args, **kwargs))
 
 
 def try_recv(wrapped, instance, args, kwargs):
     """``WaitingMMRequestBase._try_recv_mm_data`` (a per-request socket): as
     :func:`drain_embeddings`."""
-    return _receiving(instance, "recv_socket", wrapped, args, kwargs)
+    return handoff.Inbox.around(instance, "recv_socket", lambda: wrapped(*args, **kwargs))
 
 
 def extract_embedding(wrapped, instance, args, kwargs):

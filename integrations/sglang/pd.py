@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from mmshm.errors import PayloadWithheldError
+from mmshm.transport import withhold
+from mmshm.transport.withhold import WithheldPayload  # noqa: F401 - the tokenizer's stand-in
 
 from .server import items, on_failure, set_item_hashes, tensors
 
@@ -15,25 +16,6 @@ PATH_DECODE_WITHHOLD = (
     "scheduler without their pixels (hashes, pad values and token layout kept; the KV "
     "comes from the prefill instance, the vision encoder never runs here)")
 PATH_DECODE_KEEP = "PD decode instance: pixels kept ({})"
-
-
-class WithheldPayload:
-    """An item's tensor on its way to a decode scheduler: ``shape`` (ints),
-    ``dtype`` (torch's name, ``"float32"``), ``nbytes``; no data. The decode
-    scheduler hands SGLang ``None`` (as upstream's open PR 14832); any other
-    fails the request with :class:`PayloadWithheldError`."""
-
-    __slots__ = ("shape", "dtype", "nbytes")
-
-    def __init__(self, shape: tuple, dtype: str, nbytes: int):
-        self.shape, self.dtype, self.nbytes = tuple(shape), dtype, int(nbytes)
-
-    @classmethod
-    def of(cls, t) -> WithheldPayload:
-        return cls(tuple(t.shape), str(t.dtype).removeprefix("torch."), t.nbytes)
-
-    def __repr__(self) -> str:
-        return f"WithheldPayload({self.dtype}{list(self.shape)}, {self.nbytes} bytes)"
 
 
 def decode_payload_policy(tokenizer_manager) -> tuple[bool, str] | None:
@@ -62,13 +44,8 @@ def withhold_payloads(mm_inputs):
                 for t in tensors(getattr(item, name, None))}
     if not withheld:
         return mm_inputs
-    return transform(mm_inputs, lambda x: WithheldPayload.of(x) if id(x) in withheld else x)
-
-
-def _has_withheld(value) -> bool:
-    if isinstance(value, WithheldPayload):
-        return True
-    return isinstance(value, (list, tuple)) and any(_has_withheld(v) for v in value)
+    return transform(mm_inputs, lambda x: withhold.WithheldPayload.of(x) if id(x) in withheld
+                     else x)
 
 
 def settle_withheld(reqs):
@@ -83,17 +60,15 @@ def settle_withheld(reqs):
         for r in (getattr(req, "batch", None) or [req]):
             mm = getattr(r, "mm_inputs", None)
             found = [(item, name) for item in (items(mm) if mm else ())
-                     for name in PAYLOAD_FIELDS if _has_withheld(getattr(item, name, None))]
+                     for name in PAYLOAD_FIELDS
+                     if withhold.has_withheld(getattr(item, name, None))]
             if not found:
                 continue
             if mode == "decode":
                 for item, name in found:
                     setattr(item, name, None)
                 continue
-            from mmshm.metrics import REQUEST_FAILURES
-
-            REQUEST_FAILURES.labels(reason=PayloadWithheldError.reason).inc()
-            err = PayloadWithheldError(
+            err = withhold.failure(
                 f"request {getattr(r, 'rid', '?')}: {len(found)} multimodal tensor(s) were "
                 "withheld by a PD decode instance's tokenizer, and this scheduler is "
                 f"in {mode or 'unknown'} mode, where the vision encoder may need them")

@@ -7,12 +7,9 @@ stand-in is never keyed by the EPD connector (:mod:`.epd`)."""
 
 import contextvars
 
-import torch
-from mmshm.errors import PayloadWithheldError
-from mmshm.metrics import REQUEST_FAILURES
-from torch.utils.weak import WeakIdKeyDictionary
+from mmshm.transport import withhold
 
-from .server import SCHED, log, tensors
+from .server import SCHED, tensors
 
 #: The placeholder of a withheld tensor: ``{WITHHELD_KEY: nbytes}``.
 WITHHELD_KEY = "mmshm_withheld"
@@ -21,8 +18,9 @@ WITHHOLDING: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "mmshm_vllm_withholding", default=None)
 #: This frontend's decode_payload_policy: True withholds, False keeps, None: no KV consumer.
 DECODE_WITHHOLDS: bool | None = None
-#: The EngineCore's stand-ins for withheld tensors (empty, of their dtype).
-_WITHHELD = WeakIdKeyDictionary()
+#: The EngineCore's stand-in for a withheld tensor (``dtype``: vLLM's name
+#: without ``torch.``): empty, known to :func:`withheld_in`.
+withheld_tensor = withhold.stand_in
 PATH_DECODE_WITHHOLD = (
     "decode instance (kv_consumer, kv_load_failure_policy=fail): requests prefilled "
     "elsewhere (kv_transfer_params.do_remote_prefill) carry no pixel payload; the "
@@ -76,21 +74,12 @@ def remote_prefilled(request) -> bool:
     return isinstance(params, dict) and bool(params.get("do_remote_prefill"))
 
 
-def withheld_tensor(dtype: str, shape) -> torch.Tensor:
-    """The stand-in for a withheld tensor (``dtype``: vLLM's name without
-    ``torch.``): empty, known to :func:`withheld_in`."""
-    dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
-    t = torch.empty(0, dtype=dt if isinstance(dt, torch.dtype) else torch.uint8)
-    _WITHHELD[t] = tuple(shape)
-    return t
-
-
 def withheld_in(feature) -> bool:
     """Whether a ``MultiModalFeatureSpec``'s data holds a withheld stand-in."""
     data = getattr(feature, "data", None)
-    if data is None or not _WITHHELD:
+    if data is None or not withhold.any_stand_ins():
         return False
-    return any(t in _WITHHELD for elem in data.values()
+    return any(withhold.is_stand_in(t) for elem in data.values()
                for t in tensors(getattr(elem, "data", None)))
 
 
@@ -98,7 +87,7 @@ def try_schedule_encoder_inputs(wrapped, instance, args, kwargs):
     """An encoder input whose pixels were withheld fails its request (vLLM's
     ``encoder_cache_mismatch_reqs``: ``FINISHED_ERROR`` after the step)."""
     out = wrapped(*args, **kwargs)
-    if not _WITHHELD:
+    if not withhold.any_stand_ins():
         return out
     request = args[0] if args else kwargs.get("request")
     features = getattr(request, "mm_features", None) or ()
@@ -110,15 +99,13 @@ def try_schedule_encoder_inputs(wrapped, instance, args, kwargs):
     if not need or failed is None:
         return out
     rid = getattr(request, "request_id", "?")
-    err = PayloadWithheldError(
+    failed.add(rid)  # the error: counted and said, vLLM fails the request after the step
+    withhold.failure(
         f"request {rid}: the decode instance would run the encoder for "
         f"{len(need)} item(s) whose pixels mmshm withheld (its KV did not load up to "
         f"them: {args[1] if len(args) > 1 else kwargs.get('num_computed_tokens', '?')} of "
         f"{getattr(request, 'num_prompt_tokens', '?')} prompt tokens computed). Fix: "
         f"prefill it on the prefill instance first, or set kv_load_failure_policy=recompute "
-        f"on the decode instance")
-    log.warning("mmshm: %s: %s", type(err).__name__, err)
-    REQUEST_FAILURES.labels(reason=PayloadWithheldError.reason).inc()
-    failed.add(rid)
+        f"on the decode instance", warn=True)
     budget = args[3] if len(args) > 3 else kwargs.get("encoder_compute_budget")
     return ([], 0, budget, *([] for _ in out[3:]))

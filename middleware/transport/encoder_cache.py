@@ -591,6 +591,21 @@ class Entry:
     def released(self) -> bool:
         return self._released
 
+    def intact(self) -> bool:
+        """Whether this held entry's file is still loadable by name: the name
+        still links to the inode this process holds, at its full size (a third
+        party's ``rm``, ``truncate`` or replacement says no; so does a released
+        entry). Two syscalls; never raises."""
+        seg = self._seg
+        if seg is None:
+            return False
+        try:
+            held, named = os.fstat(seg.fd), os.stat(seg.path)
+        except (OSError, AttributeError, TypeError):
+            return False
+        return ((held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+                and named.st_size >= HEADER_SIZE + self.nbytes)
+
     def __del__(self):
         try:
             self.release()

@@ -42,6 +42,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from typing import NamedTuple
 
 import msgspec
@@ -162,6 +163,7 @@ class Handoff:
         self.server = server
         self.directory = directory
         self.store = EncoderCache(directory, server=server, keep_s=keep_s)
+        self._sent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # obj -> Published
 
     def publish(self, tensor: torch.Tensor, label: str = "") -> Published | None:
         """Write ``tensor`` (any dtype and shape, CPU or not) once; None where
@@ -198,6 +200,52 @@ class Handoff:
     def done(self, pub: Published) -> None:
         """The producer's own reference goes: the readers' keep the output."""
         self.store.evict(pub.key)
+
+    def publish_once(self, obj, tensor: torch.Tensor, label: str = "") -> Published | None:
+        """``tensor``, the output ``obj`` (the server's message object, weakly
+        referenced) carries, published at its first call (:meth:`publish`)
+        and the same :class:`Published` (or None) at every later one; the
+        producer's reference goes at :meth:`finish` or, at the latest, when
+        ``obj`` is collected."""
+        if obj not in self._sent:
+            pub = self.publish(tensor, label)
+            self._sent[obj] = pub
+            if pub is not None:
+                weakref.finalize(obj, self.done, pub)
+        return self._sent[obj]
+
+    def wire_for(self, obj, tensor: torch.Tensor, label: str, cards: Cards, reader: str,
+                 who: str, theirs: str, fix_unproven: str) -> bytes | None:
+        """An encoded :class:`Wire` owning one reference for one send of
+        ``obj``'s output ``tensor`` to the reader at endpoint ``reader``
+        (published once: :meth:`publish_once`), or None: the send carries the
+        server's own bytes. None, counted by reason, where the reader proved
+        nothing in ``cards`` (``unproven``, said as "``who`` gets ``theirs``",
+        with ``fix_unproven``) or the output's segment vanished
+        (``segment_gone``); None where the store did not publish it (counted
+        by the store). Never raises for these."""
+        why = cards.check(reader)
+        if why is not None:
+            count(self.server, "unproven", f"{who} gets {theirs}, not a shared-memory handle: "
+                  f"{why}", fix_unproven)
+            return None
+        pub = self.publish_once(obj, tensor, label)
+        if pub is None:
+            return None
+        try:
+            return self.handle(pub)
+        except (MmshmError, OSError) as exc:  # the segment is gone: the server's bytes
+            count(self.server, "segment_gone", f"an encoder output's segment vanished before "
+                  f"its send ({exc}); {theirs} carry it",
+                  "nothing may remove mmshm's segments while the encoder runs")
+            return None
+
+    def finish(self, obj) -> None:
+        """``obj``'s last send is done: the producer's reference goes (the
+        readers' keep the output). Nothing if it was never published."""
+        pub = self._sent.pop(obj, None)
+        if pub is not None:
+            self.done(pub)
 
     def close(self) -> None:
         """Every output's producer reference goes (also run at exit)."""
@@ -298,6 +346,46 @@ class Inbox:
     def __exit__(self, *exc) -> None:
         Inbox._tls.box = self._prev
         self.close()
+
+    @classmethod
+    def around(cls, instance, attr: str, call):
+        """``call()`` with the handles that ``instance.<attr>`` (a zmq socket,
+        its ``recv_multipart``'s second frame) receives noted in an inbox;
+        those not taken in it are given back afterwards. ``instance.<attr>``
+        is put back as it was; an absent socket: ``call()`` alone."""
+        sock = getattr(instance, attr, None)
+        if sock is None:
+            return call()
+        with cls() as box:
+            setattr(instance, attr, _Noting(sock, box))
+            try:
+                return call()
+            finally:
+                if isinstance(getattr(instance, attr, None), _Noting):
+                    setattr(instance, attr, sock)
+
+
+class _Noting:
+    """A zmq socket whose received handle frames are noted in an inbox."""
+
+    def __init__(self, sock, box: Inbox):
+        self._sock, self._box = sock, box
+
+    def recv_multipart(self, *a, **kw):
+        parts = self._sock.recv_multipart(*a, **kw)
+        if len(parts) > 1:
+            self._box.saw(parts[1])
+        return parts
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def endpoint(host: str, port: int) -> str:
+    """``host:port`` as a reader's receive endpoint is named (IPv6 bracketed,
+    as SGLang's ``NetworkAddress.to_host_port_str``)."""
+    host = str(host).strip("[]")
+    return f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}"
 
 
 class Cards:

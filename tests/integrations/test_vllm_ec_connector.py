@@ -443,7 +443,7 @@ def test_an_entry_removed_under_a_held_entry_is_encoded_locally(produced, consum
         out, loads = schedule(sched, [req])
         assert loads == [[False]] and out.ec_connector_metadata.loads == []
         assert fallbacks("segment_gone") - gone0 == 1
-        assert sched._held == {} and sched.take_unavailable_requests() == set()
+        assert sched._holds.held == {} and sched.take_unavailable_requests() == set()
         assert refcount("moved-by-a-third-party", shm_dir) == 1  # the producer's only
     finally:
         os.rename(away, path)
@@ -496,7 +496,7 @@ def test_a_failed_worker_load_fails_its_request_and_the_engine_goes_on(produced,
         assert sched.take_unavailable_requests() == set()
         sched.request_finished(past)
         sched.request_finished(req)  # vLLM's FINISHED_ERROR frees it
-        assert sched._held == {}
+        assert sched._holds.held == {}
         del cache, t
         gc.collect()
         assert refcount("moved-by-a-third-party", shm_dir) == 1  # the producer's only
@@ -698,12 +698,13 @@ def test_the_engine_core_reuses_the_frontends_digest(shm_dir):
 
     from mmshm.segments.codec import HandleMeta
     from mmshm.transport import sending
+    from mmshm.transport.ec_connector import new_counts
 
     from mmshm.integrations.vllm import epd
 
     req = request("pd-0", [("x", 32)])
     feature = req.mm_features[0]
-    counts = epd._new_counts()
+    counts = new_counts()
     plain_key = epd.item_key(feature, "ns", "", "pixels", counts)
     assert counts["hashed_bytes"] == ROWS * 4 * 1176 * 4 + 3 * 8
     pv = feature.data["pixel_values"].data
@@ -711,7 +712,7 @@ def test_the_engine_core_reuses_the_frontends_digest(shm_dir):
     meta = HandleMeta("mmshm-1-0000000000000000", pv.nbytes, 0, tuple(pv.shape), digest)
     sending.SEGMENTS.put(pv, (b"", meta, shm_dir))
     try:
-        counts = epd._new_counts()
+        counts = new_counts()
         assert epd.item_key(feature, "ns", "", "pixels", counts) == plain_key
         assert counts["hashed_bytes"] == 3 * 8  # the grid only (inline, 24 bytes)
         sending.SEGMENTS.put(pv, (b"", meta._replace(hash=b"\0" * 16) if hasattr(
@@ -720,7 +721,7 @@ def test_the_engine_core_reuses_the_frontends_digest(shm_dir):
         assert epd.item_key(feature, "ns", "", "pixels") != plain_key
     finally:
         sending.SEGMENTS.drop(pv)
-    counts = epd._new_counts()
+    counts = new_counts()
     k1 = epd.item_key(feature, "ns", "", "mm_hash", counts)
     assert counts["hashed_bytes"] == 0 and k1 != plain_key
     assert epd.item_key(feature, "ns", "adapter", "mm_hash") != k1

@@ -1,0 +1,312 @@
+"""The server-neutral half of an EC connector (EPD) on
+:mod:`mmshm.transport.encoder_cache`: what a connector counts, the entries
+a consumer's scheduler holds for its requests, and a worker's loads and
+saves. A server's connector (vLLM's ``MmshmECConnector``,
+:mod:`mmshm.integrations.vllm.epd`) keeps only its glue: reading the
+server's request objects and calling these with ids, indices and keys.
+
+**Counts** (:class:`Counts`): the connector's own numbers (:data:`STAT_KEYS`
+and ``fallback_<reason>``), summed per step and reported through the
+server's own stats; every fallback also counts
+``mmshm_epd_fallbacks_total{server, reason}``
+(:func:`~mmshm.transport.encoder_cache.count_fallback`, the first of each
+reason said at WARNING).
+
+**A consumer's held entries** (:class:`Holdings`): the scheduler looks each
+item of a request up once (a request item is ``(request id, index)``; an
+item's server name is its ``ident``), holds the entry it finds (one
+reference, its holder the request) until the item's input is freed or the
+request finishes, answers "is it held" only from an entry still intact on
+disk (:meth:`~mmshm.transport.encoder_cache.Entry.intact`), and remembers
+the requests a worker could not load for (the server fails each one) and
+the items it may hold zeros for.
+
+**A worker** (:func:`load`, :func:`save`): each load maps the entry
+zero-copy (copied to a device by :func:`mmshm.segments.arena.to_device`); a
+load that fails is never raised: its slot gets zeros of the output's shape
+and dtype, and the request is reported for the server to fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import torch
+
+from mmshm.errors import MmshmError
+from mmshm.segments import arena
+from mmshm.transport.encoder_cache import EncoderCache, EncoderCacheError, count_fallback
+
+log = logging.getLogger("mmshm")
+
+#: a connector's counts (summed over workers and steps): ``loads``/
+#: ``loaded_bytes``/``load_failed`` (worker), ``saves``/``saved_bytes``
+#: (worker), ``hits`` (scheduler), ``transfer_seconds`` (worker, summed),
+#: ``hashed_bytes``/``hash_seconds`` (bytes the scheduler hashed itself for
+#: a key, and the seconds it took); ``fallback_<reason>`` besides
+STAT_KEYS = ("hits", "loads", "loaded_bytes", "load_failed", "saves", "saved_bytes",
+             "transfer_seconds", "hashed_bytes", "hash_seconds")
+#: how many item names a consumer remembers as failed (a bounded map)
+MAX_REMEMBERED = 4096
+#: the fix said with a held entry or a load lost to something outside mmshm
+FIX_OUTSIDE = ("keep tmpfs cleaners, systemd's RemoveIPC=yes and operators off mmshm-* "
+               "files in {}")
+
+
+def new_counts() -> dict:
+    """A zero of each of :data:`STAT_KEYS`."""
+    return dict.fromkeys(STAT_KEYS, 0)
+
+
+def add_counts(into: dict, more: dict) -> dict:
+    """``more`` added into ``into`` key by key (returned)."""
+    for k, v in more.items():
+        into[k] = into.get(k, 0) + v
+    return into
+
+
+def reduce_counts(data: dict) -> dict:
+    """The non-zero counts, sorted by name, floats rounded to 6 digits."""
+    return {k: (round(v, 6) if isinstance(v, float) else v)
+            for k, v in sorted(data.items()) if v}
+
+
+class Counts(dict):
+    """A connector's counts since its last report (:data:`STAT_KEYS`, then
+    ``fallback_<reason>``) for the ``server`` label."""
+
+    def __init__(self, server: str):
+        super().__init__(new_counts())
+        self.server = server
+
+    def fallback(self, reason: str, detail: str | None = None, fix: str | None = None) -> None:
+        """Count ``fallback_<reason>``; with ``detail`` also one
+        ``mmshm_epd_fallbacks_total{server, reason}`` (said at WARNING the
+        first time, with ``fix``)."""
+        self["fallback_" + reason] = self.get("fallback_" + reason, 0) + 1
+        if detail is not None:
+            count_fallback(self.server, reason, detail, fix)
+
+    def take(self) -> dict:
+        """The counts as a plain dict; zero again."""
+        out = dict(self)
+        self.clear()
+        self.update(new_counts())
+        return out
+
+
+class Holdings:
+    """A consumer scheduler's held entries (module docstring).
+
+    Args:
+        store: the consumer's :class:`~mmshm.transport.encoder_cache.EncoderCache`.
+        counts: where hits and misses are counted.
+    """
+
+    def __init__(self, store: EncoderCache, counts: Counts):
+        self.store, self.counts = store, counts
+        self.held: dict[tuple[str, int], object] = {}   # (req id, index) -> Entry
+        self.by_id: dict[str, tuple[str, int]] = {}     # item name -> (req id, index)
+        self.looked: set[tuple[str, int]] = set()       # looked up once per request item
+        self.unavailable: set[str] = set()              # failed in a worker: the server fails them
+        self.poisoned: OrderedDict[str, str] = OrderedDict()  # item name -> request
+
+    def fails(self, rid: str, pending: list[str]) -> bool:
+        """Whether request ``rid`` needs an item (``pending``: the names of
+        those not yet computed) the server may hold zeros for: then it is
+        unavailable (failed) and True."""
+        if self.poisoned and any(ident in self.poisoned for ident in pending):
+            self.unavailable.add(rid)
+            return True
+        return False
+
+    def look(self, rid: str, index: int, ident: str, key: bytes | None, *, rows: int,
+             dtype: torch.dtype | None, width: int | None):
+        """Look item ``index`` of ``rid`` up once: the store's entry of
+        ``key`` of ``dtype``, ``rows`` rows and ``width`` columns (None:
+        any), held for the request; None if not looked up now (no key,
+        looked up already, another request holds the item) or a miss."""
+        if key is None or (rid, index) in self.looked or self.by_id.get(ident) is not None:
+            return None
+        self.looked.add((rid, index))
+        entry = self.store.lookup(key, dtype=dtype, rows=rows, count=False,
+                                  shape=(rows, width or None), holder=f"request {rid}")
+        if entry is not None:
+            self.held[(rid, index)] = entry
+            self.by_id[ident] = (rid, index)
+            log.debug("mmshm: EC hit %s (request %s item %d) -> %s", ident, rid, index,
+                      entry.name)
+        return entry
+
+    def has(self, ident: str) -> bool:
+        """Whether an intact entry of item ``ident`` is held (the server asks
+        only for items it no longer holds: they are not poisoned any more).
+        One that is not intact is let go, counted ``segment_gone``."""
+        self.poisoned.pop(ident, None)
+        owner = self.by_id.get(ident)
+        if owner is None:
+            return False
+        entry = self.held[owner]
+        if entry.intact():
+            return True
+        self.release(*owner)
+        self.counts.fallback("segment_gone",
+                             f"the held encoder output {entry.name} of item {ident} was "
+                             f"removed or truncated in the segment directory by something "
+                             f"outside mmshm: the item is encoded here",
+                             FIX_OUTSIDE.format("MMSHM_DIR"))
+        return False
+
+    def hit(self, ident: str):
+        """The handle of item ``ident``'s held entry, counted as a hit; None
+        if it is not held."""
+        owner = self.by_id.get(ident)
+        if owner is None:
+            return None
+        self.counts["hits"] += 1
+        return self.held[owner].handle()
+
+    def miss(self, rid: str, ident: str, key: bytes | None, rows: int) -> None:
+        """Item ``ident`` of ``rid`` is encoded here: counted by why its key
+        missed, looked up once more counting nothing (an entry published
+        since is not taken: the local encode is decided)."""
+        if key is None:
+            return  # counted as unkeyed
+        found, reason, _ = self.store._search(key, None, rows, hold=False)
+        if found is not None:
+            found.release()
+        self.counts.fallback(reason or "missing",
+                             f"item {ident} of request {rid} is encoded here: no loadable "
+                             f"encoder output of its content (namespace "
+                             f"'{self.store.namespace}')")
+
+    def release(self, rid: str, index: int) -> None:
+        """Give back the entry held for item ``index`` of ``rid`` (if any)."""
+        entry = self.held.pop((rid, index), None)
+        if entry is None:
+            return
+        for ident, owner in list(self.by_id.items()):
+            if owner == (rid, index):
+                del self.by_id[ident]
+        entry.release()
+
+    def free(self, rid: str, index: int) -> None:
+        """Item ``index`` of ``rid`` is done: given back, looked up afresh next time."""
+        self.release(rid, index)
+        self.looked.discard((rid, index))
+
+    def finish(self, rid: str) -> None:
+        """Request ``rid`` finished: every entry it held given back."""
+        for (r, i) in [k for k in self.held if k[0] == rid]:
+            self.release(r, i)
+        self.looked = {k for k in self.looked if k[0] != rid}
+
+    def failed(self, failed: dict) -> None:
+        """``{request id: item name}`` a worker could not load: each request
+        unavailable, each item poisoned (the server may hold zeros for it)."""
+        for rid, ident in failed.items():
+            self.unavailable.add(rid)
+            self.poisoned[ident] = rid
+            self.poisoned.move_to_end(ident)
+            while len(self.poisoned) > MAX_REMEMBERED:
+                self.poisoned.popitem(last=False)
+
+    def take_unavailable(self) -> set[str]:
+        """The unavailable requests since the last call."""
+        out, self.unavailable = self.unavailable, set()
+        return out
+
+    def close(self) -> None:
+        """Every held entry given back."""
+        for key in list(self.held):
+            self.release(*key)
+
+
+def save(store: EncoderCache, key: bytes, tensor: torch.Tensor, label: str,
+         counts: Counts) -> None:
+    """Publish ``tensor`` (any dtype and shape) under ``key``; a publish
+    counts ``saves``, ``saved_bytes`` and ``transfer_seconds``, a refusal
+    ``fallback_<reason>`` (the store counted its metric)."""
+    t0 = time.perf_counter()
+    res = store.save(key, tensor, label=label)
+    if res.published and res.nbytes:
+        counts["saves"] += 1
+        counts["saved_bytes"] += res.nbytes
+        counts["transfer_seconds"] += time.perf_counter() - t0
+        log.debug("mmshm: EC save %s -> %s (%d bytes)", label, res.name, res.nbytes)
+    elif not res.published and res.reason:
+        counts.fallback(res.reason)
+
+
+def load(loads, cache: dict, device: str, counts: Counts, failed: dict, failed_says: str):
+    """Load each ``(request id, item name, EntryHandle)`` of ``loads`` not
+    yet in ``cache`` (the server's encoder cache: item name -> tensor) into
+    it: a zero-copy view of the entry, on ``device`` (``"cpu"``, ``"cuda"``)
+    copied by :func:`~mmshm.segments.arena.to_device`; counted in
+    ``loads``, ``loaded_bytes``, ``transfer_seconds``. A load that fails
+    (any :class:`~mmshm.errors.MmshmError`, ``OSError``, ``ValueError``,
+    ``RuntimeError``) is not raised: the item gets zeros of the handle's
+    shape and dtype on ``device``, the request goes into ``failed``
+    (``{request id: item name}``), counted ``load_failed`` and said
+    (``failed_says``: what the server does with the request)."""
+    for rid, ident, handle in loads:
+        if ident in cache:
+            continue
+        t0 = time.perf_counter()
+        try:
+            t = handle.load(counts.server)
+            if device != "cpu":
+                # from the arena's registered mapping: pinned speed (counted
+                # and timed in mmshm_gpu_copy_*{direction="h2d"})
+                t = arena.to_device(t, device)
+        except (MmshmError, OSError, ValueError, RuntimeError) as exc:
+            err = exc if isinstance(exc, EncoderCacheError) else EncoderCacheError(
+                f"request {rid}: the encoder output of {ident} ({handle.name}) cannot be "
+                f"loaded: {exc}", reason="load_failed")
+            failed[rid] = ident
+            counts["load_failed"] += 1
+            count_fallback(counts.server, "load_failed", f"request {rid}: {err}; {failed_says}",
+                           fix=FIX_OUTSIDE.format("the segment directory"))
+            cache[ident] = torch.zeros(tuple(handle.shape), dtype=handle.dtype, device=device)
+            continue
+        cache[ident] = t
+        counts["loads"] += 1
+        counts["loaded_bytes"] += handle.nbytes
+        counts["transfer_seconds"] += time.perf_counter() - t0
+        log.debug("mmshm: EC load %s from %s (%d bytes)", ident, handle.name, handle.nbytes)
+
+
+def prom_counters(counter_cls, labelnames: list, prefix: str) -> dict:
+    """The server's own Prometheus counters of a connector's counts
+    (``counter_cls(name=, labelnames=, documentation=)``, the server's
+    per-engine ``labelnames``): ``<prefix>loads``, ``<prefix>saves``,
+    ``<prefix>bytes{direction}``, ``<prefix>fallbacks{reason}``; fed by
+    :func:`observe_counts`."""
+    c = counter_cls
+    return {
+        "loads": c(name=prefix + "loads", labelnames=labelnames,
+                   documentation="Encoder outputs loaded through mmshm (per holder)."),
+        "saves": c(name=prefix + "saves", labelnames=labelnames,
+                   documentation="Encoder outputs published through mmshm."),
+        "bytes": c(name=prefix + "bytes", labelnames=[*labelnames, "direction"],
+                   documentation="Bytes of encoder outputs saved or loaded by mmshm."),
+        "fallbacks": c(name=prefix + "fallbacks", labelnames=[*labelnames, "reason"],
+                       documentation="Items encoded locally (or not published), by reason."),
+    }
+
+
+def observe_counts(counters: dict, values, data: dict) -> None:
+    """Add one report's counts ``data`` (:class:`Counts`) to the counters of
+    :func:`prom_counters` under the label ``values`` of one engine."""
+    if data.get("loads"):
+        counters["loads"].labels(*values).inc(data["loads"])
+    if data.get("saves"):
+        counters["saves"].labels(*values).inc(data["saves"])
+    for direction in ("loaded", "saved"):
+        if data.get(f"{direction}_bytes"):
+            counters["bytes"].labels(*values, direction).inc(data[f"{direction}_bytes"])
+    for k, v in data.items():
+        if k.startswith("fallback_") and v:
+            counters["fallbacks"].labels(*values, k.removeprefix("fallback_")).inc(v)
