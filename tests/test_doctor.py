@@ -63,6 +63,25 @@ def _orphans(d: str, sizes: list[int]) -> dict[str, int]:
 
 
 # -- doctor ------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_doctor_says_segments_of_another_directory_whose_processes_are_gone_are_left(segdir):
+    """mmshm segments in another directory of the mount: left by a process that
+    no longer runs, doctor says so and names `mmshm gc --dir` (not "a process
+    runs with another MMSHM_DIR", which sent a new user looking for one)."""
+    other = os.path.join(segdir, "left-by-a-dead-process")
+    os.mkdir(other)
+    try:
+        _orphans(other, [1 << 20])
+        notes = [n for n in doctor.diagnose(segdir, expected_bytes=MiB).notes
+                 if f" in {other}, " in n]
+        assert len(notes) == 1, notes
+        assert notes[0].endswith(f"left by processes that no longer run; reclaim them with "
+                                 f"`mmshm gc --dir {other}`"), notes
+    finally:
+        assert reaper.reap(other).reclaimed == 1
+        os.rmdir(other)
+
+
 @pytest.mark.fault
 @pytest.mark.timeout(120)
 def test_doctor_in_a_64mib_tmpfs_names_the_problem_and_the_fix():

@@ -404,9 +404,19 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
             "run `mmshm gc` (servers under mmshm also reclaim them on start-up)"))
     elsewhere = [g for g in others if g.owner.startswith("mmshm")]
     for g in elsewhere:
+        where = os.path.dirname(g.pattern)
+        try:
+            left = list(reaper.scan(where))
+        except OSError:
+            left = []
+        if left and all(i.orphan for i in left):  # their processes are gone
+            notes.append(f"{g.files} mmshm segment(s) ({g.bytes // MiB} MiB) in {where}, not "
+                         f"in {d}, left by processes that no longer run; reclaim them with "
+                         f"`mmshm gc --dir {where}`")
+            continue
         notes.append(f"{g.files} mmshm segment(s) ({g.bytes // MiB} MiB) in "
-                     f"{os.path.dirname(g.pattern)}, not in {d} (a process runs with another "
-                     f"MMSHM_DIR); check them with --dir {os.path.dirname(g.pattern)}")
+                     f"{where}, not in {d} (a process runs with another "
+                     f"MMSHM_DIR); check them with --dir {where}")
     if size < reserve + expected:
         problems.append(Problem(
             f"{d} is only {size // MiB} MiB: NCCL's reserve ({reserve // MiB} MiB) plus the "
