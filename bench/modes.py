@@ -312,9 +312,12 @@ class MmshmEagerHashMode(MmshmMode):
 @register
 class MmshmArenaMode(MmshmMode):
     """``mmshm`` with the arena on in the producer (``MMSHM_ARENA_BYTES`` as
-    set, else half the segment directory's file system, at most 4 GiB, set
-    around each wrap only, so the other modes of the run are untouched; one
-    line on stderr says the size): its segments are arena
+    set, else the size a CUDA host gets by default,
+    :func:`mmshm.config.default_arena_bytes`: 1 GiB, at most a quarter of the
+    segment directory's file system; set around each wrap only, so the other
+    modes of the run are untouched; one line on stderr says the size, and
+    requests that do not fit fall back to plain segments as a server's do,
+    counted in ``mmshm_arena_fallbacks_total``): its segments are arena
     segments, kept warm in its pool, and every TP rank maps each one once and
     keeps the mapping (registered with CUDA once, with ``--device cuda``), so
     that a rank's reads and its copy to the GPU take no page faults (see
@@ -333,13 +336,15 @@ class MmshmArenaMode(MmshmMode):
 
         before = os.environ.get("MMSHM_ARENA_BYTES")
         size = config.get().arena_bytes
-        if not size:  # unset, or 0: this mode is the arena's
+        if not size:  # unset, or 0: this mode is the arena's, at a CUDA host's default
             st = os.statvfs(config.get().dir)
-            size = min(st.f_blocks * st.f_frsize // 2, 4 << 30)
+            size = config.default_arena_bytes(st.f_blocks * st.f_frsize)
         if not MmshmArenaMode._said:
             MmshmArenaMode._said = True
             print(f"mmshm-arena: an arena of {size / 2**20:.0f} MiB in the producer"
-                  f"{' (MMSHM_ARENA_BYTES)' if before else ''}; without CUDA in the ranks its "
+                  f"{' (MMSHM_ARENA_BYTES)' if before else ' (the default on a CUDA host)'}; "
+                  f"a request that does not fit goes to a plain segment; without CUDA in the "
+                  f"ranks its "
                   f"views are warm unregistered pages (docs/gpu.md)", file=sys.stderr)
         os.environ["MMSHM_ARENA_BYTES"] = str(size)
         config.reload()
