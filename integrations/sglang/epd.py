@@ -150,31 +150,10 @@ def extract_embedding(wrapped, instance, args, kwargs):
     parts = args[1] if len(args) > 1 else kwargs["parts"]
     if getattr(recv_obj, EPD_MARK, None) != EPD_HANDLE:
         return wrapped(*args, **kwargs)
-    from mmshm import MaterializeError, MmshmError
-    from mmshm.errors import failure_reason
-
-    frame = getattr(parts[1], "buffer", parts[1])
-    box = handoff.Inbox.current()
-    if box is not None:
-        box.took(frame)
-    try:
-        recv_obj.embedding = handoff.take(frame, recv_obj.dtype, recv_obj.shape, SERVER)
-    except (MmshmError, OSError) as exc:  # counted by reason in take
-        raise MaterializeError(f"encoder output of {getattr(recv_obj, 'req_id', '?')}: {exc}",
-                               reason=failure_reason(exc)) from exc
+    recv_obj.embedding = handoff.take_noted(parts[1], recv_obj.dtype, recv_obj.shape, SERVER,
+                                            f"encoder output of "
+                                            f"{getattr(recv_obj, 'req_id', '?')}")
     return None
-
-
-def _failure_reason(msg, code) -> str | None:
-    """The ``mmshm_epd_fallbacks_total`` reason of a failed waiting request
-    (None: a user's abort)."""
-    if msg == "Aborted by user":
-        return None
-    try:
-        code = int(code) if code is not None else 500
-    except (TypeError, ValueError):
-        code = 500
-    return "encoder_error" if 400 <= code < 500 and code != 408 else "encoder_gone"
 
 
 _ABORT_SAYS = {
@@ -218,7 +197,7 @@ def process_waiting(wrapped, instance, args, kwargs):
             req.origin_input_ids = array("q")
             if getattr(req, "origin_input_ids_unpadded", ()) is None:
                 req.origin_input_ids_unpadded = req.origin_input_ids
-        reason = _failure_reason(msg, code)
+        reason = handoff.encode_failure(msg, code)
         if reason is None or getattr(instance, "tp_rank", 0) not in (0, None):
             continue
         says, fix = _ABORT_SAYS[reason]

@@ -231,21 +231,16 @@ class MmshmECConnector(ECConnectorBase):
     default ``MMSHM_DIR``).
 
     Scheduler side (EngineCore): ``ensure_cache_available`` keys each item
-    of a request once (:func:`item_key`) and, on a consumer, looks the key
-    up and holds the entry (one reference, until the item's encoder input
-    is freed or the request finishes); a miss is counted by reason and the
-    item is encoded here. ``has_cache_item`` answers from what it holds and
-    is still intact (:meth:`~mmshm.transport.encoder_cache.Entry.intact`), never
-    from vLLM's item names.
-    ``take_unavailable_requests`` returns the requests whose load failed in
-    a worker (vLLM fails them).
-
-    Worker side: ``start_load_caches`` maps each held entry zero-copy (a CPU
-    view holding the worker's own reference, given back when vLLM drops it;
-    on a device copied with :func:`mmshm.segments.arena.to_device`, the
-    view's reference given back once the copy is done); a load that fails
-    is reported, never raised. ``save_caches`` (producer, TP rank 0)
-    publishes the encoder output under its key.
+    of a request once (:func:`item_key`) and, on a consumer, holds the entry
+    it finds until the item's input is freed or the request finishes; a
+    miss is counted by reason and encoded here; ``has_cache_item`` answers
+    from an entry still intact; ``take_unavailable_requests`` returns the
+    requests a worker could not load for
+    (:class:`~mmshm.transport.ec_connector.Holdings`). Worker side:
+    ``start_load_caches`` maps each held entry zero-copy (a device copy by
+    :func:`mmshm.segments.arena.to_device`), a failure reported, never raised;
+    ``save_caches`` (producer, TP rank 0) publishes under the item's key
+    (:func:`mmshm.transport.ec_connector.load`, :func:`~mmshm.transport.ec_connector.save`).
     """
 
     def __init__(self, vllm_config, role):

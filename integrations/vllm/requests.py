@@ -24,7 +24,7 @@ HOPS = ("frontend_encode", "zmq_transfer's start")
 #: tensor's BLAKE3 digest is computed in the copy's pass (where items are keyed
 #: by their tensors, not by vLLM's mm_hash), here in the API
 #: server, so that the EngineCore keys items without reading their bytes
-#: (:func:`mmshm.integrations.vllm.epd.tensor_digest`).
+#: (:func:`mmshm.transport.ec_keys.tensor_digest`).
 DIGEST_FOR_EC = False
 PATH_EC_DIGEST = ("encoder disaggregation: each tensor hashed (BLAKE3) in its copy's pass, "
                   "so the EngineCore keys items without reading them")

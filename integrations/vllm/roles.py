@@ -1,6 +1,7 @@
 """Each vLLM process's "on:" line (:class:`mmshm.hooks.instrumentor.Role`) once it is built."""
 
 from mmshm.hooks.instrumentor import Role
+from mmshm.transport import mqueue
 
 from . import requests, timing, workers
 from .server import (PATH_ENGINE_IN, PATH_WORKER_IN, PATH_WORKER_REMOTE, PATH_WORKERS,
@@ -30,7 +31,7 @@ def engine_observed(wrapped, instance, args, kwargs):
     if state is None:
         on.append("one worker in this process (no scheduler-output broadcast)")
     elif state[0] == "on":
-        on.append(f"{PATH_WORKERS} ({workers.describe_readers(*state[1:])})")
+        on.append(f"{PATH_WORKERS} ({mqueue.describe_readers(*state[1:])})")
     me().say(Role(engine_role(), on, [] if state is None or state[0] == "on" else
                   [(PATH_WORKERS, *state[1:])], ("zmq_transfer", "engine_decode", "mq_enqueue")))
     return wrapped(*args, **kwargs)

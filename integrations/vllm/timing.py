@@ -7,7 +7,7 @@ import time
 import weakref
 
 from mmshm.hooks import observe
-from mmshm.transport import receiving
+from mmshm.transport import mqueue
 
 from .server import SERVER, input_endpoint, is_add, me
 
@@ -20,9 +20,6 @@ _ADDING: contextvars.ContextVar[bytes | bool] = contextvars.ContextVar("mmshm_vl
 #: The EngineCore input thread's end of the ``zmq_transfer`` stamp channels.
 _STAMPS_IN = threading.local()
 TIMED_QUEUES: weakref.WeakSet = weakref.WeakSet()
-#: ``MessageQueue.enqueue`` sends buffers of 1 MiB or more out of band: the
-#: queue hops count those (and mmshm's handles), alike on both sides.
-OOB_MIN_BYTES = 1 << 20
 
 
 def frames_bytes(frames) -> int:
@@ -164,50 +161,10 @@ MQ_ENQUEUE, MQ_DEQUEUE = (observe.timed(SERVER, hop, when=_timed_queue, count_fr
                           for hop in ("mq_enqueue", "mq_dequeue"))
 
 
-def ring_oob_bytes(buf) -> int:
-    """Out-of-band bytes of a ring chunk's message, from vLLM's header: byte 0
-    the overflow flag (0 bytes: its frames count as they arrive), bytes 1-2
-    the buffer count, each buffer after its 4-byte big-endian length."""
-    if buf[0] != 0:
-        return 0
-    count = int.from_bytes(bytes(buf[1:3]), "big")
-    offset, total = 3, 0
-    for i in range(count):
-        n = int.from_bytes(bytes(buf[offset:offset + 4]), "big")
-        if i:
-            total += n
-        offset += 4 + n
-    return total
-
-
-class _ClockAtMessage:
-    """``acquire_read``'s context: once the message is there, ``mq_dequeue``'s
-    clock restarts (the wait is not IPC) and its buffers count."""
-
-    __slots__ = ("cm",)
-
-    def __init__(self, cm):
-        self.cm = cm
-
-    def __enter__(self):
-        buf = self.cm.__enter__()
-        t = observe.current()
-        if t is not None and t.hop == "mq_dequeue":
-            t.restart()
-            try:  # vLLM's own buffers (mmshm's handles count themselves: receiving.rebuild)
-                t.add(ring_oob_bytes(buf))
-            except Exception as exc:  # noqa: BLE001 - timing never breaks a worker
-                observe.error(SERVER, "mq_dequeue", exc)
-        return buf
-
-    def __exit__(self, *exc):
-        return self.cm.__exit__(*exc)
-
-
 def acquire_read(wrapped, instance, args, kwargs):
-    """``acquire_read`` in a timed dequeue (:class:`_ClockAtMessage`)."""
+    """``acquire_read`` in a timed dequeue (:class:`~mmshm.transport.mqueue.ClockAtMessage`)."""
     cm = wrapped(*args, **kwargs)
-    return _ClockAtMessage(cm) if observe.current() is not None else cm
+    return mqueue.ClockAtMessage(cm, SERVER) if observe.current() is not None else cm
 
 
 def count_reduced(inner=observe.passthrough):
@@ -220,12 +177,7 @@ def count_reduced(inner=observe.passthrough):
             return inner(wrapped, instance, args, kwargs)
         out = inner(wrapped, instance, args, kwargs)
         try:
-            if out[0] is receiving.rebuild:
-                t.add(len(out[1][0]))
-            elif args:
-                n = observe.tensor_bytes(args[0])
-                if n >= OOB_MIN_BYTES:  # what vLLM sends out of band, as a reader sees it
-                    t.add(n)
+            t.add(mqueue.reduced_bytes(out, args))
         except Exception as exc:  # noqa: BLE001 - timing never breaks a message
             observe.error(SERVER, t.hop, exc)
         return out

@@ -48,7 +48,13 @@ from typing import NamedTuple
 import msgspec
 import torch
 
-from mmshm.errors import HandleError, MmshmError, WrongNodeError
+from mmshm.errors import (
+    HandleError,
+    MaterializeError,
+    MmshmError,
+    WrongNodeError,
+    failure_reason,
+)
 from mmshm.segments import codec, node
 from mmshm.segments.segfile import NAME_RE
 from mmshm.segments.segment import SegmentRef
@@ -293,6 +299,38 @@ def take(wire, dtype: torch.dtype | None, shape, server: str,
         return h.load(server)  # the view's own reference (a failure counted by the store)
     finally:
         w.ref(directory).release()
+
+
+def take_noted(frame, dtype: torch.dtype | None, shape, server: str, what: str,
+               directory: str | None = None) -> torch.Tensor:
+    """:func:`take` of a received handle ``frame`` (a zmq frame or bytes),
+    noted as taken in this thread's :meth:`Inbox.current` (its reference is
+    the view's now, whatever happens). A handle that cannot be mapped raises
+    :class:`~mmshm.errors.MaterializeError` naming ``what`` (the output), its
+    ``reason`` that of the failure (counted by reason in :func:`take`), which
+    a server turns into that one request's failure."""
+    frame = getattr(frame, "buffer", frame)
+    box = Inbox.current()
+    if box is not None:
+        box.took(frame)
+    try:
+        return take(frame, dtype, shape, server, directory)
+    except (MmshmError, OSError) as exc:  # counted by reason in take
+        raise MaterializeError(f"{what}: {exc}", reason=failure_reason(exc)) from exc
+
+
+def encode_failure(msg, code) -> str | None:
+    """The ``mmshm_epd_fallbacks_total`` reason of a request whose encode
+    failed with HTTP status ``code`` (an int, or None: 500) and message
+    ``msg``: ``encoder_error`` (the encoder rejected its input: 4xx but 408),
+    ``encoder_gone`` (any other); None for a user's abort."""
+    if msg == "Aborted by user":
+        return None
+    try:
+        code = int(code) if code is not None else 500
+    except (TypeError, ValueError):
+        code = 500
+    return "encoder_error" if 400 <= code < 500 and code != 408 else "encoder_gone"
 
 
 def give_back(wire, directory: str | None = None) -> bool:

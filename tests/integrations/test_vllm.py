@@ -45,6 +45,7 @@ from mmshm.integrations import UnsupportedVersionError
 from mmshm.integrations.vllm import requests as mv_req
 from mmshm.integrations.vllm import timing as mv_timing
 from mmshm.integrations.vllm import workers as mv_workers
+from mmshm.transport import mqueue
 
 from tests.integrations import vllm_procs
 from tests.harness.metrics import metric
@@ -469,7 +470,7 @@ def test_reader_view_and_unsplittable_enqueue(instrumented, caplog):
     from mmshm.transport import sending
 
     q = _FakeQueue(2, 1)
-    local, remote = mv_workers.OnlyReaders(q, local=True), mv_workers.OnlyReaders(q, local=False)
+    local, remote = mqueue.OnlyReaders(q, local=True), mqueue.OnlyReaders(q, local=False)
     assert (local.n_local_reader, local.n_remote_reader) == (2, 0)
     assert (remote.n_local_reader, remote.n_remote_reader) == (0, 1)
     local.current_idx = 5  # what acquire_write does, through the view
@@ -934,9 +935,9 @@ def test_message_queue_multinode_local_handles_remote_inline(rdr, shm_dir):
     mq = rdr.queues["multinode"]
     assert (mq.n_local_reader, mq.n_remote_reader) == (2, 1)
     assert mv_workers.enable_broadcast(mq)
-    assert mv_workers.describe_readers(2, 1) == ("multi-node: 2 local readers through shared "
+    assert mqueue.describe_readers(2, 1) == ("multi-node: 2 local readers through shared "
                                          "memory, 1 remote reader inline")
-    assert mv_workers.describe_readers(1, 1) == ("multi-node: 1 local reader through shared "
+    assert mqueue.describe_readers(1, 1) == ("multi-node: 1 local reader through shared "
                                          "memory, 1 remote reader inline")
     image = _image(7)
     want = {"x": vllm_procs.digest(image)}
