@@ -115,8 +115,9 @@ skipped. Its times are no evidence of speed.
 Segments go to a private directory made under ``--shm-dir`` (default
 ``$MMSHM_DIR``, else ``/dev/shm``), removed at the end; the script says, and
 exits 1, if any segment was left behind or any bytes differed. Every wait is
-bounded (``--timeout`` for the whole run, ``--request-timeout`` per request):
-a consumer that hangs is killed, its rows are missing and say so.
+bounded (``--timeout`` for the whole run, ``--request-timeout`` per request,
+``--exit-grace`` for a set's processes to exit once it is done): a consumer
+that hangs is killed, its rows are missing and say so.
 """
 
 from __future__ import annotations
@@ -1353,7 +1354,7 @@ def run_set(which: str, cfg: dict, env: dict, deadline: float, out: dict) -> Non
     if not done and time.time() >= deadline:
         out["errors"].append(f"set {which}: stopped at the run's deadline (--timeout)")
     # stopped processes exit within seconds (a loaded host: tens); a hung one is killed
-    killed = _kill([prod, *cons], 30.0 if done else 5.0)
+    killed = _kill([prod, *cons], cfg["exit_grace"] if done else 5.0)
     if killed:
         out["errors"].append(f"set {which}: killed processes {killed} that did not exit")
     if killed or not done:
@@ -1477,6 +1478,9 @@ def main(argv=None) -> int:
                     help="where the private segment directory is made")
     ap.add_argument("--timeout", type=float, default=280.0, help="seconds for the whole run")
     ap.add_argument("--request-timeout", type=float, default=60.0)
+    ap.add_argument("--exit-grace", type=float, default=30.0,
+                    help="seconds a process set that finished gets to exit before its "
+                         "processes still alive are killed (one that did not finish: 5)")
     ap.add_argument("--json")
     ap.add_argument("--mixed-requests", type=int, default=60,
                     help="requests of the mixed-size workload with the settle on (part 3)")
@@ -1524,7 +1528,8 @@ def main(argv=None) -> int:
         photos = keep
     cfg = {"device": a.device, "photos": photos, "consumers": consumers, "warmup": a.warmup,
            "reps": a.reps, "cell_s": a.cell_s, "hash": a.hash,
-           "request_timeout": a.request_timeout, "photo_shape": photo_shape,
+           "request_timeout": a.request_timeout, "exit_grace": a.exit_grace,
+           "photo_shape": photo_shape,
            "epd_shape": TINY_EPD_SHAPE if tiny else EPD_SHAPE, "st_dir": st_dir,
            "hang": a.hang_for_test, "mixed_requests": a.mixed_requests,
            "control_requests": a.control_requests, "mixed_consumers": max(consumers),

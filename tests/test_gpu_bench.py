@@ -94,10 +94,11 @@ def test_the_cpu_dry_run_runs_every_path_with_equal_bytes_and_leaves_nothing(tmp
 
 def test_a_consumer_that_hangs_is_killed_and_its_segments_reclaimed(tmp_path, shm_dir):
     """Consumer 0 of the arena set never answers its first handle: the producer
-    gives up after --request-timeout, the set's processes are killed, what they
-    held is reclaimed, the other set still runs, and the exit status says so."""
-    proc, data, took = _run(tmp_path, shm_dir, "--request-timeout", "3", "--hang-for-test",
-                            "--skip-mixed")
+    gives up after --request-timeout, the set's processes are killed once
+    --exit-grace has passed, what they held is reclaimed, the other set still
+    runs, and the exit status says so."""
+    proc, data, took = _run(tmp_path, shm_dir, "--request-timeout", "3", "--exit-grace", "5",
+                            "--hang-for-test", "--skip-mixed")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert took < 90
     errors = "\n".join(data["errors"])
