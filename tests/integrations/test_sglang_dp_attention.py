@@ -65,6 +65,10 @@ V = tuple(int(x) for x in RELEASE.split("."))
 PIXELS_IN_BROADCAST = V <= (0, 5, 9)
 #: The attention-TP barrier before the unwrap (upstream PR 29543), from 0.5.15.
 HAS_ATTN_TP_BARRIER = V >= (0, 5, 15)
+#: Plain SGLang races only where neither holds (0.5.12 of the releases tested):
+#: the race is shown there; elsewhere the source check
+#: (:func:`test_release_has_the_barrier_upstream_says`) says why there is none.
+PLAIN_RACES = not (PIXELS_IN_BROADCAST or HAS_ATTN_TP_BARRIER)
 
 WORLD, ATTN_TP = 4, 2  # TP 4 = 2 DP groups x attention-TP 2
 N_REQS = 2
@@ -328,44 +332,36 @@ def _figures(request, tmp_path, mode: str, res: dict) -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
 def test_dp_attention_race_without_mmshm(ns, request, tmp_path, monkeypatch):
-    """Plain SGLang: 0.5.12 (no barrier) fails on the receiver of the DP
-    group whose source is not TP rank 0; 0.5.9 carries pixels, 0.5.15 and
-    0.5.23 hold the source at their barrier."""
+    """Plain SGLang 0.5.12 (no barrier, pointers in the broadcast) fails on
+    the receiver of the DP group whose source is not TP rank 0. Run only on
+    a release that races (:data:`PLAIN_RACES`): 0.5.9 pickles the pixels
+    into the broadcast and 0.5.15+ hold the source at their barrier, which
+    the source check states (a run of 20 s per release showed no more)."""
+    if not PLAIN_RACES:
+        pytest.skip(f"plain SGLang {RELEASE} does not race ("
+                    f"{'pixels in the broadcast' if PIXELS_IN_BROADCAST else 'its barrier'}: "
+                    f"test_release_has_the_barrier_upstream_says); shown on 0.5.12")
     res = _run("plain", tmp_path, monkeypatch)
     _figures(request, tmp_path, "plain", res)
     names = [n for r in res.values() for n in r["names"]]
-    payload = _feature(0, 0).numel() * 4
     assert all(dt > 0 for dt in _window(res).values()), "the receivers were not delayed"
     # the tokenizer's messages: one SGLang segment per request
     assert len(set(names)) == N_REQS * WORLD // ATTN_TP, names
     # DP group 0: the control broadcast on the TP group holds TP rank 0 until
     # rank 1 has unpickled; no release fails there
     assert res[1]["source_done_first"] is False
-    if HAS_ATTN_TP_BARRIER:
-        for r in res.values():
-            assert r["error"] is None, r
-        assert res[3]["source_done_first"] is False, "the barrier held the source"
-    elif PIXELS_IN_BROADCAST:
-        for r in res.values():
-            assert r["error"] is None, r
-        assert res[3]["source_done_first"] is True, "the source returned first"
-        # rank 0 of each DP group unpickled (0.5.9: and unlinked) the segments
-        # before the broadcast, which carries the pixels pickled
-        assert min(max(r["sizes"]) for r in res.values()) >= N_REQS * payload
-    else:
-        # the seeds' race: DP group 1's source (rank 2) returned, materialized
-        # and unlinked while rank 3 was still unpickling
-        assert res[3]["source_done_first"] is True
-        err = res[3]["error"]
-        assert err is not None and err.startswith("FileNotFoundError"), err
-        gone = re.search(r"'/(psm_\w+)'", err)
-        assert gone and gone.group(1) in res[2]["names"], (err, res[2]["names"])
-        assert res[2]["error"] is None and res[0]["error"] is None
-        # rank 1 either passed or lost rank 3 in the control broadcast: the
-        # scheduler that died takes the group down, as in a server
-        assert res[1]["error"] is None or "FileNotFoundError" not in res[1]["error"]
-    if not PIXELS_IN_BROADCAST:
-        assert max(max(r["sizes"]) for r in res.values()) < 16384, "pointers only"
+    # the seeds' race: DP group 1's source (rank 2) returned, materialized
+    # and unlinked while rank 3 was still unpickling
+    assert res[3]["source_done_first"] is True
+    err = res[3]["error"]
+    assert err is not None and err.startswith("FileNotFoundError"), err
+    gone = re.search(r"'/(psm_\w+)'", err)
+    assert gone and gone.group(1) in res[2]["names"], (err, res[2]["names"])
+    assert res[2]["error"] is None and res[0]["error"] is None
+    # rank 1 either passed or lost rank 3 in the control broadcast: the
+    # scheduler that died takes the group down, as in a server
+    assert res[1]["error"] is None or "FileNotFoundError" not in res[1]["error"]
+    assert max(max(r["sizes"]) for r in res.values()) < 16384, "pointers only"
     for r in res.values():
         if r["error"] is None:
             assert r["kinds"] == ["Tensor"] * N_REQS and all(r["ok"]), r
