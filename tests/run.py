@@ -29,7 +29,11 @@ server (they skip elsewhere); their logs and figures go to
 
 Environments (all git-ignored, built on first use, reused while their stamp
 matches; a stamp is a digest of what they install, so a second run starts
-in seconds). Every pip install is constrained by ``constraints.txt`` (torch
+in seconds). When the SGLang module tests and the vLLM part both run, the
+vLLM environments are built in the background while those tests run (their
+gloo ranks mostly wait), never beside a real server: the SGLang e2e tests and
+the vLLM part wait for them first (:class:`Background`; pip's output in
+``.venvs/setup-vllm-background.log``). Every pip install is constrained by ``constraints.txt`` (torch
 2.13.0, the CPU build: a plain ``torch`` would pull a multi-GB CUDA build).
 
 * SGLang, lean: only SGLang (``--no-deps``) and the few packages its modules
