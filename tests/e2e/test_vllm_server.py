@@ -7,7 +7,7 @@ URLs by the ``openai`` client, with logprobs, 1 and 3 images, n=1 and n=4.
 
 Server runs (each bounded in time and killed by process group on every path
 out; see ``tests/harness/servers.py``), side by side where neither depends on
-the other (1 with 2, 4 with 5, 6 with 7: a start is mostly one process at a
+the other (1 with 2 and 3, 4 with 5, 6 with 7: a start is mostly one process at a
 time importing Python, so two take little more than one on two cores):
 
 1. plain vLLM: the reference answers;
@@ -252,7 +252,23 @@ def _plain_run(srv: Server, photos: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def baselines(model, photos) -> dict:
+def early_runs(model, photos, shm_parent) -> dict:
+    """Runs 1 and 2 (:func:`_baselines`) beside run 3 (:func:`_instrumented`):
+    three starts side by side take little more than two (a start is mostly
+    one process at a time importing Python), and no run's assertions depend
+    on another server (each has a /dev/shm of its own as root)."""
+    baselines, instrumented = in_parallel(
+        lambda: _baselines(model, photos), lambda: _instrumented(model, photos, shm_parent),
+        return_exceptions=True)
+    return {"baselines": baselines, "instrumented": instrumented}
+
+
+@pytest.fixture(scope="module")
+def baselines(early_runs) -> dict:
+    return result(early_runs["baselines"])
+
+
+def _baselines(model, photos) -> dict:
     """Runs 1 and 2 (plain, and ``mmshm run --observe``), started side by
     side and run side by side (``servers.start_all``, ``in_parallel``): a
     start is mostly one process at a time importing Python, and neither
@@ -421,7 +437,11 @@ def _segs(shm: Path) -> tuple[Path, str, list[str] | None]:
 
 
 @pytest.fixture(scope="module")
-def instrumented(model, photos, shm_parent) -> dict:
+def instrumented(early_runs) -> dict:
+    return result(early_runs["instrumented"])
+
+
+def _instrumented(model, photos, shm_parent) -> dict:
     """Run 3: under ``mmshm run``, segment directory missing at start."""
     seg_dir, inside, prefix = _segs(shm_parent)
     assert not seg_dir.exists()
