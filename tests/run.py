@@ -458,7 +458,7 @@ class Background:
     """Environments built in a thread while a part runs whose tests leave
     the CPUs room (the SGLang module tests: gloo ranks that mostly wait),
     never while a real server runs: a part that needs one of them, or
-    starts servers, :meth:`wait`\ s first. Each build's output goes to
+    starts servers, waits for them first (:meth:`wait`). Each build's output goes to
     ``log_path``; a build that fails is reported by the part that needs it
     (:meth:`take`), as if it had failed there."""
 
