@@ -178,7 +178,7 @@ def prepare_request(box, request) -> int:
         return x
 
     try:
-        wrapping.transform(getattr(request, "mm_features", None) or (), collect)
+        wrapping.transform(request, collect)  # its mm_features, prompt_embeds too
         return box.prepare(found, True if DIGEST_FOR_EC else None)
     except Exception as exc:  # noqa: BLE001 - the send goes on tensor by tensor
         log.debug("mmshm: the request's tensors were not grouped: %s", exc)
