@@ -292,3 +292,24 @@ def test_the_outbox_writes_a_messages_tensors_into_one_segment(shm_dir):
     sending.SEGMENTS.drop(b)
     gc.collect()
     assert segment_files(shm_dir) == []
+
+
+def test_refdebug_tracks_every_handle_of_a_group(shm_dir):
+    """``MMSHM_DEBUG_REFS``: each handle of a group is a holder of its own (one
+    reference each, on the one segment), so a handle dropped by hand_over
+    without a receiver is reported, and none once every one is given back."""
+    from mmshm.segments import refdebug
+
+    refdebug.install()
+    try:
+        hs = ShmTensor.from_tensors([torch.rand(100, 1176), torch.rand(30, 1176)])
+        held = [r for r in refdebug.held() if r.name == hs[0].name]
+        assert len(held) == 2
+        views = [h.materialize() for h in hs]
+        assert len([r for r in refdebug.held() if r.name == hs[0].name]) == 2
+        del views
+        gc.collect()
+        assert [r for r in refdebug.held() if r.name == hs[0].name] == []
+        assert refdebug.leaks() == []
+    finally:
+        refdebug.uninstall()
