@@ -49,8 +49,16 @@ request when it receives the one K-1 later. Each step is in lockstep (the
 producer waits for every rank before the next request), so a run is
 reproducible: the same seed gives the same sizes and the same pool decisions.
 
+**One segment per request.** The producer converts a request the way
+mmshm's walker does (``mmshm.wrap``, through the bench's mmshm mode): one
+:meth:`mmshm.ShmTensor.from_tensors` call per request, all its photos in one
+segment at 4 KiB-aligned offsets, as SGLang's and vLLM's send paths do
+(:meth:`mmshm.transport.sending.Outbox.prepare`). So a pool request, a
+segment and a TP rank's mapping (a registration on a GPU host) stand for a
+request, not a photo, and the pool only has to cover the requests in flight.
+
 **What is counted.** On the producer: ``mmshm_pool_requests_total{result}``
-(a hit: a segment taken from the pool, arena or plain), segments created,
+(a hit: a segment taken from the pool, arena or plain; one per request), segments created,
 and arena evictions (arena segments unlinked to make room). On each TP
 rank: the registrations a CUDA host would make. This host has no GPU, so
 each rank installs a :class:`RecordingRegistrar` in :mod:`mmshm.segments.arena`:

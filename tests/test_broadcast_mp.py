@@ -28,8 +28,9 @@ def test_tp_broadcast_bytes_correct_on_every_rank(shm_dir, world):
     res = run_group(children.rank_broadcast, world, 4, 11)
     names = res[0]["names"]
     assert len(names) == 6  # requests 0..3 carry 1, 2, 1, 2 items
-    # while every rank held its views, each segment had one reference per rank
-    assert res[0]["counts"] == [world] * len(names)
+    # while every rank held its views, each segment had one reference per rank and
+    # handle (a request's items share one segment)
+    assert len(set(names)) == 4 and res[0]["counts"] == [world * names.count(n) for n in names]
     # the source rank counts the references it handed out, one per segment and reader
     assert res[0]["handed"] == (world - 1) * len(names)
     assert segment_files() == []
@@ -43,7 +44,7 @@ def test_early_unlink_race_without_barrier(shm_dir):
     assert len(names) == 4  # requests 0..2 carry 1, 2, 1 items
     # rank 1 opened the segments after rank 0 had given its reference back:
     # only the reference handed out for rank 1 kept them alive
-    assert res[1]["count_seen"] == [1] * len(names)
+    assert res[1]["count_seen"] == [names.count(n) for n in names]
     assert segment_files() == []
 
 
@@ -153,7 +154,7 @@ def test_requests_sharing_handle_objects(shm_dir):
 @pytest.mark.timeout(120)
 def test_fanout_copies_share_one_mapping_per_rank(shm_dir):
     """n=4 copies of a 2-image request in one batch, TP=2: every rank maps each
-    segment once (RSS grows by the payload once), every copy gets its own
+    image once (RSS grows by the payload once), every copy gets its own
     tensor object over it with the right bytes, each rank's mapping holds
     exactly one reference, a write stays on its rank, and nothing leaks."""
     n, world = 4, 2
@@ -164,12 +165,13 @@ def test_fanout_copies_share_one_mapping_per_rank(shm_dir):
             assert r["tensors"] == n * 2, r
             for j in range(2):  # copy i's item j: one address for all copies
                 assert len({p[j] for p in r["ptrs"]}) == 1, r["ptrs"]
-            # one copy-on-write view each (rank 0 made the segments: + its writable map)
-            want = 1 + (rank == 0)
-            assert len(r["maps"]) == 2 and set(r["maps"].values()) == {want}, (rank, r["maps"])
+            # the request's two images share one segment: one copy-on-write view per
+            # image (rank 0 made the segment: + its writable map)
+            want = 2 + (rank == 0)
+            assert len(r["maps"]) == 1 and set(r["maps"].values()) == {want}, (rank, r["maps"])
             # both ranks' views are alive when each rank counts (agreement);
             # rank 0 may count before or after rank 1 has dropped its views
-            assert all(1 <= c <= world for c in r["refs"].values()), r["refs"]
+            assert all(2 <= c <= 2 * world for c in r["refs"].values()), r["refs"]
             assert r["seen"] == [True] * n  # aliasing within the rank
         assert segment_files() == []
     finally:

@@ -35,6 +35,17 @@ class GenerateReq:
     sampling_params: dict
 
 
+@pytest.fixture(autouse=True)
+def one_segment_per_tensor(monkeypatch):
+    """This module checks fan-out's reference arithmetic segment by segment, so
+    each tensor gets its own segment here (as before requests were grouped);
+    a request's tensors in one segment, fanned out: tests/test_group_segments.py."""
+    from mmshm.transport import wrapping
+
+    monkeypatch.setattr(wrapping, "to_shm_group", lambda ts, hashes=None, directory=None,
+                        hash_now=None: [wrapping.to_shm(t, directory=directory) for t in ts])
+
+
 def make_req(seeds=(1, 2)) -> tuple[GenerateReq, list[torch.Tensor]]:
     ts = [make_tensor(s, (128, 256)) for s in seeds]  # 128 KiB each
     req = GenerateReq("rid", MMInputs([MMItem(t) for t in ts]), {"n": 4, "temperature": 0.7})

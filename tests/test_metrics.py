@@ -114,7 +114,10 @@ def fallocate_fails(monkeypatch):
 
 
 # -- segments -------------------------------------------------------------------
-def test_wrap_counts_segments_and_payload_bytes(private_dir):
+def test_wrap_counts_segments_and_payload_bytes(private_dir, monkeypatch):
+    from tests.harness.segments import one_segment_per_tensor
+
+    one_segment_per_tensor(monkeypatch)  # the figures are per segment
     ts = tensors(20_000, 33_333, 70_001)
     payload = sum(t.numel() * t.element_size() for t in ts)
     d = Delta(*SEG_KEYS)

@@ -85,12 +85,20 @@ def _assert_nodes_empty(base: str, nodes: int = NODES) -> None:
 
 # -- children ------------------------------------------------------------------------
 def rank_nodes(rank: int, world: int, base: str, seed: int, rounds: int, nodes: int,
-               fanout: bool = False) -> dict:
+               fanout: bool = False, grouped: bool = False) -> dict:
     """Deferred unwrap over ``nodes`` simulated nodes: bytes, references and
     the inter-node payload traffic of each round. With ``fanout`` the batch is
-    the 4 copies of one 2-image request (``mmshm.fan_out``)."""
+    the 4 copies of one 2-image request (``mmshm.fan_out``). Each tensor gets
+    its own segment here (the figures are per segment, and a remote node's
+    copies are made per tensor); grouped requests across nodes:
+    :func:`test_a_grouped_request_crosses_nodes_with_its_bytes`."""
     import torch.distributed as dist
 
+    from mmshm.transport import wrapping
+
+    if not grouped:
+        wrapping.to_shm_group = lambda ts, hashes=None, directory=None, hash_now=None: [
+            wrapping.to_shm(t, directory=directory) for t in ts]
     k = _enter_node(rank, world, base, nodes)
     bcast = mmshm.deferred_unwrap(mmshm.broadcast_pyobj)
     res: dict = {"node": k, "node_id": node.node_id(), "rounds": []}
@@ -108,7 +116,7 @@ def rank_nodes(rank: int, world: int, base: str, seed: int, rounds: int, nodes: 
                 del one
             else:
                 reqs = [mmshm.wrap(children.request(i, s), min_bytes=1024) for i in range(4)]
-            segs = {h.name: h.nbytes for h in mmshm.handles(reqs)}
+            segs = {(h.name, h.meta.offset): h.nbytes for h in mmshm.handles(reqs)}
             info["payload"] = sum(segs.values())
             info["handles"] = len(segs)
             out = bcast(reqs, rank, None, 0)
@@ -501,6 +509,20 @@ def test_nodes_bytes_references_and_internode_traffic(shm_dir, monkeypatch, node
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
+@pytest.mark.timeout(200)
+def test_a_grouped_request_crosses_nodes_with_its_bytes(shm_dir):
+    """Requests whose tensors share one segment (offsets), 2 nodes x 2 ranks: every
+    rank reads each tensor's own bytes (checked in the rank), each tensor's
+    payload crosses to the other node once, nothing is left over."""
+    res = run_group(rank_nodes, WORLD, shm_dir, 41, 1, 2, False, True, timeout=180)
+    info = {r: res[r]["rounds"][0] for r in range(WORLD)}
+    payload, nh = info[0]["payload"], info[0]["handles"]
+    assert nh == 6 and info[0]["live"] == 4  # 6 tensors in 4 segments on node 0
+    assert sum(info[r]["stats"]["sent_bytes"] for r in range(WORLD)) == payload
+    assert all(info[r]["live_after"] == [] for r in range(WORLD))
+    _assert_nodes_empty(shm_dir, 2)
+
+
 def test_foreign_handle_is_wrong_node(shm_dir):
     res = run_group(rank_foreign_handle, WORLD, shm_dir, 22, timeout=180)
     assert res[1]["ok"] is True

@@ -20,6 +20,15 @@ from tests.harness.tensors import make_tensor, same
 BIG = 64 * 1024  # bytes; tensors below are wrapped with min_bytes=BIG
 
 
+@pytest.fixture(autouse=True)
+def _one_segment_per_tensor(monkeypatch):
+    """The walk is checked per leaf: each tensor its own segment here (a
+    request's tensors in one segment: tests/test_group_segments.py)."""
+    from tests.harness.segments import one_segment_per_tensor
+
+    one_segment_per_tensor(monkeypatch)
+
+
 def big(seed: int, dtype=torch.float32) -> torch.Tensor:
     return make_tensor(seed, (64, 1024 // dtype.itemsize), dtype)  # 64 KiB
 

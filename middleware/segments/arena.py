@@ -589,27 +589,31 @@ class ArenaViews:
             self.__init__()
 
     # -- views ------------------------------------------------------------------
-    def view(self, seg: segment.Segment, gen: int, nbytes: int) -> np.ndarray:
-        """A uint8 array of ``nbytes`` over arena segment ``seg`` (attached by the
-        caller, holding one reference for generation ``gen``), from this
-        process's persistent mapping of it; the array's finalizer gives the
-        reference back. Raises :class:`SegmentCorruptError` (the file cannot be
-        mapped, or is shorter than its header says)."""
+    def view(self, seg: segment.Segment, gen: int, nbytes: int, offset: int = 0) -> np.ndarray:
+        """A uint8 array of ``nbytes`` from ``offset`` (bytes from the payload's
+        start) over arena segment ``seg`` (attached by the caller, holding one
+        reference for generation ``gen``), from this process's persistent
+        mapping of it; the array's finalizer gives the reference back. Raises
+        :class:`SegmentCorruptError` (the file cannot be mapped, or is shorter
+        than its header says or than ``offset + nbytes``)."""
         self._check_pid()
-        seg.check_size()
+        seg.check_size(offset + nbytes)
         st = os.fstat(seg.fd)
         with self.lock:
             key = (st.st_dev, st.st_ino)
             m = self.mappings.get(key)
             if m is None:
                 m = self._map(seg, key)
+            if offset + nbytes > m.size:
+                raise SegmentCorruptError(errno.EINVAL, f"a view of {nbytes} bytes at {offset} "
+                                          f"ends past the {m.size}-byte mapping", seg.path)
             m.views += 1
             m.used = time.monotonic()
         ARENA_VIEWS.labels(registered="yes" if m.registered else "no").inc()
         if m.registered:
             # started here, never from a finalizer (starting a thread takes locks)
             self._ensure_settler()
-        arr = np.frombuffer(m.buf, dtype=np.uint8, count=nbytes)
+        arr = np.frombuffer(m.buf, dtype=np.uint8, count=nbytes, offset=offset)
         segment.pin(seg)  # the view holds the descriptor (its liveness lock) until released
         weakref.finalize(arr, self._release, m, seg, gen, nbytes)
         self.maybe_sweep()

@@ -115,8 +115,10 @@ class Segment:
         self.pins = 0
         self.idle_since: float | None = None
         self.shared_map: ctypes.Array | None = None  # the creator's (see segfile.map_fd)
-        # (generation, content hash) once computed in this process (lazy hashing)
-        self.digest: tuple[int, bytes] | None = None
+        # content hashes computed in this process (lazy hashing), by
+        # (generation, offset, nbytes): the tensors of one segment each have
+        # their own; entries of an older generation are dropped on a new one
+        self.digest: dict[tuple[int, int, int], bytes] = {}
         # a file this process just created, its payload reserved but never
         # written nor mapped: the first fill writes it with pwrite (see
         # mmshm.segments.shmtensor), which spares the kernel's zeroing of its pages
@@ -192,26 +194,32 @@ class Segment:
         # ctypes exports format "<B"; consumers such as blake3 want "B"
         return memoryview(self.shared_map).cast("B")[HEADER_SIZE : HEADER_SIZE + self.payload_size]
 
-    def check_size(self) -> None:
+    def check_size(self, end: int = 0) -> None:
         """Raise :class:`SegmentCorruptError` if the file is now shorter than
-        its header says (truncated by a third party)."""
+        its header says (truncated by a third party), or than
+        ``HEADER_SIZE + end`` (``end``: the last payload byte a view or copy
+        reaches, plus one)."""
         size = os.fstat(self.fd).st_size
-        if size < HEADER_SIZE + self.payload_size:
+        need = HEADER_SIZE + max(self.payload_size, end)
+        if size < need:
             raise SegmentCorruptError(
                 errno.EINVAL, f"segment is truncated: {size} bytes on disk, header says "
-                f"{HEADER_SIZE + self.payload_size}", self.path)
+                f"{need}", self.path)
 
-    def map_private(self, nbytes: int | None = None) -> ctypes.Array:
-        """A fresh copy-on-write mapping of the payload. Reads share the
-        segment's pages; a write by the consumer stays private, so it can
-        never change the bytes another holder sees (and cannot SIGSEGV).
+    def map_private(self, nbytes: int | None = None, offset: int = 0) -> ctypes.Array:
+        """A fresh copy-on-write mapping of ``nbytes`` payload bytes (default:
+        all of it) from ``offset`` (bytes from the payload's start, a page
+        multiple). Reads share the segment's pages; a write by the consumer
+        stays private, so it can never change the bytes another holder sees
+        (and cannot SIGSEGV).
 
         The file size is checked first (a mapping past the end of a truncated
-        file would SIGBUS on access). Raises :class:`SegmentCorruptError`."""
+        file would SIGBUS on access), against ``HEADER_SIZE + offset + nbytes``
+        as well as the header's payload size. Raises :class:`SegmentCorruptError`."""
+        length = self.payload_size - offset if nbytes is None else nbytes
         try:
-            self.check_size()
-            return map_fd(self.fd, self.payload_size if nbytes is None else nbytes,
-                        HEADER_SIZE, shared=False)
+            self.check_size(offset + length)
+            return map_fd(self.fd, length, HEADER_SIZE + offset, shared=False)
         except SegmentError:
             raise
         except (OSError, ValueError) as exc:

@@ -405,28 +405,93 @@ def _release_view(name: str, gen: int, seg: segment.Segment) -> None:
         segment.unpin(seg)
 
 
+def _fill_one(seg: segment.Segment, payload: np.ndarray, offset: int, t: torch.Tensor,
+              src: torch.Tensor, flat: np.ndarray | None, nbytes: int,
+              eager: bool) -> bytes | None:
+    """Write ``t``'s ``nbytes`` bytes (``flat``: their flat ``uint8`` view,
+    None when torch must copy them; ``src``: ``t`` detached) into ``seg``'s
+    payload from ``offset`` (``payload``: a flat ``uint8`` view of the
+    creator's mapping of the whole payload). A blank file (never written nor
+    mapped) is written with ``pwrite``, on one thread or split
+    (:func:`parallel_fill`); a warm pooled one through the mapping. Returns
+    the BLAKE3-128 digest when ``eager``, else None. Raises
+    :class:`SegmentError` subclasses for OS failures."""
+    if not nbytes:
+        return None
+    dst = payload[offset:offset + nbytes]
+    if flat is not None:
+        threads = copy_threads() if nbytes >= PARALLEL_MIN_BYTES else 1
+        if threads > 1:  # split across threads, the hash beside the copy
+            try:
+                if seg.blank:  # a new file: pwrite, no zeroing, no page faults
+                    seg.cold = True
+                    return parallel_fill(flat, threads, fd=seg.fd,
+                                         offset=HEADER_SIZE + offset, hash=eager)
+                return parallel_fill(flat, threads, dst=dst, hash=eager)
+            except OSError as exc:
+                raise os_error(exc, "write", seg.path) from None
+        hasher = blake3.blake3(max_threads=HASH_THREADS) if eager else None
+        if seg.blank:  # a new file: pwrite, no zeroing, no page faults
+            seg.cold = True
+            try:
+                write_and_hash(seg.fd, HEADER_SIZE + offset, flat, hasher)
+            except OSError as exc:
+                raise os_error(exc, "write", seg.path) from None
+        else:  # a warm pooled segment: its pages are mapped here
+            copy_and_hash(dst, flat, hasher)
+        return None if hasher is None else hasher.digest(codec.HASH_BYTES)
+    torch.from_numpy(dst).view(t.dtype).view(t.shape).copy_(src)
+    return content_hash(dst) if eager else None
+
+
+def group_layout(sizes) -> tuple[list[int], int]:
+    """Where each of the tensors of ``sizes`` bytes goes in one segment:
+    ``(offsets, payload bytes)``, each offset the end of the one before
+    rounded up to :data:`~mmshm.segments.codec.OFFSET_ALIGN` (4 KiB), the
+    first 0; the payload ends at the last tensor's end."""
+    align = codec.OFFSET_ALIGN
+    offsets = []
+    end = 0
+    for n in sizes:
+        off = -(-end // align) * align
+        offsets.append(off)
+        end = off + n
+    return offsets, end
+
+
 _EMPTY_DIGEST = content_hash(b"")
 
 
 def _segment_digest(seg: segment.Segment, meta: HandleMeta) -> bytes:
-    """BLAKE3-128 of ``meta.nbytes`` payload bytes of ``seg`` (pinned by the
-    caller), memoized on the segment for its generation so that the handles
-    of one segment in this process hash it once."""
-    cached = seg.digest
-    if cached is not None and cached[0] == meta.gen:
-        return cached[1]
+    """BLAKE3-128 of the ``meta.nbytes`` payload bytes of ``seg`` (pinned by
+    the caller) from ``meta.offset``, memoized on the segment by generation,
+    offset and size, so that the handles of one tensor in this process hash
+    it once (and the tensors of one segment each get their own digest).
+    Raises :class:`HandleError` if the tensor ends past the payload,
+    :class:`SegmentCorruptError` if the file is shorter than that."""
+    key = (meta.gen, meta.offset, meta.nbytes)
+    memo = seg.digest
+    cached = memo.get(key)
+    if cached is not None:
+        return cached
+    if meta.offset + meta.nbytes > seg.payload_size:
+        raise HandleError(f"handle says {meta.nbytes} bytes at offset {meta.offset} but "
+                          f"segment {meta.name} holds {seg.payload_size}")
     if seg.shared_map is not None:  # the creator's own mapping
         mm = None
-        buf = seg.payload_view()[:meta.nbytes]
+        seg.check_size(meta.offset + meta.nbytes)
+        buf = seg.payload_view()[meta.offset:meta.offset + meta.nbytes]
     else:
-        mm = seg.map_private(meta.nbytes)
+        mm = seg.map_private(meta.nbytes, meta.offset)
         buf = memoryview(mm).cast("B")  # ctypes exports "<B"; blake3 takes "B"
     try:
         digest = content_hash(buf)
     finally:
         buf.release()
         del mm  # a private mapping: unmapped now (see segfile.map_fd)
-    seg.digest = (meta.gen, digest)
+    if any(k[0] != meta.gen for k in memo):  # the pool reused it: older digests are stale
+        memo.clear()
+    memo[key] = digest
     return digest
 
 
@@ -511,37 +576,104 @@ class ShmTensor:
                                   else hash_now)
         flat = _flat_bytes(src) if nbytes else None
 
-        if flat is not None:
-            threads = copy_threads() if nbytes >= PARALLEL_MIN_BYTES else 1
-
-            def fill(seg: segment.Segment, payload: np.ndarray) -> bytes | None:
-                if threads > 1:  # split across threads, the hash beside the copy
-                    try:
-                        if seg.blank:  # a new file: pwrite, no zeroing, no page faults
-                            seg.cold = True
-                            return parallel_fill(flat, threads, fd=seg.fd, offset=HEADER_SIZE,
-                                                 hash=eager)
-                        return parallel_fill(flat, threads, dst=payload, hash=eager)
-                    except OSError as exc:
-                        raise os_error(exc, "write", seg.path) from None
-                hasher = blake3.blake3(max_threads=HASH_THREADS) if eager else None
-                if seg.blank:  # a new file: pwrite, no zeroing, no page faults
-                    seg.cold = True
-                    try:
-                        write_and_hash(seg.fd, HEADER_SIZE, flat, hasher)
-                    except OSError as exc:
-                        raise os_error(exc, "write", seg.path) from None
-                else:  # a warm pooled segment: its pages are mapped here
-                    copy_and_hash(payload, flat, hasher)
-                return None if hasher is None else hasher.digest(codec.HASH_BYTES)
-        else:
-            def fill(seg: segment.Segment, payload: np.ndarray) -> bytes | None:
-                torch.from_numpy(payload).view(t.dtype).view(t.shape).copy_(src)
-                return content_hash(payload) if eager else None
+        def fill(seg: segment.Segment, payload: np.ndarray) -> bytes | None:
+            return _fill_one(seg, payload, 0, t, src, flat, nbytes, eager)
 
         # through from_writer: the one creation point (MMSHM_DEBUG_REFS tracks it)
         return cls.from_writer(nbytes, code, tuple(t.shape), None, hash=hash,
                                directory=directory, _fill=fill)
+
+    @classmethod
+    def from_tensors(cls, tensors, hashes=None, directory: str | None = None, *,
+                     hash_now=None) -> list[ShmTensor]:
+        """Copy every tensor of ``tensors`` into **one** new segment and
+        return one handle per tensor, in order, each owning one reference
+        (the segment's count starts at ``len(tensors)``).
+
+        Tensor i sits at ``offsets[i]`` of :func:`group_layout` (4 KiB
+        aligned), and its handle carries that offset: a view, copy or hash of
+        it reads its own bytes only. Each tensor is copied as
+        :meth:`from_tensor` copies one (``pwrite`` into a new file, split
+        across threads from :data:`PARALLEL_MIN_BYTES`; a memcpy into a warm
+        pooled one), at its offset. The segment is one request of the pool
+        (the arena's if it has room, best fit), so a request of many photos
+        takes one pooled segment, and a TP rank maps (and registers) one
+        mapping, instead of one per photo. It goes back to the pool when the
+        last reference of the last tensor is given back; sharing, releasing,
+        materializing and pickling work per handle as for a segment of one
+        tensor. One tensor: :meth:`from_tensor`.
+
+        Args:
+            tensors: CPU strided tensors (as :meth:`from_tensor` takes; the
+                same tensor twice gets two copies: dedup is the caller's).
+            hashes: None, or one known content hash (16-32 bytes), None or
+                ``b""`` per tensor, as ``hash`` of :meth:`from_tensor`.
+            directory: segment directory (default ``MMSHM_DIR``).
+            hash_now: a bool or None for all tensors, or one per tensor, as
+                ``hash_now`` of :meth:`from_tensor`.
+        Returns:
+            ``len(tensors)`` handles (an empty list for no tensor).
+        Raises:
+            TypeError, ValueError: as :meth:`from_tensor`, for any tensor
+                (checked before a segment is made).
+            ShmSpaceError: the group's segment does not fit (ENOSPC, the
+                budget): the caller may fall back per tensor.
+            DescriptorLimitError, SegmentError: other OS failures (the
+                segment is given back first).
+        """
+        tensors = list(tensors)
+        n = len(tensors)
+        hashes = [None] * n if hashes is None else list(hashes)
+        nows = list(hash_now) if isinstance(hash_now, (list, tuple)) else [hash_now] * n
+        if len(hashes) != n or len(nows) != n:
+            raise ValueError("hashes and hash_now must give one value per tensor")
+        if n == 1:
+            return [cls.from_tensor(tensors[0], hash=hashes[0], directory=directory,
+                                    hash_now=nows[0])]
+        if n == 0:
+            return []
+        default_eager = config.get().hash == "eager"
+        parts = []
+        for t, h, now in zip(tensors, hashes, nows):
+            _check_tensor(t)
+            _check_hash(h)
+            src = t.detach()
+            nbytes = t.numel() * t.element_size()
+            eager = h is None and (default_eager if now is None else now)
+            parts.append((t, src, _flat_bytes(src) if nbytes else None, nbytes, eager))
+        offsets, total = group_layout(p[3] for p in parts)
+        seg = segment.create(total, directory)
+        digests: list[bytes | None] = []
+        try:
+            if total:
+                payload = np.frombuffer(seg.shared_map, dtype=np.uint8, count=total,
+                                        offset=HEADER_SIZE)
+                reused = not seg.blank
+                try:
+                    for (t, src, flat, nbytes, eager), off in zip(parts, offsets):
+                        digests.append(_fill_one(seg, payload, off, t, src, flat, nbytes,
+                                                 eager))
+                finally:
+                    seg.blank = False
+                if reused:  # written through the mapping: its pages are mapped here
+                    seg.cold = False
+                del payload
+            else:
+                digests = [None] * n
+            SegmentRef(seg.name, directory, seg.gen).add(n - 1)  # one per handle
+        except BaseException:
+            SegmentRef(seg.name, directory, seg.gen).add(-1)
+            raise
+        SHM_WRITTEN_BYTES.inc(total and sum(p[3] for p in parts))
+        nid = node.node_id(directory)
+        out = []
+        for (t, _src, _flat, nbytes, _e), off, h, d in zip(parts, offsets, hashes, digests):
+            digest = d if d is not None else (h if h is not None else
+                                              (_EMPTY_DIGEST if not nbytes else b""))
+            meta = HandleMeta(seg.name, nbytes, codec.DTYPE_CODES[t.dtype], tuple(t.shape),
+                              digest, seg.gen, nid, off)
+            out.append(_adopt(cls, meta, directory))  # (MMSHM_DEBUG_REFS tracks _adopt)
+        return out
 
     @classmethod
     def from_writer(cls, nbytes: int, dtype: torch.dtype | int, shape: tuple[int, ...],
@@ -874,18 +1006,18 @@ class ShmTensor:
         seg = segment.attach(meta.name, self._dir, meta.gen)
         segment.pin(seg)
         try:
-            if seg.payload_size < meta.nbytes:
+            if seg.payload_size < meta.offset + meta.nbytes:
                 raise HandleError(
-                    f"handle says {meta.nbytes} bytes but segment {meta.name} holds "
-                    f"{seg.payload_size}")
+                    f"handle says {meta.nbytes} bytes at offset {meta.offset} but segment "
+                    f"{meta.name} holds {seg.payload_size}")
             if copy:
-                seg.check_size()
+                seg.check_size(meta.offset + meta.nbytes)
                 out = torch.empty(meta.shape, dtype=dtype)
                 buf = memoryview(_uint8_flat(out).numpy())
                 off = 0
                 while off < meta.nbytes:
                     n = os.preadv(seg.fd, [buf[off: off + _PREAD_CHUNK]],
-                                  HEADER_SIZE + off)
+                                  HEADER_SIZE + meta.offset + off)
                     if n <= 0:
                         raise SegmentCorruptError(errno.EINVAL, "segment ended early",
                                                   seg.path)
@@ -894,10 +1026,10 @@ class ShmTensor:
                 self.release()
                 return out
             if seg.arena:  # this process's persistent mapping (registered with CUDA if it can)
-                arr = arena.VIEWS.view(seg, meta.gen, meta.nbytes)
+                arr = arena.VIEWS.view(seg, meta.gen, meta.nbytes, meta.offset)
                 self._owns = False  # the reference now belongs to the view
                 return torch.from_numpy(arr).view(dtype).view(meta.shape)
-            mm = seg.map_private(meta.nbytes)
+            mm = seg.map_private(meta.nbytes, meta.offset)
             arr = np.frombuffer(mm, dtype=np.uint8, count=meta.nbytes)
             del mm
             segment.pin(seg)  # held by the view until its finalizer runs

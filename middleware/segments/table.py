@@ -52,6 +52,28 @@ cuts the registrations; the arena then gives idle segments back only when
 no idle one fits. A consumer never sees the slack: a handle carries its
 tensor's ``nbytes``, and every view and copy is cut to it.
 
+**One segment per request, not per photo.** Best fit alone leaves the pool
+growing towards the most *photos* ever in flight at once (up to 24 with 8
+photos and 3 requests in flight), and each new arena segment is a
+registration on every TP rank. So the walker and the servers' send paths
+put all of one request's eligible tensors in one segment
+(:meth:`mmshm.ShmTensor.from_tensors`, each tensor at a 4 KiB-aligned
+offset its handle carries): one pool request per request, and the pool
+only has to cover the requests in flight, which the warm-up reaches. Both
+servers hand mmshm a request's images as views of one tensor (SGLang
+0.5.23 splits a bundled ``pixel_values`` into per-image items by slicing it,
+``mm_utils.get_new_expanded_mm_items``; vLLM 0.32/0.33 slice a batched
+field into per-item ``MultiModalKwargsItem`` s,
+``MultiModalFlatField.build_elems``), but what mmshm groups is all the
+eligible tensors of one request (one message), whatever their storage, so a
+model whose processor gives separate tensors is grouped too. The cost: the
+segment goes back to the pool only when its last tensor is let go. A
+server releases a request's features together, except where a cache keeps
+one (vLLM's EngineCore receiver cache, the processor cache, keeps items by
+hash beyond their request): then one cached image holds its whole request's
+segment, up to 8 photos' bytes, until the cache lets it go. A group that does not fit in one segment (ENOSPC, the budget)
+falls back per tensor, as single tensors do.
+
 **A file shortened by a third party** (a tmpfs cleaner, an operator's
 ``truncate``) is never written through a mapping, which would SIGBUS the
 producer: :meth:`SegmentTable.pool_take` checks the file's size (one

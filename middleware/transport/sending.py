@@ -313,7 +313,7 @@ class Outbox:
             (``"send"`` or ``"broadcast"``).
     """
 
-    __slots__ = ("fan", "handles", "hops", "path", "t0", "written")
+    __slots__ = ("fan", "handles", "hops", "path", "prepared", "t0", "written")
 
     def __init__(self, hops: int = 0, path: str = "send"):
         if hops < 0:
@@ -321,11 +321,70 @@ class Outbox:
         self.hops = hops
         self.path = path
         self.handles: list[ShmTensor] = []
+        #: handles :meth:`prepare` made, by tensor id: ``(tensor, version, handle)``
+        self.prepared: dict[int, tuple[torch.Tensor, int, ShmTensor]] = {}
         self.fan = current_fan_out()
         #: When the message began to be sent (``time.monotonic()``, seconds).
         self.t0 = time.monotonic()
         #: Bytes copied into segments for this message (shared ones: none).
         self.written = 0
+
+    def prepare(self, tensors, hash_now=None) -> int:
+        """Write the tensors this message is about to :meth:`put` into **one**
+        segment (:func:`mmshm.transport.wrapping.to_shm_group`): a request's
+        photos take one pooled segment, which each TP rank maps (and, on a
+        GPU host, registers) once, instead of one per photo. A tensor that a
+        live segment already holds (:data:`SEGMENTS`: this fan-out, an
+        earlier message) or that was prepared already is left out (it is
+        shared, not written again); fewer than two left: nothing is done
+        (each :meth:`put` writes its own as before). The handles wait here
+        for :meth:`put` of the same tensor (unmodified); one never put is
+        given back when the message is sent or abandoned.
+
+        Args:
+            tensors: the message's eligible tensors (:func:`eligible`), in
+                the order they will be put; the same one may appear twice.
+            hash_now: None, or one ``hash_now`` (as for :meth:`put`) per tensor.
+        Returns:
+            How many tensors were written into the shared segment (or their
+            own, where it did not fit). Never raises for a segment that
+            cannot be made (the tensors then travel as :meth:`put` sends them).
+        """
+        tensors = list(tensors)
+        nows = list(hash_now) if isinstance(hash_now, (list, tuple)) else [hash_now] * len(tensors)
+        todo: list[torch.Tensor] = []
+        todo_now: list[bool | None] = []
+        seen: set[int] = set()
+        for t, now in zip(tensors, nows):
+            if id(t) in seen or id(t) in self.prepared or SEGMENTS.get(t) is not None:
+                continue
+            seen.add(id(t))
+            todo.append(t)
+            todo_now.append(now)
+        if len(todo) < 2:
+            return 0
+        # looked up per call: tests spy it
+        hs = wrapping.to_shm_group(todo, [DIGESTS.get(t) for t in todo], hash_now=todo_now)
+        done = 0
+        for t, h in zip(todo, hs):
+            if h is not None:
+                self.prepared[id(t)] = (t, t._version, h)
+                done += 1
+        return done
+
+    def _take_prepared(self, t: torch.Tensor) -> ShmTensor | None:
+        entry = self.prepared.pop(id(t), None)
+        if entry is None:
+            return None
+        if entry[0] is not t or entry[1] != t._version:  # changed since: written anew
+            entry[2].release()
+            return None
+        return entry[2]
+
+    def _drop_prepared(self) -> None:
+        prepared, self.prepared = self.prepared, {}
+        for _t, _v, h in prepared.values():
+            h.release()
 
     def put(self, t: torch.Tensor, hash_now: bool | None = None) -> ShmTensor | None:
         """A handle that rides in this message for ``t``'s bytes, owning
@@ -342,7 +401,14 @@ class Outbox:
         same tensor, unmodified, earlier in this message, in this fan-out or
         in an earlier message: :data:`SEGMENTS`). Eligibility (:func:`eligible`) is the caller's to
         judge. Never raises for a segment that cannot be made or shared."""
-        h = share_segment(t)  # earlier in this message, in this fan-out, or before
+        h = self._take_prepared(t)  # written with the message's other tensors
+        if h is not None:
+            self.written += h.nbytes
+            if hash_now and h.meta.hash:
+                DIGESTS.put(t, h.meta.hash)
+            remember_segment(t, h.meta, directory=h.directory)
+        else:
+            h = share_segment(t)  # earlier in this message, in this fan-out, or before
         if h is None:
             # looked up per call: tests spy it
             h = wrapping.to_shm(t, hash=DIGESTS.get(t), hash_now=hash_now)
@@ -369,6 +435,7 @@ class Outbox:
         """The message left: its references travel with it (the handle
         objects, kept alive until now so no finalizer released them, give up
         ownership). Counts one copy of the open fan-out if it carried any."""
+        self._drop_prepared()
         handles, self.handles = self.handles, []
         for h in handles:
             h.disown()
@@ -377,6 +444,7 @@ class Outbox:
 
     def abandon(self) -> None:
         """The message never left: give back every reference made for it."""
+        self._drop_prepared()
         handles, self.handles = self.handles, []
         for h in handles:
             if h.owns_reference:

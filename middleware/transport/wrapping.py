@@ -263,18 +263,59 @@ def to_shm(t: torch.Tensor, hash: bytes | None = None,
         return None
 
 
+_group_said: set[str] = set()
+
+
+def to_shm_group(tensors, hashes=None, directory: str | None = None,
+                 hash_now=None) -> list[ShmTensor | None]:
+    """One request's tensors in **one** segment (:meth:`ShmTensor.from_tensors`):
+    one handle per tensor, in order, or None for a tensor that travels inline.
+
+    A group that cannot be made in one segment (ENOSPC, the budget guard,
+    EMFILE, any other OS failure: the pool or /dev/shm has no room for all
+    of it at once) falls back **per tensor**, each through :func:`to_shm`
+    as a single tensor goes today: its own segment where it fits, else
+    inline, counted in ``mmshm_inline_fallbacks_total{reason}`` and warned
+    about once per reason. That the group was split is said once at INFO
+    (nothing is lost: the tensors still go through shared memory where they
+    fit). ``hashes`` and ``hash_now``: one per tensor, or None, as for
+    :meth:`ShmTensor.from_tensors`. Unsupported tensors (GPU, sparse,
+    quantized) get None silently."""
+    tensors = list(tensors)
+    n = len(tensors)
+    hashes = [None] * n if hashes is None else list(hashes)
+    nows = list(hash_now) if isinstance(hash_now, (list, tuple)) else [hash_now] * n
+    if n == 1:
+        return [to_shm(tensors[0], hash=hashes[0], directory=directory, hash_now=nows[0])]
+    try:
+        return list(ShmTensor.from_tensors(tensors, hashes, directory, hash_now=nows))
+    except (TypeError, ValueError):
+        pass  # one tensor cannot travel: the others still can, each alone
+    except (OSError, MmshmError) as exc:
+        if "split" not in _group_said:
+            _group_said.add("split")
+            log.info("mmshm: %d tensors of one request did not fit in one segment (%s): "
+                     "each gets its own segment, or travels inline (said once)", n, exc)
+    return [to_shm(t, hash=h, directory=directory, hash_now=now)
+            for t, h, now in zip(tensors, hashes, nows)]
+
+
 def wrap(obj, min_bytes: int | None = None, directory: str | None = None):
     """Return ``obj`` with every CPU tensor of at least ``min_bytes`` bytes
-    replaced by a :class:`ShmTensor` (one segment per tensor).
+    replaced by a :class:`ShmTensor`, all of them in **one** segment
+    (:func:`to_shm_group`: one pooled segment per request, so a TP rank maps
+    and registers one mapping per request however many photos it holds).
 
     Args:
         obj: any request object (see module docstring).
         min_bytes: size threshold in bytes (default ``MMSHM_MIN_BYTES``).
         directory: segment directory (default ``MMSHM_DIR``).
     Returns:
-        A new object; ``obj`` is not modified. A tensor whose segment cannot
-        be made (ENOSPC, budget, EMFILE, other OSError) stays inline and the
-        fallback is counted in ``mmshm_inline_fallbacks_total{reason}``.
+        A new object; ``obj`` is not modified. Tensors whose shared segment
+        cannot be made (ENOSPC, budget, EMFILE, other OSError) get one
+        segment each; a tensor whose own segment cannot be made either stays
+        inline and the fallback is counted in
+        ``mmshm_inline_fallbacks_total{reason}``.
         Unsupported tensors (sparse, quantized) stay inline silently; a
         tensor on a device (GPU) stays too, counted (:func:`left_on_device`).
     """
@@ -282,28 +323,43 @@ def wrap(obj, min_bytes: int | None = None, directory: str | None = None):
     if cfg.disable:
         return obj
     threshold = cfg.min_bytes if min_bytes is None else min_bytes
-    made: dict[int, ShmTensor] = {}
     on_device: set[int] = set()
+    found: dict[int, torch.Tensor] = {}
 
-    def leaf(x):
+    def collect(x):
         if not isinstance(x, torch.Tensor) or left_on_device(x, on_device, threshold):
             return x
         nbytes = x.numel() * x.element_size()
-        if nbytes < threshold or x.layout != torch.strided or x.is_quantized:
-            return x
-        first = made.get(id(x))
-        if first is not None:  # the same tensor twice: one segment, two handles
-            try:
-                return first.clone()
-            except MmshmError:
-                return x
-        h = to_shm(x, directory=directory)
+        if nbytes >= threshold and x.layout == torch.strided and not x.is_quantized:
+            found.setdefault(id(x), x)
+        return x
+
+    transform(obj, collect)
+    if not found:
+        return obj
+    made: dict[int, ShmTensor | None] = dict(
+        zip(found, to_shm_group(list(found.values()), directory=directory)))
+    used: set[int] = set()
+
+    def leaf(x):
+        h = made.get(id(x)) if isinstance(x, torch.Tensor) else None
         if h is None:
             return x
-        made[id(x)] = h
-        return h
+        if id(x) not in used:
+            used.add(id(x))
+            return h
+        try:  # the same tensor twice: one copy, two handles
+            return h.clone()
+        except MmshmError:
+            return x
 
-    return transform(obj, leaf)
+    try:
+        return transform(obj, leaf)
+    except BaseException:
+        for h in made.values():
+            if h is not None:
+                h.release()
+        raise
 
 
 def unwrap(obj, copy: bool = False):

@@ -17,7 +17,7 @@ import time
 import traceback
 
 from tests.harness.metrics import metric
-from tests.harness.segments import refcount, seg_dir, segment_files
+from tests.harness.segments import header, refcount, seg_dir, segment_files
 from tests.harness.tensors import make_tensor, same
 
 
@@ -59,7 +59,8 @@ def rank_broadcast(rank: int, world: int, n_req: int, seed: int) -> dict:
         reqs = [mmshm.wrap(request(i, seed), min_bytes=1024) for i in range(n_req)]
         names = [h.name for h in mmshm.handles(reqs)]
         assert len(names) == sum(1 + i % 2 for i in range(n_req))
-        assert all(refcount(n) == 1 for n in names)
+        # a request's items share one segment: one reference per handle
+        assert all(refcount(n) == names.count(n) for n in names)
         out = bcast(reqs, rank, None, 0)
     else:
         out = bcast(None, rank, None, 0)
@@ -93,7 +94,8 @@ def rank_early_unlink(rank: int, world: int, seed: int, delay_s: float) -> dict:
             deadline = time.monotonic() + 20
             # rank 0 has released its reference: only the references handed
             # out for the other ranks keep the segment alive now
-            while any(refcount(n) != world - 1 for n in names):
+            # (a request's items share one segment: one reference per handle)
+            while any(refcount(n) != (world - 1) * names.count(n) for n in names):
                 assert time.monotonic() < deadline, [refcount(n) for n in names]
                 time.sleep(0.01)
             waited["count_seen"] = [refcount(n) for n in names]
@@ -365,6 +367,16 @@ def mappings_of(name: str) -> int:
         return sum(1 for line in f if line.rstrip().endswith("/" + name))
 
 
+def _is_data_segment(name: str) -> bool:
+    from mmshm.errors import SegmentError
+
+    try:
+        header(name)
+    except (OSError, SegmentError):
+        return False
+    return True
+
+
 def rank_fanout_one_mapping(rank: int, world: int, seed: int, n: int) -> dict:
     """A request fanned out into ``n`` copies (each sent with its own handles)
     is broadcast in one batch: each rank maps each segment once, gives every
@@ -385,7 +397,9 @@ def rank_fanout_one_mapping(rank: int, world: int, seed: int, n: int) -> dict:
     feats = [[it["feature"] for it in r["mm_inputs"]["mm_items"]] for r in out]
     ptrs = [[f.data_ptr() for f in fs] for fs in feats]
     tensors = len({id(f) for fs in feats for f in fs})
-    segs = segment_files()
+    # the data segments only: the deferred unwrap's agreement file (mmshm.transport.shmagree)
+    # sits in the same directory under the same prefix while an agreement runs
+    segs = [s_ for s_ in segment_files() if _is_data_segment(s_)]
     maps = {s_: mappings_of(s_) for s_ in segs}
     refs = {s_: refcount(s_) for s_ in segs}
     # a write by one copy is seen by its twins on this rank, and by no other rank

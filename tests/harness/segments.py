@@ -73,3 +73,20 @@ def mapped_shm_names(root: str = SHM_ROOT, pgid: int | None = None) -> set[str]:
     from mmshm.bench.serve.servers import mapped_shm_names as product_mapped_shm_names
 
     return product_mapped_shm_names(root, pgid)
+
+
+def one_segment_per_tensor(monkeypatch=None) -> None:
+    """Make the walker give each tensor its own segment, as before a request's
+    tensors were grouped in one (``mmshm.transport.wrapping.to_shm_group``), for
+    tests whose figures are per segment (counts, references, descriptors);
+    grouping itself: tests/test_group_segments.py. With ``monkeypatch`` undone
+    after the test; without (a child process), for good."""
+    from mmshm.transport import wrapping
+
+    def per_tensor(ts, hashes=None, directory=None, hash_now=None):
+        return [wrapping.to_shm(t, directory=directory) for t in ts]
+
+    if monkeypatch is None:
+        wrapping.to_shm_group = per_tensor
+    else:
+        monkeypatch.setattr(wrapping, "to_shm_group", per_tensor)

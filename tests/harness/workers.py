@@ -285,8 +285,13 @@ def w_emfile(directory: str, ntensors: int, nbytes: int, foreign: bytes, conn) -
     """Descriptor exhaustion: lowers RLIMIT_NOFILE so that MMSHM_FD_RESERVE is
     crossed after a few segments, wraps a request, then drops the limit to the
     next free descriptor (real EMFILE) and wraps again; also attaches a
-    foreign handle at the limit. Reports everything to the test."""
+    foreign handle at the limit. Reports everything to the test. Each tensor
+    gets its own segment (a descriptor each), as the figures count them."""
     from mmshm import config
+
+    from tests.harness.segments import one_segment_per_tensor
+
+    one_segment_per_tensor()
 
     use_dir(directory)
     fds = [int(x) for x in os.listdir("/proc/self/fd")]
