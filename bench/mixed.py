@@ -70,7 +70,7 @@ its int32 words, against the producer's; each request changes a word in every
 
 **Variants.** ``--rule`` gives the pool's reuse rule(s) to run, each on the
 same workload in a fresh TP group: ``best`` (mmshm's, the default: the
-smallest idle segment that holds the tensor, a plain one up to 2x its size,
+smallest idle segment that holds the tensor, a plain one up to 4x its size,
 an arena one of any size: :data:`mmshm.segments.table.FIT_RATIO`,
 :data:`~mmshm.segments.table.ARENA_FIT_RATIO`), ``exact`` (a segment only at
 its exact size class, the rule before) or a number R (best fit up to R times,
@@ -836,7 +836,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--photos", default="1,8", help="fewest,most photos per request")
     ap.add_argument("--rule", default="best",
                     help="the pool's reuse rule(s), comma separated: best (mmshm's: best fit, "
-                         "plain segments up to 2x, arena segments any size), exact (the size "
+                         "plain segments up to 4x, arena segments any size), exact (the size "
                          "class only, the rule before), or a number R (best fit up to R x)")
     ap.add_argument("--arena", default="on", help="on, off or on,off")
     ap.add_argument("--arena-bytes", type=int, default=DEFAULT_ARENA_BYTES,

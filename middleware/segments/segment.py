@@ -273,7 +273,7 @@ def _check_fd(fd: int, path: str) -> None:
 def create(nbytes: int, directory: str | None = None) -> Segment:
     """Get a segment with room for ``nbytes`` payload bytes: the warm idle
     segment of this process's pool that fits best (at least ``nbytes``' size
-    class; a plain segment at most twice it, an arena segment of any size:
+    class; a plain segment at most four times it, an arena segment of any size:
     :meth:`~mmshm.segments.table.SegmentTable.pool_take`),
     else a new file. ``Segment.payload_size`` is the capacity, which may
     exceed ``nbytes``: the caller writes ``nbytes`` and its handles say
