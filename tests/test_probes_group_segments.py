@@ -662,3 +662,18 @@ def test_a_rank_that_predates_offsets_is_caught_by_the_handshake(shm_dir):
     del hs  # (a failing assertion below keeps this frame's handles alive)
     assert old.nbytes == nbytes  # an old rank decodes it, silently at offset 0
     assert handshake.PROTOCOL > 2  # so the handshake must tell the versions apart
+
+
+@pytest.mark.parametrize("kw", [{"hashes": [None, None]}, {"hash_now": [True]},
+                                {"hashes": [None] * 4}])
+def test_to_shm_group_with_a_hash_list_of_another_length_is_a_value_error(shm_dir, kw):
+    """One handle or None per tensor, always: a list of hashes or hash_now of another
+    length is the caller's error, never fewer handles than tensors (from_tensors raises
+    the same ValueError, and its per-tensor fallback must not zip the lists short)."""
+    from mmshm.transport import wrapping
+
+    ts = [torch.rand(1000) for _ in range(3)]
+    with pytest.raises(ValueError):
+        wrapping.to_shm_group(ts, **kw)
+    gc.collect()
+    assert segment_files(shm_dir) == []

@@ -280,11 +280,15 @@ def to_shm_group(tensors, hashes=None, directory: str | None = None,
     (nothing is lost: the tensors still go through shared memory where they
     fit). ``hashes`` and ``hash_now``: one per tensor, or None, as for
     :meth:`ShmTensor.from_tensors`. Unsupported tensors (GPU, sparse,
-    quantized) get None silently."""
+    quantized) get None silently. Raises ValueError when ``hashes`` or
+    ``hash_now`` does not give one value per tensor (never fewer handles than
+    tensors)."""
     tensors = list(tensors)
     n = len(tensors)
     hashes = [None] * n if hashes is None else list(hashes)
     nows = list(hash_now) if isinstance(hash_now, (list, tuple)) else [hash_now] * n
+    if len(hashes) != n or len(nows) != n:
+        raise ValueError("hashes and hash_now must give one value per tensor")
     if n == 1:
         return [to_shm(tensors[0], hash=hashes[0], directory=directory, hash_now=nows[0])]
     try:
