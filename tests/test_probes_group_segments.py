@@ -677,3 +677,27 @@ def test_to_shm_group_with_a_hash_list_of_another_length_is_a_value_error(shm_di
         wrapping.to_shm_group(ts, **kw)
     gc.collect()
     assert segment_files(shm_dir) == []
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_message_with_one_forged_handle_of_a_group_leaks_nothing(shm_dir, copy):
+    """A received message whose grouped handles include one forged past the payload:
+    unwrap raises the typed error, and once the message is dropped every reference
+    it carried is given back (the segment is gone)."""
+    ts = _group(12, rows=(100, 200, 300))
+    hs = ShmTensor.from_tensors(ts)
+    name = hs[0].name
+    hs[2].share(1)
+    forged = _rebuild(_wire(hs[2].meta, offset=hs[2].meta.offset + 4096))
+    msg = {"items": [{"f": hs[0]}, {"f": forged}, {"f": hs[1]}, {"f": hs[2]}]}
+    blob = pickle.dumps(msg)
+    for h in (*hs, forged):
+        h.hand_over()
+    del msg, hs, forged, h
+    assert refcount(name) == 4
+    got = pickle.loads(blob)
+    with pytest.raises(HandleError):
+        mmshm.unwrap(got, copy=copy)
+    del got
+    gc.collect()
+    assert segment_files(shm_dir) == []
