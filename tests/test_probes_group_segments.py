@@ -646,13 +646,12 @@ class _WireBeforeOffsets(msgspec.Struct, array_like=True, frozen=True):
     node: int | None = None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a decoder that predates offsets ignores the 8th wire element (msgspec drops trailing "
-    "array elements) and reads a grouped tensor at offset 0, the first tensor's bytes; the "
-    "version handshake still says protocol 2 and version 0.1.0, so such a rank is not put "
-    "inline: handshake.PROTOCOL needs a bump (and handles crossing processes without a "
-    "handshake have no guard)"))
 def test_a_rank_that_predates_offsets_is_caught_by_the_handshake(shm_dir):
+    """A decoder that predates offsets ignores the 8th wire element (msgspec
+    drops trailing array elements) and would read a grouped tensor at offset
+    0, the first tensor's bytes: the TP handshake's protocol tells such a rank
+    apart (it makes the group go inline). Handles that cross processes
+    without a handshake (frontend to engine: one install) have no guard."""
     from mmshm.transport import handshake
 
     ts = [torch.rand(100, 1176), torch.rand(100, 1176)]

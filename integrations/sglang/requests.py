@@ -68,18 +68,8 @@ def wrap_shm_features(wrapped, instance, args, kwargs):
     proxies = gpu_proxy_types()
     on_device: set[int] = set()
 
-    # one segment for the request's tensors: SGLang 0.5.23 splits a bundled
-    # pixel_values into one item per image whose features are views of that
-    # one tensor (mm_utils.get_new_expanded_mm_items), each put on its own
-    found: list = []
-
-    def collect(x):
-        if not (proxies and isinstance(x, proxies)) and sending.eligible(x, min_bytes):
-            found.append(x)
-        return x
-
-    transform(kept, collect, leaves=proxies)
-    box.prepare(found, [id(x) in unhashed for x in found])
+    # one segment for the request's tensors (its per-image items are views of one)
+    box.prepare_tree(kept, lambda x: id(x) in unhashed, min_bytes, leaves=proxies)
 
     def leaf(x):
         if proxies and isinstance(x, proxies):  # in SGLang's GPU pool: its own

@@ -159,30 +159,14 @@ def send_input(wrapped, instance, args, kwargs):
 
 
 def prepare_request(box, request) -> int:
-    """Write the request's large CPU tensors into one segment before vLLM's
-    encoder meets them one by one (:meth:`mmshm.transport.sending.Outbox.prepare`;
-    :class:`ShmTensorConsumer` then takes each one's handle): one pooled
-    segment per request, however many images. vLLM 0.32/0.33 split a
-    processor's batched ``pixel_values`` into per-item ``MultiModalKwargsItem``
-    s whose tensors are slices (views) of that one tensor
-    (``MultiModalFlatField.build_elems``: ``data[slice]``). Returns how many
-    tensors were written; never raises (a request it cannot walk is sent as
-    before, one segment per tensor)."""
+    """Write the request's large CPU tensors (its ``mm_features``, its
+    ``prompt_embeds``) into one segment before vLLM's encoder meets them one
+    by one (:meth:`mmshm.transport.sending.Outbox.prepare_tree`;
+    :class:`ShmTensorConsumer` then takes each one's handle). Returns how many
+    tensors were written; never raises."""
     if config.get().disable or request is None:
         return 0
-    found: list = []
-
-    def collect(x):
-        if sending.eligible(x):
-            found.append(x)
-        return x
-
-    try:
-        wrapping.transform(request, collect)  # its mm_features, prompt_embeds too
-        return box.prepare(found, True if DIGEST_FOR_EC else None)
-    except Exception as exc:  # noqa: BLE001 - the send goes on tensor by tensor
-        log.debug("mmshm: the request's tensors were not grouped: %s", exc)
-        return 0
+    return box.prepare_tree(request, True if DIGEST_FOR_EC else None)
 
 
 def add_request(wrapped, instance, args, kwargs):

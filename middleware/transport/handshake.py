@@ -37,7 +37,11 @@ log = logging.getLogger("mmshm")
 #: 2: the layout carries each rank's process
 #: (:func:`mmshm.transport.topology.process_id`), the
 #: agreement the lost flags and each rank's opens.
-PROTOCOL = 2
+#: 3: a handle carries its tensor's offset in the segment (one segment per
+#: request, :meth:`mmshm.ShmTensor.from_tensors`); a rank of protocol 2 would
+#: drop that element and read every grouped tensor at offset 0 (the first
+#: tensor's bytes), so it must not share a group with one of protocol 3.
+PROTOCOL = 3
 
 _HELLO = "mmshm/hello/"
 _VERDICT = "mmshm/verdict/"

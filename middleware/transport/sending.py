@@ -372,6 +372,43 @@ class Outbox:
                 done += 1
         return done
 
+    def prepare_tree(self, obj, hash_now=None, min_bytes: int | None = None,
+                     leaves: tuple[type, ...] = ()) -> int:
+        """:meth:`prepare` for every eligible tensor (:func:`eligible`) found
+        in ``obj`` (a request, or its multimodal items: walked as
+        :func:`mmshm.transport.wrapping.transform` walks it, never changed),
+        in the order they are met. Both servers hand a request's images as
+        views of one tensor (SGLang 0.5.23's ``get_new_expanded_mm_items``
+        slices a bundled ``pixel_values`` per image; vLLM 0.32/0.33's
+        ``MultiModalFlatField.build_elems`` slices the batch per item), which
+        the server then puts one by one: prepared here, they take one segment.
+
+        Args:
+            obj: any structure of containers and tensors.
+            hash_now: None, a bool for every tensor, or a callable that tells
+                it for one tensor (as for :meth:`put`).
+            min_bytes: as for :func:`eligible` (default ``MMSHM_MIN_BYTES``).
+            leaves: types taken whole, never walked into or prepared (an
+                integration's opaque types, e.g. SGLang's CUDA-IPC proxies).
+        Returns:
+            How many tensors were written. Never raises: a structure that
+            cannot be walked is sent as before, one segment per tensor (said
+            at DEBUG)."""
+        found: list = []
+
+        def collect(x):
+            if not (leaves and isinstance(x, leaves)) and eligible(x, min_bytes):
+                found.append(x)
+            return x
+
+        try:
+            wrapping.transform(obj, collect, leaves=leaves)
+            nows = [hash_now(t) for t in found] if callable(hash_now) else hash_now
+            return self.prepare(found, nows)
+        except Exception as exc:  # noqa: BLE001 - the send goes on tensor by tensor
+            log.debug("mmshm: the message's tensors were not grouped: %s", exc)
+            return 0
+
     def _take_prepared(self, t: torch.Tensor) -> ShmTensor | None:
         entry = self.prepared.pop(id(t), None)
         if entry is None:
