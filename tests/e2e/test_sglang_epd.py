@@ -436,7 +436,11 @@ def test_burst_keeps_the_encoder_registered(pairs):
     timeout (2 s): every request answered, equal on both pairs (and equal for
     equal photos), every one encoded by the encoder (no ``No encoder URLs
     available``: the busy encoder was not dropped), under mmshm one save per
-    request and ``tp_size`` loads, no fallback."""
+    request and ``tp_size`` loads, no fallback. The plain pair's dispatches
+    are recorded, not asserted: on a loaded 2-core host plain SGLang's own
+    2 s probe can drop its busy encoder (seen once: all 8 encoded by the
+    language instance itself, answers still right), which says nothing of
+    mmshm; the mmshm pair must keep its encoder whatever plain does."""
     _, servers = _harness()
     names = [n for n in ("plain", "mmshm") if n in pairs]
     runs = dict(zip(names, servers.in_parallel(*[lambda n=n: _burst(pairs[n])
@@ -448,7 +452,8 @@ def test_burst_keeps_the_encoder_registered(pairs):
     S["burst"] = fig
     for n in names:
         assert all(o[0] == "answer" for o in runs[n]["outcomes"]), (n, fig[n])
-        assert fig[n]["local_encodes"] == 0 and fig[n]["dispatched"] == BURST, (n, fig[n])
+    if "mmshm" in fig:
+        assert fig["mmshm"]["local_encodes"] == 0 and fig["mmshm"]["dispatched"] == BURST, fig
     got = runs["plain"]["outcomes"]
     assert got[:4] == got[4:], got  # one photo, one answer
     if "mmshm" not in pairs:
