@@ -294,6 +294,26 @@ def test_the_outbox_writes_a_messages_tensors_into_one_segment(shm_dir):
     assert segment_files(shm_dir) == []
 
 
+def test_a_message_whose_tensors_all_travel_inline_counts_each_fallback_once(shm_dir,
+                                                                            monkeypatch):
+    """No room for the group nor for any tensor alone (a read-only or full
+    directory, the budget): each tensor travels inline and its fallback is
+    counted once, in :meth:`Outbox.prepare`; the :meth:`Outbox.put` that
+    follows does not try it again (a real vLLM server counted 11 fallbacks
+    for 4 images over 2 hops before)."""
+    from tests.harness.metrics import fallbacks_total
+
+    ts = [torch.rand(256 * 1024) for _ in range(3)]  # 1 MiB each
+    monkeypatch.setenv("MMSHM_MAX_BYTES", str(1 << 19))
+    config.reload()
+    before = fallbacks_total()
+    with sending.sending(hops=1) as box:
+        assert box.prepare(ts) == 0
+        assert [box.put(t) for t in ts] == [None, None, None]
+    assert fallbacks_total() - before == 3
+    assert segment_files(shm_dir) == []
+
+
 def test_refdebug_tracks_every_handle_of_a_group(shm_dir):
     """``MMSHM_DEBUG_REFS``: each handle of a group is a holder of its own (one
     reference each, on the one segment), so a handle dropped by hand_over

@@ -322,7 +322,7 @@ class Outbox:
         self.path = path
         self.handles: list[ShmTensor] = []
         #: handles :meth:`prepare` made, by tensor id: ``(tensor, version, handle)``
-        self.prepared: dict[int, tuple[torch.Tensor, int, ShmTensor]] = {}
+        self.prepared: dict[int, tuple[torch.Tensor, int, ShmTensor | None]] = {}
         self.fan = current_fan_out()
         #: When the message began to be sent (``time.monotonic()``, seconds).
         self.t0 = time.monotonic()
@@ -367,9 +367,10 @@ class Outbox:
         hs = wrapping.to_shm_group(todo, [DIGESTS.get(t) for t in todo], hash_now=todo_now)
         done = 0
         for t, h in zip(todo, hs):
-            if h is not None:
-                self.prepared[id(t)] = (t, t._version, h)
-                done += 1
+            # None: it travels inline, its fallback counted there: :meth:`put`
+            # must not try (and count) it again
+            self.prepared[id(t)] = (t, t._version, h)
+            done += h is not None
         return done
 
     def prepare_tree(self, obj, hash_now=None, min_bytes: int | None = None,
@@ -409,19 +410,24 @@ class Outbox:
             log.debug("mmshm: the message's tensors were not grouped: %s", exc)
             return 0
 
-    def _take_prepared(self, t: torch.Tensor) -> ShmTensor | None:
+    def _take_prepared(self, t: torch.Tensor):
+        """What :meth:`prepare` decided for ``t``: its handle; None where it
+        travels inline (its fallback already counted); :data:`_NOT_PREPARED`
+        where nothing was prepared for it, or ``t`` changed since."""
         entry = self.prepared.pop(id(t), None)
         if entry is None:
-            return None
+            return _NOT_PREPARED
         if entry[0] is not t or entry[1] != t._version:  # changed since: written anew
-            entry[2].release()
-            return None
+            if entry[2] is not None:
+                entry[2].release()
+            return _NOT_PREPARED
         return entry[2]
 
     def _drop_prepared(self) -> None:
         prepared, self.prepared = self.prepared, {}
         for _t, _v, h in prepared.values():
-            h.release()
+            if h is not None:
+                h.release()
 
     def put(self, t: torch.Tensor, hash_now: bool | None = None) -> ShmTensor | None:
         """A handle that rides in this message for ``t``'s bytes, owning
@@ -439,7 +445,9 @@ class Outbox:
         in an earlier message: :data:`SEGMENTS`). Eligibility (:func:`eligible`) is the caller's to
         judge. Never raises for a segment that cannot be made or shared."""
         h = self._take_prepared(t)  # written with the message's other tensors
-        if h is not None:
+        if h is None:  # prepare found no room for it: inline, counted there
+            return None
+        if h is not _NOT_PREPARED:
             self.written += h.nbytes
             if hash_now and h.meta.hash:
                 DIGESTS.put(t, h.meta.hash)
@@ -488,6 +496,9 @@ class Outbox:
                 h.ref.release(self.hops)
             h.release()
 
+
+#: :meth:`Outbox._take_prepared`: nothing was prepared for the tensor
+_NOT_PREPARED = object()
 
 _OUTBOX: contextvars.ContextVar[Outbox | None] = contextvars.ContextVar(
     "mmshm_outbox", default=None)
