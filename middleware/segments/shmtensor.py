@@ -508,6 +508,20 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def per_tensor(tensors, hashes=None, hash_now=None) -> tuple[list, list, list]:
+    """``(tensors, hashes, hash_now)`` as lists of one value per tensor, for
+    :meth:`ShmTensor.from_tensors` and its callers: ``hashes`` None gives
+    None each, a single ``hash_now`` (not a list or tuple) is given to each.
+    Raises ValueError when a list gives another number of values."""
+    tensors = list(tensors)
+    n = len(tensors)
+    hashes = [None] * n if hashes is None else list(hashes)
+    nows = list(hash_now) if isinstance(hash_now, (list, tuple)) else [hash_now] * n
+    if len(hashes) != n or len(nows) != n:
+        raise ValueError("hashes and hash_now must give one value per tensor")
+    return tensors, hashes, nows
+
+
 class ShmTensor:
     """Pointer to a CPU tensor stored in a shared-memory segment.
 
@@ -621,12 +635,8 @@ class ShmTensor:
             DescriptorLimitError, SegmentError: other OS failures (the
                 segment is given back first).
         """
-        tensors = list(tensors)
+        tensors, hashes, nows = per_tensor(tensors, hashes, hash_now)
         n = len(tensors)
-        hashes = [None] * n if hashes is None else list(hashes)
-        nows = list(hash_now) if isinstance(hash_now, (list, tuple)) else [hash_now] * n
-        if len(hashes) != n or len(nows) != n:
-            raise ValueError("hashes and hash_now must give one value per tensor")
         if n == 1:
             return [cls.from_tensor(tensors[0], hash=hashes[0], directory=directory,
                                     hash_now=nows[0])]

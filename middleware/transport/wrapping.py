@@ -25,7 +25,7 @@ import torch
 from mmshm import config
 from mmshm.errors import FALLBACK_REASONS, MmshmError, failure_reason
 from mmshm.metrics import DEVICE_TENSORS, FALLBACKS
-from mmshm.segments.shmtensor import ShmTensor
+from mmshm.segments.shmtensor import ShmTensor, per_tensor
 from mmshm.segments.table import TABLE
 
 log = logging.getLogger("mmshm")
@@ -283,12 +283,8 @@ def to_shm_group(tensors, hashes=None, directory: str | None = None,
     quantized) get None silently. Raises ValueError when ``hashes`` or
     ``hash_now`` does not give one value per tensor (never fewer handles than
     tensors)."""
-    tensors = list(tensors)
+    tensors, hashes, nows = per_tensor(tensors, hashes, hash_now)
     n = len(tensors)
-    hashes = [None] * n if hashes is None else list(hashes)
-    nows = list(hash_now) if isinstance(hash_now, (list, tuple)) else [hash_now] * n
-    if len(hashes) != n or len(nows) != n:
-        raise ValueError("hashes and hash_now must give one value per tensor")
     if n == 1:
         return [to_shm(tensors[0], hash=hashes[0], directory=directory, hash_now=nows[0])]
     try:
