@@ -109,7 +109,10 @@ class Holdings:
         self.store, self.counts = store, counts
         self.held: dict[tuple[str, int], object] = {}   # (req id, index) -> Entry
         self.by_id: dict[str, tuple[str, int]] = {}     # item name -> (req id, index)
-        self.looked: set[tuple[str, int]] = set()       # looked up once per request item
+        self.looked: dict[str, set[int]] = {}           # req id -> items looked up (once)
+        self.missed: dict[str, dict[str, str]] = {}     # req id -> item name -> why it missed
+        self.held_of: dict[str, set[int]] = {}          # req id -> items it holds
+        self.name_of: dict[tuple[str, int], str] = {}   # (req id, index) held -> item name
         self.unavailable: set[str] = set()              # failed in a worker: the server fails them
         self.poisoned: OrderedDict[str, str] = OrderedDict()  # item name -> request
 
@@ -128,14 +131,22 @@ class Holdings:
         ``key`` of ``dtype``, ``rows`` rows and ``width`` columns (None:
         any), held for the request; None if not looked up now (no key,
         looked up already, another request holds the item) or a miss."""
-        if key is None or (rid, index) in self.looked or self.by_id.get(ident) is not None:
+        looked = self.looked.setdefault(rid, set())
+        if key is None or index in looked or self.by_id.get(ident) is not None:
             return None
-        self.looked.add((rid, index))
-        entry = self.store.lookup(key, dtype=dtype, rows=rows, count=False,
-                                  shape=(rows, width or None), holder=f"request {rid}")
-        if entry is not None:
+        looked.add(index)
+        # the payload's digest is checked where the bytes are used (each
+        # worker's load); here the name, record, generation and a reference
+        entry, reason, _ = self.store.lookup_why(key, dtype=dtype, rows=rows, count=False,
+                                                 shape=(rows, width or None),
+                                                 holder=f"request {rid}", verify=False)
+        if entry is None:
+            self.missed.setdefault(rid, {})[ident] = reason
+        else:
             self.held[(rid, index)] = entry
+            self.held_of.setdefault(rid, set()).add(index)
             self.by_id[ident] = (rid, index)
+            self.name_of[(rid, index)] = ident
             log.debug("mmshm: EC hit %s (request %s item %d) -> %s", ident, rid, index,
                       entry.name)
         return entry
@@ -169,14 +180,18 @@ class Holdings:
         return self.held[owner].handle()
 
     def miss(self, rid: str, ident: str, key: bytes | None, rows: int) -> None:
-        """Item ``ident`` of ``rid`` is encoded here: counted by why its key
-        missed, looked up once more counting nothing (an entry published
-        since is not taken: the local encode is decided)."""
+        """Item ``ident`` of ``rid`` is encoded here: counted by why its
+        lookup for this request missed (an entry published since is not
+        taken: the local encode is decided); an item this request did not
+        look up (or held, then let go) is looked up once more, counting
+        nothing, for the reason."""
         if key is None:
             return  # counted as unkeyed
-        found, reason, _ = self.store._search(key, None, rows, hold=False)
-        if found is not None:
-            found.release()
+        reason = self.missed.get(rid, {}).pop(ident, None)
+        if reason is None:  # not looked up by this request: look now, counting nothing
+            found, reason, _ = self.store._search(key, None, rows, hold=False, verify=False)
+            if found is not None:
+                found.release()
         self.counts.fallback(reason or "missing",
                              f"item {ident} of request {rid} is encoded here: no loadable "
                              f"encoder output of its content (namespace "
@@ -187,21 +202,23 @@ class Holdings:
         entry = self.held.pop((rid, index), None)
         if entry is None:
             return
-        for ident, owner in list(self.by_id.items()):
-            if owner == (rid, index):
-                del self.by_id[ident]
+        self.held_of.get(rid, set()).discard(index)
+        ident = self.name_of.pop((rid, index), None)
+        if ident is not None and self.by_id.get(ident) == (rid, index):
+            del self.by_id[ident]
         entry.release()
 
     def free(self, rid: str, index: int) -> None:
         """Item ``index`` of ``rid`` is done: given back, looked up afresh next time."""
         self.release(rid, index)
-        self.looked.discard((rid, index))
+        self.looked.get(rid, set()).discard(index)
 
     def finish(self, rid: str) -> None:
         """Request ``rid`` finished: every entry it held given back."""
-        for (r, i) in [k for k in self.held if k[0] == rid]:
-            self.release(r, i)
-        self.looked = {k for k in self.looked if k[0] != rid}
+        for i in list(self.held_of.pop(rid, ())):
+            self.release(rid, i)
+        self.looked.pop(rid, None)
+        self.missed.pop(rid, None)
 
     def failed(self, failed: dict) -> None:
         """``{request id: item name}`` a worker could not load: each request

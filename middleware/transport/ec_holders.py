@@ -20,6 +20,8 @@ from typing import NamedTuple
 #: the name of the memfd in which a process lists the entries it holds
 #: (``/proc/<pid>/fd/*`` links to ``/memfd:<this> (deleted)``)
 HOLDERS_MEMFD = "mmshm-epd-holders"
+#: seconds within which a change of what a process holds reaches its memfd
+FLUSH_S = 0.1
 
 
 class HeldEntry(NamedTuple):
@@ -33,34 +35,86 @@ class HeldEntry(NamedTuple):
 
 
 class _Holders:
-    """This process's memfd: one JSON line per store."""
+    """This process's memfd: one JSON line per store.
+
+    A store that takes or gives back an entry calls :meth:`update` (nothing
+    written then: a consumer's scheduler takes dozens of entries in one step,
+    and rewriting the list at each would cost the step O(n) each time); the
+    list is written at most :data:`FLUSH_S` later by one timer thread, at
+    :meth:`flush`, or when this process reads its own list
+    (:func:`read_holders`)."""
 
     def __init__(self):
         self.fd = -1
         self.pid = 0
         self.lock = threading.Lock()
         self.parts: dict[int, bytes] = {}
+        #: store id -> a callable giving ``(server, directory, entries)``
+        self.pending: dict[int, object] = {}
+        self.timer: threading.Timer | None = None
+        self.timer_pid = 0
 
     def write(self, store_id: int, server: str, directory: str,
               entries: list[HeldEntry]) -> None:
-        """Replace what store ``store_id`` holds. Raises :class:`OSError`."""
+        """Replace what store ``store_id`` holds, now. Raises :class:`OSError`."""
         data = json.dumps({"pid": os.getpid(), "server": server, "directory": directory,
                            "entries": [e._asdict() for e in entries]}).encode()
         with self.lock:
-            if self.pid != os.getpid():  # a forked child: its own list
-                self.fd, self.pid, self.parts = -1, os.getpid(), {}
-            if not entries:
-                self.parts.pop(store_id, None)
-            else:
-                self.parts[store_id] = data
-            if self.fd < 0:
-                if not self.parts:
-                    return
-                self.fd = os.memfd_create(HOLDERS_MEMFD, os.MFD_CLOEXEC)
-            body = b"\n".join(self.parts.values())
-            os.ftruncate(self.fd, 0)
-            if body:
-                os.pwrite(self.fd, body, 0)
+            self.pending.pop(store_id, None)
+            self._put(store_id, data if entries else None)
+
+    def update(self, store_id: int, source) -> None:
+        """Store ``store_id``'s list changed: ``source()`` (``(server,
+        directory, entries)``, or None for a store that is gone) is written
+        within :data:`FLUSH_S` seconds (one timer for every store). Raises
+        nothing."""
+        with self.lock:
+            self.pending[store_id] = source
+            pid = os.getpid()
+            if self.timer is not None and self.timer_pid == pid:
+                return  # a flush is coming (a forked child has no timer thread)
+            self.timer, self.timer_pid = threading.Timer(FLUSH_S, self._flush_later), pid
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _flush_later(self) -> None:
+        with self.lock:
+            self.timer = None
+        try:
+            self.flush()
+        except OSError:
+            pass
+
+    def flush(self) -> None:
+        """Write every pending store's list now. Raises :class:`OSError`."""
+        with self.lock:
+            pending, self.pending = self.pending, {}
+            for store_id, source in pending.items():
+                got = source()
+                if got is None:
+                    self._put(store_id, None)
+                    continue
+                server, directory, entries = got
+                self._put(store_id, json.dumps({
+                    "pid": os.getpid(), "server": server, "directory": directory,
+                    "entries": [e._asdict() for e in entries]}).encode() if entries else None)
+
+    def _put(self, store_id: int, data: bytes | None) -> None:
+        # under self.lock
+        if self.pid != os.getpid():  # a forked child: its own list
+            self.fd, self.pid, self.parts = -1, os.getpid(), {}
+        if data is None:
+            self.parts.pop(store_id, None)
+        else:
+            self.parts[store_id] = data
+        if self.fd < 0:
+            if not self.parts:
+                return
+            self.fd = os.memfd_create(HOLDERS_MEMFD, os.MFD_CLOEXEC)
+        body = b"\n".join(self.parts.values())
+        os.ftruncate(self.fd, 0)
+        if body:
+            os.pwrite(self.fd, body, 0)
 
 
 HOLDERS = _Holders()
@@ -72,6 +126,11 @@ def read_holders(pid: int, directory: str | None = None) -> list[HeldEntry]:
     through ``/proc/<pid>/fd``; empty when it holds none or cannot be read
     (another user's process without root). Never raises."""
     out: list[HeldEntry] = []
+    if pid == os.getpid():
+        try:
+            HOLDERS.flush()  # this process's own list: what it holds now
+        except OSError:
+            pass
     want = os.path.realpath(directory) if directory else None
     try:
         fds = os.listdir(f"/proc/{pid}/fd")

@@ -150,6 +150,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import multiprocessing.util
 import os
 import struct
@@ -700,7 +701,7 @@ def _read_record(seg) -> _Record | None:
             or rec.nbytes > seg.payload_size - RECORD_SIZE or rec.nbytes < 0
             or any(s < 0 for s in rec.shape)):
         return None
-    want = codec.DTYPES[rec.dtype].itemsize * int(np.prod(rec.shape, dtype=np.int64))
+    want = codec.DTYPES[rec.dtype].itemsize * math.prod(rec.shape)
     return rec if want == rec.nbytes else None
 
 
@@ -1190,7 +1191,7 @@ class EncoderCache:
                 if (seg.owned and seg.pins == 0 and seg.name.startswith(prefix)
                         and seg.status() == STATE_POOLED):
                     TABLE.unlink_pooled(seg)
-        self._write_holders()
+        self._write_holders(now=True)
 
     # -- consumer --------------------------------------------------------------------
     def lookup(self, key: bytes, dtype: torch.dtype | None = None, rows: int | None = None,
@@ -1217,12 +1218,24 @@ class EncoderCache:
             an :class:`Entry`, or None (the caller encodes the item itself).
             Never raises for a missing, foreign, torn or vanishing file.
         """
+        return self.lookup_why(key, dtype, rows, shape=shape, count=count, holder=holder,
+                               verify=verify)[0]
+
+    def lookup_why(self, key: bytes, dtype: torch.dtype | None = None, rows: int | None = None,
+                   *, shape: tuple | None = None, count: bool = True, holder: str = "",
+                   verify: bool = True) -> tuple[Entry | None, str, str]:
+        """:meth:`lookup` (same arguments), returning ``(entry, "", "")`` for
+        a hit and ``(None, reason, detail)`` for a miss: ``reason`` one of
+        those :meth:`lookup` counts, ``detail`` a sentence naming the file.
+        A miss of a name with no file costs one failed ``open`` per name
+        (:data:`SLOTS`), nothing else. Never raises for a missing, foreign,
+        torn or vanishing file."""
         found, reason, detail = self._search(key, dtype, rows, shape=shape, verify=verify,
                                              holder=holder)
         EPD_LOOKUPS.labels(server=self.server, result="hit" if found else "miss").inc()
         if found is not None:
             self._hits += 1
-            return found
+            return found, "", ""
         self._misses += 1
         if count:
             count_fallback(self.server, reason, detail)
@@ -1236,7 +1249,7 @@ class EncoderCache:
                 "directory setting) and the same namespace (here %r; compare the encoder's "
                 "\"on:\" line). Last miss: %s (reason=%s)", self.server, self._misses,
                 segment_dir(self.directory), self.namespace, detail, reason)
-        return None
+        return None, reason, detail
 
     def _find(self, key: bytes, dtype, rows) -> Entry | None:
         return self._search(key, dtype, rows, hold=False)[0]
@@ -1262,8 +1275,11 @@ class EncoderCache:
         try:
             seg = segment.attach(name, self.directory)
         except SegmentNotFoundError as exc:
-            if not os.path.lexists(os.path.join(segment_dir(self.directory), name)):
-                return None, "missing", ""  # no file of that name: the usual miss
+            # the usual miss: no file of that name (the open failed: one
+            # syscall); else a file that is not live any more
+            if exc.strerror == _NO_FILE or not os.path.lexists(
+                    os.path.join(segment_dir(self.directory), name)):
+                return None, "missing", ""
             return None, "segment_gone", f"{name}: {exc}"
         except (MmshmError, OSError) as exc:
             return None, "torn", f"{name}: {exc}"
@@ -1346,16 +1362,36 @@ class EncoderCache:
         entry.holder = holder
         self._write_holders()
 
-    def _write_holders(self) -> None:
+    def _write_holders(self, now: bool = False) -> None:
         """Publish what this process holds for ``mmshm status``
         (:mod:`mmshm.transport.ec_holders`: a memfd of this process, nothing
-        in any directory, gone with the process). Never raises."""
+        in any directory, gone with the process): within
+        :data:`~mmshm.transport.ec_holders.FLUSH_S` seconds, or ``now``
+        (nothing written on a scheduler's step per entry). Never raises."""
         if os.getpid() != self._pid:
             return
         try:
-            HOLDERS.write(id(self), self.server, segment_dir(self.directory), self.held())
+            if now:
+                HOLDERS.write(id(self), self.server, segment_dir(self.directory), self.held())
+            else:
+                HOLDERS.update(id(self), self._holders_source())
         except (OSError, ValueError) as exc:
             log.debug("mmshm: publishing the encoder cache's holders failed: %s", exc)
+
+    def _holders_source(self):
+        ref = weakref.ref(self)
+
+        def source():
+            store = ref()
+            if store is None:
+                return None
+            return store.server, segment_dir(store.directory), store.held()
+        return source
+
+
+#: what :func:`mmshm.segments.segment.attach` says when the open of the name
+#: itself found no file (:func:`mmshm.segments.segfile.os_error` of ENOENT)
+_NO_FILE = "attach: segment is gone"
 
 
 # -- exit -------------------------------------------------------------------------------
