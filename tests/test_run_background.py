@@ -30,16 +30,50 @@ def test_a_built_environment_and_a_failed_one_reach_their_parts(tmp_path):
     assert not bg.thread.is_alive()
 
 
-def test_only_a_run_with_the_sglang_module_tests_and_vllm_builds_in_the_background(
-        monkeypatch, tmp_path):
+def test_what_follows_the_sglang_module_tests_builds_in_the_background(monkeypatch, tmp_path):
     monkeypatch.setattr(run, "VENVS", tmp_path)
     monkeypatch.setattr(run, "BACKGROUND", None)
     made = []
     monkeypatch.setattr(run, "vllm_venv", lambda log=None: made.append("vllm") or tmp_path)
     monkeypatch.setattr(run, "vllm_cpu_venv", lambda log=None: made.append("cpu") or tmp_path)
+    monkeypatch.setattr(run, "sglang_server_venv",
+                        lambda rel, log: made.append(f"sglang {rel}") or tmp_path)
     run.start_background(run.parse(["sglang", "--setup-only"]))
-    assert run.BACKGROUND is None  # no vllm part, or set-up only: nothing in the background
+    assert run.BACKGROUND is None  # set-up only: nothing in the background
+    run.start_background(run.parse(["sglang", "--no-e2e"]))
+    assert run.BACKGROUND is None  # no server environment wanted
     run.start_background(run.parse(["vllm", "--no-e2e"]))
     assert run.BACKGROUND is not None and list(run.BACKGROUND.builds) == [f"vllm {run.VLLM_VERSION}"]
     run.BACKGROUND.wait()
     assert made == ["vllm"]
+    monkeypatch.setattr(run, "BACKGROUND", None)
+    made.clear()
+    # SGLang with its e2e: each release with real-server tests gets its server environment
+    run.start_background(run.parse(["sglang", "--release", "0.5.23", "--release", "0.5.12"]))
+    assert list(run.BACKGROUND.builds) == ["sglang 0.5.23 e2e"]
+    run.BACKGROUND.wait()
+    assert made == ["sglang 0.5.23"]
+    venv, _, failed = run.BACKGROUND.take("sglang 0.5.23 e2e")
+    assert venv == tmp_path and failed is None
+
+
+def test_one_layered_environment_is_built_once_when_two_threads_want_it(monkeypatch, tmp_path):
+    """A release's lean environment wanted at once by its module tests and by
+    the background build of its server environment: pip runs once."""
+    import threading
+
+    pips = []
+
+    def pip(venv, args, log):
+        pips.append(list(args))
+        time.sleep(0.2)
+
+    monkeypatch.setattr(run, "_pip", pip)
+    venv = tmp_path / "lean"
+    threads = [threading.Thread(target=run._make_layered_venv,
+                                args=(venv, [], ["pkg==1"], [], None)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert pips == [["pkg==1"]]

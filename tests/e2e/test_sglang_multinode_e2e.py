@@ -1,5 +1,8 @@
-"""mmshm against a real SGLang server (0.5.9, 0.5.23) whose TP group spans
-two nodes: ``--tp 2 --nnodes 2`` on CPU, one rank per node, real photos.
+"""mmshm against a real SGLang server whose TP group spans two nodes:
+``--tp 2 --nnodes 2`` on CPU, one rank per node, real photos. ``tests.run``
+runs it on 0.5.23 (:data:`tests.run.E2E_SGLANG`); it passes on 0.5.9 too
+(``python -m tests.run sglang --release 0.5.9 --e2e-only --
+tests/e2e/test_sglang_multinode_e2e.py``).
 
 Two nodes on one machine: each node's ``sglang.launch_server`` runs in its
 own mount namespace whose /dev/shm is a tmpfs of its own (the test mounts it
