@@ -64,7 +64,8 @@ Families (as exposed):
 ``mmshm_epd_loads_total{server}``              encoder outputs an instance loaded instead of
                                                running its encoder (one per item and holder)
 ``mmshm_epd_bytes_total{server,direction}``    bytes of those, ``direction`` = ``saved`` /
-                                               ``loaded``
+                                               ``loaded``; between nodes through a
+                                               Mooncake Store: ``store_put`` / ``store_get``
 ``mmshm_epd_fallbacks_total{server,reason}``   items encoded locally (or not published), by
                                                reason (:data:`EPD_FALLBACK_REASONS`)
 ``mmshm_epd_transfer_seconds{server}``         histogram: seconds to publish or to load one
@@ -159,7 +160,7 @@ HANDED_PATHS = ("send", "broadcast")
 #: ``server`` label values of the EPD families (created at 0 for both).
 EPD_SERVERS = ("vllm", "sglang")
 #: ``direction`` label values of ``mmshm_epd_bytes_total``.
-EPD_DIRECTIONS = ("saved", "loaded")
+EPD_DIRECTIONS = ("saved", "loaded", "store_put", "store_get")
 #: ``reason`` label values of ``mmshm_epd_fallbacks_total`` (an item encoded locally,
 #: or an encoder output not published): ``over_budget`` (the budget guard or
 #: MMSHM_MAX_BYTES refused the segment), ``no_space`` (ENOSPC), ``missing`` (no
@@ -172,11 +173,17 @@ EPD_DIRECTIONS = ("saved", "loaded")
 #: is not its record's), ``name_taken`` (its published names are held by other files),
 #: ``queue_full`` (a producer's key queue dropped a key before publishing),
 #: ``unproven`` (SGLang: the language instance did not prove it can open the
-#: encoder's segments; SGLang's own bytes carried the output).
+#: encoder's segments; SGLang's own bytes carried the output); the Mooncake Store
+#: leg between nodes (:mod:`mmshm.transport.ec_store`): ``store_`` + a lookup's
+#: miss reason (``absent``, ``unreachable``, ``timeout``, ``short``,
+#: ``record_mismatch``, ``digest``) or a put not made (``queue_full``,
+#: ``unreachable``, ``too_big``, ``put_failed``).
 EPD_FALLBACK_REASONS = ("over_budget", "no_space", "missing", "content_mismatch",
                         "incompatible", "segment_gone", "encoder_gone", "encoder_dropped",
                         "encoder_error", "torn", "digest", "name_taken", "queue_full",
-                        "unproven")
+                        "unproven", "store_absent", "store_unreachable", "store_timeout",
+                        "store_short", "store_record_mismatch", "store_digest",
+                        "store_too_big", "store_put_failed", "store_queue_full")
 #: ``result`` label values of ``mmshm_epd_lookups_total``.
 EPD_LOOKUP_RESULTS = ("hit", "miss")
 

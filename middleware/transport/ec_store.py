@@ -1,0 +1,839 @@
+"""The cross-node leg of the encoder cache (EPD): a Mooncake Store.
+
+:mod:`mmshm.transport.encoder_cache` serves encoder outputs within one node
+(one segment directory). This module adds the leg between nodes on a
+`Mooncake Store <https://github.com/kvcache-ai/Mooncake>`_: a
+``mooncake_master`` the user runs (mmshm never starts one) keeps the index
+and the leases, each client process lends a segment of its memory to the
+Store, and the transfer engine (``tcp`` here, ``rdma`` on real hosts) moves
+the bytes.
+
+**The same content key, the same checks.** An encoder instance saves each
+output in its node's shared memory as before and also hands it to
+:meth:`StoreTier.put`, which queues it for a background thread (bounded by
+items and bytes; a full queue drops the put, counted). The thread puts one
+Store object under ``<key_prefix>/<content key hex>``::
+
+    [0, 256)           the record: magic, length, msgpack of (key, dtype,
+                       shape, nbytes, generation, digest)
+    [256, 256+nbytes)  the encoder output, C order, its own dtype
+
+The record's digest is :func:`~mmshm.transport.encoder_cache.payload_digest`
+of the payload, as the local store computes it. A Store put is atomic (the
+object is found only once complete), so a put still in flight is a miss
+(``absent``), never partial bytes.
+
+**PD's order** (:func:`load_through`): its own node's segments first
+(:meth:`EncoderCache.lookup`); on a miss, :meth:`StoreTier.fetch_view` reads
+the object (``get_size`` and one ``get_into`` into a read buffer registered
+with the engine once, never per request), checks the record against the key,
+the expected dtype and rows, the object's size and the payload's digest, and
+the output is saved into a new local segment (:meth:`EncoderCache.save`) and
+looked up there: other PD instances of that node then hit it in shared
+memory, with no cross-node bytes. If both miss, the caller encodes the item.
+
+**Failures are per request** and never raise into the server: every one is a
+miss counted in ``mmshm_epd_fallbacks_total{reason="store_<reason>"}`` with
+``<reason>`` one of :data:`MISS_REASONS`: ``absent`` (no object under the
+key, or its put is still in flight), ``unreachable`` (the master cannot be
+reached or refused the client; said once at WARNING with the fix),
+``timeout`` (no answer within :attr:`StoreConfig.timeout_s`; a read that
+hangs keeps the reader busy, and lookups meanwhile miss at once),
+``short`` (a get that failed or returned fewer bytes than the object),
+``record_mismatch`` (the record disagrees with the key, dtype, shape or
+size), ``digest`` (the payload is not the record's). Puts not made are
+counted with ``store_`` + one of :data:`PUT_DROP_REASONS`. Bytes moved are
+``mmshm_epd_bytes_total{direction="store_put"|"store_get"}``; counts and
+seconds are in :attr:`StoreTier.stats`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib
+import json
+import logging
+import math
+import os
+import queue
+import re
+import socket
+import struct
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import msgspec
+import numpy as np
+import torch
+
+from mmshm.errors import MmshmError
+from mmshm.metrics import EPD_BYTES, EPD_FALLBACKS
+from mmshm.segments import codec
+from mmshm.transport.encoder_cache import KEY_BYTES, EncoderCache, Entry, payload_digest
+
+log = logging.getLogger("mmshm")
+
+#: reasons a Store lookup misses (label ``store_<reason>``)
+MISS_REASONS = ("absent", "unreachable", "timeout", "short", "record_mismatch", "digest")
+#: reasons a put is not made (label ``store_<reason>``)
+PUT_DROP_REASONS = ("queue_full", "unreachable", "too_big", "put_failed")
+#: bytes before the payload in a Store object
+RECORD_BYTES = 256
+#: the engine's "no such object" status
+_OBJECT_NOT_FOUND = -704
+_MAGIC = b"MMSHMXS1"
+_LEN = struct.Struct("<I")
+_FIX_ENGINE = ("pip install mooncake-transfer-engine-non-cuda (CUDA hosts: "
+               "mooncake-transfer-engine) and, on Debian/Ubuntu, apt-get install libibverbs1 "
+               "libnl-3-200 libnl-route-3-200 (needed even for tcp)")
+_FIX = {
+    "unreachable": "start mooncake_master where ec_connector_extra_config's "
+                   "master_server_address points (with --enable_http_metadata_server=true "
+                   "unless metadata_server names another) and let this node reach its RPC "
+                   "and metadata ports",
+    "timeout": "the master or the encoder's node answers too slowly: check them, or raise "
+               "store_timeout_s",
+    "absent": "normal when the encoder did not run for this item or its put is still in "
+              "flight; otherwise check that the encoder names the same master and namespace",
+    "short": "the encoder's node or its network failed mid-read; the item is encoded here",
+    "record_mismatch": "something other than mmshm wrote under mmshm's Store keys, or the "
+                       "encoder runs another model or --dtype: give it another key_prefix",
+    "digest": "the Store returned another payload than its record describes: check the "
+              "transfer engine's network",
+    "queue_full": "the Store takes puts slower than the encoder makes outputs: raise "
+                  "store_max_pending_items / store_max_pending_bytes",
+    "too_big": "raise local_buffer_size above the largest encoder output",
+    "put_failed": "the master refused the put (no room in the Store's segments?): raise "
+                  "global_segment_size on the encoder's node, or check the master's log",
+}
+_WARNED: set[str] = set()
+_WARN_LOCK = threading.Lock()
+
+
+class StoreConfigError(MmshmError, ValueError):
+    """A Store setting in ``ec_connector_extra_config`` that is not valid
+    (``key`` names it)."""
+
+    def __init__(self, message: str, key: str = ""):
+        super().__init__(message)
+        self.key = key
+
+
+class _Record(msgspec.Struct, array_like=True, frozen=True):
+    key: bytes
+    dtype: int
+    shape: tuple[int, ...]
+    nbytes: int
+    #: the producer's put counter (``pid << 32 | n``): which put wrote the object
+    gen: int
+    #: :func:`~mmshm.transport.encoder_cache.payload_digest` of the payload
+    digest: bytes
+
+
+_REC_ENC = msgspec.msgpack.Encoder()
+_REC_DEC = msgspec.msgpack.Decoder(_Record)
+
+
+def record_bytes(rec: _Record) -> bytes:
+    """The :data:`RECORD_BYTES` before a Store object's payload."""
+    body = _REC_ENC.encode(rec)
+    head = bytearray(RECORD_BYTES)
+    head[:8] = _MAGIC
+    _LEN.pack_into(head, 8, len(body))
+    head[12:12 + len(body)] = body
+    return bytes(head)
+
+
+# -- configuration ----------------------------------------------------------------------
+_SIZE_RE = re.compile(r"^\s*([\d.]+)\s*(gb|mb|kb|b)?\s*$", re.IGNORECASE)
+_UNITS = {"gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10, "b": 1}
+
+
+def _size(key: str, value: Any) -> int:
+    """Bytes from an int or a string such as ``"4GB"`` (vLLM's syntax)."""
+    if isinstance(value, bool):
+        raise StoreConfigError(f"{key} must be a size in bytes, not {value!r}", key)
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        try:
+            n = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+        except ValueError:
+            raise StoreConfigError(f"{key} must be a size (4GB, 512MB, 1048576), not "
+                                   f"{value!r}", key) from None
+    else:
+        raise StoreConfigError(f"{key} must be a size (4GB, 512MB, 1048576), not {value!r}",
+                               key)
+    if n <= 0:
+        raise StoreConfigError(f"{key} must be > 0, not {value!r}", key)
+    return n
+
+
+def _positive(key: str, value: Any, kind=float):
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        v = kind(value)
+        if isinstance(value, float) and kind is int and not value.is_integer():
+            raise ValueError
+    except (TypeError, ValueError):
+        raise StoreConfigError(f"{key} must be a number > 0, not {value!r}", key) from None
+    if not (v > 0 and math.isfinite(v)):
+        raise StoreConfigError(f"{key} must be a number > 0, not {value!r}", key)
+    return v
+
+
+def _host_port(key: str, value: Any) -> tuple[str, int]:
+    if not isinstance(value, str):
+        raise StoreConfigError(f"{key} must be 'host:port', not {value!r}", key)
+    host, sep, port = value.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise StoreConfigError(f"{key} must be 'host:port', not {value!r}", key)
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The Store leg's settings, from an ``ec_connector_extra_config``-like
+    mapping (:meth:`from_extra`); key names follow vLLM's Mooncake Store
+    configuration (``MOONCAKE_CONFIG_PATH``'s file) and its
+    ``ECMooncakeConnector`` (``mooncake_protocol``, ``store_*``).
+
+    Attributes:
+        master_server_address: the ``mooncake_master``'s RPC ``host:port``
+            (``master_server_address``); naming it turns the leg on.
+        metadata_server: the transfer engine's metadata server
+            (``metadata_server``; default the master's built-in HTTP one,
+            ``http://<master host>:8080/metadata``).
+        protocol: ``tcp`` or ``rdma`` (``mooncake_protocol``, or ``protocol``).
+        device_name: RDMA devices (``device_name``; empty for tcp).
+        local_hostname: the address other nodes reach this process's segment
+            at (``local_hostname``; default the address of the interface that
+            routes to the master).
+        global_segment_size: bytes this process lends to the Store (an
+            encoder's objects live there), ``global_segment_size``.
+        local_buffer_size: bytes of the engine's staging buffer, at least the
+            largest output plus :data:`RECORD_BYTES` (``local_buffer_size``).
+        timeout_s: seconds a lookup waits for the Store (``store_timeout_s``).
+        max_pending_items / max_pending_bytes: the put queue's bounds
+            (``store_max_pending_items`` / ``store_max_pending_bytes``).
+        read_buffer_bytes: bytes of the read buffer registered once
+            (``store_read_buffer_bytes``); a larger object is read into
+            memory allocated for it.
+        key_prefix: the Store keys' prefix (``store_key_prefix``).
+    """
+
+    master_server_address: str
+    metadata_server: str
+    protocol: str = "tcp"
+    device_name: str = ""
+    local_hostname: str = ""
+    global_segment_size: int = 1 << 30
+    local_buffer_size: int = 256 << 20
+    timeout_s: float = 2.0
+    max_pending_items: int = 32
+    max_pending_bytes: int = 2 << 30
+    read_buffer_bytes: int = 128 << 20
+    key_prefix: str = "mmshm-ec"
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping | None) -> StoreConfig | None:
+        """The settings in ``extra`` (``ec_connector_extra_config``), or None
+        when it names no master (the leg is off). A ``mooncake_config_path``
+        (a JSON file as vLLM's ``MOONCAKE_CONFIG_PATH`` names) gives defaults
+        that the mapping's own keys override.
+
+        Raises:
+            StoreConfigError: a value that is not valid, or a config file that
+                cannot be read.
+        """
+        d = dict(extra or {})
+        path = d.get("mooncake_config_path")
+        if path:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    file_cfg = json.load(f)
+                if not isinstance(file_cfg, dict):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as exc:
+                raise StoreConfigError(f"mooncake_config_path {path!r}: {exc}",
+                                       "mooncake_config_path") from None
+            d = {**file_cfg, **d}
+        master = d.get("master_server_address")
+        if not master:
+            return None
+        host, _ = _host_port("master_server_address", master)
+        protocol = str(d.get("mooncake_protocol", d.get("protocol", "tcp"))).lower()
+        if protocol not in ("tcp", "rdma"):
+            raise StoreConfigError(f"mooncake_protocol must be tcp or rdma, not {protocol!r}",
+                                   "mooncake_protocol")
+        meta = d.get("metadata_server") or f"http://{host}:8080/metadata"
+        if not isinstance(meta, str):
+            raise StoreConfigError(f"metadata_server must be a URL, not {meta!r}",
+                                   "metadata_server")
+        prefix = d.get("store_key_prefix", "mmshm-ec")
+        if not isinstance(prefix, str) or not prefix:
+            raise StoreConfigError(f"store_key_prefix must be a non-empty string, not "
+                                   f"{prefix!r}", "store_key_prefix")
+        lbuf = _size("local_buffer_size", d.get("local_buffer_size", 256 << 20))
+        if lbuf <= RECORD_BYTES:
+            raise StoreConfigError(f"local_buffer_size must exceed {RECORD_BYTES}",
+                                   "local_buffer_size")
+        return cls(
+            master_server_address=str(master).strip(),
+            metadata_server=meta,
+            protocol=protocol,
+            device_name=str(d.get("device_name", "") or ""),
+            local_hostname=str(d.get("local_hostname", "") or ""),
+            global_segment_size=_size("global_segment_size",
+                                      d.get("global_segment_size", 1 << 30)),
+            local_buffer_size=lbuf,
+            timeout_s=_positive("store_timeout_s", d.get("store_timeout_s", 2.0)),
+            max_pending_items=_positive("store_max_pending_items",
+                                        d.get("store_max_pending_items", 32), int),
+            max_pending_bytes=_size("store_max_pending_bytes",
+                                    d.get("store_max_pending_bytes", 2 << 30)),
+            read_buffer_bytes=_size("store_read_buffer_bytes",
+                                    d.get("store_read_buffer_bytes", 128 << 20)),
+            key_prefix=prefix,
+            extra=d,
+        )
+
+    def master(self) -> tuple[str, int]:
+        return _host_port("master_server_address", self.master_server_address)
+
+    def hostname(self) -> str:
+        """:attr:`local_hostname`, else the address of the interface that
+        routes to the master (a UDP ``connect``: no packet is sent)."""
+        if self.local_hostname:
+            return self.local_hostname
+        host, port = self.master()
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((host, port))
+                return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+    def describe(self) -> str:
+        """One line for a connector's "on:" line: what listens where."""
+        return (f"Mooncake Store at master {self.master_server_address} (metadata "
+                f"{self.metadata_server}, {self.protocol}); this process lends "
+                f"{self.global_segment_size >> 20} MiB, its transfer engine listens on "
+                f"{self.hostname()} (and, with tcp, on every interface)")
+
+
+def _probe_http(url: str, timeout: float) -> None:
+    """Raise OSError unless the HTTP metadata server at ``url`` answers an
+    HTTP request within ``timeout`` seconds (any status: an unknown key is a
+    404). The engine's ``setup`` keeps the interpreter's lock while it
+    retries a server that does not answer, so this is asked first."""
+    u = urlparse(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return  # etcd, P2PHANDSHAKE...: nothing mmshm can ask
+    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = cls(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request("GET", (u.path or "/") + "?key=mmshm%2Fprobe")
+        conn.getresponse().read(4096)
+    except (http.client.HTTPException, ValueError) as exc:
+        raise OSError(f"the metadata server {url} does not answer HTTP: {exc!r}") from None
+    finally:
+        conn.close()
+
+
+def load_engine():
+    """The Mooncake Store class (``mooncake.store.MooncakeDistributedStore``).
+    Raises ImportError (or OSError: a shared library missing) when the
+    engine cannot be loaded."""
+    return importlib.import_module("mooncake.store").MooncakeDistributedStore
+
+
+def from_config(extra: Mapping | None, server: str = "vllm", engine=None) -> StoreTier | None:
+    """The Store leg configured by ``extra`` (``ec_connector_extra_config``),
+    started (it connects in the background), or None: no master named, or
+    the engine's library cannot be loaded (said once at WARNING with the fix;
+    the connector then works within the node).
+
+    Raises:
+        StoreConfigError: a setting that is not valid.
+    """
+    cfg = StoreConfig.from_extra(extra)
+    if cfg is None:
+        return None
+    if engine is None:
+        try:
+            engine = load_engine()
+        except (ImportError, OSError) as exc:
+            log.warning("mmshm: encoder cache (%s): ec_connector_extra_config names the "
+                        "Mooncake master %s but the Mooncake engine cannot be loaded (%s); "
+                        "encoder outputs move within this node only. Fix: %s", server,
+                        cfg.master_server_address, exc, _FIX_ENGINE)
+            return None
+    return StoreTier(cfg, server=server, engine=engine).start()
+
+
+# -- the tier ------------------------------------------------------------------------------
+class _Job:
+    __slots__ = ("abandoned", "done", "dtype", "key", "result", "rows", "shape")
+
+    def __init__(self, key, dtype, rows, shape):
+        self.key, self.dtype, self.rows, self.shape = key, dtype, rows, shape
+        self.done = False
+        self.abandoned = False
+        self.result = None
+
+
+class StoreTier:
+    """One process's client of the Store: background puts (encoder) and
+    bounded fetches (PD). Made by :func:`from_config`; thread-safe.
+
+    Attributes:
+        stats: counts of this process: ``puts``, ``put_bytes``,
+            ``put_seconds``, ``gets``, ``get_bytes``, ``get_seconds``,
+            ``miss_<reason>`` and ``drop_<reason>``.
+    """
+
+    def __init__(self, config: StoreConfig, server: str = "vllm", engine=None):
+        self.config = config
+        self.server = server
+        self._engine_cls = engine
+        self._store = None
+        self._connected = False
+        self._connect_error = ""
+        self._connect_at = 0.0
+        self._connect_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._jobs: list[_Job] = []
+        self._busy = False
+        self._closed = False
+        self._puts: queue.Queue = queue.Queue()
+        self._pending_items = 0
+        self._pending_bytes = 0
+        self._gen = 0
+        self._read_buf: torch.Tensor | None = None
+        self._threads: list[threading.Thread] = []
+        self.stats: dict[str, float] = {"puts": 0, "put_bytes": 0, "put_seconds": 0.0,
+                                        "gets": 0, "get_bytes": 0, "get_seconds": 0.0}
+        for r in MISS_REASONS:
+            self.stats[f"miss_{r}"] = 0
+        for r in PUT_DROP_REASONS:
+            self.stats[f"drop_{r}"] = 0
+
+    def start(self) -> StoreTier:
+        for name, target in (("getter", self._get_loop), ("putter", self._put_loop)):
+            t = threading.Thread(target=target, name=f"mmshm-ec-store-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        with self._cond:  # the getter connects first, in the background
+            self._jobs.append(None)
+            self._busy = True
+            self._cond.notify_all()
+        return self
+
+    def describe(self) -> str:
+        return self.config.describe()
+
+    def store_key(self, key: bytes) -> str:
+        return f"{self.config.key_prefix}/{key.hex()}"
+
+    # -- counting ----------------------------------------------------------------------
+    def _count(self, kind: str, reason: str, detail: str) -> None:
+        self.stats[f"{kind}_{reason}"] += 1
+        EPD_FALLBACKS.labels(server=self.server, reason=f"store_{reason}").inc()
+        with _WARN_LOCK:
+            first = reason not in _WARNED
+            _WARNED.add(reason)
+        if first:
+            level = logging.INFO if reason == "absent" else logging.WARNING
+            log.log(level, "mmshm: encoder cache (%s): Mooncake Store: %s (reason=store_%s; "
+                    "said once per process); fix: %s", self.server, detail, reason,
+                    _FIX[reason])
+        else:
+            log.debug("mmshm: encoder cache (%s): Mooncake Store: %s (reason=store_%s)",
+                      self.server, detail, reason)
+
+    # -- connecting --------------------------------------------------------------------
+    def _connect(self) -> bool:
+        """Set the client up once (in a worker thread). The master's RPC port
+        and an HTTP metadata server are probed first, so a master that is
+        not there is a quick failure instead of the engine's endless
+        retries; a failure is tried again after ``5 * timeout_s``."""
+        with self._connect_lock:
+            if self._connected:
+                return True
+            if self._closed:
+                return False
+            now = time.monotonic()
+            if self._connect_error and now - self._connect_at < 5 * self.config.timeout_s:
+                return False
+            self._connect_at = now
+            cfg = self.config
+            try:
+                socket.create_connection(cfg.master(), timeout=cfg.timeout_s).close()
+                _probe_http(cfg.metadata_server, cfg.timeout_s)
+                store = self._engine_cls()
+                rc = store.setup(cfg.hostname(), cfg.metadata_server, cfg.global_segment_size,
+                                 cfg.local_buffer_size, cfg.protocol, cfg.device_name,
+                                 cfg.master_server_address)
+                if rc != 0:
+                    raise OSError(f"setup returned {rc}")
+                buf = torch.empty(cfg.read_buffer_bytes, dtype=torch.uint8)
+                if store.register_buffer(buf.data_ptr(), buf.numel()) != 0:
+                    buf = None  # reads then go to memory allocated per object
+            except Exception as exc:  # noqa: BLE001 - any failure is "unreachable"
+                self._connect_error = f"{type(exc).__name__}: {exc}"
+                return False
+            self._store, self._read_buf = store, buf
+            self._connected = True
+            self._connect_error = ""
+            log.info("mmshm: encoder cache (%s): %s", self.server, cfg.describe())
+            return True
+
+    def _unreachable(self) -> str | None:
+        """Why the Store cannot be used now, or None."""
+        if not self._connected:
+            return (f"the master {self.config.master_server_address} cannot be reached "
+                    f"({self._connect_error or 'not connected yet'})")
+        try:
+            if self._store.health_check() != 0:
+                return f"the master {self.config.master_server_address} does not answer"
+        except Exception as exc:  # noqa: BLE001
+            return f"health check failed: {exc}"
+        return None
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the client to be set up."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self._connected:
+                return True
+            time.sleep(0.02)
+        return self._connected
+
+    # -- producer ------------------------------------------------------------------------
+    def put(self, key: bytes, tensor: torch.Tensor) -> bool:
+        """Queue ``tensor`` (any dtype and shape, CPU or a device) to be put
+        under ``key`` by the background thread; the caller must not write
+        into ``tensor`` afterwards. Returns False when it is not queued
+        (counted: ``queue_full``, ``unreachable``, ``too_big``).
+
+        Raises:
+            ValueError: a key that is not :data:`KEY_BYTES` long.
+        """
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a key is {KEY_BYTES} bytes, not {len(key)}")
+        t = tensor.detach()
+        nbytes = t.numel() * t.element_size()
+        if self._closed:
+            return False
+        if nbytes + RECORD_BYTES > self.config.local_buffer_size:
+            self._count("drop", "too_big", f"an encoder output of {nbytes} bytes does not fit "
+                        f"the engine's local_buffer_size={self.config.local_buffer_size}")
+            return False
+        if self._connect_error and not self._connected:
+            self._count("drop", "unreachable", f"not put: {self._unreachable()}")
+            return False
+        with self._cond:
+            if (self._pending_items >= self.config.max_pending_items
+                    or self._pending_bytes + nbytes > self.config.max_pending_bytes):
+                full = True
+            else:
+                full = False
+                self._pending_items += 1
+                self._pending_bytes += nbytes
+        if full:
+            self._count("drop", "queue_full", f"{self._pending_items} puts "
+                        f"({self._pending_bytes} bytes) already wait")
+            return False
+        self._puts.put((key, t, nbytes))
+        return True
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until every queued put is done."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self._cond:
+                if not self._pending_items:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def _put_loop(self) -> None:
+        while True:
+            item = self._puts.get()
+            if item is None:
+                return
+            key, t, nbytes = item
+            try:
+                self._put_one(key, t, nbytes)
+            except Exception as exc:  # noqa: BLE001 - a put never takes the thread down
+                self._count("drop", "put_failed", f"put of {key.hex()[:16]} failed: {exc}")
+            finally:
+                with self._cond:
+                    self._pending_items -= 1
+                    self._pending_bytes -= nbytes
+                    self._cond.notify_all()
+
+    def _put_one(self, key: bytes, t: torch.Tensor, nbytes: int) -> None:
+        if not self._connect():
+            self._count("drop", "unreachable", f"not put: {self._unreachable()}")
+            return
+        why = self._unreachable()
+        if why:
+            self._count("drop", "unreachable", f"not put: {why}")
+            return
+        t0 = time.perf_counter()
+        t = t.to("cpu").contiguous()
+        payload = t.reshape(-1).view(torch.uint8).numpy() if nbytes else np.empty(0, np.uint8)
+        digest = payload_digest(key, nbytes, lambda off, n: payload[off:off + n])
+        self._gen += 1
+        head = record_bytes(_Record(key, codec.dtype_code(t.dtype),
+                                    tuple(int(s) for s in t.shape), nbytes,
+                                    (os.getpid() << 32) | self._gen, digest))
+        rc = self._store.put_parts(self.store_key(key), head, payload)
+        if rc != 0:
+            self._count("drop", "put_failed", f"put of {key.hex()[:16]} ({nbytes} bytes) "
+                        f"returned {rc}")
+            return
+        self.stats["puts"] += 1
+        self.stats["put_bytes"] += nbytes
+        self.stats["put_seconds"] += time.perf_counter() - t0
+        EPD_BYTES.labels(server=self.server, direction="store_put").inc(nbytes)
+
+    # -- consumer ------------------------------------------------------------------------
+    def fetch(self, key: bytes, dtype: torch.dtype | None = None, rows: int | None = None,
+              *, shape: tuple | None = None) -> torch.Tensor | None:
+        """The encoder output of ``key`` from the Store as a new CPU tensor
+        (its own memory), or None (a counted miss). Waits at most
+        :attr:`StoreConfig.timeout_s`; never raises for a Store failure.
+        ``dtype``, ``rows`` and ``shape`` as :meth:`EncoderCache.lookup`."""
+        got = self.fetch_view(key, dtype, rows, shape=shape)
+        if got is None:
+            return None
+        view, release = got
+        try:
+            return view.clone()
+        finally:
+            release()
+
+    def fetch_view(self, key: bytes, dtype=None, rows=None, *, shape=None):
+        """``(tensor, release)``: the output read into the registered read
+        buffer (a view of it), valid until ``release()`` is called (which
+        lets the next read use the buffer; call it exactly once), or None (a
+        counted miss). Bounded as :meth:`fetch`."""
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a key is {KEY_BYTES} bytes, not {len(key)}")
+        if self._closed:
+            return None
+        if self._connect_error and not self._connected and (
+                time.monotonic() - self._connect_at < 5 * self.config.timeout_s):
+            self._count("miss", "unreachable", self._unreachable())
+            return None
+        deadline = time.monotonic() + self.config.timeout_s
+        with self._cond:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._busy:
+                job = None
+            else:
+                self._busy = True
+                job = _Job(key, dtype, rows, shape)
+                self._jobs.append(job)
+                self._cond.notify_all()
+                while not job.done:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        job.abandoned = True
+                        break
+                    self._cond.wait(left)
+        if job is None or not job.done:
+            why = ("the previous Store read is still running" if job is None
+                   else "the Store did not answer")
+            if not self._connected:
+                self._count("miss", "unreachable", f"{self._unreachable()} (within "
+                            f"{self.config.timeout_s} s)")
+            else:
+                self._count("miss", "timeout", f"{why} within store_timeout_s="
+                            f"{self.config.timeout_s} s ({key.hex()[:16]})")
+            return None
+        view, reason, detail = job.result
+        if view is None:
+            self._count("miss", reason, detail)
+            return None
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(1)
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+        return view, release
+
+    def _get_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs:
+                    self._cond.wait()
+                job = self._jobs.pop(0)
+            if job is _STOP:
+                return
+            if job is None:  # the first connect
+                self._connect()
+                result = None
+            else:
+                try:
+                    result = self._read(job)
+                except Exception as exc:  # noqa: BLE001 - a read never takes the thread down
+                    result = (None, "short", f"the read of {job.key.hex()[:16]} failed: {exc}")
+            with self._cond:
+                if job is None:
+                    self._busy = False
+                else:
+                    job.result = result
+                    job.done = True
+                    if job.abandoned or result[0] is None:
+                        self._busy = False
+                self._cond.notify_all()
+
+    def _read(self, job: _Job):
+        key = job.key
+        if not self._connect():
+            return None, "unreachable", self._unreachable()
+        why = self._unreachable()
+        if why:
+            return None, "unreachable", why
+        skey = self.store_key(key)
+        t0 = time.perf_counter()
+        size = self._store.get_size(skey)
+        if size == _OBJECT_NOT_FOUND:
+            return None, "absent", f"no Store object {skey} (not put, or its put is in flight)"
+        if size < 0:
+            return None, "unreachable", f"get_size({skey}) returned {size}"
+        if size < RECORD_BYTES:
+            return None, "record_mismatch", f"{skey} holds {size} bytes, no record"
+        buf = self._read_buf
+        if buf is None or size > buf.numel():
+            buf = torch.empty(size, dtype=torch.uint8)
+        got = self._store.get_into(skey, buf.data_ptr(), size)
+        if got == _OBJECT_NOT_FOUND:
+            return None, "absent", f"{skey} went away before its read"
+        if got != size:
+            return None, "short", f"the read of {skey} returned {got} of {size} bytes"
+        raw = buf[:size].numpy()
+        head = raw[:RECORD_BYTES].tobytes()
+        rec = None
+        if head[:8] == _MAGIC:
+            (n,) = _LEN.unpack_from(head, 8)
+            if n <= RECORD_BYTES - 12:
+                try:
+                    rec = _REC_DEC.decode(head[12:12 + n])
+                except msgspec.DecodeError:
+                    rec = None
+        if rec is None:
+            return None, "record_mismatch", f"{skey} holds no mmshm record"
+        got_dtype = (codec.DTYPES[rec.dtype] if 0 <= rec.dtype < len(codec.DTYPES) else None)
+        nbytes = size - RECORD_BYTES
+        bad = None
+        if rec.key != key:
+            bad = f"its record names content {rec.key.hex()[:16]}"
+        elif got_dtype is None or any(s < 0 for s in rec.shape):
+            bad = f"its record's dtype {rec.dtype} or shape {list(rec.shape)} is not valid"
+        elif rec.nbytes != nbytes or rec.nbytes != got_dtype.itemsize * int(
+                np.prod(rec.shape, dtype=np.int64)):
+            bad = (f"its record says {rec.nbytes} bytes of {got_dtype} {list(rec.shape)}, "
+                   f"the object holds {nbytes}")
+        elif job.dtype is not None and got_dtype != job.dtype:
+            bad = f"it holds {got_dtype}, expected {job.dtype}"
+        elif job.rows is not None and (not rec.shape or rec.shape[0] != job.rows):
+            bad = f"it holds shape {list(rec.shape)}, expected {job.rows} rows"
+        elif job.shape is not None and (len(job.shape) != len(rec.shape) or any(
+                w is not None and w >= 0 and int(w) != g
+                for w, g in zip(job.shape, rec.shape))):
+            bad = f"it holds shape {list(rec.shape)}, expected {list(job.shape)}"
+        if bad:
+            return None, "record_mismatch", f"{skey}: {bad}"
+        payload = raw[RECORD_BYTES:size]
+        if payload_digest(key, nbytes, lambda off, n: payload[off:off + n]) != rec.digest:
+            return None, "digest", f"{skey}: the payload is not the one its record describes"
+        view = buf[RECORD_BYTES:size].view(got_dtype).view(tuple(rec.shape)) if nbytes else \
+            torch.empty(tuple(rec.shape), dtype=got_dtype)
+        self.stats["gets"] += 1
+        self.stats["get_bytes"] += nbytes
+        self.stats["get_seconds"] += time.perf_counter() - t0
+        EPD_BYTES.labels(server=self.server, direction="store_get").inc(nbytes)
+        return view, "", ""
+
+    # -- the end -----------------------------------------------------------------------
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the threads (puts still queued are dropped after ``timeout``
+        seconds of waiting), give the read buffer back to the engine and
+        close the client. Idempotent."""
+        if self._closed:
+            return
+        self.flush(timeout)
+        self._closed = True
+        self._puts.put(None)
+        with self._cond:
+            self._jobs.append(_STOP)
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(timeout)
+        if any(t.is_alive() for t in self._threads):
+            return  # a call into the engine hangs: leave the client to the process's exit
+        store, self._store = self._store, None
+        if store is not None:
+            try:
+                if self._read_buf is not None:
+                    store.unregister_buffer(self._read_buf.data_ptr())
+                store.close()
+            except Exception:  # noqa: BLE001 - closing never raises
+                pass
+        self._read_buf = None
+
+
+_STOP = _Job(b"", None, None, None)
+
+
+def load_through(cache: EncoderCache, tier: StoreTier | None, key: bytes,
+                 dtype: torch.dtype | None = None, rows: int | None = None, *,
+                 shape: tuple | None = None, holder: str = "") -> Entry | None:
+    """PD's lookup order for one item: this node's segments
+    (:meth:`EncoderCache.lookup`); on a miss, the Store
+    (:meth:`StoreTier.fetch_view`), saved into a new local segment
+    (:meth:`EncoderCache.save`, so other instances of this node hit it in
+    shared memory) and looked up there. Returns the held :class:`Entry`, or
+    None: the caller encodes the item (the miss is counted: the local one's
+    reason without a Store, ``store_<reason>`` with one). Never raises for a
+    missing, foreign or failed entry.
+
+    Raises:
+        ValueError: a key that is not :data:`KEY_BYTES` long.
+    """
+    entry = cache.lookup(key, dtype, rows, shape=shape, count=tier is None, holder=holder)
+    if entry is not None or tier is None:
+        return entry
+    got = tier.fetch_view(key, dtype, rows, shape=shape)
+    if got is None:
+        return None
+    view, release = got
+    try:
+        saved = cache.save(key, view, label="mooncake-store")
+    finally:
+        release()
+    if not saved.published:
+        return None  # save counted why
+    return cache.lookup(key, dtype, rows, shape=shape, holder=holder)

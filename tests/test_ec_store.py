@@ -1,0 +1,464 @@
+"""The encoder cache's cross-node leg (mmshm.transport.ec_store) against a real
+``mooncake_master`` on 127.0.0.1: an encoder on simulated node A and two PD
+instances on simulated node B (each node a mount namespace with its own
+/dev/shm), faults (bad records, a truncated payload, the master killed, a master
+that answers garbage), the engine's library missing, and bad settings."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from mmshm import metrics
+from mmshm.transport import ec_store
+from tests.harness.ports import free_port
+from tests.harness.shm import unshare_reason
+
+try:
+    ec_store.load_engine()
+    ENGINE_MISSING = None
+except (ImportError, OSError) as exc:
+    ENGINE_MISSING = f"the Mooncake engine cannot be loaded ({exc}): {ec_store._FIX_ENGINE}"
+
+
+def _master_binary() -> str | None:
+    if ENGINE_MISSING:
+        return None
+    import mooncake
+
+    path = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    return path if os.access(path, os.X_OK) else shutil.which("mooncake_master")
+
+
+needs_engine = pytest.mark.skipif(ENGINE_MISSING is not None, reason=str(ENGINE_MISSING))
+
+
+def _wait_port(port: int, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class Master:
+    def __init__(self):
+        self.rpc, self.meta, self.mport = free_port(), free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        argv = [_master_binary(), f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.meta}", "--metrics_host=127.0.0.1",
+                f"--metrics_port={self.mport}"]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        end = time.monotonic() + 15
+        if not (_wait_port(self.rpc, end) and _wait_port(self.meta, end)):
+            self.kill()
+            pytest.fail("mooncake_master did not listen within 15 s")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            _kill_group(self.proc)
+
+    def extra(self, **kw) -> dict:
+        return {"master_server_address": f"127.0.0.1:{self.rpc}",
+                "metadata_server": f"http://127.0.0.1:{self.meta}/metadata",
+                "mooncake_protocol": "tcp", "local_hostname": "127.0.0.1",
+                "global_segment_size": "64MB", "local_buffer_size": "32MB",
+                "store_read_buffer_bytes": "16MB", "store_timeout_s": 2.0, **kw}
+
+
+@pytest.fixture
+def master():
+    m = Master()
+    m.start()
+    try:
+        yield m
+    finally:
+        m.kill()
+
+
+# -- the children ---------------------------------------------------------------------------
+# One script, a role per run; prints one JSON line "RESULT {...}" at the end.
+CHILD = r'''
+import json, os, subprocess, sys, time
+import torch
+from mmshm.transport import ec_store
+from mmshm.transport.encoder_cache import EncoderCache, content_key
+
+role, extra = sys.argv[1], json.loads(sys.argv[2])
+N, ROWS, WIDTH = 3, 600, 3584
+
+def item(i):
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(ROWS, WIDTH, generator=g).to(torch.bfloat16)
+
+def key(i):
+    return content_key(f"image {i}", "model")
+
+def done(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+
+if role == "encoder":
+    cache = EncoderCache(keep_s=60, namespace="model")
+    tier = ec_store.from_config(extra)
+    assert tier.wait_connected(10)
+    for i in range(N):
+        assert cache.save(key(i), item(i)).published
+        assert tier.put(key(i), item(i))
+    assert tier.flush(20)
+    print("READY " + json.dumps(tier.stats), flush=True)
+    sys.stdin.readline()  # the PD node has read what it needs
+    tier.close()
+    cache.close()
+    done(stats=tier.stats)
+elif role in ("pd", "pd2"):
+    cache = EncoderCache(keep_s=60, namespace="model")
+    tier = ec_store.from_config(extra)
+    assert tier.wait_connected(10)
+    equal = []
+    for i in range(N):
+        e = ec_store.load_through(cache, tier, key(i), torch.bfloat16, ROWS)
+        if e is None:
+            equal.append(None)
+            continue
+        t = e.load()
+        equal.append(bool(torch.equal(t, item(i))))
+        del t
+        e.release()
+    second = None
+    if role == "pd":  # a second PD instance on this node, while this one keeps its entries
+        out = subprocess.run([sys.executable, "-c", sys.argv[3], "pd2", sys.argv[2]],
+                             capture_output=True, text=True, timeout=60)
+        lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+        second = json.loads(lines[-1][7:]) if lines else {"rc": out.returncode,
+                                                          "err": out.stderr[-2000:]}
+    tier.close()
+    cache.close()
+    done(equal=equal, stats=tier.stats, second=second)
+elif role == "faults":
+    from mmshm.segments import codec
+    from mmshm.metrics import EPD_FALLBACKS
+    cache = EncoderCache(keep_s=60, namespace="model")
+    tier = ec_store.from_config(extra)
+    assert tier.wait_connected(10)
+    raw = tier._store
+    good = item(0)
+    payload = good.reshape(-1).view(torch.uint8).numpy()
+    digest = ec_store.payload_digest(key(0), payload.nbytes, lambda o, n: payload[o:o + n])
+    bf16 = codec.dtype_code(torch.bfloat16)
+    def rec(k, **kw):
+        d = dict(key=k, dtype=bf16, shape=(ROWS, WIDTH), nbytes=payload.nbytes, gen=1,
+                 digest=digest)
+        d.update(kw)
+        return ec_store.record_bytes(ec_store._Record(**d))
+    bad = {  # key index -> (head, payload)
+        1: (rec(key(0)), payload),                                  # names other content
+        2: (rec(key(2), dtype=codec.dtype_code(torch.float16)), payload),  # another dtype
+        3: (rec(key(3)), payload[: payload.nbytes // 2]),           # payload cut short
+        4: (rec(key(4)), payload.copy()),                           # another payload
+        5: (b"\0" * ec_store.RECORD_BYTES, payload),                # no record at all
+    }
+    bad[4][1][:4096] ^= 0xFF
+    for i, (head, body) in bad.items():
+        assert raw.put_parts(tier.store_key(key(i)), head, body) == 0, i
+    before = {r: EPD_FALLBACKS.labels(server="vllm", reason="store_" + r)._value.get()
+              for r in ec_store.MISS_REASONS}
+    got = {i: ec_store.load_through(cache, tier, key(i), torch.bfloat16, ROWS)
+           for i in [1, 2, 3, 4, 5, 6]}                             # 6: never put
+    assert tier.put(key(0), good) and tier.flush(10)
+    ok = tier.fetch(key(0), torch.bfloat16, ROWS)
+    wrong_rows = tier.fetch(key(0), torch.bfloat16, ROWS + 1)
+    after = {r: EPD_FALLBACKS.labels(server="vllm", reason="store_" + r)._value.get()
+             for r in ec_store.MISS_REASONS}
+    published = sorted(os.listdir("/dev/shm"))
+    tier.close()
+    cache.close()
+    done(none=[v is None for v in got.values()], stats=tier.stats, published=published,
+         counted={r: after[r] - before[r] for r in after},
+         ok=ok is not None and bool(torch.equal(ok, good)), wrong_rows=wrong_rows is None)
+elif role == "killed":
+    tier = ec_store.from_config(extra)
+    assert tier.wait_connected(10)
+    assert tier.put(key(0), item(0)) and tier.flush(10)
+    first = tier.fetch(key(0), torch.bfloat16, ROWS)
+    print("READY", flush=True)
+    sys.stdin.readline()  # the master is gone now
+    times, got = [], []
+    for i in range(3):
+        t0 = time.monotonic()
+        got.append(tier.fetch(key(0), torch.bfloat16, ROWS) is None)
+        times.append(time.monotonic() - t0)
+    put = tier.put(key(1), item(1))
+    tier.flush(10)
+    done(first=first is not None and bool(torch.equal(first, item(0))), missed=got,
+         times=times, stats=tier.stats)
+    os._exit(0)  # the engine's client may retry a dead master in its own threads
+elif role == "garbage":
+    tier = ec_store.from_config(extra)
+    times, got = [], []
+    for i in range(3):
+        t0 = time.monotonic()
+        got.append(tier.fetch(key(0), torch.bfloat16, ROWS) is None)
+        times.append(time.monotonic() - t0)
+    done(missed=got, times=times, stats=tier.stats)
+    os._exit(0)
+'''
+
+
+def _node(script_role: str, extra: dict, *, node: bool = True, stdin=None) -> subprocess.Popen:
+    """A child running CHILD's role, in a mount namespace with its own 256 MiB
+    /dev/shm when ``node`` (it prints ``LEFT:<files>`` of that /dev/shm after
+    the child exits), in a process group of its own."""
+    env = dict(os.environ, MMSHM_DIR="/dev/shm", PYTHONUNBUFFERED="1",
+               GLOG_minloglevel="2")
+    argv = [sys.executable, "-c", CHILD, script_role, json.dumps(extra), CHILD]
+    if node:
+        argv = ["unshare", "-m", "sh", "-c",
+                'mount --make-rprivate / && mount -t tmpfs -o size=256m tmpfs /dev/shm && '
+                '"$0" "$@"; rc=$?; echo "LEFT:$(ls -A /dev/shm | tr "\\n" " ")"; exit $rc',
+                *argv]
+    return subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=os.getcwd(),
+                            start_new_session=True)
+
+
+def _read_until(p: subprocess.Popen, prefix: str, timeout: float) -> str:
+    """The first stdout line of ``p`` starting with ``prefix`` (its rest)."""
+    box: list[str] = []
+
+    def reader():
+        for line in p.stdout:
+            if line.startswith(prefix):
+                box.append(line[len(prefix):].strip())
+                return
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    t.join(timeout)
+    if not box:
+        _kill_group(p)
+        pytest.fail(f"no {prefix!r} line within {timeout} s; stderr: "
+                    f"{p.stderr.read()[-3000:]}")
+    return box[0]
+
+
+def _finish(p: subprocess.Popen, timeout: float = 60) -> tuple[dict, str | None]:
+    """The child's RESULT and, for a node, what was left in its /dev/shm."""
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(p)
+        pytest.fail(f"child still running after {timeout} s")
+    lines = out.splitlines()
+    res = [ln for ln in lines if ln.startswith("RESULT ")]
+    left = [ln[5:].strip() for ln in lines if ln.startswith("LEFT:")]
+    assert res, f"rc={p.returncode}; stdout: {out[-2000:]}; stderr: {err[-3000:]}"
+    return json.loads(res[-1][7:]), (left[-1] if left else None)
+
+
+def _shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("mmshm")}
+
+
+# -- two nodes ---------------------------------------------------------------------------
+@needs_engine
+@pytest.mark.timeout(120)
+def test_encoder_on_node_a_pd_on_node_b_equal_bytes_and_second_pd_hits_locally(master):
+    if unshare_reason():
+        pytest.skip(unshare_reason())
+    host_before = _shm_names()
+    enc = _node("encoder", master.extra(), stdin=subprocess.PIPE)
+    pd = None
+    try:
+        put = json.loads(_read_until(enc, "READY ", 60))
+        assert put["puts"] == 3 and put["put_bytes"] == 3 * 600 * 3584 * 2
+        pd = _node("pd", master.extra())
+        got, pd_left = _finish(pd)
+        enc.stdin.write("done\n")
+        enc.stdin.flush()
+        _, enc_left = _finish(enc)
+    finally:
+        for p in (enc, pd):
+            if p is not None:
+                _kill_group(p)
+    # node B's first PD read every output across nodes, bytes equal
+    assert got["equal"] == [True, True, True]
+    assert got["stats"]["gets"] == 3 and got["stats"]["get_bytes"] == 3 * 600 * 3584 * 2
+    # the second PD of node B found them in node B's shared memory: no Store get at all
+    assert got["second"]["equal"] == [True, True, True], got["second"]
+    assert got["second"]["stats"]["gets"] == 0 and got["second"]["stats"]["get_bytes"] == 0
+    assert not any(v for k, v in got["second"]["stats"].items() if k.startswith("miss_"))
+    # nothing left on either node, nor on the host
+    assert pd_left == "" and enc_left == ""
+    assert _shm_names() == host_before
+
+
+# -- faults ------------------------------------------------------------------------------
+@needs_engine
+@pytest.mark.timeout(90)
+def test_bad_records_and_short_payload_are_counted_misses_never_loaded(master):
+    if unshare_reason():
+        pytest.skip(unshare_reason())
+    p = _node("faults", master.extra())
+    try:
+        got, left = _finish(p)
+    finally:
+        _kill_group(p)
+    assert got["none"] == [True] * 6  # every bad object and the absent one: encode here
+    assert got["published"] == []  # nothing saved locally from a bad object
+    assert got["counted"] == {"absent": 1, "unreachable": 0, "timeout": 0, "short": 0,
+                              "record_mismatch": 5, "digest": 1}, got["counted"]
+    assert got["stats"]["miss_record_mismatch"] == 5 and got["stats"]["miss_digest"] == 1
+    assert got["ok"] and got["wrong_rows"]  # a good object still reads; other rows: a miss
+    assert left == ""
+
+
+@needs_engine
+@pytest.mark.timeout(90)
+def test_master_killed_is_a_bounded_counted_miss(master):
+    p = _node("killed", master.extra(store_timeout_s=1.0), node=False, stdin=subprocess.PIPE)
+    try:
+        _read_until(p, "READY", 60)
+        master.kill()
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        got, _ = _finish(p)
+    finally:
+        _kill_group(p)
+    assert got["first"]  # read while the master lived
+    assert got["missed"] == [True, True, True]
+    assert max(got["times"]) < 1.0 + 1.0, got["times"]  # the connector's own timeout
+    s = got["stats"]
+    assert s["miss_unreachable"] + s["miss_timeout"] == 3, s
+    assert s["drop_unreachable"] + s["drop_put_failed"] == 1, s
+    assert s["gets"] == 1
+
+
+@needs_engine
+@pytest.mark.timeout(60)
+def test_a_master_that_answers_garbage_or_hangs_is_a_bounded_miss():
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    conns = []
+    stop = threading.Event()
+
+    def serve():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            conns.append(c)
+            try:
+                c.sendall(b"\x17garbage\xff" * 64)  # then never another byte
+            except OSError:
+                pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    extra = {"master_server_address": f"127.0.0.1:{port}",
+             "metadata_server": f"http://127.0.0.1:{port}/metadata",
+             "local_hostname": "127.0.0.1", "global_segment_size": "16MB",
+             "local_buffer_size": "16MB", "store_read_buffer_bytes": "1MB",
+             "store_timeout_s": 0.5}
+    p = _node("garbage", extra, node=False)
+    try:
+        got, _ = _finish(p)
+    finally:
+        _kill_group(p)
+        stop.set()
+        t.join(5)
+        for c in conns:
+            c.close()
+        srv.close()
+    assert got["missed"] == [True, True, True]
+    assert max(got["times"]) < 0.5 + 1.0, got["times"]
+    s = got["stats"]
+    assert s["miss_unreachable"] + s["miss_timeout"] == 3, s
+
+
+# -- configuration ---------------------------------------------------------------------------
+def test_engine_missing_is_one_warning_with_the_fix_and_no_tier(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    with caplog.at_level(logging.WARNING, logger="mmshm"):
+        tier = ec_store.from_config({"master_server_address": "127.0.0.1:50051"})
+    assert tier is None
+    warns = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warns) == 1
+    msg = warns[0].getMessage()
+    assert "127.0.0.1:50051" in msg and "libibverbs1" in msg and "mooncake-transfer-engine" in msg
+
+
+def test_no_master_named_is_no_tier():
+    assert ec_store.from_config(None) is None
+    assert ec_store.from_config({"max_bytes": 10}) is None
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"master_server_address": "nohost"}, "master_server_address"),
+    ({"master_server_address": "h:99999"}, "master_server_address"),
+    ({"master_server_address": 12}, "master_server_address"),
+    ({"master_server_address": "h:1", "mooncake_protocol": "udp"}, "mooncake_protocol"),
+    ({"master_server_address": "h:1", "global_segment_size": "lots"}, "global_segment_size"),
+    ({"master_server_address": "h:1", "local_buffer_size": -1}, "local_buffer_size"),
+    ({"master_server_address": "h:1", "store_timeout_s": float("nan")}, "store_timeout_s"),
+    ({"master_server_address": "h:1", "store_timeout_s": "soon"}, "store_timeout_s"),
+    ({"master_server_address": "h:1", "store_max_pending_items": 1.5},
+     "store_max_pending_items"),
+    ({"master_server_address": "h:1", "store_key_prefix": ""}, "store_key_prefix"),
+    ({"mooncake_config_path": "/nonexistent/mooncake.json"}, "mooncake_config_path"),
+])
+def test_bad_settings_are_typed_errors(extra, key):
+    with pytest.raises(ec_store.StoreConfigError) as ei:
+        ec_store.StoreConfig.from_extra(extra)
+    assert ei.value.key == key
+    assert isinstance(ei.value, ValueError)
+
+
+def test_settings_follow_vllm_names_and_sizes(tmp_path):
+    f = tmp_path / "mooncake.json"
+    f.write_text(json.dumps({"master_server_address": "10.0.0.5:50051", "protocol": "rdma",
+                             "device_name": "mlx5_0", "global_segment_size": "4GB"}))
+    cfg = ec_store.StoreConfig.from_extra({"mooncake_config_path": str(f),
+                                           "local_buffer_size": "512MB",
+                                           "store_timeout_s": "1.5"})
+    assert cfg.master() == ("10.0.0.5", 50051)
+    assert cfg.metadata_server == "http://10.0.0.5:8080/metadata"
+    assert cfg.protocol == "rdma" and cfg.device_name == "mlx5_0"
+    assert cfg.global_segment_size == 4 << 30 and cfg.local_buffer_size == 512 << 20
+    assert cfg.timeout_s == 1.5
+
+
+def test_store_labels_exist_at_zero():
+    metrics.init()
+    for r in ec_store.MISS_REASONS + ec_store.PUT_DROP_REASONS:
+        assert f"store_{r}" in metrics.EPD_FALLBACK_REASONS
+    assert {"store_put", "store_get"} <= set(metrics.EPD_DIRECTIONS)
