@@ -462,3 +462,117 @@ def test_store_labels_exist_at_zero():
     for r in ec_store.MISS_REASONS + ec_store.PUT_DROP_REASONS:
         assert f"store_{r}" in metrics.EPD_FALLBACK_REASONS
     assert {"store_put", "store_get"} <= set(metrics.EPD_DIRECTIONS)
+
+
+# -- the tier's own bounds, on a stand-in engine ----------------------------------------------
+class FakeEngine:
+    """The engine's calls the tier makes, on a dict; ``gate`` holds puts and
+    reads back while cleared; ``short`` makes a read return fewer bytes."""
+
+    def __init__(self):
+        self.objects: dict[str, bytes] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.short = False
+        self.gets = 0
+
+    def setup(self, *args):
+        return 0
+
+    def register_buffer(self, ptr, n):
+        return 0
+
+    def unregister_buffer(self, ptr):
+        return 0
+
+    def health_check(self):
+        return 0
+
+    def close(self):
+        return 0
+
+    def put_parts(self, key, *parts):
+        self.gate.wait(30)
+        self.objects[key] = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+        return 0
+
+    def get_size(self, key):
+        return len(self.objects[key]) if key in self.objects else -704
+
+    def get_into(self, key, ptr, n):
+        import ctypes
+
+        self.gets += 1
+        self.gate.wait(30)
+        data = self.objects[key][: n // 2 if self.short else n]
+        ctypes.memmove(ptr, data, len(data))
+        return len(data)
+
+
+@pytest.fixture
+def fake_tier(monkeypatch):
+    srv = socket.create_server(("127.0.0.1", 0))  # the probe's TCP connect to the "master"
+    monkeypatch.setattr(ec_store, "_probe_http", lambda url, timeout: None)
+    eng = FakeEngine()
+    extra = {"master_server_address": f"127.0.0.1:{srv.getsockname()[1]}",
+             "local_hostname": "127.0.0.1", "local_buffer_size": "1MB",
+             "store_read_buffer_bytes": "1MB", "store_timeout_s": 0.3,
+             "store_max_pending_items": 2}
+    tier = ec_store.from_config(extra, engine=lambda: eng)
+    assert tier.wait_connected(5)
+    try:
+        yield tier, eng
+    finally:
+        eng.gate.set()
+        tier.close(timeout=5)
+        srv.close()
+
+
+def test_put_queue_bounds_in_flight_put_and_too_big_are_counted(fake_tier):
+    import torch
+
+    from mmshm.transport.encoder_cache import content_key
+
+    tier, eng = fake_tier
+    keys = [content_key(f"x{i}") for i in range(4)]
+    t = torch.arange(1000, dtype=torch.float32)
+    eng.gate.clear()  # puts hang in the engine
+    assert tier.put(keys[0], t) and tier.put(keys[1], t)
+    assert not tier.put(keys[2], t)  # 2 pending: the third is dropped, counted
+    assert tier.stats["drop_queue_full"] == 1
+    assert not tier.put(keys[3], torch.zeros(1 << 20))  # 4 MiB > local_buffer_size
+    assert tier.stats["drop_too_big"] == 1
+    assert tier.fetch(keys[0], torch.float32, 1000) is None  # its put still in flight
+    assert tier.stats["miss_absent"] == 1
+    eng.gate.set()
+    assert tier.flush(5) and tier.stats["puts"] == 2
+    got = tier.fetch(keys[0], torch.float32, 1000)
+    assert got is not None and torch.equal(got, t)
+
+
+def test_short_read_and_hanging_read_are_bounded_misses(fake_tier):
+    import torch
+
+    from mmshm.transport.encoder_cache import content_key
+
+    tier, eng = fake_tier
+    k = content_key("y")
+    t = torch.arange(5000, dtype=torch.float32)
+    assert tier.put(k, t) and tier.flush(5)
+    eng.short = True
+    assert tier.fetch(k, torch.float32, 5000) is None
+    assert tier.stats["miss_short"] == 1
+    eng.short = False
+    eng.gate.clear()  # the engine's read hangs
+    t0 = time.monotonic()
+    assert tier.fetch(k, torch.float32, 5000) is None
+    assert tier.fetch(k, torch.float32, 5000) is None  # the reader is still busy: no 2nd read
+    assert time.monotonic() - t0 < 2 * 0.3 + 0.5
+    assert tier.stats["miss_timeout"] == 2 and eng.gets == 2
+    eng.gate.set()  # the hung read ends; the reader serves again
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        got = tier.fetch(k, torch.float32, 5000)
+        if got is not None:
+            break
+    assert got is not None and torch.equal(got, t) and tier.stats["gets"] >= 1
