@@ -492,6 +492,8 @@ class StoreTier:
             except Exception as exc:  # noqa: BLE001 - any failure is "unreachable"
                 self._connect_error = f"{type(exc).__name__}: {exc}"
                 return False
+            # the metrics are created now, in this background thread, not on the first put
+            EPD_BYTES.labels(server=self.server, direction="store_get")
             self._store, self._read_buf = store, buf
             self._connected = True
             self._connect_error = ""
