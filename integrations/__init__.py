@@ -22,7 +22,8 @@ with :class:`UnsupportedVersionError` and patches nothing.
 Instrumentors are found through entry points, as OpenTelemetry finds its
 own: the ``mmshm.instrumentors`` group (mmshm's ``pyproject.toml`` registers
 ``sglang`` and ``vllm``; a third server's package registers its own, named
-after the server's top-level import package). :func:`get` loads one by name.
+after the server's top-level import package). :func:`get` loads one by name
+(:func:`mmshm.hooks.instrumentor.get`).
 """
 
 from __future__ import annotations
@@ -31,40 +32,14 @@ from mmshm.hooks.instrumentor import (  # noqa: F401 - the integrations' shared 
     Instrumentor,
     Target,
     UnsupportedVersionError,
+    _instances,
+    available,
     check_version,
     find_distribution,
+    get,
     installed_version,
     load,
     registered,
 )
 from packaging.specifiers import SpecifierSet  # noqa: F401
 from packaging.version import Version  # noqa: F401
-
-_instances: dict[str, Instrumentor] = {}
-
-
-def get(name: str) -> Instrumentor:
-    """The (singleton) instrumentor registered as ``name`` (see
-    :func:`mmshm.hooks.instrumentor.registered`: the ``mmshm.instrumentors`` entry
-    points).
-
-    Raises:
-        ValueError: no instrumentor is registered as ``name`` (or it is
-            registered inconsistently, see :func:`mmshm.hooks.instrumentor.load`).
-        ImportError: its module cannot be imported.
-    """
-    if name not in _instances:
-        _instances[name] = load(name)()
-    return _instances[name]
-
-
-def available() -> list[str]:
-    """Names of the registered instrumentors whose server package is installed."""
-    out = []
-    for name in registered():
-        try:
-            if get(name).is_installed():
-                out.append(name)
-        except (ImportError, ValueError):
-            continue
-    return out

@@ -167,9 +167,10 @@ def test_timing_is_a_leaf_in_both_integrations():
 
 #: The most lines the integrations (every ``integrations/**/*.py``, blank lines
 #: and docstrings included, as ``wc -l`` counts them) may hold: the server glue
-#: stays glue, and what both servers share lives in the transport core. The
-#: goal is 2,300; this is where moving the shared pieces to the core left it.
-MAX_INTEGRATION_LINES = 2550
+#: stays glue, and what both servers share lives in the core (the hop timer and
+#: its stamps, ``mmshm.hooks.observe``; the registry, ``mmshm.hooks.instrumentor``;
+#: request views, queue hops and an EC connector's item keys, ``mmshm.transport``).
+MAX_INTEGRATION_LINES = 2300
 #: The longest function (or method) the integrations may hold, in lines.
 MAX_FUNCTION_LINES = 150
 

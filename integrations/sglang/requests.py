@@ -2,44 +2,30 @@
 
 import copy
 import functools
-import inspect
-import sys
 
 from mmshm import config
 from mmshm.hooks import observe
-from mmshm.transport import sending
+from mmshm.transport import sending, views
 from mmshm.transport.receiving import unwrap_each
 from mmshm.transport.sending import digest_of
 
 from . import pd
-from .server import (gpu_proxy_types, hash_int, items, log, on_failure, set_item_hashes,
+from .server import (gpu_proxy_types, hash_int, items, on_failure, set_item_hashes,
                      transport_off_reason, unhashed_features)
 
 _numpy_warned: set[str] = set()
 
 
 def _warn_numpy_features(mm_inputs, min_bytes: int) -> None:
-    """Say once per process, at WARNING, that a feature of ``min_bytes`` or
-    more is a numpy array (pickled inline: mmshm carries torch tensors, as
-    SGLang's shared memory; SGLang's ``LlavaImageProcessor`` returns them)."""
-    np = sys.modules.get("numpy")
-    if np is None or "numpy" in _numpy_warned:
-        return
-    for item in items(mm_inputs):
-        for name in ("feature", "precomputed_embeddings"):
-            value = getattr(item, name, None)
-            for x in (value if isinstance(value, (list, tuple)) else (value,)):
-                if isinstance(x, np.ndarray) and x.nbytes >= min_bytes:
-                    _numpy_warned.add("numpy")
-                    log.warning(
-                        "mmshm: a multimodal %s of %d bytes is a numpy array (%s %s), not a "
-                        "torch tensor: it travels inline, pickled into the request, not "
-                        "through shared memory (said once). SGLang's processor for this "
-                        "model returns numpy arrays (its LlavaImageProcessor does, for "
-                        "LLaVA checkpoints in their original format); the Hugging Face "
-                        "format of the checkpoint (e.g. LlavaNextForConditionalGeneration) "
-                        "gives tensors", name, x.nbytes, x.dtype, tuple(x.shape))
-                    return
+    """Say once per process (:func:`mmshm.transport.views.warn_numpy`) that a
+    feature of ``min_bytes`` or more is a numpy array (SGLang's
+    ``LlavaImageProcessor`` returns them)."""
+    views.warn_numpy(((name, getattr(item, name, None)) for item in items(mm_inputs)
+                      for name in ("feature", "precomputed_embeddings")), min_bytes,
+                     _numpy_warned, "SGLang's processor for this model returns numpy arrays "
+                     "(its LlavaImageProcessor does, for LLaVA checkpoints in their original "
+                     "format); the Hugging Face format of the checkpoint (e.g. "
+                     "LlavaNextForConditionalGeneration) gives tensors")
 
 
 def wrap_shm_features(wrapped, instance, args, kwargs):
@@ -99,18 +85,9 @@ def dp_hops(tokenizer_manager) -> int:
     return 1 if getattr(args, "dp_size", 1) and getattr(args, "dp_size", 1) > 1 else 0
 
 
-def send_one_request(wrapped, instance, args, kwargs):
-    """One message: its handles' references travel with it, or come back if
-    dispatch fails (async since 0.5.2x)."""
-    if inspect.iscoroutinefunction(wrapped):
-        return _send_one_request_async(wrapped, instance, args, kwargs)
-    with sending.sending(hops=dp_hops(instance)):
-        return wrapped(*args, **kwargs)
-
-
-async def _send_one_request_async(wrapped, instance, args, kwargs):
-    with sending.sending(hops=dp_hops(instance)):  # this task's context only
-        return await wrapped(*args, **kwargs)
+#: ``_send_one_request``: one message; its handles' references travel with it,
+#: or come back if dispatch fails (async since 0.5.2x).
+send_one_request = observe.within(lambda inst, a, kw: sending.sending(hops=dp_hops(inst)))
 
 
 def handle_batch_request(wrapped, instance, args, kwargs):

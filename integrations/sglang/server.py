@@ -6,6 +6,7 @@ import sys
 
 from mmshm.hooks.instrumentor import Instrumentor
 from mmshm.transport.sending import digest_of
+from mmshm.transport.views import tensors
 
 log = logging.getLogger("mmshm")
 
@@ -62,15 +63,6 @@ def items(mm_inputs) -> list:
 def feature(item):
     f = getattr(item, "feature", None)
     return getattr(item, "precomputed_embeddings", None) if f is None else f
-
-
-def tensors(value) -> list:
-    """The torch tensors in ``value`` (a tensor, or nested lists/tuples)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [t for v in value for t in tensors(v)] if isinstance(value, (list, tuple)) else []
 
 
 def unhashed_features(mm_inputs) -> set[int]:

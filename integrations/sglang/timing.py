@@ -13,8 +13,8 @@ HOPS = ("tokenizer_wrap", "tokenizer_send", "scheduler_recv", "broadcast_src",
 
 def pointer_bytes(mm_inputs, tensors: bool = False) -> int:
     """Bytes that SGLang's shm pointers (``ShmPointerMMData``: a ``shape`` and a
-    ``dtype``) in ``mm_inputs``'s items stand for, or with ``tensors`` the
-    items' torch tensors' bytes; reads no data."""
+    ``dtype``, :func:`mmshm.hooks.observe.shape_bytes`) in ``mm_inputs``'s items
+    stand for, or with ``tensors`` the items' torch tensors' bytes; reads no data."""
     import torch
     from mmshm import ShmTensor
 
@@ -25,13 +25,8 @@ def pointer_bytes(mm_inputs, tensors: bool = False) -> int:
             for x in (v if isinstance(v, (list, tuple)) else (v,)):
                 if x is None or isinstance(x, (torch.Tensor, ShmTensor)):  # not SGLang's
                     total += observe.tensor_bytes(x) if tensors else 0
-                    continue
-                shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-                if shape is not None and isinstance(dtype, torch.dtype):
-                    n = 1
-                    for d in shape:
-                        n *= int(d)
-                    total += n * dtype.itemsize
+                else:
+                    total += observe.shape_bytes(x)
     return total
 
 
@@ -104,8 +99,6 @@ def untimed_hops(hops: tuple[str, ...]) -> list[tuple[tuple[str, ...], str, str]
 
 def install_taps(role: str) -> None:
     """The pyzmq and torch.distributed byte taps (a WARNING for each that fails)."""
-    for failed in observe.install_taps():
-        hops = "tokenizer_send, scheduler_recv" if failed.startswith("zmq") else \
-            "broadcast_src, broadcast_dst (their bytes)"
-        me().path_off(role, f"timing of {hops}", f"mmshm cannot tap {failed}",
-                      "report this as an mmshm bug with the pyzmq and torch versions")
+    me().tap(role, ("zmq", "torch"), lambda failed: "tokenizer_send, scheduler_recv"
+             if failed.startswith("zmq") else "broadcast_src, broadcast_dst (their bytes)",
+             "pyzmq and torch versions")

@@ -21,25 +21,18 @@ def deferred_broadcast(original):
 def attn_broadcast(original):
     """``attn_cp_tp_broadcast_pyobj`` (0.5.23, DP attention): deferred unwrap on
     the attention-TP group; with context parallel, materialized first, inline."""
-    from mmshm import MaterializeError, MmshmError, deferred_unwrap, unwrap
-    from mmshm.errors import failure_reason
+    from mmshm import deferred_unwrap
+    from mmshm.transport.views import unwrap_or_fail
 
     module = sys.modules[original.__module__]
     deferred = deferred_unwrap(module.broadcast_pyobj, on_failure=on_failure)
-
-    def inline(req):
-        try:
-            return unwrap(req, copy=True)
-        except (MmshmError, OSError) as exc:
-            return on_failure(req, MaterializeError(str(exc), request=req,
-                                                    reason=failure_reason(exc)))
 
     def wrapper(wrapped, instance, args, kwargs):
         data = args[0] if args else kwargs["data"]
         tp, cp = module.get_attn_tp_group(), module.get_attn_cp_group()
         if cp.world_size > 1:
             if data:
-                data = [inline(r) for r in data]
+                data = [unwrap_or_fail(r, on_failure) for r in data]
             return wrapped(data)
         if tp.world_size == 1:
             return wrapped(*args, **kwargs)

@@ -57,9 +57,10 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 )
 
 from mmshm.hooks.instrumentor import Role
-from mmshm.transport import ec_connector, ec_keys
+from mmshm.transport import ec_connector, ec_items, ec_keys
 from mmshm.transport.ec_connector import STAT_KEYS, Counts, Holdings, add_counts, new_counts
-from mmshm.transport.ec_keys import setting, short, weights_fingerprint
+from mmshm.transport.ec_items import CountStats, CountsAndFailures, ItemKeys, connector_line
+from mmshm.transport.ec_keys import setting
 from mmshm.transport.encoder_cache import DEFAULT_KEEP_S, EncoderCache, KeyQueue
 
 from . import pd
@@ -81,11 +82,10 @@ FAILED_SAYS = ("the request is failed (vLLM's take_unavailable_requests: re-issu
 def ec_namespace(vllm_config, extra: dict) -> str:
     """What two instances must share for their encoder outputs to be
     interchangeable, printed on the connector's "on:" line:
-    ``extra["namespace"]`` when given (the user's word), else
-    ``weights=<fingerprint> dtype=<dtype> quant=<quantization> rev=<revision>
-    hf_overrides=<...> mm_kwargs=<...> key=<mode>``
-    (:func:`mmshm.transport.ec_keys.weights_fingerprint`, :func:`key_mode`;
-    the key mode is part of it, as instances keying differently never meet)."""
+    ``extra["namespace"]`` when given (the user's word), else the model's
+    weights, dtype, quantization, revision, ``hf_overrides``,
+    ``mm_processor_kwargs`` and :func:`key_mode`
+    (:func:`mmshm.transport.ec_items.namespace`)."""
     ns = extra.get("namespace")
     if ns:
         return str(ns)
@@ -93,18 +93,11 @@ def ec_namespace(vllm_config, extra: dict) -> str:
     hf = getattr(mc, "hf_config", None)
     quant = getattr(mc, "quantization", None) or (
         getattr(hf, "quantization_config", None) if hf is not None else None)
-    mm = getattr(mc, "multimodal_config", None)
-    parts = {
-        "weights": weights_fingerprint(str(getattr(mc, "model", "") or ""),
-                                       getattr(mc, "revision", None)),
-        "dtype": str(getattr(mc, "dtype", "")).removeprefix("torch."),
-        "quant": short(quant),
-        "rev": getattr(mc, "revision", None) or "-",
-        "hf_overrides": short(getattr(mc, "hf_overrides", None)),
-        "mm_kwargs": short(getattr(mm, "mm_processor_kwargs", None)),
-        "key": key_mode(vllm_config),
-    }
-    return " ".join(f"{k}={v}" for k, v in parts.items())
+    return ec_items.namespace(
+        str(getattr(mc, "model", "") or ""), getattr(mc, "revision", None),
+        getattr(mc, "dtype", ""), quant, getattr(mc, "hf_overrides", None),
+        getattr(getattr(mc, "multimodal_config", None), "mm_processor_kwargs", None),
+        key_mode(vllm_config))
 
 
 def tower_lora_on(vllm_config) -> bool:
@@ -163,7 +156,7 @@ class MmshmECConnectorMetadata(ECConnectorMetadata):
 
 
 @dataclasses.dataclass
-class MmshmECWorkerMetadata(ECConnectorWorkerMetadata):
+class MmshmECWorkerMetadata(CountsAndFailures, ECConnectorWorkerMetadata):
     """Worker -> scheduler, one per step: the counts of :data:`EC_STAT_KEYS`
     (summed over TP ranks) and ``failed``: ``{request id: mm_hash}`` of the
     loads that failed (united over TP ranks)."""
@@ -171,29 +164,13 @@ class MmshmECWorkerMetadata(ECConnectorWorkerMetadata):
     counts: dict = dataclasses.field(default_factory=new_counts)
     failed: dict = dataclasses.field(default_factory=dict)
 
-    def aggregate(self, other):
-        return MmshmECWorkerMetadata(add_counts(dict(self.counts), other.counts),
-                                     {**self.failed, **getattr(other, "failed", {})})
-
 
 @dataclasses.dataclass
-class MmshmECConnectorStats(ECConnectorStats):
+class MmshmECConnectorStats(CountStats, ECConnectorStats):
     """vLLM's connector stats: ``data`` holds the counts of
     :data:`EC_STAT_KEYS` and ``fallback_<reason>`` since the last report;
     the frontend logs them ("EC Transfer metrics: ...") and feeds them to
     :class:`MmshmECPromMetrics`."""
-
-    def reset(self):
-        self.data = {}
-
-    def aggregate(self, other):
-        return MmshmECConnectorStats(data=add_counts(dict(self.data), other.data or {}))
-
-    def reduce(self):
-        return ec_connector.reduce_counts(self.data)
-
-    def is_empty(self):
-        return not any(self.data.values())
 
 
 class MmshmECPromMetrics(ECConnectorPromMetrics):
@@ -267,9 +244,8 @@ class MmshmECConnector(ECConnectorBase):
         self._counts = Counts(SERVER)
         # scheduler side: the held entries; req id -> key per feature; this step's loads
         self._holds = Holdings(self._store, self._counts)
-        self._req_keys: dict[str, list] = {}
+        self._item_keys = ItemKeys(self._counts, self.is_producer, "vLLM")
         self._loads: list = []
-        self._keys_out: dict[str, bytes] = {}
         # worker side
         self._keys = KeyQueue(SERVER)
         self._failed: dict[str, str] = {}
@@ -278,46 +254,24 @@ class MmshmECConnector(ECConnectorBase):
 
     def _say_line(self, tc, role) -> None:
         side = "scheduler" if role == ECConnectorRole.SCHEDULER else "worker"
-        what = {"ec_producer": "published", "ec_consumer": "loaded",
-                "ec_both": "published and loaded"}.get(tc.ec_role, "?")
-        line = (f"encoder outputs {what} through shared memory ({tc.ec_role}), keyed by "
-                f"content{' and LoRA adapter' if self._tower_lora else ''}; "
-                f"{self._store.describe()} "
-                f"(compare both instances' lines: they meet only on one namespace and one "
-                f"directory of one node)")
+        line = connector_line(tc.ec_role, self._tower_lora, self._store.describe())
         try:
             me().say(Role(f"EC connector ({side})", [line]))
         except Exception:  # noqa: BLE001 - no instrumentor: the line anyway
             log.info("mmshm: MmshmECConnector (%s): on: %s", side, line)
 
     # -- scheduler side ---------------------------------------------------------------
-    def _refuse(self, feature, rid: str, why: str) -> None:
-        self._counts.fallback("unkeyed", f"item {getattr(feature, 'identifier', '?')} of "
-                              f"request {rid} is not keyed ({why}): it is "
-                              f"{'not published' if self.is_producer else 'encoded locally'}",
-                              fix="nothing to fix when it is a decode instance's withheld "
-                                  "item; else report the vLLM version and flags to mmshm")
-
     def _keys_of(self, request) -> list:
-        rid = request.request_id
-        keys = self._req_keys.get(rid)
-        if keys is not None:
-            return keys
         adapter = adapter_of(request, self._tower_lora)
-        keys = []
-        for f in request.mm_features:
+
+        def key(f):
             if adapter is None:
-                key, why = None, "tower LoRA is on and the request's adapter cannot be read"
-            else:
-                key, why = item_key(f, self._namespace, adapter, self._mode,
-                                    self._counts), "a withheld stand-in or no processed data"
-            if key is None:
-                self._refuse(f, rid, why)
-            elif self.is_producer:
-                self._keys_out[f.identifier] = key
-            keys.append(key)
-        self._req_keys[rid] = keys
-        return keys
+                return None, "tower LoRA is on and the request's adapter cannot be read"
+            return (item_key(f, self._namespace, adapter, self._mode, self._counts),
+                    "a withheld stand-in or no processed data")
+
+        return self._item_keys.of(request.request_id, request.mm_features, key,
+                                  lambda f: getattr(f, "identifier", "?"))
 
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
         keys = self._keys_of(request)
@@ -350,7 +304,7 @@ class MmshmECConnector(ECConnectorBase):
         if handle is not None:
             self._loads.append((rid, ident, handle))
             return
-        keys = self._req_keys.get(rid)
+        keys = self._item_keys.by_request.get(rid)
         key = keys[index] if keys and index < len(keys) else None
         if key is not None:  # else counted as unkeyed
             self._holds.miss(rid, ident, key, request.get_num_encoder_embeds(index))
@@ -359,13 +313,13 @@ class MmshmECConnector(ECConnectorBase):
         self._holds.free(request.request_id, index)
 
     def build_connector_meta(self, scheduler_output):
-        meta = MmshmECConnectorMetadata(self._loads, self._keys_out)
-        self._loads, self._keys_out = [], {}
+        meta = MmshmECConnectorMetadata(self._loads, self._item_keys.take_out())
+        self._loads = []
         return meta
 
     def request_finished(self, request):
         self._holds.finish(request.request_id)
-        self._req_keys.pop(request.request_id, None)
+        self._item_keys.forget(request.request_id)
         return False, None
 
     def take_unavailable_requests(self) -> set[str]:

@@ -7,12 +7,13 @@ import weakref
 
 import torch
 from mmshm import config
+from mmshm.hooks import observe
 from mmshm.hooks.instrumentor import Role
-from mmshm.transport import receiving, sending, wrapping
+from mmshm.transport import receiving, sending, views, wrapping
 
 from . import pd
 from .server import (FIX_RELEASE, KEY_PIXELS, PATH_FANOUT, PATH_REQUESTS, WIRE_KEY,
-                     input_endpoint, is_add, key_mode, log, me, tensors)
+                     input_endpoint, is_add, key_mode, me, tensors)
 
 _ATTACHED: weakref.WeakSet = weakref.WeakSet()  # encoders given a consumer
 _PROVIDED: weakref.WeakSet = weakref.WeakSet()  # EngineCoreProcs given a provider
@@ -91,14 +92,6 @@ def materialize_request_tensor(wire, dtype: str, shape) -> torch.Tensor:
     return receiving.materialize_wire(wire, dtype, shape)
 
 
-def _is_local(addr: str) -> bool:
-    if addr.startswith(("ipc://", "inproc://")):
-        return True
-    host = addr.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-    return addr.startswith("tcp://") and (host.startswith("127.") or host in ("::1",
-                                                                             "localhost"))
-
-
 def attach_encoder(client) -> bool:
     """Give an ``MPClient``'s encoder mmshm's consumer unless its engines may be
     remote; says the frontend's line (a WARNING if not). Returns whether it has it."""
@@ -110,7 +103,7 @@ def attach_encoder(client) -> bool:
     if isinstance(enc.oob_tensor_consumer, ShmTensorConsumer):
         return True
     addr = input_endpoint(client)
-    if not _is_local(addr):
+    if not views.is_local_endpoint(addr):
         me().path_off(
             "frontend", PATH_REQUESTS,
             f"the engines' input endpoint {addr or '(unknown)'} may be on another node, so "
@@ -169,15 +162,9 @@ def prepare_request(box, request) -> int:
     return box.prepare_tree(request, True if DIGEST_FOR_EC else None)
 
 
-def add_request(wrapped, instance, args, kwargs):
-    """``LLMEngine.add_request``: its ``n`` children share a segment per tensor."""
-    with sending.fanning_out():
-        return wrapped(*args, **kwargs)
-
-
-async def add_request_async(wrapped, instance, args, kwargs):
-    with sending.fanning_out():
-        return await wrapped(*args, **kwargs)
+#: ``LLMEngine.add_request``, ``AsyncLLM.add_request``: its ``n`` children share a
+#: segment per tensor.
+add_request = add_request_async = observe.within(lambda inst, a, kw: sending.fanning_out())
 
 
 def preprocess_add_request(wrapped, instance, args, kwargs):
@@ -213,17 +200,9 @@ def _views(request):
 def drop_views(request) -> int:
     """``feature.data = None`` for each feature of ``request`` whose data holds
     :data:`VIEWS`, so no stale reference (vLLM's input thread keeps the last
-    request) keeps a segment alive. Returns the views let go. Never raises."""
-    dropped = 0
-    try:
-        for feature, ts in _views(request):
-            views = sum(1 for t in ts if VIEWS.get(t) is not None)
-            if views:
-                feature.data = None
-                dropped += views
-    except Exception as exc:  # noqa: BLE001 - freeing a request never fails
-        log.debug("mmshm: dropping a finished request's views failed: %s", exc)
-    return dropped
+    request) keeps a segment alive (:func:`mmshm.transport.views.drop`).
+    Returns the views let go. Never raises."""
+    return views.drop((feature, "data", ts) for feature, ts in _views(request))
 
 
 def free_request(wrapped, instance, args, kwargs):
@@ -237,21 +216,12 @@ def free_request(wrapped, instance, args, kwargs):
 
 def mark_cached_views(cache, request) -> int:
     """Mark the segments of the views vLLM's receiver ``cache`` keeps of
-    ``request`` (``mmshm status``: held by the cache, not leaked; one it did
-    not take is left). Returns the segments marked. Never raises."""
-    from mmshm.segments import segment
+    ``request`` (:func:`mmshm.transport.views.mark_cached`; one it did not
+    take, or evicted already, is left). Returns the segments marked. Never raises."""
+    held = getattr(cache, "_cache", None)
 
-    marked = 0
-    try:
-        held = getattr(cache, "_cache", None)
-        for feature, ts in _views(request):
-            key = getattr(feature, "mm_hash", None) or getattr(feature, "identifier", None)
-            if held is not None and key is not None and key not in held:
-                continue  # not kept (did not fit, or evicted already)
-            for t in ts:
-                entry = VIEWS.get(t)
-                if entry is not None and segment.mark_cached(entry[1].name):
-                    marked += 1
-    except Exception as exc:  # noqa: BLE001 - a status mark never fails a request
-        log.debug("mmshm: marking the multimodal cache's segments failed: %s", exc)
-    return marked
+    def kept(feature) -> bool:
+        key = getattr(feature, "mm_hash", None) or getattr(feature, "identifier", None)
+        return held is None or key is None or key in held
+
+    return views.mark_cached(ts for feature, ts in _views(request) if kept(feature))

@@ -1,11 +1,10 @@
 """vLLM's own names, objects and processes, as mmshm reads them (docs/vllm.md)."""
 
-import contextlib
 import logging
 import re
 
-import torch
-from mmshm.hooks.instrumentor import Instrumentor
+from mmshm.hooks.instrumentor import Instrumentor, title_match
+from mmshm.transport.views import socket_endpoint, tensors  # noqa: F401 - tensors: glue's
 
 log = logging.getLogger("mmshm")
 
@@ -47,28 +46,13 @@ def is_add(request_type) -> bool:
     return getattr(request_type, "value", request_type) == b"\x00"
 
 
-def tensors(x):
-    """The torch tensors in ``x`` (a tensor, or nested lists/tuples)."""
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from tensors(y)
-
-
 def dp_rank() -> int | None:
     """The DP rank of this EngineCore or of a worker's EngineCore (None without
     data parallelism), from the title vLLM gives the engine process, its own
-    or its parent's: a dense model's engines keep it nowhere else."""
-    import psutil
-
-    me_ = psutil.Process()
-    for proc in (me_, me_.parent()):
-        with contextlib.suppress(psutil.Error, AttributeError):  # gone, or no parent
-            m = _DP_TITLE.search(" ".join(proc.cmdline()))
-            if m:
-                return int(m.group(1))
-    return None
+    or its parent's (:func:`~mmshm.hooks.instrumentor.title_match`): a dense
+    model's engines keep it nowhere else."""
+    m = title_match(_DP_TITLE)
+    return int(m.group(1)) if m else None
 
 
 def engine_role() -> str:
@@ -86,20 +70,9 @@ def worker_role(rank) -> str:
 
 def input_endpoint(client) -> str:
     """Where an ``MPClient`` sends requests: ``input_address`` (0.33), else its
-    socket's ``zmq.LAST_ENDPOINT`` (0.32); ``""`` if neither can be read."""
-    addr = getattr(client, "input_address", None)
-    if addr:
-        return str(addr)
-    sock = getattr(client, "input_socket", None)
-    if sock is None:
-        return ""
-    try:
-        import zmq
-
-        value = sock.getsockopt(zmq.LAST_ENDPOINT)
-    except Exception:  # noqa: BLE001 - a closed or foreign socket: unknown
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value or "")
+    socket's ``zmq.LAST_ENDPOINT`` (0.32, :func:`mmshm.transport.views.socket_endpoint`)."""
+    return str(getattr(client, "input_address", None) or "") or socket_endpoint(
+        getattr(client, "input_socket", None))
 
 
 #: How the EC connector keys items (printed in its namespace: both instances

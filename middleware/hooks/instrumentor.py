@@ -18,7 +18,7 @@ Instrumentors are found as OpenTelemetry finds its own, through entry points
 (:data:`ENTRY_POINT_GROUP`, ``[project.entry-points."mmshm.instrumentors"]``
 in a ``pyproject.toml``; :func:`registered`, :func:`load`): a third server's
 package registers its instrumentor there and ``mmshm run``, ``MMSHM_INSTRUMENT``
-and :func:`mmshm.integrations.get` know it with no edit of mmshm. Where the
+and :func:`get` know it with no edit of mmshm. Where the
 entry points cannot be read, the built-in ``sglang`` and ``vllm`` are used,
 with a WARNING saying why and the fix.
 
@@ -38,8 +38,10 @@ Invariants:
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import logging
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -338,6 +340,50 @@ def load(name: str) -> type[Instrumentor]:
     return obj
 
 
+def title_match(pattern: re.Pattern[str]) -> re.Match[str] | None:
+    """``pattern``'s first match in this process's command line (where a
+    server writes its process title), else in its parent's; None where
+    neither matches or can be read (gone, no parent). Raises nothing."""
+    import psutil
+
+    me = psutil.Process()
+    for proc in (me, me.parent()):
+        with contextlib.suppress(psutil.Error, AttributeError):  # gone, or no parent
+            m = pattern.search(" ".join(proc.cmdline()))
+            if m:
+                return m
+    return None
+
+
+_instances: dict[str, Instrumentor] = {}
+
+
+def get(name: str) -> Instrumentor:
+    """The (singleton) instrumentor registered as ``name`` (see
+    :func:`registered`: the ``mmshm.instrumentors`` entry points).
+
+    Raises:
+        ValueError: no instrumentor is registered as ``name`` (or it is
+            registered inconsistently, see :func:`load`).
+        ImportError: its module cannot be imported.
+    """
+    if name not in _instances:
+        _instances[name] = load(name)()
+    return _instances[name]
+
+
+def available() -> list[str]:
+    """Names of the registered instrumentors whose server package is installed."""
+    out = []
+    for name in registered():
+        try:
+            if get(name).is_installed():
+                out.append(name)
+        except (ImportError, ValueError):
+            continue
+    return out
+
+
 # -- the instrumentor ----------------------------------------------------------------
 @dataclass
 class Role:
@@ -591,6 +637,17 @@ class Instrumentor:
             on, off = role.on, role.off
         report.paths(self.name, self._state.version or self.version or "?", role.name, on, off)
 
+    def tap(self, role: str, which: tuple[str, ...], hops: Callable[[str], str],
+            versions: str) -> None:
+        """Install the byte taps ``which`` (:func:`mmshm.hooks.observe.install_taps`);
+        each that fails is a WARNING of ``role`` that the timing of
+        ``hops(failed)`` is off (the fix: report it with the ``versions``)."""
+        from mmshm.hooks import observe
+
+        for failed in observe.install_taps(which):
+            self.path_off(role, f"timing of {hops(failed)}", f"mmshm cannot tap {failed}",
+                          f"report this as an mmshm bug with the {versions}")
+
     def path_off(self, role: str, path: str, reason: str, fix: str) -> None:
         """A WARNING that ``path`` is off here (see :func:`mmshm.hooks.report.path_off`)."""
         from mmshm.hooks import report
@@ -609,13 +666,16 @@ __all__ = [
     "SHM",
     "Target",
     "UnsupportedVersionError",
+    "available",
     "check_version",
     "defines",
     "find_distribution",
+    "get",
     "install_hint",
     "installed_version",
     "load",
     "missing_targets",
     "registered",
     "source_file",
+    "title_match",
 ]

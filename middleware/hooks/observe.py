@@ -208,6 +208,25 @@ def passthrough(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def within(context):
+    """A wrapt wrapper that runs the wrapped function inside the context
+    manager ``context(instance, args, kwargs)`` (a send's references, a
+    fan-out scope); a coroutine function's await included, in its own
+    task's context."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if inspect.iscoroutinefunction(wrapped):
+            return _within_async(context, wrapped, instance, args, kwargs)
+        with context(instance, args, kwargs):
+            return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+async def _within_async(context, wrapped, instance, args, kwargs):
+    with context(instance, args, kwargs):  # this task's context only
+        return await wrapped(*args, **kwargs)
+
 def timed(server: str, hop_name, *, zmq: bool = False, join: bool = False, when=None,
           setup=None, nbytes=None, skip=None, **attrs):
     """The hop timer: ``timed(server, hop)(inner)`` is a wrapt wrapper that
@@ -283,6 +302,20 @@ def tensor_bytes(t) -> int:
     except Exception:  # noqa: BLE001 - not a tensor
         return 0
 
+
+def shape_bytes(x) -> int:
+    """Bytes a tensor's stand-in (a ``shape`` of ints and a ``torch.dtype``:
+    SGLang's shm pointer) stands for, without reading any data; 0 for
+    anything else."""
+    import torch
+
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or not isinstance(dtype, torch.dtype):
+        return 0
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * dtype.itemsize
 
 # -- taps: pyzmq and torch.distributed ------------------------------------------------
 def _send_pyobj(wrapped, instance, args, kwargs):
@@ -534,6 +567,141 @@ class StampReceiver:
         self.socks.clear()
 
 
+class StampedHop:
+    """One hop whose two ends are in two processes (vLLM's frontend ->
+    EngineCore ``zmq_transfer``), timed by stamps (:func:`send_stamp`,
+    :class:`StampReceiver`) as the server's glue declares it. Sender:
+    :meth:`sending` marks the block that sends one message and names its
+    channel, :meth:`take` (once per message) tells the encoder where its
+    stamp goes, :meth:`stamp` sends it when the bytes go. Receiver:
+    :meth:`receiving` holds a thread's channels open for the block (the
+    thread's life), :meth:`arrived` ends the hop of each message it reads.
+    Never raises into the server: a failure is counted in
+    ``mmshm_observe_errors_total`` and the message goes on, unobserved."""
+
+    def __init__(self, server: str, hop_name: str):
+        self.server, self.hop = server, hop_name
+        self._to: contextvars.ContextVar[bytes | bool] = contextvars.ContextVar(
+            f"mmshm_stamp_{server}_{hop_name}", default=False)
+        self._in = threading.local()
+
+    @contextlib.contextmanager
+    def sending(self, channel) -> Iterator[None]:
+        """In the block one message is sent; ``channel() -> bytes | None``
+        is its receiver's address (:func:`stamp_address`; None, or a
+        failure: unknown, the message is timed with no stamp)."""
+        try:
+            to = channel() or True
+        except Exception as exc:  # noqa: BLE001 - timing never breaks a request
+            error(self.server, self.hop, exc)
+            to = True
+        token = self._to.set(to)
+        try:
+            yield
+        finally:
+            self._to.reset(token)
+
+    def take(self) -> bytes | bool:
+        """Inside :meth:`sending`, its channel (True where unknown), then
+        False for the rest of the block (one encode per message; nested
+        encodes are no message of their own); outside it False."""
+        to = self._to.get()
+        if to:
+            self._to.set(False)
+        return to
+
+    def stamp(self, to: bytes | bool, key) -> None:
+        """Send the stamp (now) of message ``key()`` (a str) to channel ``to``
+        (from :meth:`take`; True: none is sent)."""
+        if to is True or not to:
+            return
+        try:
+            send_stamp(self.server, self.hop, to, key())
+        except Exception as exc:  # noqa: BLE001
+            error(self.server, self.hop, exc)
+
+    @contextlib.contextmanager
+    def receiving(self, channels) -> Iterator[None]:
+        """In the block (a receiving thread's life) this thread reads the
+        stamps of ``channels() -> list[bytes] | None`` (none: nothing timed;
+        one that cannot be opened is a WARNING, the thread runs regardless)."""
+        receiver = None
+        try:
+            addresses = channels()
+            if addresses:
+                receiver = StampReceiver(self.server, self.hop, addresses)
+                self._in.receiver = receiver
+        except Exception as exc:  # noqa: BLE001 - never break the receiving thread
+            error(self.server, self.hop, exc)
+        try:
+            yield
+        finally:
+            if receiver is not None:
+                if getattr(self._in, "receiver", None) is receiver:
+                    self._in.receiver = None
+                receiver.close()
+
+    def arrived(self, received_ns: int, message) -> float | None:
+        """End the hop of one message read at ``received_ns``
+        (``time.monotonic_ns()``) in this thread: ``message() -> (key,
+        nbytes)``, or None where it is no message of the hop (called only
+        inside :meth:`receiving`). Returns the seconds recorded, or None."""
+        receiver = getattr(self._in, "receiver", None)
+        if receiver is None:
+            return None
+        try:
+            found = message()
+            return None if found is None else receiver.observe(found[0], received_ns, found[1])
+        except Exception as exc:  # noqa: BLE001
+            error(self.server, self.hop, exc)
+            return None
+
+
+def frames_bytes(frames) -> int:
+    """Bytes of a message's frames: one buffer, or a sequence of buffers
+    (a ``zmq.Frame`` without the buffer protocol: its ``len``)."""
+    if isinstance(frames, (bytes, bytearray, memoryview)):
+        return memoryview(frames).nbytes
+    total = 0
+    for f in frames:
+        try:
+            total += memoryview(f).nbytes
+        except TypeError:  # a zmq.Frame without the buffer protocol
+            total += len(f)
+    return total
+
+
+def endpoint_key(endpoint: str) -> str:
+    """A zmq endpoint as both of its ends name it: ``tcp://`` by its port
+    alone (``tcp:<port>``: bound on 0.0.0.0 at one end, connected to an
+    address at the other), anything else (``ipc://<path>``) as it is."""
+    scheme, sep, rest = endpoint.partition("://")
+    return "tcp:" + rest.rsplit(":", 1)[1] if sep and scheme == "tcp" and ":" in rest \
+        else endpoint
+
+
+def adds(server: str, nbytes):
+    """A wrapper factory (as :func:`timed`'s): inside an open hop, each call
+    of the wrapped function adds ``nbytes(out, args, kwargs)`` bytes to it
+    (a failure counted, the call's result goes on); outside one, nothing."""
+
+    def factory(inner=passthrough):
+        def wrapper(wrapped, instance, args, kwargs):
+            t = _CURRENT.get()
+            if t is None:
+                return inner(wrapped, instance, args, kwargs)
+            out = inner(wrapped, instance, args, kwargs)
+            try:
+                t.add(nbytes(out, args, kwargs))
+            except Exception as exc:  # noqa: BLE001 - timing never breaks a message
+                error(server, t.hop, exc)
+            return out
+
+        return wrapper
+
+    return factory
+
+
 __all__ = [
     "MMSHM",
     "SERVER",
@@ -541,9 +709,13 @@ __all__ = [
     "STAMP_MAX_S",
     "TRANSPORTS",
     "Tally",
+    "StampedHop",
     "add_bytes",
+    "adds",
     "current",
+    "endpoint_key",
     "error",
+    "frames_bytes",
     "hop",
     "install_taps",
     "observing",
@@ -551,10 +723,12 @@ __all__ = [
     "record",
     "remove_taps",
     "send_stamp",
+    "shape_bytes",
     "stamp_address",
     "StampReceiver",
     "tensor_bytes",
     "timed",
     "transport",
+    "within",
     "zmq_hop",
 ]
