@@ -49,6 +49,7 @@ seconds are in :attr:`StoreTier.stats`.
 
 from __future__ import annotations
 
+import ctypes
 import http.client
 import importlib
 import json
@@ -410,6 +411,7 @@ class StoreTier:
         self._connected = False
         self._connect_error = ""
         self._connect_at = 0.0
+        self._failed_at = -math.inf
         self._connect_lock = threading.Lock()
         self._cond = threading.Condition()
         self._jobs: list[_Job] = []
@@ -448,6 +450,8 @@ class StoreTier:
     # -- counting ----------------------------------------------------------------------
     def _count(self, kind: str, reason: str, detail: str) -> None:
         self.stats[f"{kind}_{reason}"] += 1
+        if reason in ("unreachable", "timeout", "short", "put_failed"):
+            self._failed_at = time.monotonic()
         EPD_FALLBACKS.labels(server=self.server, reason=f"store_{reason}").inc()
         with _WARN_LOCK:
             first = reason not in _WARNED
@@ -783,7 +787,8 @@ class StoreTier:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the threads (puts still queued are dropped after ``timeout``
         seconds of waiting), give the read buffer back to the engine and
-        close the client. Idempotent."""
+        close the client (its objects in the Store go with its segment),
+        each wait bounded by ``timeout`` seconds. Idempotent."""
         if self._closed:
             return
         self.flush(timeout)
@@ -797,14 +802,39 @@ class StoreTier:
         if any(t.is_alive() for t in self._threads):
             return  # a call into the engine hangs: leave the client to the process's exit
         store, self._store = self._store, None
-        if store is not None:
+        if store is None:
+            return
+        try:
+            healthy = store.health_check() == 0
+        except Exception:  # noqa: BLE001
+            healthy = False
+        # the engine's health lags a master just gone: a failure seen lately counts too
+        if not healthy or time.monotonic() - self._failed_at < 60:
+            # the engine's close retries a dead master for seconds while it keeps the
+            # interpreter's lock; the master drops this client after its client_ttl
+            # nor may it be destroyed: its destructor does the same (about 6-10 s with
+            # the master gone), so one more reference keeps it until the process ends
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
+            log.info("mmshm: encoder cache (%s): the Mooncake master does not answer; the "
+                     "client is left to the process's exit", self.server)
+            return
+        buf = self._read_buf
+
+        def close_client():
             try:
-                if self._read_buf is not None:
-                    store.unregister_buffer(self._read_buf.data_ptr())
-                store.close()
+                if buf is not None:
+                    store.unregister_buffer(buf.data_ptr())
+                store.close()  # unmounts this process's segment: the master's RPCs
             except Exception:  # noqa: BLE001 - closing never raises
                 pass
-        self._read_buf = None
+
+        # with the master gone the engine retries its RPCs for seconds: wait at most
+        # ``timeout`` and leave the rest to the process's exit
+        t = threading.Thread(target=close_client, name="mmshm-ec-store-close", daemon=True)
+        t.start()
+        t.join(timeout)
+        if not t.is_alive():
+            self._read_buf = None
 
 
 _STOP = _Job(b"", None, None, None)
