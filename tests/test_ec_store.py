@@ -554,12 +554,14 @@ def test_put_queue_bounds_in_flight_put_and_too_big_are_counted(fake_tier):
     assert got is not None and torch.equal(got, t)
 
 
-def test_short_read_and_hanging_read_are_bounded_misses(fake_tier):
+def test_short_read_and_hanging_read_are_bounded_misses(fake_tier, caplog):
     import torch
 
     from mmshm.transport.encoder_cache import content_key
 
     tier, eng = fake_tier
+    ec_store._WARNED.difference_update({"short", "timeout"})  # said once per process
+    caplog.set_level(logging.WARNING, logger="mmshm")
     k = content_key("y")
     t = torch.arange(5000, dtype=torch.float32)
     assert tier.put(k, t) and tier.flush(5)
@@ -573,6 +575,9 @@ def test_short_read_and_hanging_read_are_bounded_misses(fake_tier):
     assert tier.fetch(k, torch.float32, 5000) is None  # the reader is still busy: no 2nd read
     assert time.monotonic() - t0 < 2 * 0.3 + 0.5
     assert tier.stats["miss_timeout"] == 2 and eng.gets == 2
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("reason=store_timeout" in m for m in said) == 1  # two misses, said once
+    assert sum("reason=store_short" in m for m in said) == 1
     eng.gate.set()  # the hung read ends; the reader serves again
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
