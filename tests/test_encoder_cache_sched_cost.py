@@ -102,11 +102,11 @@ def test_a_burst_of_hits_reads_no_payload_and_writes_only_references(shm_dir, mo
         assert len(hits) == n and counts["hits"] == n
         assert not any(k.startswith("fallback_") and v for k, v in counts.items())
         # per hit: open the name; the segment core's attach (header, holder
-        # count, hand-out: 3 preads, 2 pwrites, 1 fstat), the record and the
-        # generation (2 preads), the reference under its lock (1 pread, 2
+        # count, hand-out: 3 preads, 2 pwrites, 1 fstat), the record (1 pread:
+        # the generation is attach's), the reference under its lock (1 pread, 2
         # pwrites); has(): fstat + stat (the name still leads to the file).
         # No payload page (the digest's 4+ preads), no holders' memfd write.
-        assert calls.n["open"] == n and calls.n["pread"] == 6 * n, calls.n
+        assert calls.n["open"] == n and calls.n["pread"] == 5 * n, calls.n
         assert calls.n["pwrite"] == 4 * n and calls.n["ftruncate"] == 0, calls.n
         assert calls.n["memfd_create"] == 0, calls.n
         assert calls.n["stat"] == n and calls.n["fstat"] == 2 * n and calls.n["lstat"] == 0
@@ -129,7 +129,7 @@ def test_a_burst_of_hits_reads_no_payload_and_writes_only_references(shm_dir, mo
 def test_a_payload_bad_after_the_schedulers_check_fails_its_request_never_bytes(shm_dir):
     from mmshm.segments.segfile import HEADER_SIZE
 
-    p, conn, published = _start_producer([1, 2])
+    p, conn, _ = _start_producer([1, 2])
     try:
         store = ec.EncoderCache()
         counts = ecc.Counts("vllm")

@@ -69,7 +69,11 @@ per output, about 0.5 ms for the three checks (publish, lookup, load) of
 those 8 outputs, under 10% of the hop (``mmshm bench epd`` prints both
 costs). What it cannot see: a change confined to pages it does not sample
 (a partial overwrite in the middle of a payload); it catches swapped and
-torn payloads, it is not an integrity seal.
+torn payloads, it is not an integrity seal. A consumer's scheduler
+(:class:`mmshm.transport.ec_connector.Holdings`) looks up with ``verify=False``:
+its "probably there" reads no payload page on the scheduler's loop, and each
+worker's load checks the pages before the bytes are used (a failed load fails
+that request, never another item's bytes).
 
 **The warm pool.** With ``MMSHM_POOL`` on (the default) an entry's segment
 goes back to its producer's pool when its last reference is given back (and
@@ -1272,6 +1276,8 @@ class EncoderCache:
 
     def _check_name(self, name: str, key: bytes, dtype, rows, shape, *, verify: bool = True,
                     hold: bool = False, holder: str = "") -> tuple[Entry | None, str, str]:
+        with TABLE.lock:
+            opened = TABLE.get(name) is None  # attached now: its header just read
         try:
             seg = segment.attach(name, self.directory)
         except SegmentNotFoundError as exc:
@@ -1287,7 +1293,9 @@ class EncoderCache:
         held = False
         try:
             rec = _read_record(seg)
-            gen = read_header(seg.fd, seg.path).gen
+            # the generation attach read (the reference below checks it under
+            # the segment's mutex), else this process's older descriptor's now
+            gen = seg.gen if opened and not seg.owned else read_header(seg.fd, seg.path).gen
             if rec is None:
                 return None, "torn", f"{name} holds no complete entry record"
             if rec.gen != gen:
