@@ -11,6 +11,7 @@ import pickle
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -867,8 +868,15 @@ def test_status_shows_the_encoder_outputs_an_idle_consumer_holds_and_for_whom(sh
         assert recv(parent, 60) is True
         producer.close()  # the encoder is gone: only the consumer keeps them
         assert len(segment_files(shm_dir)) == 3
-        rep = status.status(shm_dir)
-        (p,) = [p for p in rep.processes if p.pid == holder.pid]
+        # the holder writes its list at most every ec_holders.FLUSH_S (0.1 s):
+        # status shows it once that flush is due, not before
+        deadline = time.monotonic() + 10
+        while True:
+            rep = status.status(shm_dir)
+            (p,) = [p for p in rep.processes if p.pid == holder.pid]
+            if p.epd_held or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         one = outs[0].nbytes
         assert p.held == 3
         assert [(g.holder, g.entries, g.bytes) for g in p.epd_held] == [
