@@ -164,3 +164,28 @@ def test_a_payload_bad_after_the_schedulers_check_fails_its_request_never_bytes(
         _finish(p, conn)
     gc.collect()
     assert segment_files(shm_dir) == []
+
+
+def test_a_change_during_a_flush_of_the_holders_list_never_deadlocks():
+    """An entry given back while the holders' list is being written (the
+    garbage collector freeing one in the middle of the flush) only queues
+    another write."""
+    import threading
+
+    from mmshm.transport import ec_holders as eh
+
+    h = eh._Holders()
+
+    def source():
+        h.update(2, lambda: None)  # what an entry's release does, from inside the flush
+        return ("vllm", "/dev/shm", [])
+
+    h.update(1, source)
+    t = threading.Thread(target=h.flush, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the flush deadlocked"
+    h.flush()  # the change made during the first flush is written too
+    assert h.pending == {} and h.parts == {}
+    if h.timer is not None:
+        h.timer.cancel()

@@ -47,21 +47,32 @@ class _Holders:
     def __init__(self):
         self.fd = -1
         self.pid = 0
+        #: guards ``pending`` and ``timer`` only (an entry given back by the
+        #: garbage collector in the middle of a flush calls :meth:`update`)
         self.lock = threading.Lock()
+        #: serialises the flushes: the lists and the memfd
+        self.io = threading.RLock()
         self.parts: dict[int, bytes] = {}
         #: store id -> a callable giving ``(server, directory, entries)``
         self.pending: dict[int, object] = {}
         self.timer: threading.Timer | None = None
         self.timer_pid = 0
 
+    @staticmethod
+    def _render(server: str, directory: str, entries: list[HeldEntry]) -> bytes | None:
+        if not entries:
+            return None
+        return json.dumps({"pid": os.getpid(), "server": server, "directory": directory,
+                           "entries": [e._asdict() for e in entries]}).encode()
+
     def write(self, store_id: int, server: str, directory: str,
               entries: list[HeldEntry]) -> None:
         """Replace what store ``store_id`` holds, now. Raises :class:`OSError`."""
-        data = json.dumps({"pid": os.getpid(), "server": server, "directory": directory,
-                           "entries": [e._asdict() for e in entries]}).encode()
-        with self.lock:
-            self.pending.pop(store_id, None)
-            self._put(store_id, data if entries else None)
+        with self.io:
+            data = self._render(server, directory, entries)
+            with self.lock:
+                self.pending.pop(store_id, None)
+            self._put(store_id, data)
 
     def update(self, store_id: int, source) -> None:
         """Store ``store_id``'s list changed: ``source()`` (``(server,
@@ -87,20 +98,15 @@ class _Holders:
 
     def flush(self) -> None:
         """Write every pending store's list now. Raises :class:`OSError`."""
-        with self.lock:
-            pending, self.pending = self.pending, {}
+        with self.io:
+            with self.lock:
+                pending, self.pending = self.pending, {}
             for store_id, source in pending.items():
                 got = source()
-                if got is None:
-                    self._put(store_id, None)
-                    continue
-                server, directory, entries = got
-                self._put(store_id, json.dumps({
-                    "pid": os.getpid(), "server": server, "directory": directory,
-                    "entries": [e._asdict() for e in entries]}).encode() if entries else None)
+                self._put(store_id, None if got is None else self._render(*got))
 
     def _put(self, store_id: int, data: bytes | None) -> None:
-        # under self.lock
+        # under self.io
         if self.pid != os.getpid():  # a forked child: its own list
             self.fd, self.pid, self.parts = -1, os.getpid(), {}
         if data is None:
@@ -117,7 +123,13 @@ class _Holders:
             os.pwrite(self.fd, body, 0)
 
 
+    def _after_fork(self) -> None:
+        # a lock another thread held at the fork stays held in the child
+        self.lock, self.io, self.timer = threading.Lock(), threading.RLock(), None
+
+
 HOLDERS = _Holders()
+os.register_at_fork(after_in_child=HOLDERS._after_fork)
 
 
 def read_holders(pid: int, directory: str | None = None) -> list[HeldEntry]:
