@@ -882,3 +882,29 @@ def test_mmshm_runs_exit_reclaim_covers_a_killed_producers_published_entries(shm
     assert reaper.creator_of(shm_dir, names[0][1]) == p.pid
     rep = reaper.reclaim_left_by({p.pid}, shm_dir)
     assert rep.reclaimed == 1 and segment_files(shm_dir) == []
+
+
+def test_a_fallback_line_quoting_a_rejected_image_stays_short(caplog, monkeypatch):
+    """SGLang's encoder quotes a rejected request's whole data URL in its
+    error (hundreds of KB of base64 on a real pair): the fallback's WARNING
+    gives its head and length, never the payload, and is still counted."""
+    import base64
+    import logging
+
+    from mmshm.metrics import EPD_FALLBACKS
+
+    monkeypatch.setattr(ec, "_WARNED", set())
+    b64 = base64.b64encode(os.urandom(300_000)).decode()
+    msg = (f"Encoder preprocessing failed: Error while loading data data:image/png;base64,{b64}"
+           f": Could not decode image")
+    before = EPD_FALLBACKS.labels(server="sglang", reason="encoder_error")._value.get()
+    with caplog.at_level(logging.WARNING, logger="mmshm"):
+        ec.count_fallback("sglang", "encoder_error", f"HTTP 400: {msg}", "none needed")
+    (rec,) = [r for r in caplog.records if "encoder_error" in r.getMessage()]
+    line = rec.getMessage()
+    assert b64[:100] not in line and len(line) < 2 * ec.DETAIL_CHARS, len(line)
+    assert f"data:image/png;base64,<{len(b64)} base64 chars>" in line
+    assert "Could not decode image" in line
+    assert EPD_FALLBACKS.labels(server="sglang", reason="encoder_error")._value.get() == before + 1
+    long = "x" * 5000
+    assert ec.bounded_detail(long) == "x" * ec.DETAIL_CHARS + "... <4000 more chars>"

@@ -157,6 +157,7 @@ import logging
 import math
 import multiprocessing.util
 import os
+import re
 import struct
 import threading
 import time
@@ -672,11 +673,30 @@ _FIX = {
 }
 
 
+#: an inline payload quoted in a server's error text (a data URL's base64)
+_DATA_URL = re.compile(r"(data:[\w/+.-]{0,64}(?:;[\w=-]{0,32})*;base64,)[A-Za-z0-9+/=]{64,}")
+#: the most characters of a server's own text a fallback line quotes
+DETAIL_CHARS = 1000
+
+
+def bounded_detail(detail: str) -> str:
+    """``detail`` fit for one log line: each base64 data URL in it reduced to
+    its head and length (SGLang's encoder quotes a rejected image's whole
+    data URL: hundreds of KB), then cut at :data:`DETAIL_CHARS`."""
+    detail = _DATA_URL.sub(lambda m: f"{m.group(1)}<{len(m.group(0)) - len(m.group(1))} "
+                           f"base64 chars>", detail)
+    if len(detail) > DETAIL_CHARS:
+        detail = f"{detail[:DETAIL_CHARS]}... <{len(detail) - DETAIL_CHARS} more chars>"
+    return detail
+
+
 def count_fallback(server: str, reason: str, detail: str, fix: str | None = None) -> None:
     """Count one ``mmshm_epd_fallbacks_total{server, reason}``; the first of
     each reason in this process is said at WARNING with its fix (``fix``,
-    else the reason's usual one), the others at DEBUG."""
+    else the reason's usual one), the others at DEBUG; ``detail`` as
+    :func:`bounded_detail` leaves it."""
     EPD_FALLBACKS.labels(server=server, reason=reason).inc()
+    detail = bounded_detail(detail)
     if reason not in _WARNED:
         _WARNED.add(reason)
         level = logging.INFO if reason == "missing" else logging.WARNING
