@@ -526,18 +526,29 @@ class StoreTier:
         return self._connected
 
     # -- producer ------------------------------------------------------------------------
-    def put(self, key: bytes, tensor: torch.Tensor) -> bool:
+    def put(self, key: bytes, tensor: torch.Tensor, on_done=None) -> bool:
         """Queue ``tensor`` (any dtype and shape, CPU or a device) to be put
         under ``key`` by the background thread; the caller must not write
-        into ``tensor`` afterwards. Returns False when it is not queued
-        (counted: ``queue_full``, ``unreachable``, ``too_big``).
+        into ``tensor`` until ``on_done()`` (called exactly once, from the
+        put thread once the put is over or at once when it is not queued;
+        an encoder gives it a held local entry's release, so the bytes put
+        are the bytes published in shared memory). Returns False when it is
+        not queued (counted: ``queue_full``, ``unreachable``, ``too_big``).
 
         Raises:
             ValueError: a key that is not :data:`KEY_BYTES` long.
         """
         if len(key) != KEY_BYTES:
             raise ValueError(f"a key is {KEY_BYTES} bytes, not {len(key)}")
-        t = tensor.detach()
+        queued = False
+        try:
+            queued = self._queue(key, tensor.detach(), on_done)
+        finally:
+            if not queued and on_done is not None:
+                on_done()
+        return queued
+
+    def _queue(self, key: bytes, t: torch.Tensor, on_done) -> bool:
         nbytes = t.numel() * t.element_size()
         if self._closed:
             return False
@@ -560,7 +571,7 @@ class StoreTier:
             self._count("drop", "queue_full", f"{self._pending_items} puts "
                         f"({self._pending_bytes} bytes) already wait")
             return False
-        self._puts.put((key, t, nbytes))
+        self._puts.put((key, t, nbytes, on_done))
         return True
 
     def flush(self, timeout: float) -> bool:
@@ -578,12 +589,18 @@ class StoreTier:
             item = self._puts.get()
             if item is None:
                 return
-            key, t, nbytes = item
+            key, t, nbytes, on_done = item
             try:
                 self._put_one(key, t, nbytes)
             except Exception as exc:  # noqa: BLE001 - a put never takes the thread down
                 self._count("drop", "put_failed", f"put of {key.hex()[:16]} failed: {exc}")
             finally:
+                del t
+                if on_done is not None:
+                    try:
+                        on_done()
+                    except Exception:  # noqa: BLE001 - a release never takes the thread down
+                        log.debug("mmshm: Store put's on_done failed", exc_info=True)
                 with self._cond:
                     self._pending_items -= 1
                     self._pending_bytes -= nbytes
