@@ -653,14 +653,20 @@ class StoreTier:
         buffer (a view of it), valid until ``release()`` is called (which
         lets the next read use the buffer; call it exactly once), or None (a
         counted miss). Bounded as :meth:`fetch`."""
+        return self.fetch_view_why(key, dtype, rows, shape=shape)[0]
+
+    def fetch_view_why(self, key: bytes, dtype=None, rows=None, *, shape=None):
+        """:meth:`fetch_view` and why it missed: ``((tensor, release), "")``
+        or ``(None, reason)`` with ``reason`` one of :data:`MISS_REASONS`
+        (``"closed"`` after :meth:`close`)."""
         if len(key) != KEY_BYTES:
             raise ValueError(f"a key is {KEY_BYTES} bytes, not {len(key)}")
         if self._closed:
-            return None
+            return None, "closed"
         if self._connect_error and not self._connected and (
                 time.monotonic() - self._connect_at < 5 * self.config.timeout_s):
             self._count("miss", "unreachable", self._unreachable())
-            return None
+            return None, "unreachable"
         deadline = time.monotonic() + self.config.timeout_s
         with self._cond:
             while self._busy:
@@ -687,14 +693,14 @@ class StoreTier:
             if not self._connected:
                 self._count("miss", "unreachable", f"{self._unreachable()} (within "
                             f"{self.config.timeout_s} s)")
-            else:
-                self._count("miss", "timeout", f"{why} within store_timeout_s="
-                            f"{self.config.timeout_s} s ({key.hex()[:16]})")
-            return None
+                return None, "unreachable"
+            self._count("miss", "timeout", f"{why} within store_timeout_s="
+                        f"{self.config.timeout_s} s ({key.hex()[:16]})")
+            return None, "timeout"
         view, reason, detail = job.result
         if view is None:
             self._count("miss", reason, detail)
-            return None
+            return None, reason
         released = []
 
         def release() -> None:
@@ -704,7 +710,7 @@ class StoreTier:
                     self._busy = False
                     self._cond.notify_all()
 
-        return view, release
+        return (view, release), ""
 
     def _get_loop(self) -> None:
         while True:
@@ -855,6 +861,34 @@ class StoreTier:
 
 
 _STOP = _Job(b"", None, None, None)
+
+
+def fetch_local(cache: EncoderCache, tier: StoreTier, key: bytes,
+                dtype: torch.dtype | None = None, rows: int | None = None, *,
+                shape: tuple | None = None) -> str:
+    """The Store's object of ``key`` (:meth:`StoreTier.fetch_view_why`,
+    every check of it) published in this node's shared memory
+    (:meth:`EncoderCache.save`, kept for ``cache``'s keep time), where the
+    caller then looks it up (:meth:`EncoderCache.lookup`). Returns ``""``
+    when published, else why not: ``store_<reason>`` (:data:`MISS_REASONS`;
+    the Store counted it) or the local save's refusal (counted by the
+    save). Runs on a reader thread: it waits up to
+    :attr:`StoreConfig.timeout_s` and never raises for a Store failure.
+
+    Raises:
+        ValueError: a key that is not :data:`KEY_BYTES` long.
+    """
+    got, reason = tier.fetch_view_why(key, dtype, rows, shape=shape)
+    if got is None:
+        return f"store_{reason}"
+    view, release = got
+    try:
+        saved = cache.save(key, view, label="mooncake-store")
+    finally:
+        release()
+    if saved.published:
+        return ""
+    return saved.reason or "store_save_failed"
 
 
 def load_through(cache: EncoderCache, tier: StoreTier | None, key: bytes,
