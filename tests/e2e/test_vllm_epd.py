@@ -78,7 +78,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import epd, faults
+from tests.harness import epd, faults, mooncake
 from tests.harness.epd_sglang import PRIVATE_SHM as NAMESPACES
 from tests.harness.epd_sglang import MountNamespace
 from tests.harness.servers import (
@@ -109,6 +109,9 @@ EC_BUDGET = 256 * 1024
 #: The mmshm connector's ``directory`` setting, inside the pair's /dev/shm;
 #: ``MMSHM_DIR`` (the pixels' segments) is another directory.
 EC_DIRECTORY = "/dev/shm/mmshm"
+#: Node B's PD instance (PD-B) reads these photos of the normal flow (the
+#: encoder encoded and put them) from the Store, the first of them twice.
+NODE_B_FETCH = (0, 1)
 
 
 def connector_missing() -> str | None:
@@ -149,6 +152,8 @@ EPD_COUNTERS = {
     "saved_bytes": ("mmshm_epd_bytes_total", {"direction": "saved"}),
     "loaded_bytes": ("mmshm_epd_bytes_total", {"direction": "loaded"}),
     "shm_written": ("mmshm_shm_written_bytes_total", {}),
+    "store_put_bytes": ("mmshm_epd_bytes_total", {"direction": "store_put"}),
+    "store_get_bytes": ("mmshm_epd_bytes_total", {"direction": "store_get"}),
 }
 
 
@@ -204,6 +209,68 @@ class Probe:
         return out
 
 
+class ServerProbe:
+    """What one step did on one server: its vision-encoder runs (its log)
+    and its mmshm counters."""
+
+    def __init__(self, srv):
+        self.srv, self.mark, self.before = srv, epd.LogMark(srv), counters(srv)
+
+    def done(self) -> dict:
+        time.sleep(1.0)  # the stats logger prints the last step a moment after the answer
+        out = {"encoded": epd.encoder_inputs(self.mark.since())}
+        if self.srv.proc is not None and self.srv.proc.poll() is None:
+            out["counters"] = diff(self.before, counters(self.srv))
+        return out
+
+
+def node_b_flows(pd_b, master: mooncake.Master, photos: dict, refs: list, shm: Path) -> dict:
+    """PD-B, a PD instance on simulated node B (a /dev/shm of its own), with
+    the Store leg on, while node A's encoder (which put every output it
+    published) is alive:
+
+    a. photos the encoder encoded in the normal flow (:data:`NODE_B_FETCH`),
+       one request each: PD-B misses in node B's shared memory, fetches the
+       output from the Store and loads it (no encode of its own);
+    b. the first of them again: a hit in node B's shared memory (no Store get);
+    c. the master SIGKILLed mid-burst: the last two photos of the normal flow
+       at once, the master killed once the first is answered, then the two
+       extra photos (put by the encoder in the removed-entry step) at once:
+       every answer is the reference, every miss is counted and encoded
+       locally;
+    d. PD-B alive: one more request (a local hit), then its normal stop and
+       what is left in node B's /dev/shm.
+
+    ``refs``: the reference answers (:func:`tests.harness.epd.reference_urls`
+    order). Returns what was seen, under ``node_b_*`` keys."""
+    small, extra = photos["small"], photos["extra"]
+    rec: dict = {"node_b_fetch": [], "node_b_fetch_probe": [],
+                 "node_b_fetch_ref": [refs[i] for i in NODE_B_FETCH]}
+    for i in NODE_B_FETCH:
+        p = ServerProbe(pd_b)
+        rec["node_b_fetch"].append(epd.chat(pd_b, [small[i]]))
+        rec["node_b_fetch_probe"].append(p.done())
+    rec["node_b_entries_after_fetch"] = segments(shm / "mmshm")
+    p = ServerProbe(pd_b)
+    rec["node_b_again"] = epd.chat(pd_b, [small[NODE_B_FETCH[0]]])
+    rec["node_b_again_probe"] = p.done()
+    early, late = [FLOW - 2, FLOW - 1], [len(refs) - 2, len(refs) - 1]
+    p = ServerProbe(pd_b)
+    rec["node_b_burst"], rec["node_b_burst_kill"] = epd.burst_then_kill(
+        pd_b, [small[i] for i in early], extra[:2], master.kill)
+    rec["node_b_burst_probe"] = p.done()
+    rec["node_b_burst_ref"] = [refs[i] for i in early + late]
+    rec["node_b_master_alive"] = master.alive()
+    rec["node_b_alive_after_burst"] = pd_b.proc.poll() is None
+    p = ServerProbe(pd_b)
+    rec["node_b_after"] = epd.chat(pd_b, [small[NODE_B_FETCH[1]]])
+    rec["node_b_after_probe"] = p.done()
+    rec["node_b_after_ref"] = refs[NODE_B_FETCH[1]]
+    rec["node_b_stop_rc"] = pd_b.stop()
+    rec["node_b_left"] = sorted(str(f.relative_to(shm)) for f in shm.rglob("*") if f.is_file())
+    return rec
+
+
 def removed_entry_flow(pair: epd.Pair, photos: dict, refs: list, remove) -> dict:
     """3b. The encoder publishes a new photo's output, ``remove(before)``
     deletes what appeared in the store since ``before`` (a tmpfs cleaner, an
@@ -222,12 +289,14 @@ def removed_entry_flow(pair: epd.Pair, photos: dict, refs: list, remove) -> dict
     return rec
 
 
-def run_flows(pair: epd.Pair, photos: dict, store, reap, remove=None) -> dict:
+def run_flows(pair: epd.Pair, photos: dict, store, reap, remove=None, node_b=None) -> dict:
     """The flows of the module docstring on ``pair``; returns what was seen.
     ``store()``: what the pair's store holds now; ``reap()``: the reaper a
     restart runs, after both kills (returns what it found and left);
     ``remove(before)``: the removed-entry step (mmshm's pair only; see
-    :func:`removed_entry_flow`)."""
+    :func:`removed_entry_flow`); ``node_b(refs)``: steps on another node
+    while the encoder lives, just before its kill (returns a dict merged into
+    the record; see :func:`node_b_flows`)."""
     small, big, dummy = photos["small"], photos["big"], photos["dummy"]
     refs = epd.reference_urls(photos)
     flow, burst = small[:FLOW], small[FLOW:]
@@ -263,6 +332,9 @@ def run_flows(pair: epd.Pair, photos: dict, store, reap, remove=None) -> dict:
         p = Probe(pair, store)
         rec.update(removed_entry_flow(pair, photos, rec["ref"], remove))
         rec["removed_probe"] = p.done()
+    # 3c. another node's PD reads the encoder's outputs from the Store (mmshm's pair)
+    if node_b is not None:
+        rec.update(node_b(rec["ref"]))
     # 4. SIGKILL of the encoder in the middle of a burst
     p = Probe(pair, store)
     rec["burst"], rec["burst_kill"] = epd.burst_with_kill(pair, [([u], None) for u in burst],
@@ -295,8 +367,9 @@ def runs(model, photos, request) -> dict:
     the host's), run the flows on both side by side, kill all, unmount."""
     if not NAMESPACES:
         pytest.skip("needs root, unshare and nsenter: each pair runs on a private /dev/shm")
-    out: dict = {"mmshm_missing": connector_missing()}
+    out: dict = {"mmshm_missing": connector_missing(), "node_b_missing": mooncake.engine_missing()}
     pairs, jobs, shms, spaces = [], [], {}, []
+    master, pd_b = None, None
     t0 = time.monotonic()
     try:
         # plain: ECExampleConnector's files in the pair's tmpfs (/dev/shm/ec inside)
@@ -321,12 +394,32 @@ def runs(model, photos, request) -> dict:
             seg.mkdir(mode=0o777)
             px.mkdir(mode=0o777)
             env = dict(MMSHM_DIR="/dev/shm/px")
+            store_leg: dict = {}
+            if out["node_b_missing"] is None:
+                # the Store leg: a master of the test's own; the encoder (node A) puts
+                master = mooncake.Master(LOGS / "epd-mooncake-master.log").start()
+                store_leg = master.extra()
             mm = epd.make_pair(
                 "mmshm", model, LOGS,
                 epd.ec_config("ec_producer", *MMSHM_CONNECTOR, max_bytes=EC_BUDGET,
-                              directory=EC_DIRECTORY),
+                              directory=EC_DIRECTORY, **store_leg),
                 epd.ec_config("ec_consumer", *MMSHM_CONNECTOR, directory=EC_DIRECTORY),
                 mmshm_run=True, env_e=env, env_pd=env, prefix=spaces[-1].prefix)
+            node_b = None
+            if master is not None:
+                # PD-B: a PD instance on simulated node B (a /dev/shm of its own)
+                shms["node_b"] = mount_tmpfs("mmshm-e2e-epd-node-b-", SHM_SIZE)
+                spaces.append(MountNamespace(shms["node_b"]))
+                for d in ("mmshm", "px"):
+                    (shms["node_b"] / d).mkdir(mode=0o777)
+                pd_b = epd.make_server(
+                    "mmshm-PD-B", model, LOGS,
+                    epd.ec_config("ec_consumer", *MMSHM_CONNECTOR, directory=EC_DIRECTORY,
+                                  **store_leg),
+                    "1", mmshm_run=True, env=env, prefix=spaces[-1].prefix)
+
+                def node_b(refs: list) -> dict:
+                    return node_b_flows(pd_b, master, photos, refs, shms["node_b"])
 
             def reap_mm() -> dict:
                 gc = faults.Mmshm(seg)._json("gc")
@@ -353,8 +446,8 @@ def runs(model, photos, request) -> dict:
                     (seg / n).stat().st_size for n in names if (seg / n).exists())}
 
             pairs.append(mm)
-            jobs.append(lambda: run_flows(mm, photos, store_mm, reap_mm, remove_mm))
-        start_all(*[s for p in pairs for s in p.servers()])
+            jobs.append(lambda: run_flows(mm, photos, store_mm, reap_mm, remove_mm, node_b))
+        start_all(*[s for p in pairs for s in p.servers()], *([pd_b] if pd_b else []))
         out["startup_s"] = round(time.monotonic() - t0)
         recs = in_parallel(*jobs)
         out.update({r["name"]: r for r in recs})
@@ -362,8 +455,14 @@ def runs(model, photos, request) -> dict:
         for p in pairs:
             for s in p.servers():
                 s.kill()
+        if pd_b is not None:
+            pd_b.kill()
+        if master is not None:
+            master.kill()
         out["logs"] = {p.name: {r: s.log_text() for r, s in (("E", p.E), ("PD", p.PD))}
                        for p in pairs}
+        if pd_b is not None:
+            out["logs"]["mmshm"]["PD-B"] = pd_b.log_text()
         for ns in spaces:
             ns.close()
         for name, shm in shms.items():
@@ -436,6 +535,26 @@ def figures(out: dict) -> dict:
                 rec["big_probe"].get("PD_counters", {}).get("fallbacks"))
         f[f"{name}: PD SIGKILLed while decoding (its counters for that request)"] = \
             rec["pd_kill"]
+        if name == "mmshm" and "node_b_fetch" in rec:
+            f["mmshm: encoder's Store puts in the normal flow, bytes"] = [
+                p["E_counters"]["store_put_bytes"] for p in rec["flow_probe"]]
+            f["node B: photos of the normal flow vs reference (Store get bytes, PD-B encoded)"] = [
+                (verdict(a, r), p.get("counters", {}).get("store_get_bytes"), p["encoded"])
+                for a, r, p in zip(rec["node_b_fetch"], rec["node_b_fetch_ref"],
+                                   rec["node_b_fetch_probe"])]
+            f["node B: the same photo again (Store get bytes, loads, PD-B encoded)"] = (
+                verdict(rec["node_b_again"], rec["node_b_fetch_ref"][0]),
+                rec["node_b_again_probe"].get("counters", {}).get("store_get_bytes"),
+                rec["node_b_again_probe"].get("counters", {}).get("loads"),
+                rec["node_b_again_probe"]["encoded"])
+            f["node B: burst with the master SIGKILLed (answers)"] = [
+                verdict(a, r) for a, r in zip(rec["node_b_burst"], rec["node_b_burst_ref"])]
+            f["node B: burst, kill"] = rec["node_b_burst_kill"]
+            f["node B: burst, PD-B loads / encoded / fallbacks"] = (
+                rec["node_b_burst_probe"].get("counters", {}).get("loads"),
+                rec["node_b_burst_probe"]["encoded"],
+                rec["node_b_burst_probe"].get("counters", {}).get("fallbacks"))
+            f["node B: files left in its /dev/shm after PD-B's stop"] = rec["node_b_left"]
         f[f"{name}: store after both kills"] = rec["left_by_kills"]
         f[f"{name}: left after both kills (and the reaper)"] = rec["reap"]
     for name in ("plain", "mmshm"):
@@ -647,3 +766,85 @@ def test_the_engine_cores_hash_no_pixels_and_say_one_namespace(runs):
                                logs[role]) for role in ("E", "PD")}
     assert len(spaces["E"]) == len(spaces["PD"]) == 1 and spaces["E"] == spaces["PD"], spaces
     assert "key=pixels" in spaces["PD"][0], spaces
+
+
+# -- node B: PD-B reads node A's encoder outputs through the Mooncake Store -----------------
+def _node_b(runs) -> dict:
+    rec = _mmshm(runs)
+    if runs.get("node_b_missing"):
+        pytest.skip(f"node B not run: {runs['node_b_missing']}")
+    assert "node_b_fetch" in rec, "the mmshm pair's flows did not reach node B's step"
+    return rec
+
+
+def test_node_b_fetches_the_encoders_outputs_from_the_store(runs):
+    """Photos node A's encoder encoded in the normal flow, sent to PD-B on
+    node B: each answer is the reference (PD's own encode; the unified
+    server's when it ran), PD-B ran no vision encoder for them (its log),
+    loaded each once after a Store get (its counters), and the fetched
+    outputs were published in node B's shared memory. The encoder put its
+    outputs (its counters)."""
+    rec = _node_b(runs)
+    assert sum(p["E_counters"]["store_put_bytes"] for p in rec["flow_probe"]) > 0, \
+        [p["E_counters"] for p in rec["flow_probe"]]
+    want = _unified_answers()
+    for i, a, r, p in zip(NODE_B_FETCH, rec["node_b_fetch"], rec["node_b_fetch_ref"],
+                          rec["node_b_fetch_probe"]):
+        assert a.get("tokens") == r["tokens"], a
+        if want is not None:
+            assert a["tokens"] == want[i]["tokens"], a
+        c = p["counters"]
+        assert p["encoded"] == 0, p
+        assert c["loads"] == 1 and c["store_get_bytes"] >= c["loaded_bytes"] > 0, p
+        assert not c["fallbacks"], p
+    assert rec["node_b_entries_after_fetch"], "nothing published in node B's shared memory"
+
+
+def test_node_b_second_request_is_a_local_hit(runs):
+    """The same photo again on PD-B: loaded from node B's shared memory, 0
+    new Store get bytes, no encode of its own, the reference's answer."""
+    rec = _node_b(runs)
+    p, c = rec["node_b_again_probe"], rec["node_b_again_probe"]["counters"]
+    assert rec["node_b_again"].get("tokens") == rec["node_b_fetch_ref"][0]["tokens"], \
+        rec["node_b_again"]
+    assert p["encoded"] == 0 and c["loads"] == 1 and c["loaded_bytes"] > 0, p
+    assert c["store_get_bytes"] == 0, p
+    assert not c["fallbacks"], p
+
+
+def test_node_b_master_killed_mid_burst(runs):
+    """The master SIGKILLed once the burst's first answer was in: 0 failed
+    requests (every answer the reference), each item either loaded or
+    encoded by PD-B itself, and every local encode a counted Store miss;
+    the requests after the kill all missed the Store as unreachable (or
+    timed out). PD-B lives and answers the next request from node B's
+    shared memory."""
+    rec = _node_b(runs)
+    assert not rec["node_b_master_alive"]
+    assert rec["node_b_burst_kill"]["answers_at_kill"] >= 1, rec["node_b_burst_kill"]
+    for a, r in zip(rec["node_b_burst"], rec["node_b_burst_ref"]):
+        assert a.get("tokens") == r["tokens"], a
+    p = rec["node_b_burst_probe"]
+    c = p["counters"]
+    store_misses = sum(v for k, v in c["fallbacks"].items() if k.startswith("store_"))
+    late = len(rec["node_b_burst"]) - 2
+    assert c["fallbacks"].get("store_unreachable", 0) + c["fallbacks"].get(
+        "store_timeout", 0) >= late, p
+    assert p["encoded"] == store_misses >= late, p
+    assert c["loads"] + p["encoded"] == len(rec["node_b_burst"]), p
+    assert rec["node_b_alive_after_burst"]
+    assert rec["node_b_after"].get("tokens") == rec["node_b_after_ref"]["tokens"], \
+        rec["node_b_after"]
+    assert rec["node_b_after_probe"]["encoded"] == 0, rec["node_b_after_probe"]
+    # said at WARNING with the reason
+    assert re.search(r"WARNING .*Mooncake Store: .*reason=store_(unreachable|timeout)",
+                     runs["logs"]["mmshm"]["PD-B"]), \
+        "no WARNING naming the Store miss"
+
+
+def test_node_b_leaves_nothing_after_stop(runs):
+    """After PD-B's normal stop nothing is left in node B's /dev/shm (the
+    fetched entries were there: the first node-B case)."""
+    rec = _node_b(runs)
+    assert rec["node_b_entries_after_fetch"], "nothing was published on node B: proves nothing"
+    assert rec["node_b_left"] == [], rec["node_b_left"]

@@ -88,16 +88,33 @@ def make_pair(name: str, model: str, logs: Path, ec_producer: str, ec_consumer: 
     are named by the renderer's counter unless the request gives a uuid).
     ``ec_producer`` / ``ec_consumer``: their ``--ec-transfer-config``
     (:func:`ec_config`); ``env_*``: extra environment of each."""
-    servers = []
-    for role, cfg, core, env in (("E", ec_producer, "0", env_e), ("PD", ec_consumer, "1", env_pd)):
-        port = free_port()
-        argv = vllm_argv(model, port, 1, images=2) + [
-            "--ec-transfer-config", cfg, "--enable-logging-iteration-details", *extra_argv]
-        servers.append(Server(argv, port, logs / f"epd-{name}-{role}.log",
-                              env=vllm_env(1, VLLM_CPU_OMP_THREADS_BIND=core, **(env or {})),
-                              mmshm_run=mmshm_run, prefix=prefix, leaks=leaks,
-                              ready_timeout_s=ready_timeout_s))
-    return Pair(name, *servers)
+    return Pair(name, *[
+        make_server(f"{name}-{role}", model, logs, cfg, core, mmshm_run=mmshm_run, env=env,
+                    prefix=prefix, extra_argv=extra_argv, leaks=leaks,
+                    ready_timeout_s=ready_timeout_s)
+        for role, cfg, core, env in (("E", ec_producer, "0", env_e),
+                                     ("PD", ec_consumer, "1", env_pd))])
+
+
+def make_server(name: str, model: str, logs: Path, ec_transfer_config: str, core: str,
+                mmshm_run: bool = False, env: dict | None = None,
+                prefix: list[str] | None = None, extra_argv: list[str] = (),
+                leaks: tuple[str, ...] = ("vllm_dist_", "psm_"),
+                ready_timeout_s: float = 600) -> Server:
+    """One EPD instance (not started), TP=1, its engine on CPU ``core``,
+    iteration details logged, the harness's vLLM flags; its log is
+    ``logs/epd-<name>.log``. ``ec_transfer_config``: its
+    ``--ec-transfer-config`` (:func:`ec_config`); ``prefix``: words before
+    its command (a mount namespace's ``nsenter``); ``env``: extra
+    environment."""
+    port = free_port()
+    argv = vllm_argv(model, port, 1, images=2) + [
+        "--ec-transfer-config", ec_transfer_config, "--enable-logging-iteration-details",
+        *extra_argv]
+    return Server(argv, port, logs / f"epd-{name}.log",
+                  env=vllm_env(1, VLLM_CPU_OMP_THREADS_BIND=core, **(env or {})),
+                  mmshm_run=mmshm_run, prefix=prefix, leaks=leaks,
+                  ready_timeout_s=ready_timeout_s)
 
 
 def content(urls: list[str], uuids: list[str] | None = None, text: str = PROMPT) -> list[dict]:
@@ -207,6 +224,43 @@ def burst_with_kill(pair: Pair, flows: list[tuple[list[str], list[str] | None]],
     threads += [start(i) for i in range(len(flows) - late, len(flows))]
     for t in threads:
         t.join(timeout=300)
+    return [r if r is not None else {"error": "no answer (thread still running)", "status": None}
+            for r in records], info
+
+
+def burst_then_kill(srv: Server, early: list[str], late: list[str], kill, after: int = 1,
+                    timeout_s: float = 300) -> tuple[list[dict], dict]:
+    """Requests of one photo each straight to ``srv`` (:func:`chat`): the
+    ``early`` ones at once, each in a thread of its own; as soon as
+    ``after`` of them have answered, ``kill()`` (e.g. SIGKILL a service
+    ``srv`` depends on); then the ``late`` ones at once. Returns each
+    request's record (``early`` then ``late``, in order) and
+    ``{"killed_at_s": seconds from the start, "answers_at_kill"}``."""
+    urls = list(early) + list(late)
+    records: list[dict | None] = [None] * len(urls)
+    done = threading.Semaphore(0)
+    t0 = time.monotonic()
+
+    def run(i: int) -> None:
+        try:
+            records[i] = chat(srv, [urls[i]])
+        finally:
+            done.release()
+
+    def start(i: int) -> threading.Thread:
+        t = threading.Thread(target=run, args=(i,), daemon=True)
+        t.start()
+        return t
+
+    threads = [start(i) for i in range(len(early))]
+    for _ in range(min(after, len(early))):
+        done.acquire(timeout=timeout_s)
+    info = {"answers_at_kill": sum(r is not None for r in records)}
+    kill()
+    info["killed_at_s"] = round(time.monotonic() - t0, 2)
+    threads += [start(i) for i in range(len(early), len(urls))]
+    for t in threads:
+        t.join(timeout=timeout_s)
     return [r if r is not None else {"error": "no answer (thread still running)", "status": None}
             for r in records], info
 
