@@ -46,6 +46,21 @@ Flows, in order, on each pair:
    cleaner or an operator would), PD is asked: it encodes the item itself
    (a miss, counted) and answers as the reference; the next new photo
    through the proxy is loaded. PD lives.
+3c. **Node B through the Mooncake Store** (mmshm's pair, where the Mooncake
+   engine loads): a test-owned ``mooncake_master`` on 127.0.0.1
+   (:mod:`tests.harness.mooncake`), the mmshm encoder configured with it (it
+   also puts each output it publishes), and a third server started with the
+   others, **PD-B**: a PD instance on simulated node B (a mount namespace
+   with a /dev/shm tmpfs of its own), ``MmshmECConnector`` as consumer with
+   the master's settings. Photos the encoder encoded in the normal flow,
+   sent to PD-B: it misses on node B, defers the request while its reader
+   fetches the output from the Store into node B's shared memory, loads it
+   (no encode of its own; ``store_get`` bytes) and answers as the
+   reference; the same photo again is a hit in node B's shared memory (0
+   Store bytes); the master SIGKILLed mid-burst: every answer still the
+   reference, each miss counted (``store_unreachable``/``store_timeout``)
+   and encoded by PD-B, PD-B alive; after PD-B's normal stop nothing is
+   left in node B's /dev/shm (:func:`node_b_flows`).
 4. **SIGKILL of the encoder mid-burst**: proxy flows of four other photos,
    three at once; once the first encoder answer is in, the encoder's
    process group is SIGKILLed, then the fourth flow starts (the proxy sends
@@ -462,7 +477,7 @@ def runs(model, photos, request) -> dict:
         out["logs"] = {p.name: {r: s.log_text() for r, s in (("E", p.E), ("PD", p.PD))}
                        for p in pairs}
         if pd_b is not None:
-            out["logs"]["mmshm"]["PD-B"] = pd_b.log_text()
+            out["logs"].setdefault("mmshm", {})["PD-B"] = pd_b.log_text()
         for ns in spaces:
             ns.close()
         for name, shm in shms.items():
