@@ -58,9 +58,11 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 
 from mmshm.hooks.instrumentor import Role
 from mmshm.transport import ec_connector, ec_items, ec_keys
-from mmshm.transport.ec_connector import STAT_KEYS, Counts, Holdings, add_counts, new_counts
+from mmshm.transport.ec_connector import (
+    PENDING, STAT_KEYS, Counts, Holdings, add_counts, new_counts, open_tier)
 from mmshm.transport.ec_items import CountStats, CountsAndFailures, ItemKeys, connector_line
 from mmshm.transport.ec_keys import setting
+from mmshm.transport.ec_store import EXTRA_KEYS as STORE_KEYS
 from mmshm.transport.encoder_cache import DEFAULT_KEEP_S, EncoderCache, KeyQueue
 
 from . import pd
@@ -69,8 +71,8 @@ from .server import KEY_MM_HASH, SERVER, key_mode, log, me
 #: ``ec_connector`` and ``ec_connector_module_path`` of the connector.
 EC_CONNECTOR = "MmshmECConnector"
 EC_MODULE = __name__
-#: keys of ``ec_connector_extra_config`` the connector reads
-EC_EXTRA_KEYS = ("keep_s", "max_bytes", "namespace", "directory")
+#: keys of ``ec_connector_extra_config`` the connector reads (the Store's: docs/epd-nodes.md)
+EC_EXTRA_KEYS = ("keep_s", "max_bytes", "namespace", "directory", *STORE_KEYS)
 #: counters of :class:`MmshmECConnectorStats` (vLLM's connector stats, summed
 #: over workers and steps; :data:`mmshm.transport.ec_connector.STAT_KEYS`)
 EC_STAT_KEYS = STAT_KEYS
@@ -107,21 +109,8 @@ def tower_lora_on(vllm_config) -> bool:
 
 
 def adapter_of(request, tower_lora: bool) -> str | None:
-    """What the encoder output depends on besides the item: ``""`` when
-    tower LoRA is off or the request has no adapter; the adapter's name and
-    path when it has one; None when tower LoRA is on and the adapter cannot
-    be read (the item is not keyed)."""
-    if not tower_lora:
-        return ""
-    if not hasattr(request, "lora_request"):
-        return None
-    lora = request.lora_request
-    if lora is None:
-        return ""
-    name = getattr(lora, "lora_name", None)
-    if not name:
-        return None
-    return f"{name}\0{getattr(lora, 'lora_path', '') or ''}"
+    """The request's ``lora_request`` as :func:`mmshm.transport.ec_items.adapter` keys it."""
+    return ec_items.adapter(getattr(request, "lora_request", ec_items.UNREADABLE), tower_lora)
 
 
 def item_key(feature, namespace: str, adapter: str, mode: str,
@@ -205,7 +194,11 @@ class MmshmECConnector(ECConnectorBase):
     output above it is not published, ``over_budget``; default 0: only the
     core's budget), ``namespace`` (what must match between instances,
     default :func:`ec_namespace`), ``directory`` (the segment directory,
-    default ``MMSHM_DIR``).
+    default ``MMSHM_DIR``); ``master_server_address`` and the other keys of
+    docs/epd-nodes.md turn the Mooncake Store leg on (across nodes: a
+    producer's TP rank 0 also puts each output it publishes; a consumer
+    that misses on its node defers the request while the Store is asked,
+    :class:`~mmshm.transport.ec_connector.StoreFetches`).
 
     Scheduler side (EngineCore): ``ensure_cache_available`` keys each item
     of a request once (:func:`item_key`) and, on a consumer, holds the entry
@@ -242,19 +235,24 @@ class MmshmECConnector(ECConnectorBase):
         self._dtype = dtype if isinstance(dtype, torch.dtype) else None
         self._widths = dict(getattr(tc, "mm_encoder_output_widths", None) or {})
         self._counts = Counts(SERVER)
+        self._tp_rank0: bool | None = None
+        # the Store leg: a consumer's scheduler fetches, a producer's TP rank 0 worker puts
+        # (vLLM makes the worker's connector once the TP group exists)
+        scheduler = role == ECConnectorRole.SCHEDULER
+        self._tier = (open_tier(extra, SERVER) if (self.is_consumer if scheduler else
+                                                   self.is_producer and self._writes()) else None)
         # scheduler side: the held entries; req id -> key per feature; this step's loads
-        self._holds = Holdings(self._store, self._counts)
+        self._holds = Holdings(self._store, self._counts, self._tier)
         self._item_keys = ItemKeys(self._counts, self.is_producer, "vLLM")
         self._loads: list = []
         # worker side
         self._keys = KeyQueue(SERVER)
         self._failed: dict[str, str] = {}
-        self._tp_rank0: bool | None = None
         self._say_line(tc, role)
 
     def _say_line(self, tc, role) -> None:
         side = "scheduler" if role == ECConnectorRole.SCHEDULER else "worker"
-        line = connector_line(tc.ec_role, self._tower_lora, self._store.describe())
+        line = connector_line(tc.ec_role, self._tower_lora, self._store.describe(), self._tier)
         try:
             me().say(Role(f"EC connector ({side})", [line]))
         except Exception:  # noqa: BLE001 - no instrumentor: the line anyway
@@ -283,12 +281,14 @@ class MmshmECConnector(ECConnectorBase):
                    if f.mm_position.offset + f.mm_position.length > num_computed_tokens]
         if self._holds.fails(rid, [f.identifier for _, f in pending]):
             return False  # it needs an item vLLM may hold zeros for: failed
+        ready = True
         for i, f in pending:
             if keys[i] is not None:
-                self._holds.look(rid, i, f.identifier, keys[i], dtype=self._dtype,
-                                 rows=request.get_num_encoder_embeds(i),
-                                 width=self._widths.get(getattr(f, "modality", "")))
-        return True
+                ready &= self._holds.look(
+                    rid, i, f.identifier, keys[i], dtype=self._dtype,
+                    rows=request.get_num_encoder_embeds(i),
+                    width=self._widths.get(getattr(f, "modality", ""))) is not PENDING
+        return ready  # False: a Store fetch in flight, asked again at the next step
 
     def has_cache_item(self, identifier: str) -> bool:
         """Whether this consumer holds an intact entry for the item (vLLM
@@ -388,7 +388,8 @@ class MmshmECConnector(ECConnectorBase):
         if key is None:
             log.debug("mmshm: no content key for %s: not published", mm_hash)
             return
-        ec_connector.save(self._store, key, encoder_cache[mm_hash], mm_hash, self._counts)
+        ec_connector.save(self._store, key, encoder_cache[mm_hash], mm_hash, self._counts,
+                          self._tier)
 
     def start_load_caches(self, encoder_cache, **kwargs) -> None:
         meta = self._connector_metadata
@@ -409,6 +410,8 @@ class MmshmECConnector(ECConnectorBase):
 
     def shutdown(self) -> None:
         self._holds.close()
+        if self._tier is not None:
+            self._tier.close()
         self._store.close()
 
 

@@ -21,6 +21,15 @@ disk (:meth:`~mmshm.transport.encoder_cache.Entry.intact`), and remembers
 the requests a worker could not load for (the server fails each one) and
 the items it may hold zeros for.
 
+**Across nodes** (a Mooncake Store, :mod:`mmshm.transport.ec_store`): a
+consumer whose own node has no entry for an item asks the Store on a reader
+thread (:class:`StoreFetches`) and the server defers the request (it is
+"still in transit": :data:`PENDING`) until the object is published in this
+node's shared memory, where it is held and loaded as any local entry, or the
+fetch missed (counted ``store_<reason>``) and the item is encoded here; a
+producer's worker also puts each output it publishes into the Store
+(:func:`save`, from the published entry's bytes).
+
 **A worker** (:func:`load`, :func:`save`): each load maps the entry
 zero-copy (copied to a device by :func:`mmshm.segments.arena.to_device`); a
 load that fails is never raised: its slot gets zeros of the output's shape
@@ -30,14 +39,19 @@ and dtype, and the request is reported for the server to fail.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 
 from mmshm.errors import MmshmError
 from mmshm.segments import arena
 from mmshm.transport.encoder_cache import EncoderCache, EncoderCacheError, count_fallback
+
+#: :meth:`Holdings.look`'s answer for an item whose Store fetch is in flight:
+#: the server defers the request and asks again at a later step
+PENDING = object()
 
 log = logging.getLogger("mmshm")
 
@@ -97,16 +111,125 @@ class Counts(dict):
         return out
 
 
+class _Fetch:
+    __slots__ = ("deadline", "done_at", "dtype", "key", "reason", "rows", "shape", "state")
+
+    def __init__(self, key: bytes, dtype, rows, shape, deadline: float):
+        self.key, self.dtype, self.rows, self.shape = key, dtype, rows, shape
+        self.deadline = deadline
+        self.state = "queued"  # -> "running" -> "done"
+        self.reason = ""       # done: "" (published in this node's segments) or why not
+        self.done_at = 0.0
+
+
+class StoreFetches:
+    """A consumer's Store fetches (:func:`mmshm.transport.ec_store.fetch_local`)
+    on one reader thread, one per content key at a time, so that the
+    server's scheduling loop never waits on the network: it only reads a
+    fetch's state.
+
+    Bounds: a fetch not started within ``store_timeout_s`` of being asked
+    is not made (a miss, ``store_timeout``); one started returns within
+    ``store_timeout_s`` (the tier's own bound). A request therefore waits at
+    most twice ``store_timeout_s``. An outcome is reused for another
+    request of the same key for ``store_timeout_s`` (a miss is not asked
+    again at once); at most :data:`MAX_REMEMBERED` outcomes are kept.
+
+    Args:
+        cache: the consumer's :class:`~mmshm.transport.encoder_cache.EncoderCache`
+            (the fetched object is published there).
+        tier: its :class:`~mmshm.transport.ec_store.StoreTier`.
+    """
+
+    def __init__(self, cache: EncoderCache, tier):
+        self.cache, self.tier = cache, tier
+        self.timeout_s = float(tier.config.timeout_s)
+        self._lock = threading.Condition()
+        self._queue: deque[_Fetch] = deque()
+        self._by_key: OrderedDict[bytes, _Fetch] = OrderedDict()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def state(self, key: bytes, dtype, rows, shape) -> str | None:
+        """The fetch of ``key``: None while in flight (asked now if it was
+        not), else its outcome: ``""`` (published in this node's segments:
+        look it up there) or the reason it missed (``store_<reason>``)."""
+        now = time.monotonic()
+        with self._lock:
+            f = self._by_key.get(key)
+            if f is not None and f.state == "done" and now - f.done_at > self.timeout_s:
+                del self._by_key[key]
+                f = None
+            if f is None:
+                if self._closed:
+                    return "store_closed"
+                f = _Fetch(key, dtype, rows, shape, now + self.timeout_s)
+                self._by_key[key] = f
+                while len(self._by_key) > MAX_REMEMBERED:
+                    self._by_key.popitem(last=False)
+                self._queue.append(f)
+                self._start()
+                self._lock.notify_all()
+                return None
+            if f.state == "queued" and now > f.deadline:
+                self._done(f, "store_timeout")  # never started: not made, counted here
+                count_fallback(self.tier.server, "store_timeout",
+                               f"the Store fetch of {key.hex()[:16]} did not start within "
+                               f"store_timeout_s={self.timeout_s} s (earlier fetches queued)")
+            return f.reason if f.state == "done" else None
+
+    def _done(self, f: _Fetch, reason: str) -> None:
+        f.state, f.reason, f.done_at = "done", reason, time.monotonic()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="mmshm-ec-store-fetch",
+                                            daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        from mmshm.transport.ec_store import fetch_local
+
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                f = self._queue.popleft()
+                if f.state != "queued":
+                    continue
+                f.state = "running"
+            try:
+                reason = fetch_local(self.cache, self.tier, f.key, f.dtype, f.rows,
+                                     shape=f.shape)
+            except Exception as exc:  # noqa: BLE001 - a fetch never takes the thread down
+                log.warning("mmshm: a Store fetch failed: %s", exc)
+                reason = "store_short"
+            with self._lock:
+                self._done(f, reason)
+
+    def close(self) -> None:
+        """Stop the reader (a fetch in flight ends within ``store_timeout_s``)."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            self._lock.notify_all()
+
+
 class Holdings:
     """A consumer scheduler's held entries (module docstring).
 
     Args:
         store: the consumer's :class:`~mmshm.transport.encoder_cache.EncoderCache`.
         counts: where hits and misses are counted.
+        tier: the Store leg (:class:`~mmshm.transport.ec_store.StoreTier`),
+            asked on a local miss, or None (within the node only).
     """
 
-    def __init__(self, store: EncoderCache, counts: Counts):
+    def __init__(self, store: EncoderCache, counts: Counts, tier=None):
         self.store, self.counts = store, counts
+        self.fetches = StoreFetches(store, tier) if tier is not None else None
         self.held: dict[tuple[str, int], object] = {}   # (req id, index) -> Entry
         self.by_id: dict[str, tuple[str, int]] = {}     # item name -> (req id, index)
         self.looked: dict[str, set[int]] = {}           # req id -> items looked up (once)
@@ -115,6 +238,7 @@ class Holdings:
         self.name_of: dict[tuple[str, int], str] = {}   # (req id, index) held -> item name
         self.unavailable: set[str] = set()              # failed in a worker: the server fails them
         self.poisoned: OrderedDict[str, str] = OrderedDict()  # item name -> request
+        self.waiting: set[tuple[str, int]] = set()      # (req id, index) waiting on a fetch
 
     def fails(self, rid: str, pending: list[str]) -> bool:
         """Whether request ``rid`` needs an item (``pending``: the names of
@@ -130,16 +254,32 @@ class Holdings:
         """Look item ``index`` of ``rid`` up once: the store's entry of
         ``key`` of ``dtype``, ``rows`` rows and ``width`` columns (None:
         any), held for the request; None if not looked up now (no key,
-        looked up already, another request holds the item) or a miss."""
+        looked up already, another request holds the item) or a miss;
+        :data:`PENDING` while the item's Store fetch is in flight (the
+        server defers the request and looks again at a later step)."""
         looked = self.looked.setdefault(rid, set())
         if key is None or index in looked or self.by_id.get(ident) is not None:
             return None
+        shape = (rows, width or None)
+        pending = self.fetches is not None and (rid, index) in self.waiting
+        if pending:
+            reason = self.fetches.state(key, dtype, rows, shape)
+            if reason is None:
+                return PENDING
+            self.waiting.discard((rid, index))
+            entry = None
+            if not reason:  # published here by the fetch: held from here
+                entry, reason, _ = self._lookup(rid, key, dtype, rows, shape)
+        else:
+            entry, reason, _ = self._lookup(rid, key, dtype, rows, shape)
+            if entry is None and reason == "missing" and self.fetches is not None:
+                reason = self.fetches.state(key, dtype, rows, shape)
+                if reason is None:
+                    self.waiting.add((rid, index))
+                    return PENDING
+                if not reason:
+                    entry, reason, _ = self._lookup(rid, key, dtype, rows, shape)
         looked.add(index)
-        # the payload's digest is checked where the bytes are used (each
-        # worker's load); here the name, record, generation and a reference
-        entry, reason, _ = self.store.lookup_why(key, dtype=dtype, rows=rows, count=False,
-                                                 shape=(rows, width or None),
-                                                 holder=f"request {rid}", verify=False)
         if entry is None:
             self.missed.setdefault(rid, {})[ident] = reason
         else:
@@ -150,6 +290,12 @@ class Holdings:
             log.debug("mmshm: EC hit %s (request %s item %d) -> %s", ident, rid, index,
                       entry.name)
         return entry
+
+    def _lookup(self, rid: str, key: bytes, dtype, rows: int, shape: tuple):
+        # the payload's digest is checked where the bytes are used (each
+        # worker's load); here the name, record, generation and a reference
+        return self.store.lookup_why(key, dtype=dtype, rows=rows, count=False, shape=shape,
+                                     holder=f"request {rid}", verify=False)
 
     def has(self, ident: str) -> bool:
         """Whether an intact entry of item ``ident`` is held (the server asks
@@ -192,6 +338,9 @@ class Holdings:
             found, reason, _ = self.store._search(key, None, rows, hold=False, verify=False)
             if found is not None:
                 found.release()
+        if reason and reason.startswith("store_"):
+            self.counts.fallback(reason)  # the Store leg counted its metric and said why
+            return
         self.counts.fallback(reason or "missing",
                              f"item {ident} of request {rid} is encoded here: no loadable "
                              f"encoder output of its content (namespace "
@@ -219,6 +368,8 @@ class Holdings:
             self.release(rid, i)
         self.looked.pop(rid, None)
         self.missed.pop(rid, None)
+        if self.waiting:
+            self.waiting = {w for w in self.waiting if w[0] != rid}
 
     def failed(self, failed: dict) -> None:
         """``{request id: item name}`` a worker could not load: each request
@@ -236,16 +387,39 @@ class Holdings:
         return out
 
     def close(self) -> None:
-        """Every held entry given back."""
+        """Every held entry given back; the Store's reader stopped."""
+        if self.fetches is not None:
+            self.fetches.close()
         for key in list(self.held):
             self.release(*key)
 
 
+def open_tier(extra: dict, server: str):
+    """The Store leg that ``extra`` (``ec_connector_extra_config``) names,
+    started (:func:`mmshm.transport.ec_store.from_config`), or None: no
+    master named, the engine missing (said there), or a setting that is not
+    valid (said here at WARNING with the key: the connector then works
+    within the node, as a bad ``MMSHM_*`` value never stops the server)."""
+    from mmshm.transport import ec_store
+
+    try:
+        return ec_store.from_config(extra, server=server)
+    except ec_store.StoreConfigError as exc:
+        log.warning("mmshm: encoder cache (%s): the Mooncake Store leg is off: %s; encoder "
+                    "outputs move within this node only. Fix the setting in "
+                    "ec_connector_extra_config (docs/epd-nodes.md)", server, exc)
+        return None
+
+
 def save(store: EncoderCache, key: bytes, tensor: torch.Tensor, label: str,
-         counts: Counts) -> None:
+         counts: Counts, tier=None):
     """Publish ``tensor`` (any dtype and shape) under ``key``; a publish
     counts ``saves``, ``saved_bytes`` and ``transfer_seconds``, a refusal
-    ``fallback_<reason>`` (the store counted its metric)."""
+    ``fallback_<reason>`` (the store counted its metric). With ``tier``
+    (:class:`~mmshm.transport.ec_store.StoreTier`), an output written now
+    is also queued for the Store, from the published entry's bytes (held
+    until the put is over): what other nodes get is what this node serves.
+    Returns the :class:`~mmshm.transport.encoder_cache.SaveResult`."""
     t0 = time.perf_counter()
     res = store.save(key, tensor, label=label)
     if res.published and res.nbytes:
@@ -253,8 +427,29 @@ def save(store: EncoderCache, key: bytes, tensor: torch.Tensor, label: str,
         counts["saved_bytes"] += res.nbytes
         counts["transfer_seconds"] += time.perf_counter() - t0
         log.debug("mmshm: EC save %s -> %s (%d bytes)", label, res.name, res.nbytes)
+        if tier is not None:
+            put(store, tier, key, label)
     elif not res.published and res.reason:
         counts.fallback(res.reason)
+    return res
+
+
+def put(store: EncoderCache, tier, key: bytes, label: str) -> bool:
+    """Queue this node's published entry of ``key`` for the Store
+    (:meth:`~mmshm.transport.ec_store.StoreTier.put`), held until the put
+    is over. False (nothing queued) when the entry is gone already or the
+    tier refused it (the tier counted why)."""
+    entry = store.lookup(key, count=False, holder="Mooncake Store put", verify=False)
+    if entry is None:
+        log.debug("mmshm: EC output %s gone before its Store put", label)
+        return False
+    try:
+        view = entry.load(store.server, verify=False, count=False)
+    except (MmshmError, OSError, ValueError, RuntimeError) as exc:
+        entry.release()
+        log.debug("mmshm: EC output %s not put into the Store: %s", label, exc)
+        return False
+    return tier.put(key, view, on_done=entry.release)
 
 
 def load(loads, cache: dict, device: str, counts: Counts, failed: dict, failed_says: str):

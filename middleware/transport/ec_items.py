@@ -131,15 +131,42 @@ def namespace(model: str, revision: str | None, dtype, quant, hf_overrides, mm_k
     return " ".join(f"{k}={v}" for k, v in parts.items())
 
 
-def connector_line(ec_role: str, by_adapter: bool, store: str) -> str:
+#: :func:`adapter`'s stand-in for a request whose adapter cannot be read
+UNREADABLE = object()
+
+
+def adapter(lora, tower_lora: bool) -> str | None:
+    """What an encoder output depends on besides the item, from a request's
+    LoRA request ``lora`` (vLLM's ``LoRARequest``: ``lora_name``,
+    ``lora_path``; None: no adapter; :data:`UNREADABLE`: the request has no
+    such attribute): ``""`` when tower LoRA is off or there is no adapter;
+    the adapter's name and path when there is one; None when tower LoRA is
+    on and the adapter cannot be read (the item is not keyed)."""
+    if not tower_lora:
+        return ""
+    if lora is UNREADABLE:
+        return None
+    if lora is None:
+        return ""
+    name = getattr(lora, "lora_name", None)
+    if not name:
+        return None
+    return f"{name}\0{getattr(lora, 'lora_path', '') or ''}"
+
+
+def connector_line(ec_role: str, by_adapter: bool, store: str, tier=None) -> str:
     """An EC connector's "on:" line: what it does in ``ec_role``
     (``ec_producer``, ``ec_consumer``, ``ec_both``), what keys an output
-    (content, and the LoRA adapter where ``by_adapter``), and ``store``
-    (:meth:`~mmshm.transport.encoder_cache.EncoderCache.describe`)."""
+    (content, and the LoRA adapter where ``by_adapter``), ``store``
+    (:meth:`~mmshm.transport.encoder_cache.EncoderCache.describe`) and,
+    with ``tier``, the Mooncake Store leg: the master and what listens where
+    (:meth:`~mmshm.transport.ec_store.StoreTier.describe`)."""
+    across = (f"; across nodes through the {tier.describe()}" if tier is not None else
+              " (compare both instances' lines: they meet only on one namespace and one "
+              "directory of one node)")
     return (f"encoder outputs {_DOES.get(ec_role, '?')} through shared memory ({ec_role}), "
-            f"keyed by content{' and LoRA adapter' if by_adapter else ''}; {store} (compare "
-            f"both instances' lines: they meet only on one namespace and one directory of one "
-            f"node)")
+            f"keyed by content{' and LoRA adapter' if by_adapter else ''}; {store}{across}")
 
 
-__all__ = ["CountStats", "CountsAndFailures", "ItemKeys", "connector_line", "namespace"]
+__all__ = ["UNREADABLE", "CountStats", "CountsAndFailures", "ItemKeys", "adapter", "connector_line",
+           "namespace"]

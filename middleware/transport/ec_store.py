@@ -79,6 +79,11 @@ from mmshm.transport.encoder_cache import KEY_BYTES, EncoderCache, Entry, payloa
 log = logging.getLogger("mmshm")
 
 #: reasons a Store lookup misses (label ``store_<reason>``)
+#: the keys of ``ec_connector_extra_config`` the Store leg reads (docs/epd-nodes.md)
+EXTRA_KEYS = ("master_server_address", "metadata_server", "mooncake_protocol", "protocol",
+              "device_name", "local_hostname", "global_segment_size", "local_buffer_size",
+              "store_timeout_s", "store_max_pending_items", "store_max_pending_bytes",
+              "store_read_buffer_bytes", "store_key_prefix", "mooncake_config_path")
 MISS_REASONS = ("absent", "unreachable", "timeout", "short", "record_mismatch", "digest")
 #: reasons a put is not made (label ``store_<reason>``)
 PUT_DROP_REASONS = ("queue_full", "unreachable", "too_big", "put_failed")
@@ -595,7 +600,7 @@ class StoreTier:
             except Exception as exc:  # noqa: BLE001 - a put never takes the thread down
                 self._count("drop", "put_failed", f"put of {key.hex()[:16]} failed: {exc}")
             finally:
-                del t
+                del t, item  # the view goes now, not at the next put
                 if on_done is not None:
                     try:
                         on_done()

@@ -416,7 +416,7 @@ class EntryHandle(NamedTuple):
     key: bytes = b""
     digest: bytes = b""
 
-    def load(self, server: str = "vllm", verify: bool = True) -> torch.Tensor:
+    def load(self, server: str = "vllm", verify: bool = True, count: bool = True) -> torch.Tensor:
         """The encoder output as a zero-copy CPU view of the segment
         (``shape``, ``dtype``), holding one reference of its own that is given
         back when the tensor and every view of it are collected. A plain
@@ -432,8 +432,9 @@ class EntryHandle(NamedTuple):
         :mod:`mmshm.transport.handoff`) is checked against the segment's
         own record. Counts ``mmshm_epd_loads_total``,
         ``mmshm_epd_bytes_total{direction="loaded"}`` and
-        ``mmshm_epd_transfer_seconds`` for ``server``; a failure counts
-        ``mmshm_epd_fallbacks_total{reason}``.
+        ``mmshm_epd_transfer_seconds`` for ``server`` (not with ``count``
+        False: a producer reading its own entry for the Store); a failure
+        counts ``mmshm_epd_fallbacks_total{reason}``.
 
         Raises:
             EncoderCacheError: (an ``OSError``) the entry cannot be loaded,
@@ -472,6 +473,8 @@ class EntryHandle(NamedTuple):
             if checked is not None:
                 segment.unpin(checked)
         _note_load()
+        if not count:
+            return out
         EPD_LOADS.labels(server=server).inc()
         EPD_BYTES.labels(server=server, direction="loaded").inc(self.nbytes)
         EPD_TRANSFER_SECONDS.labels(server=server).observe(time.perf_counter() - t0)
@@ -573,9 +576,9 @@ class Entry:
         return EntryHandle(self.name, self.directory, self.gen, self.dtype, self.shape,
                            self.nbytes, self.key, self.digest)
 
-    def load(self, server: str = "vllm", verify: bool = True) -> torch.Tensor:
+    def load(self, server: str = "vllm", verify: bool = True, count: bool = True) -> torch.Tensor:
         """:meth:`EntryHandle.load` in this process."""
-        return self.handle().load(server, verify)
+        return self.handle().load(server, verify, count)
 
     def release(self) -> None:
         """Give this holder's reference back (idempotent, never raises)."""
