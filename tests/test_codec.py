@@ -4,8 +4,8 @@ an exception in the unpickler."""
 
 from __future__ import annotations
 
-import os
 import pickle
+import random
 
 import mmshm
 import msgspec
@@ -17,7 +17,9 @@ from mmshm.segments.shmtensor import _rebuild
 
 from tests.harness.segments import refcount, segment_files
 
-GOOD_NAME = f"mmshm-{os.getpid()}-0123456789abcdef"
+# fixed (not this process's pid): parameters must be equal in every collecting process
+# (pytest-xdist's workers collect the suite each)
+GOOD_NAME = "mmshm-4242-0123456789abcdef"
 H16 = b"\x01" * 16
 
 
@@ -132,7 +134,7 @@ def test_empty_hash_is_not_computed_yet():
     b"\xc1",
     b"\x00",
     b"\xff" * 40,
-    os.urandom(3) + b"\xc1" + os.urandom(60),
+    random.Random(3).randbytes(3) + b"\xc1" + random.Random(60).randbytes(60),
     b"garbage that is not msgpack at all",
     wire() + b"\x00",                                        # trailing bytes
     wire()[:-3],                                             # truncated
