@@ -32,6 +32,17 @@
 # own): it gives back its oldest entries first, and an output larger than the
 # cap is not published (PD encodes that item itself, counted).
 # Check the node from the same environment: mmshm doctor; mmshm status; mmshm gc
+#
+# Across nodes (docs/epd-nodes.md): run a mooncake_master yourself (mmshm never
+# starts one), on a host both nodes reach, inside the cluster's network:
+#   mooncake_master --rpc_address=10.0.0.5 --rpc_port=50051 \
+#     --enable_http_metadata_server=true --http_metadata_server_port=8080
+# and give both instances MOONCAKE_MASTER=10.0.0.5:50051 (MOONCAKE_PROTOCOL=rdma
+# on RDMA hosts, LOCAL_HOSTNAME= the address other nodes reach this one at):
+# the encoder also puts each output into the Store; a PD instance on another
+# node fetches it into its own node's shared memory (needs the Mooncake engine:
+# pip install 'mmshm[mooncake]', and Debian's libibverbs1 libnl-3-200
+# libnl-route-3-200).
 set -euo pipefail
 
 MODEL=${MODEL:-Qwen/Qwen2-VL-7B-Instruct}
@@ -71,8 +82,13 @@ case "$ROLE" in
   pd)      EC_ROLE=ec_consumer; PORT=${PORT:-8002} ;;
   *) echo "ROLE must be encoder, pd or ask (not $ROLE)" >&2; exit 2 ;;
 esac
-EC_CONFIG=$(printf '{"ec_connector": "MmshmECConnector", "ec_connector_module_path": "%s", "ec_role": "%s", "ec_connector_extra_config": {"keep_s": %s, "max_bytes": %s}}' \
-  mmshm.integrations.vllm.epd "$EC_ROLE" "${KEEP_S:-60}" "${MAX_BYTES:-0}")
+STORE=""
+if [ -n "${MOONCAKE_MASTER:-}" ]; then
+  STORE=$(printf ', "master_server_address": "%s", "mooncake_protocol": "%s", "local_hostname": "%s"' \
+    "$MOONCAKE_MASTER" "${MOONCAKE_PROTOCOL:-tcp}" "${LOCAL_HOSTNAME:-}")
+fi
+EC_CONFIG=$(printf '{"ec_connector": "MmshmECConnector", "ec_connector_module_path": "%s", "ec_role": "%s", "ec_connector_extra_config": {"keep_s": %s, "max_bytes": %s%s}}' \
+  mmshm.integrations.vllm.epd "$EC_ROLE" "${KEEP_S:-60}" "${MAX_BYTES:-0}" "$STORE")
 
 # Under `mmshm run` the frontend -> EngineCore -> worker hops of each instance
 # go through shared memory too, and mmshm's series (mmshm_epd_* included)
