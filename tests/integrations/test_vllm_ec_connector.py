@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -552,6 +553,83 @@ def test_the_directory_setting_need_not_be_mmshm_dir(shm_dir, tmp_path, monkeypa
     finally:
         p.stop()
     assert os.listdir(other) == []
+
+
+# -- across nodes: the Mooncake Store leg (a stand-in engine) ---------------------------
+@pytest.fixture
+def store_leg(monkeypatch):
+    """The Store leg on a stand-in engine (tests/test_ec_store.py's
+    ``FakeEngine``, a dict): ``(engine, extra)``, ``extra`` the connector's
+    Store settings; what the connector's ``open_tier`` starts is closed with
+    the connector."""
+    import socket
+
+    from mmshm.transport import ec_store
+    from tests.test_ec_store import FakeEngine
+
+    srv = socket.create_server(("127.0.0.1", 0))  # the tier's TCP probe of the "master"
+    eng = FakeEngine()
+    monkeypatch.setattr(ec_store, "_probe_http", lambda url, timeout: None)
+    monkeypatch.setattr(ec_store, "load_engine", lambda: (lambda: eng))
+    extra = {"master_server_address": f"127.0.0.1:{srv.getsockname()[1]}",
+             "local_hostname": "127.0.0.1", "local_buffer_size": "1MB",
+             "store_read_buffer_bytes": "1MB", "store_timeout_s": 0.5}
+    yield eng, extra
+    eng.gate.set()
+    srv.close()
+
+
+def test_a_consumer_on_another_node_defers_its_request_while_the_store_is_asked(
+        shm_dir, store_leg):
+    """vLLM's scheduler calls on a consumer whose node has no entry: the
+    request is "still in transit" (``ensure_cache_available`` False, vLLM
+    skips it this step) until the reader thread published the Store's
+    object in this node's shared memory; then it is held and the worker
+    loads the encoder's bytes. Content the Store never got: deferred too,
+    then encoded here, counted ``store_absent`` once."""
+    from mmshm.transport import ec_store
+
+    eng, extra = store_leg
+    tc = ECTransferConfig(ec_connector="MmshmECConnector", ec_connector_module_path=MODULE,
+                          ec_role="ec_consumer",
+                          ec_connector_extra_config={"directory": shm_dir, **extra})
+    vc = SimpleNamespace(ec_transfer_config=tc, model_config=SimpleNamespace(
+        model="tiny-qwen2-vl", dtype=torch.float32))
+    ec_transfer_state.ensure_ec_transfer_initialized(vc)
+    sched = ECConnectorFactory.create_connector(vc, ECConnectorRole.SCHEDULER)
+    assert ec_transfer_state.get_ec_transfer()._tier is None  # a consumer's worker: no client
+    encoder = ec_store.from_config(extra)  # node A's encoder put the first photo's output
+    before = fallbacks("store_absent")
+    try:
+        req = request("pd-0", [("img-a", 21), ("img-b", 22)])
+        keys = sched._keys_of(req)
+        assert encoder.put(keys[0], encoder_output(21)) and encoder.flush(5)
+        assert sched.ensure_cache_available(req, 0) is False  # in transit: skipped this step
+        for _ in range(500):
+            if sched.ensure_cache_available(req, 0):
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("still in transit after 5 s")
+        assert [sched.has_cache_item(f.identifier) for f in req.mm_features] == [True, False]
+        for i in range(2):
+            sched.update_state_after_alloc(req, i)
+        out = SimpleNamespace(ec_connector_metadata=sched.build_connector_meta(None),
+                              finished_req_ids=set())
+        cache, ec_out = load_step(out)
+        assert torch.equal(cache["img-a"], encoder_output(21)) and "img-b" not in cache
+        stats = sched.get_ec_connector_stats().data
+        assert stats["hits"] == 1 and stats["fallback_store_absent"] == 1, stats
+        assert fallbacks("store_absent") - before == 1
+        assert eng.gets == 1
+        sched.request_finished(req)
+        del cache
+        gc.collect()
+    finally:
+        encoder.close()
+        sched.shutdown()
+        ec_transfer_state.ensure_ec_transfer_shutdown()
+    assert [n for n in os.listdir(shm_dir) if NAME_RE.match(n)] == []
 
 
 # -- a key that cannot give another answer -----------------------------------------------
