@@ -45,19 +45,26 @@ def fallbacks(reason: str) -> float:
     return EPD_FALLBACKS.labels(server=SERVER, reason=reason)._value.get()
 
 
+class Engine(FakeEngine):
+    """tests/test_ec_store.py's stand-in engine, with ``remove``."""
+
+    def remove(self, key):
+        return 0 if self.objects.pop(key, None) is not None else -704
+
+
 @pytest.fixture
 def store(monkeypatch):
     """One stand-in Store; ``tier()`` a started client of it (closed at the end)."""
     srv = socket.create_server(("127.0.0.1", 0))  # the tier's TCP probe of the "master"
     monkeypatch.setattr(ec_store, "_probe_http", lambda url, timeout: None)
-    eng = FakeEngine()
+    eng = Engine()
     tiers = []
 
-    def tier(timeout_s: float = 0.5):
+    def tier(timeout_s: float = 0.5, keep_s: float | None = None):
         extra = {"master_server_address": f"127.0.0.1:{srv.getsockname()[1]}",
                  "local_hostname": "127.0.0.1", "local_buffer_size": "1MB",
                  "store_read_buffer_bytes": "1MB", "store_timeout_s": timeout_s}
-        t = ec_connector.open_tier(extra, SERVER)
+        t = ec_connector.open_tier(extra, SERVER, keep_s)
         t._engine_cls = lambda: eng
         tiers.append(t)
         assert t.wait_connected(5)
@@ -214,3 +221,16 @@ def test_the_put_reads_the_published_entry_and_gives_its_hold_back(store, nodes)
     obj = eng.objects[tier_a.store_key(key(3))]
     payload = obj[ec_store.RECORD_BYTES:]
     assert payload == output(3).view(torch.uint8).numpy().tobytes()
+
+
+def test_an_object_leaves_the_store_after_the_keep_time(store, nodes):
+    eng, tier = store
+    a = nodes("node-a")
+    tier_a = tier(keep_s=0.3)
+    ec_connector.save(a, key(4), output(4), "img-4", Counts(SERVER), tier_a)
+    assert tier_a.flush(5) and tier_a.store_key(key(4)) in eng.objects
+    end = time.monotonic() + 5
+    while tier_a.store_key(key(4)) in eng.objects and time.monotonic() < end:
+        time.sleep(0.05)
+    assert tier_a.store_key(key(4)) not in eng.objects, "still in the Store after 5 s"
+    assert tier_a.stats["removes"] == 1

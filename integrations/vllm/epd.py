@@ -225,8 +225,8 @@ class MmshmECConnector(ECConnectorBase):
         self._namespace = ec_namespace(vllm_config, extra)
         self._tower_lora = tower_lora_on(vllm_config)
         self._directory = extra.get("directory")
-        self._store = EncoderCache(self._directory, server=SERVER,
-                                   keep_s=setting(extra, "keep_s", DEFAULT_KEEP_S, float),
+        keep_s = setting(extra, "keep_s", DEFAULT_KEEP_S, float)
+        self._store = EncoderCache(self._directory, server=SERVER, keep_s=keep_s,
                                    max_bytes=setting(extra, "max_bytes", 0, int),
                                    namespace=self._namespace)
         dtype = getattr(vllm_config.model_config, "dtype", None)
@@ -239,8 +239,8 @@ class MmshmECConnector(ECConnectorBase):
         # the Store leg: a consumer's scheduler fetches, a producer's TP rank 0 worker puts
         # (vLLM makes the worker's connector once the TP group exists)
         scheduler = role == ECConnectorRole.SCHEDULER
-        self._tier = (open_tier(extra, SERVER) if (self.is_consumer if scheduler else
-                                                   self.is_producer and self._writes()) else None)
+        self._tier = (open_tier(extra, SERVER, keep_s) if (
+            self.is_consumer if scheduler else self.is_producer and self._writes()) else None)
         # scheduler side: the held entries; req id -> key per feature; this step's loads
         self._holds = Holdings(self._store, self._counts, self._tier)
         self._item_keys = ItemKeys(self._counts, self.is_producer, "vLLM")

@@ -394,16 +394,17 @@ class Holdings:
             self.release(*key)
 
 
-def open_tier(extra: dict, server: str):
+def open_tier(extra: dict, server: str, keep_s: float | None = None):
     """The Store leg that ``extra`` (``ec_connector_extra_config``) names,
-    started (:func:`mmshm.transport.ec_store.from_config`), or None: no
+    started (:func:`mmshm.transport.ec_store.from_config`; a producer's
+    objects removed ``keep_s`` seconds after their put), or None: no
     master named, the engine missing (said there), or a setting that is not
     valid (said here at WARNING with the key: the connector then works
     within the node, as a bad ``MMSHM_*`` value never stops the server)."""
     from mmshm.transport import ec_store
 
     try:
-        return ec_store.from_config(extra, server=server)
+        return ec_store.from_config(extra, server=server, keep_s=keep_s)
     except ec_store.StoreConfigError as exc:
         log.warning("mmshm: encoder cache (%s): the Mooncake Store leg is off: %s; encoder "
                     "outputs move within this node only. Fix the setting in "

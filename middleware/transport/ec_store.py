@@ -62,6 +62,7 @@ import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -363,11 +364,13 @@ def load_engine():
     return importlib.import_module("mooncake.store").MooncakeDistributedStore
 
 
-def from_config(extra: Mapping | None, server: str = "vllm", engine=None) -> StoreTier | None:
+def from_config(extra: Mapping | None, server: str = "vllm", engine=None,
+                keep_s: float | None = None) -> StoreTier | None:
     """The Store leg configured by ``extra`` (``ec_connector_extra_config``),
     started (it connects in the background), or None: no master named, or
     the engine's library cannot be loaded (said once at WARNING with the fix;
-    the connector then works within the node).
+    the connector then works within the node). ``keep_s``: seconds each
+    object this process puts stays in the Store (:attr:`StoreTier.keep_s`).
 
     Raises:
         StoreConfigError: a setting that is not valid.
@@ -384,7 +387,9 @@ def from_config(extra: Mapping | None, server: str = "vllm", engine=None) -> Sto
                         "encoder outputs move within this node only. Fix: %s", server,
                         cfg.master_server_address, exc, _FIX_ENGINE)
             return None
-    return StoreTier(cfg, server=server, engine=engine).start()
+    tier = StoreTier(cfg, server=server, engine=engine)
+    tier.keep_s = keep_s
+    return tier.start()
 
 
 # -- the tier ------------------------------------------------------------------------------
@@ -428,6 +433,10 @@ class StoreTier:
         self._gen = 0
         self._read_buf: torch.Tensor | None = None
         self._threads: list[threading.Thread] = []
+        #: seconds an object stays in the Store after its put (None: until the
+        #: master evicts it or this client closes); the connector's ``keep_s``
+        self.keep_s: float | None = None
+        self._put_at: OrderedDict[str, float] = OrderedDict()  # store key -> put time
         self.stats: dict[str, float] = {"puts": 0, "put_bytes": 0, "put_seconds": 0.0,
                                         "gets": 0, "get_bytes": 0, "get_seconds": 0.0}
         for r in MISS_REASONS:
@@ -591,7 +600,11 @@ class StoreTier:
 
     def _put_loop(self) -> None:
         while True:
-            item = self._puts.get()
+            try:
+                item = self._puts.get(timeout=1.0 if self.keep_s is not None else None)
+            except queue.Empty:
+                self._expire()
+                continue
             if item is None:
                 return
             key, t, nbytes, on_done = item
@@ -610,6 +623,28 @@ class StoreTier:
                     self._pending_items -= 1
                     self._pending_bytes -= nbytes
                     self._cond.notify_all()
+            self._expire()
+
+    def _expire(self) -> None:
+        """Remove this process's objects put more than :attr:`keep_s` ago
+        (the local entry's keep time: the Store keeps no output longer than
+        the encoder's node does). Called from the put thread only."""
+        if self.keep_s is None or self._store is None:
+            return
+        end = time.monotonic() - self.keep_s
+        while self._put_at:
+            skey, at = next(iter(self._put_at.items()))
+            if at > end:
+                return
+            del self._put_at[skey]
+            try:
+                rc = self._store.remove(skey)
+            except Exception as exc:  # noqa: BLE001 - a removal never takes the thread down
+                rc = str(exc)
+            if rc in (0, _OBJECT_NOT_FOUND):
+                self.stats["removes"] = self.stats.get("removes", 0) + 1
+            else:
+                log.debug("mmshm: Store remove of %s returned %s", skey, rc)
 
     def _put_one(self, key: bytes, t: torch.Tensor, nbytes: int) -> None:
         if not self._connect():
@@ -634,6 +669,10 @@ class StoreTier:
             return
         self.stats["puts"] += 1
         self.stats["put_bytes"] += nbytes
+        if self.keep_s is not None:
+            skey = self.store_key(key)
+            self._put_at[skey] = time.monotonic()
+            self._put_at.move_to_end(skey)
         self.stats["put_seconds"] += time.perf_counter() - t0
         EPD_BYTES.labels(server=self.server, direction="store_put").inc(nbytes)
 
