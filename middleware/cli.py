@@ -503,6 +503,26 @@ _DIR_HELP = ("Segment directory " + _default_help(
     "MMSHM_DIR", "; the launch scripts in examples/ use the default") + ".")
 
 
+def _ec_config(ctx, param, value):
+    """``--ec-config``: JSON text, or ``@path`` of a JSON file, of an object
+    (:func:`mmshm.operations.doctor.ec_extra`); None when not given."""
+    if value is None:
+        return None
+    from mmshm.operations.doctor import ec_extra
+
+    text = value
+    if value.startswith("@"):
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise click.BadParameter(f"{value[1:]}: {exc.strerror}") from None
+    try:
+        return ec_extra(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"not a JSON object: {exc}") from None
+
+
 def _print_others(con, others, total: int) -> None:
     from rich.text import Text
 
@@ -525,8 +545,13 @@ def _print_others(con, others, total: int) -> None:
 @click.option("--expected-bytes", type=_Size(), default=None, metavar="SIZE",
               help="Multimodal bytes expected in flight at once, e.g. 720M, 2GiB "
                    "[default: 32 Qwen2-VL 720p images, about 687 MiB].")
+@click.option("--ec-config", "ec_config", default=None, metavar="JSON|@FILE",
+              callback=_ec_config,
+              help="The EPD connector's ec_connector_extra_config (or vLLM's whole "
+                   "--ec-transfer-config), as JSON or @file.json: also check its Mooncake "
+                   "Store leg (settings, engine, master, metadata server).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def doctor(directory, expected_bytes, as_json) -> None:
+def doctor(directory, expected_bytes, ec_config, as_json) -> None:
     """Check that this host is fit for mmshm's load.
 
     Reports the segment directory's size and free space, mmshm's segments
@@ -535,6 +560,10 @@ def doctor(directory, expected_bytes, as_json) -> None:
     ulimit -n against the descriptors a full batch needs, the memory cgroup
     that tmpfs pages count against, the installed SGLang/vLLM against the
     supported ranges, and server processes not started under `mmshm run`.
+    With --ec-config, the EPD connector's Mooncake Store leg too: its
+    settings parse, the engine's library loads, the master's RPC port
+    accepts a TCP connection and its HTTP metadata server answers (each
+    within store_timeout_s), and what listens where.
     Each problem comes with its fix; the --shm-size advised is the README's
     formula (expected load x 9/8 + other programs' files + the reserve,
     rounded up to whole GiB).
@@ -546,10 +575,10 @@ def doctor(directory, expected_bytes, as_json) -> None:
     from rich.text import Text
 
     from mmshm.segments import node
-    from mmshm.operations.doctor import arena_text, diagnose
+    from mmshm.operations.doctor import arena_text, diagnose, store_rows
 
     _check_settings("doctor")
-    rep = diagnose(directory, expected_bytes=expected_bytes)
+    rep = diagnose(directory, expected_bytes=expected_bytes, ec_config=ec_config)
     if as_json:
         click.echo(msgspec.json.encode(rep).decode())
         sys.exit(0 if rep.ok else 1)
@@ -584,6 +613,7 @@ def doctor(directory, expected_bytes, as_json) -> None:
         ("servers", servers),
         ("node", node.describe_text(rep.node) if rep.node else "unknown"),
         ("arena", "unknown" if missing else arena_text(rep)),
+        *(store_rows(rep.store) if rep.store is not None else ()),
     )
     table = _table("item", "value", header=False)
     for key, value in rows:
@@ -638,7 +668,7 @@ def status(directory, as_json) -> None:
     from rich.text import Text
 
     from mmshm.segments import node
-    from mmshm.operations.status import MMSHM_ELSEWHERE, arena_lines
+    from mmshm.operations.status import MMSHM_ELSEWHERE, arena_lines, store_lines
     from mmshm.operations.status import status as survey_status
 
     _check_settings("status")
@@ -678,6 +708,9 @@ def status(directory, as_json) -> None:
                                f"({_size(g.bytes)}) of another instance (EPD) for "
                                f"{g.holder or 'an unnamed holder'}: given back when that "
                                f"lets go of them"))
+            for t in p.store:
+                for line in store_lines(p.pid, t, _size):
+                    con.print(Text(line))
     else:
         con.print(Text("no process holds a segment in this directory, and no SGLang or vLLM "
                        "process is running" if not rep.segments else

@@ -10,6 +10,12 @@ size against the directory's, whether it holds one request of 8 photos on a
 CUDA host, and ``RLIMIT_MEMLOCK`` beside it, as information only (whether it
 limits a registration with CUDA is not measured).
 
+**The Mooncake Store leg** (EPD across nodes, docs/epd-nodes.md), when given
+the connector's ``ec_connector_extra_config`` (:func:`store_check`,
+``mmshm doctor --ec-config``): the settings parse, the engine's library loads,
+the master's RPC port accepts a TCP connection and its HTTP metadata server
+answers (each within ``store_timeout_s``), and what listens where.
+
 **Sizing /dev/shm** (:func:`shm_size_advice`; the README states the same
 formula): the smallest whole number of GiB ``S`` such that::
 
@@ -69,6 +75,38 @@ class ServerVersion(msgspec.Struct):
     supported: bool
 
 
+class StoreCheck(msgspec.Struct):
+    """The Mooncake Store leg as configured by ``ec_connector_extra_config``
+    (:func:`store_check`).
+
+    Attributes:
+        settings: ``ok``, ``off`` (no ``master_server_address``: the leg is
+            off) or the setting's error (``StoreConfigError``).
+        key: the key of a bad setting (empty otherwise).
+        master: the master's RPC ``host:port``; metadata: the metadata
+            server's URL; protocol: ``tcp``/``rdma``; timeout_s: the bound
+            of each probe (``store_timeout_s``), s.
+        listens: what listens where (``StoreConfig.describe()``).
+        engine: ``loads``, or why the engine's library does not load.
+        master_rpc: ``accepts``, or why the RPC port refused a TCP
+            connection; empty: not checked.
+        metadata_http: ``answers``, ``not checked (<scheme>)`` for a metadata
+            server that is not HTTP, or why it did not answer; empty: not
+            checked.
+    """
+
+    settings: str
+    key: str = ""
+    master: str = ""
+    metadata: str = ""
+    protocol: str = ""
+    timeout_s: float = 0.0
+    listens: str = ""
+    engine: str = ""
+    master_rpc: str = ""
+    metadata_http: str = ""
+
+
 class DoctorReport(msgspec.Struct):
     """Findings of :func:`diagnose`. Sizes are in bytes.
 
@@ -86,7 +124,9 @@ class DoctorReport(msgspec.Struct):
     comes from, ``cuda_host`` whether CUDA is available here,
     ``memlock_soft_limit``/``memlock_hard_limit`` ``RLIMIT_MEMLOCK`` (None:
     unlimited), information only: whether a registration with CUDA counts
-    against it is not measured (:func:`arena_check`).
+    against it is not measured (:func:`arena_check`);
+    ``store`` the Mooncake Store leg's check (None: no ``--ec-config`` given;
+    :func:`store_check`).
     """
 
     directory: str
@@ -119,6 +159,7 @@ class DoctorReport(msgspec.Struct):
     cuda_host: bool = False
     memlock_soft_limit: int | None = None
     memlock_hard_limit: int | None = None
+    store: StoreCheck | None = None
 
     @property
     def ok(self) -> bool:
@@ -348,13 +389,111 @@ def arena_text(rep: DoctorReport) -> str:
             f"photos takes {ARENA_REQUEST_MB}; ulimit -l {memlock}")
 
 
-def diagnose(directory: str | None = None, expected_bytes: int | None = None) -> DoctorReport:
+def ec_extra(config_json) -> dict:
+    """The connector's ``ec_connector_extra_config`` from ``config_json``: a
+    mapping, or JSON text of one; vLLM's whole ``--ec-transfer-config`` is
+    accepted too (its ``ec_connector_extra_config`` is taken).
+
+    Raises:
+        ValueError: not JSON, or not a JSON object.
+    """
+    import json
+
+    d = json.loads(config_json) if isinstance(config_json, (str, bytes)) else config_json
+    if not isinstance(d, dict):
+        raise ValueError(f"expected a JSON object, not {type(d).__name__}")
+    if "ec_connector_extra_config" in d:
+        d = d["ec_connector_extra_config"] or {}
+        if not isinstance(d, dict):
+            raise ValueError("ec_connector_extra_config must be a JSON object")
+    return d
+
+
+def store_check(extra: dict, problems: list[Problem], notes: list[str]) -> StoreCheck:
+    """Check the Mooncake Store leg that ``extra`` (``ec_connector_extra_config``)
+    configures, appending to ``problems`` (each with its fix) and ``notes``:
+    the settings (:meth:`StoreConfig.from_extra`), the engine's library
+    (:func:`~mmshm.transport.ec_store.load_engine`), a TCP connection to the
+    master's RPC port and an HTTP request to its metadata server, each
+    bounded by ``store_timeout_s``. Imports torch (through the Store
+    module); starts no client and never raises for what it checks."""
+    import socket
+
+    from mmshm.transport import ec_store
+
+    try:
+        cfg = ec_store.StoreConfig.from_extra(extra)
+    except ec_store.StoreConfigError as exc:
+        problems.append(Problem(
+            f"the Mooncake Store setting {exc.key or '?'} in ec_connector_extra_config is not "
+            f"valid: {exc}", f"correct {exc.key or 'it'} (docs/epd-nodes.md lists the keys)"))
+        return StoreCheck(settings=str(exc), key=exc.key)
+    if cfg is None:
+        notes.append("ec_connector_extra_config names no master_server_address: the Mooncake "
+                     "Store leg is off (encoder outputs move within a node only)")
+        return StoreCheck(settings="off")
+    out = StoreCheck(settings="ok", master=cfg.master_server_address,
+                     metadata=cfg.metadata_server, protocol=cfg.protocol,
+                     timeout_s=cfg.timeout_s, listens=cfg.describe())
+    try:
+        ec_store.load_engine()
+        out.engine = "loads"
+    except (ImportError, OSError) as exc:
+        out.engine = f"{type(exc).__name__}: {exc}"
+        problems.append(Problem(f"the Mooncake engine cannot be loaded ({out.engine}): encoder "
+                                f"outputs would move within each node only",
+                                ec_store._FIX_ENGINE))
+    try:
+        socket.create_connection(cfg.master(), timeout=cfg.timeout_s).close()
+        out.master_rpc = "accepts"
+    except OSError as exc:
+        out.master_rpc = f"{type(exc).__name__}: {exc}"
+        problems.append(Problem(
+            f"the Mooncake master's RPC port {cfg.master_server_address} does not accept a "
+            f"TCP connection within store_timeout_s={cfg.timeout_s} s ({out.master_rpc})",
+            ec_store._FIX["unreachable"]))
+    scheme = cfg.metadata_server.split("://", 1)[0].lower() if "://" in cfg.metadata_server \
+        else cfg.metadata_server
+    if scheme not in ("http", "https"):
+        out.metadata_http = f"not checked ({scheme})"
+        notes.append(f"the metadata server {cfg.metadata_server} is not an HTTP one: mmshm "
+                     f"does not check it")
+        return out
+    try:
+        ec_store._probe_http(cfg.metadata_server, cfg.timeout_s)
+        out.metadata_http = "answers"
+    except OSError as exc:
+        out.metadata_http = f"{type(exc).__name__}: {exc}"
+        problems.append(Problem(
+            f"the Mooncake metadata server {cfg.metadata_server} does not answer HTTP within "
+            f"store_timeout_s={cfg.timeout_s} s ({out.metadata_http})",
+            ec_store._FIX["unreachable"]))
+    return out
+
+
+def store_rows(c: StoreCheck) -> list[tuple[str, str]]:
+    """``mmshm doctor``'s rows for the Store check ``c``."""
+    if c.settings == "off":
+        return [("Mooncake Store", "off: no master_server_address")]
+    if c.settings != "ok":
+        return [("Mooncake Store", f"settings NOT valid ({c.key}): {c.settings}")]
+    return [("Mooncake Store", c.listens),
+            ("  engine", c.engine),
+            ("  master RPC", f"{c.master}: {c.master_rpc}"),
+            ("  metadata", f"{c.metadata}: {c.metadata_http}")]
+
+
+def diagnose(directory: str | None = None, expected_bytes: int | None = None,
+             ec_config: dict | None = None) -> DoctorReport:
     """Inspect the segment directory and the host around it (read-only).
 
     Args:
         directory: segment directory (default ``MMSHM_DIR``).
         expected_bytes: multimodal bytes expected in flight at once (default:
             :data:`DEFAULT_ASSUMPTION`, about 687 MiB).
+        ec_config: the connector's ``ec_connector_extra_config`` (or vLLM's
+            whole ``--ec-transfer-config``, :func:`ec_extra`): the Mooncake
+            Store leg is checked too (:func:`store_check`); None: not.
     """
     d = segment_dir(directory)
     if expected_bytes is None:
@@ -365,6 +504,7 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
         assumption = "as given with --expected-bytes"
     problems: list[Problem] = []
     notes: list[str] = []
+    store = None if ec_config is None else store_check(ec_extra(ec_config), problems, notes)
     where = "--dir" if directory is not None else "MMSHM_DIR"
     unusable = config.dir_problem(d, create=False, where=where)
     if unusable is None:
@@ -381,7 +521,7 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
                             shm_size_gib=shm_size_advice(expected), fd_soft_limit=soft_l,
                             fd_hard_limit=hard_l, fd_needed=need, cgroup_limit_bytes=limit,
                             cgroup_usage_bytes=usage, cgroup_shmem_bytes=shmem,
-                            servers=server_versions())
+                            servers=server_versions(), notes=notes, store=store)
     size = st.f_blocks * st.f_frsize
     free = st.f_bavail * st.f_frsize
     reserve = config.min_free_bytes(size)
@@ -467,4 +607,4 @@ def diagnose(directory: str | None = None, expected_bytes: int | None = None) ->
         cgroup_limit_bytes=limit, cgroup_usage_bytes=usage, cgroup_shmem_bytes=shmem,
         servers=servers, notes=notes, node=node.describe(d), arena_bytes=arena,
         arena_source=arena_source, cuda_host=cuda, memlock_soft_limit=mem_soft,
-        memlock_hard_limit=mem_hard)
+        memlock_hard_limit=mem_hard, store=store)

@@ -35,6 +35,12 @@ Read-only and safe beside running servers:
   descriptor, which holds no lock and no reference (``mapped``, not ``held``).
   Whether a consumer registered its mappings with CUDA is per process and not
   visible from outside: its metrics and its log say it (:data:`REGISTRATION_HINT`).
+* **The Mooncake Store leg** (EPD across nodes, docs/epd-nodes.md): a process
+  with a Store tier (a PD instance's EngineCore, an encoder's TP-rank-0
+  worker) lists it in its memfd (:mod:`mmshm.transport.ec_holders`): the
+  master, the protocol, what listens where, connected or the last connect
+  error, and its counts (:class:`StoreState`). Such a process is listed even
+  when it holds no segment. Neither torch nor the engine is imported.
 """
 
 from __future__ import annotations
@@ -134,6 +140,33 @@ class EpdHeld(msgspec.Struct):
     bytes: int = 0
 
 
+class StoreState(msgspec.Struct):
+    """A process's Mooncake Store tier (EPD across nodes), as its memfd says
+    (:func:`mmshm.transport.ec_holders.read_stores`).
+
+    Attributes:
+        server: the server it serves (``vllm``).
+        master: the ``mooncake_master``'s RPC ``host:port``.
+        metadata: the transfer engine's metadata server (URL).
+        protocol: ``tcp`` or ``rdma``.
+        listens: what listens where (``StoreConfig.describe()``).
+        connected: its client is set up with the master.
+        error: the last connect error (empty when connected or not tried yet).
+        stats: its counts: ``puts``, ``put_bytes``, ``gets``, ``get_bytes``,
+            ``miss_<reason>``, ``drop_<reason>`` (bytes in bytes), and
+            ``put_seconds``/``get_seconds`` (s).
+    """
+
+    server: str
+    master: str
+    metadata: str
+    protocol: str
+    listens: str
+    connected: bool
+    error: str = ""
+    stats: dict[str, float] = msgspec.field(default_factory=dict)
+
+
 class ProcessEntry(msgspec.Struct):
     """A process that holds segments, or a server process mmshm knows.
 
@@ -166,6 +199,7 @@ class ProcessEntry(msgspec.Struct):
         epd_held: encoder outputs of other instances (EPD) it holds, by
             holder (what an idle consumer still holds, and why); part of
             ``held`` and ``bytes``.
+        store: its Mooncake Store tiers (EPD across nodes; usually one).
     """
 
     pid: int
@@ -185,6 +219,7 @@ class ProcessEntry(msgspec.Struct):
     mapped: int = 0
     mapped_bytes: int = 0
     epd_held: list[EpdHeld] = msgspec.field(default_factory=list)
+    store: list[StoreState] = msgspec.field(default_factory=list)
 
 
 #: Where a consumer's registration of the arena with CUDA can be seen: it is
@@ -573,11 +608,16 @@ def _owns(pid: int, fd: str) -> bool:
 
 def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
     """Per visible pid: ``{"owned": set, "held": set, "cached": set, "mapped": set,
-    "role": ..., "dp_rank": ..., "command": ...}`` of this directory's segments it has open
+    "role": ..., "dp_rank": ..., "command": ..., "stores": [StoreLine]}`` of this directory's
+    segments it has open
     (``cached``: those a cache of the process keeps, :func:`lock_marks`; ``mapped``: those it
     has open only as an ``O_PATH`` descriptor, an arena consumer's persistent mapping, which
-    holds neither lock nor reference), plus the server processes that hold none; and notes
+    holds neither lock nor reference; ``stores``: its Mooncake Store tiers,
+    :func:`mmshm.transport.ec_holders.read_stores`), plus the server processes and the
+    processes with a Store tier that hold none; and notes
     (processes whose descriptors cannot be read)."""
+    from mmshm.transport.ec_holders import read_stores
+
     d = os.path.realpath(directory)
     out: dict[int, dict] = {}
     hidden = 0
@@ -618,7 +658,8 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
         command = _command(pid)
         role = role_of(command)
         mapped -= owned | held
-        if not owned and not held and not mapped and role is None:
+        stores = read_stores(pid)
+        if not owned and not held and not mapped and role is None and not stores:
             continue
         ns = _mount_ns(pid)
         if my_ns is not None and ns is not None and ns != my_ns:
@@ -630,7 +671,8 @@ def scan_processes(directory: str) -> tuple[dict[int, dict], list[str]]:
             continue  # the pid was reused while we looked: drop it
         out[pid] = {"owned": owned, "held": held - owned, "role": role,
                     "dp_rank": _dp_rank(pid, role), "command": command,
-                    "under_mmshm_run": under, "cached": cached, "mapped": mapped}
+                    "under_mmshm_run": under, "cached": cached, "mapped": mapped,
+                    "stores": stores}
     notes = []
     if hidden and os.geteuid() != 0:
         notes.append(f"{hidden} process(es) of other users cannot be inspected (run as root "
@@ -748,6 +790,9 @@ def status(directory: str | None = None) -> StatusReport:
                 e.mapped_bytes += s.bytes
         if p["held"]:
             e.epd_held = epd_held(pid, d)
+        e.store = [StoreState(t.server, t.master, t.metadata, t.protocol, t.listens,
+                              t.connected, t.error, dict(t.stats))
+                   for t in p.get("stores", ())]
         entries.append(e)
     hidden = [s for s in segs if s.held and s.name not in seen]
     orphans = [s for s in segs if s.orphan]
@@ -769,6 +814,21 @@ def status(directory: str | None = None) -> StatusReport:
         notes=notes,
         mmshm_elsewhere_bytes=sum(g.bytes for g in others if g.owner == MMSHM_ELSEWHERE),
         node=node.describe(d), arena=arena_state(size, segs, procs))
+
+
+def store_lines(pid: int, t: StoreState, size: Callable[[int], str]) -> list[str]:
+    """``mmshm status``'s lines for process ``pid``'s Store tier ``t``."""
+    st = t.stats
+    state = ("connected" if t.connected else
+             f"NOT connected ({t.error})" if t.error else "not connected yet")
+    counts = (f"puts {int(st.get('puts', 0))} ({size(int(st.get('put_bytes', 0)))}), "
+              f"gets {int(st.get('gets', 0))} ({size(int(st.get('get_bytes', 0)))})")
+    for kind, word in (("miss_", "misses"), ("drop_", "puts dropped")):
+        got = [f"{k[len(kind):]} {int(v)}" for k, v in sorted(st.items())
+               if k.startswith(kind) and v]
+        counts += f"; {word}: " + (", ".join(got) if got else "none")
+    return [f"  {pid}: Mooncake Store ({t.server}, {t.protocol}): {state}; {counts}",
+            f"  {pid}:   {t.listens}"]
 
 
 def cuda_available() -> bool:

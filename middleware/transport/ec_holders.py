@@ -8,6 +8,12 @@ cache", a request id), as JSON lines in a memfd of its own named
 gone with the process, and readable by ``mmshm status`` through
 ``/proc/<pid>/fd`` (same user, or root). This module imports neither torch nor
 the store, so that ``mmshm status`` stays light.
+
+A process with the Mooncake Store leg (:class:`mmshm.transport.ec_store.StoreTier`)
+adds one ``"kind": "store"`` line per tier to the same memfd
+(:func:`watch_store`): the master, the protocol, what listens where, whether
+it is connected (else the last connect error) and its counts, read back by
+:func:`read_stores`.
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ class _Holders:
         #: serialises the flushes: the lists and the memfd
         self.io = threading.RLock()
         self.parts: dict[int, bytes] = {}
-        #: store id -> a callable giving ``(server, directory, entries)``
-        self.pending: dict[int, object] = {}
+        #: store id -> a callable giving ``(server, directory, entries)``; a
+        #: Store tier's ``("store", id)`` -> a callable giving its line's dict
+        self.pending: dict = {}
         self.timer: threading.Timer | None = None
         self.timer_pid = 0
 
@@ -103,7 +110,12 @@ class _Holders:
                 pending, self.pending = self.pending, {}
             for store_id, source in pending.items():
                 got = source()
-                self._put(store_id, None if got is None else self._render(*got))
+                if got is None:
+                    self._put(store_id, None)
+                elif isinstance(store_id, tuple):  # a Store tier's line: a dict
+                    self._put(store_id, json.dumps({"pid": os.getpid(), **got}).encode())
+                else:
+                    self._put(store_id, self._render(*got))
 
     def _put(self, store_id: int, data: bytes | None) -> None:
         # under self.io
@@ -122,7 +134,6 @@ class _Holders:
         if body:
             os.pwrite(self.fd, body, 0)
 
-
     def _after_fork(self) -> None:
         # a lock another thread held at the fork stays held in the child
         self.lock, self.io, self.timer = threading.Lock(), threading.RLock(), None
@@ -132,22 +143,18 @@ HOLDERS = _Holders()
 os.register_at_fork(after_in_child=HOLDERS._after_fork)
 
 
-def read_holders(pid: int, directory: str | None = None) -> list[HeldEntry]:
-    """The entries process ``pid`` holds of the encoder cache (in
-    ``directory`` when given), with their holders, read from its memfd
-    through ``/proc/<pid>/fd``; empty when it holds none or cannot be read
-    (another user's process without root). Never raises."""
-    out: list[HeldEntry] = []
+def _lines(pid: int) -> list[dict]:
+    """The JSON objects of process ``pid``'s memfd (empty: none, or it cannot
+    be read). Never raises."""
     if pid == os.getpid():
         try:
             HOLDERS.flush()  # this process's own list: what it holds now
         except OSError:
             pass
-    want = os.path.realpath(directory) if directory else None
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return out
+        return []
     for n in fds:
         p = f"/proc/{pid}/fd/{n}"
         try:
@@ -157,14 +164,135 @@ def read_holders(pid: int, directory: str | None = None) -> list[HeldEntry]:
                 raw = f.read()
         except OSError:
             continue
+        out = []
         for line in raw.splitlines():
             try:
                 data = json.loads(line)
-                if want and os.path.realpath(data.get("directory", "")) != want:
-                    continue
-                out += [HeldEntry(str(e["name"]), int(e["nbytes"]), str(e.get("holder", "")),
-                                  str(e.get("label", ""))) for e in data["entries"]]
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except ValueError:
                 continue
-        break
+            if isinstance(data, dict):
+                out.append(data)
+        return out
+    return []
+
+
+def read_holders(pid: int, directory: str | None = None) -> list[HeldEntry]:
+    """The entries process ``pid`` holds of the encoder cache (in
+    ``directory`` when given), with their holders, read from its memfd
+    through ``/proc/<pid>/fd``; empty when it holds none or cannot be read
+    (another user's process without root). Never raises."""
+    out: list[HeldEntry] = []
+    want = os.path.realpath(directory) if directory else None
+    for data in _lines(pid):
+        if data.get("kind", "entries") != "entries":
+            continue
+        try:
+            if want and os.path.realpath(data.get("directory", "")) != want:
+                continue
+            out += [HeldEntry(str(e["name"]), int(e["nbytes"]), str(e.get("holder", "")),
+                              str(e.get("label", ""))) for e in data["entries"]]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
+
+
+# -- the Mooncake Store leg ------------------------------------------------------------------
+class StoreLine(NamedTuple):
+    """A process's Store tier (:class:`mmshm.transport.ec_store.StoreTier`) as
+    its memfd says: ``server`` ("vllm"), the ``master``'s RPC ``host:port``,
+    the ``metadata`` server's URL, ``protocol`` (``tcp``/``rdma``),
+    ``listens`` (:meth:`StoreConfig.describe`: what listens where),
+    ``connected``, ``error`` (the last connect error; empty when connected
+    or not tried yet) and ``stats`` (:attr:`StoreTier.stats`:
+    ``puts``, ``put_bytes``, ``gets``, ``get_bytes``, ``miss_<reason>``,
+    ``drop_<reason>`` as counts, ``put_seconds``/``get_seconds`` in s)."""
+
+    server: str
+    master: str
+    metadata: str
+    protocol: str
+    listens: str
+    connected: bool
+    error: str
+    stats: dict
+
+
+class _Counts(dict):
+    """A tier's ``stats``: a dict whose every assignment has the tier's line
+    written within :data:`FLUSH_S` (:meth:`_Holders.update`)."""
+
+    __slots__ = ("_tier_id", "_source")
+
+    def __setitem__(self, key, value) -> None:
+        dict.__setitem__(self, key, value)
+        HOLDERS.update(self._tier_id, self._source)
+
+
+def _store_source(ref):
+    describe: list[str] = []
+
+    def source():
+        tier = ref()
+        if tier is None:
+            return None  # gone: its line goes
+        cfg = tier.config
+        if not describe:  # once: it looks up the route to the master
+            try:
+                describe.append(cfg.describe())
+            except Exception as exc:  # noqa: BLE001 - a line never raises
+                describe.append(f"Mooncake Store at master {cfg.master_server_address} ({exc})")
+        try:
+            stats = dict(tier.stats)
+        except RuntimeError:  # changed size meanwhile: next flush
+            stats = {}
+        return {"kind": "store", "server": str(tier.server),
+                "master": str(cfg.master_server_address), "metadata": str(cfg.metadata_server),
+                "protocol": str(cfg.protocol), "listens": describe[0],
+                "connected": bool(tier._connected), "error": str(tier._connect_error or ""),
+                "stats": stats}
+
+    return source
+
+
+def watch_store(tier) -> None:
+    """List ``tier`` (a :class:`~mmshm.transport.ec_store.StoreTier`) in this
+    process's memfd: its line is written within :data:`FLUSH_S`, again within
+    :data:`FLUSH_S` of any change of its counts (``tier.stats`` becomes a dict
+    that says so) and at :func:`store_changed`; it goes with the tier (a weak
+    reference). Raises nothing."""
+    import weakref
+
+    tid = ("store", id(tier))
+    counts = _Counts(tier.stats)
+    counts._tier_id, counts._source = tid, _store_source(weakref.ref(tier))
+    tier.stats = counts
+    weakref.finalize(tier, HOLDERS.update, tid, lambda: None)
+    HOLDERS.update(tid, counts._source)
+
+
+def store_changed(tier) -> None:
+    """``tier`` connected or failed to: its line is rewritten within
+    :data:`FLUSH_S`. Raises nothing."""
+    counts = getattr(tier, "stats", None)
+    if isinstance(counts, _Counts):
+        HOLDERS.update(counts._tier_id, counts._source)
+
+
+def read_stores(pid: int) -> list[StoreLine]:
+    """The Store tiers of process ``pid`` (:func:`watch_store`), read from its
+    memfd through ``/proc/<pid>/fd``; empty when it has none or cannot be
+    read. Never raises."""
+    out = []
+    for data in _lines(pid):
+        if data.get("kind") != "store":
+            continue
+        try:
+            stats = data.get("stats") or {}
+            out.append(StoreLine(
+                str(data["server"]), str(data["master"]), str(data.get("metadata", "")),
+                str(data.get("protocol", "")), str(data.get("listens", "")),
+                bool(data.get("connected")), str(data.get("error", "")),
+                {str(k): v for k, v in stats.items() if isinstance(v, (int, float))}))
+        except (KeyError, TypeError, AttributeError):
+            continue
     return out

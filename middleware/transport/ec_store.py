@@ -75,6 +75,7 @@ import torch
 from mmshm.errors import MmshmError
 from mmshm.metrics import EPD_BYTES, EPD_FALLBACKS
 from mmshm.segments import codec
+from mmshm.transport import ec_holders
 from mmshm.transport.encoder_cache import KEY_BYTES, EncoderCache, Entry, payload_digest
 
 log = logging.getLogger("mmshm")
@@ -443,6 +444,7 @@ class StoreTier:
             self.stats[f"miss_{r}"] = 0
         for r in PUT_DROP_REASONS:
             self.stats[f"drop_{r}"] = 0
+        ec_holders.watch_store(self)  # `mmshm status` shows this tier and its counts
 
     def start(self) -> StoreTier:
         for name, target in (("getter", self._get_loop), ("putter", self._put_loop)):
@@ -509,12 +511,14 @@ class StoreTier:
                     buf = None  # reads then go to memory allocated per object
             except Exception as exc:  # noqa: BLE001 - any failure is "unreachable"
                 self._connect_error = f"{type(exc).__name__}: {exc}"
+                ec_holders.store_changed(self)
                 return False
             # the metrics are created now, in this background thread, not on the first put
             EPD_BYTES.labels(server=self.server, direction="store_get")
             self._store, self._read_buf = store, buf
             self._connected = True
             self._connect_error = ""
+            ec_holders.store_changed(self)
             log.info("mmshm: encoder cache (%s): %s", self.server, cfg.describe())
             return True
 
