@@ -440,7 +440,8 @@ def put(store: EncoderCache, tier, key: bytes, label: str) -> bool:
     (:meth:`~mmshm.transport.ec_store.StoreTier.put`), held until the put
     is over. False (nothing queued) when the entry is gone already or the
     tier refused it (the tier counted why)."""
-    entry = store.lookup(key, count=False, holder="Mooncake Store put", verify=False)
+    # held without counting a lookup: the producer reads its own entry
+    entry = store._search(key, None, None, verify=False, holder="Mooncake Store put")[0]
     if entry is None:
         log.debug("mmshm: EC output %s gone before its Store put", label)
         return False
