@@ -655,7 +655,9 @@ def status(directory, as_json) -> None:
     its command line tells, whether it runs under `mmshm run`): segments it
     owns and holds, their bytes, the references outstanding on the ones it
     owns, the oldest one's age and its warm pool. Server processes with no
-    segment are listed too. Then the other files on the same file system by
+    segment are listed too, and so are processes with the EPD connector's
+    Mooncake Store leg on: its state (connected, or the last connect
+    error), its counts and what listens where. Then the other files on the same file system by
     owner (NCCL, Python shared memory, SGLang, DeepSpeed, semaphores), and
     totals against the file system's size and the reserve. Read-only and
     safe beside live servers: liveness comes from the segments' locks, and a
