@@ -6,6 +6,7 @@ connected or the last connect error, its counts), and ``mmshm doctor
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -266,3 +267,21 @@ def test_doctor_ok_against_a_real_master(tmp_path):
     # the master gone, the same config is a problem
     rep = _diagnose(tmp_path, extra)
     assert len(_store_problems(rep)) == 2
+
+
+def test_a_tier_dropped_in_a_process_leaves_its_memfd():
+    import gc
+
+    from mmshm.transport import ec_holders
+
+    cfg = ec_store.StoreConfig.from_extra({"master_server_address": "127.0.0.1:1",
+                                           "local_hostname": "127.0.0.1"})
+    tier = ec_store.StoreTier(cfg, server="unit")  # not started: no client, no thread
+    mine = [t for t in ec_holders.read_stores(os.getpid()) if t.server == "unit"]
+    assert [(t.master, t.connected, t.stats["puts"]) for t in mine] == [("127.0.0.1:1", False, 0)]
+    tier.stats["puts"] += 1
+    assert [t.stats["puts"] for t in ec_holders.read_stores(os.getpid())
+            if t.server == "unit"] == [1]
+    del tier
+    gc.collect()
+    assert not [t for t in ec_holders.read_stores(os.getpid()) if t.server == "unit"]

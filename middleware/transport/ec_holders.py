@@ -55,7 +55,9 @@ class _Holders:
         self.pid = 0
         #: guards ``pending`` and ``timer`` only (an entry given back by the
         #: garbage collector in the middle of a flush calls :meth:`update`)
-        self.lock = threading.Lock()
+        #: reentrant: a Store tier's finalizer (:func:`watch_store`) may run from the
+        #: garbage collector while this thread holds it
+        self.lock = threading.RLock()
         #: serialises the flushes: the lists and the memfd
         self.io = threading.RLock()
         self.parts: dict[int, bytes] = {}
@@ -136,7 +138,7 @@ class _Holders:
 
     def _after_fork(self) -> None:
         # a lock another thread held at the fork stays held in the child
-        self.lock, self.io, self.timer = threading.Lock(), threading.RLock(), None
+        self.lock, self.io, self.timer = threading.RLock(), threading.RLock(), None
 
 
 HOLDERS = _Holders()
