@@ -479,14 +479,20 @@ class FakeEngine:
         self.gate.set()
         self.short = False
         self.gets = 0
+        self.registered: dict[int, int] = {}
+        self.events: list[tuple] = []
 
     def setup(self, *args):
         return 0
 
     def register_buffer(self, ptr, n):
+        self.registered[ptr] = n
+        self.events.append(("register", ptr, n))
         return 0
 
     def unregister_buffer(self, ptr):
+        self.registered.pop(ptr, None)
+        self.events.append(("unregister", ptr))
         return 0
 
     def health_check(self):
@@ -511,6 +517,31 @@ class FakeEngine:
         data = self.objects[key][: n // 2 if self.short else n]
         ctypes.memmove(ptr, data, len(data))
         return len(data)
+
+    def batch_get_into_multi_buffers(self, keys, all_ptrs, all_sizes):
+        """The object scattered over the buffers, in order (the engine's call)."""
+        import ctypes
+
+        out = []
+        for key, ptrs, sizes in zip(keys, all_ptrs, all_sizes):
+            self.gets += 1
+            # every target lies in memory registered with the engine (RDMA needs it)
+            self.events.append(("get", list(ptrs), list(sizes), all(
+                any(b <= p and p + n <= b + m for b, m in self.registered.items())
+                for p, n in zip(ptrs, sizes))))
+            self.gate.wait(30)
+            data = self.objects.get(key)
+            if data is None:
+                out.append(-704)
+                continue
+            data = data[: len(data) // 2 if self.short else len(data)]
+            off = 0
+            for ptr, n in zip(ptrs, sizes):
+                part = data[off:off + n]
+                ctypes.memmove(ptr, part, len(part))
+                off += len(part)
+            out.append(off)
+        return out
 
 
 @pytest.fixture
@@ -585,3 +616,135 @@ def test_short_read_and_hanging_read_are_bounded_misses(fake_tier, caplog):
         if got is not None:
             break
     assert got is not None and torch.equal(got, t) and tier.stats["gets"] >= 1
+
+
+# -- the one-copy fetch (fetch_local): network -> the new segment, checked, then published ----
+def _object(tier, eng, key, t, *, rec_key=None, payload=None):
+    """Put ``t`` under ``key`` in the stand-in engine as the encoder's put
+    would; ``rec_key`` / ``payload`` make a bad record / another payload."""
+    import torch
+
+    from mmshm.segments import codec
+
+    good = t.reshape(-1).view(torch.uint8).numpy()
+    digest = ec_store.payload_digest(key, good.nbytes, lambda o, n: good[o:o + n])
+    head = ec_store.record_bytes(ec_store._Record(rec_key or key, codec.dtype_code(t.dtype),
+                                                  tuple(t.shape), good.nbytes, 1, digest))
+    body = good if payload is None else payload
+    eng.objects[tier.store_key(key)] = head + body.tobytes()
+
+
+def _mmshm_files(d):
+    return sorted(n for n in os.listdir(d) if n.startswith("mmshm"))
+
+
+def test_fetch_local_reads_straight_into_the_published_segment(fake_tier, shm_dir):
+    import torch
+
+    from mmshm.transport.encoder_cache import EncoderCache, content_key, published_name
+
+    tier, eng = fake_tier
+    cache = EncoderCache(keep_s=60, namespace="m")
+    try:
+        k = content_key("one copy")
+        t = torch.randn(300, 256).to(torch.bfloat16)
+        _object(tier, eng, k, t)
+        assert ec_store.fetch_local(cache, tier, k, torch.bfloat16, 300, shape=(300, 256)) == ""
+        e = cache.lookup(k, torch.bfloat16, 300, shape=(300, 256))
+        assert e is not None and torch.equal(e.load(), t)  # equal bytes, published
+        # one get: the record into the read buffer, the payload straight into the
+        # segment's shared mapping, registered for the read and given back right after
+        gets = [ev for ev in eng.events if ev[0] == "get"]
+        assert len(gets) == 1 and eng.gets == 1
+        _, ptrs, sizes, in_registered = gets[0]
+        assert sizes == [ec_store.RECORD_BYTES, t.numel() * 2] and in_registered
+        assert ptrs[0] == tier._read_buf.data_ptr()
+        assert not (tier._read_buf.data_ptr() <= ptrs[1] < tier._read_buf.data_ptr()
+                    + tier._read_buf.numel())
+        i = eng.events.index(gets[0])
+        assert eng.events[i - 1] == ("register", ptrs[1], sizes[1])
+        assert eng.events[i + 1] == ("unregister", ptrs[1])
+        assert not eng.registered.get(ptrs[1])
+        assert tier.stats["gets"] == 1 and tier.stats["get_bytes"] == t.numel() * 2
+        # the segment published is the one the engine wrote: its mapping holds the payload
+        seg = e._seg
+        view = seg.payload_view()
+        import ctypes
+
+        base = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        assert base == ptrs[1]
+        del view
+        # published already: a second fetch reads nothing
+        assert ec_store.fetch_local(cache, tier, k, torch.bfloat16, 300) == ""
+        assert eng.gets == 1
+        e.release()
+        assert _mmshm_files(shm_dir) == [published_name(k)]
+    finally:
+        cache.close()
+    assert _mmshm_files(shm_dir) == []
+
+
+def test_fetch_local_never_publishes_a_bad_record_short_get_or_other_payload(fake_tier,
+                                                                            shm_dir):
+    import torch
+
+    from mmshm.transport.encoder_cache import EncoderCache, content_key
+
+    tier, eng = fake_tier
+    cache = EncoderCache(keep_s=60, namespace="m")
+    try:
+        t = torch.randn(300, 256).to(torch.bfloat16)
+        keys = {r: content_key(f"bad {r}") for r in ("record", "dtype", "short", "digest")}
+        _object(tier, eng, keys["record"], t, rec_key=content_key("another item"))
+        _object(tier, eng, keys["dtype"], t.to(torch.float16))
+        _object(tier, eng, keys["short"], t)
+        other = t.reshape(-1).view(torch.uint8).numpy().copy()
+        other[-4096:] ^= 0xFF  # the last page: one the digest samples
+        _object(tier, eng, keys["digest"], t, payload=other)
+        before = dict(tier.stats)
+        got = {}
+        for r, k in keys.items():
+            eng.short = r == "short"
+            got[r] = ec_store.fetch_local(cache, tier, k, torch.bfloat16, 300)
+            eng.short = False
+            # nothing published, nothing left: not even an unpublished segment
+            assert cache.lookup(k, count=False) is None, r
+            assert _mmshm_files(shm_dir) == [], (r, _mmshm_files(shm_dir))
+        assert got == {"record": "store_record_mismatch", "dtype": "store_record_mismatch",
+                       "short": "store_short", "digest": "store_digest"}
+        counted = {r: tier.stats[f"miss_{r}"] - before[f"miss_{r}"]
+                   for r in ("record_mismatch", "short", "digest")}
+        assert counted == {"record_mismatch": 2, "short": 1, "digest": 1}
+        assert tier.stats["gets"] == before["gets"]
+        assert set(eng.registered) == {tier._read_buf.data_ptr()}  # each segment given back
+    finally:
+        cache.close()
+    assert _mmshm_files(shm_dir) == []
+
+
+def test_a_read_past_its_deadline_publishes_only_checked_bytes(fake_tier, shm_dir):
+    import torch
+
+    from mmshm.transport.encoder_cache import EncoderCache, content_key
+
+    tier, eng = fake_tier
+    cache = EncoderCache(keep_s=60, namespace="m")
+    try:
+        k = content_key("late")
+        t = torch.randn(300, 256).to(torch.bfloat16)
+        _object(tier, eng, k, t)
+        eng.gate.clear()  # the engine's read hangs past store_timeout_s
+        assert ec_store.fetch_local(cache, tier, k, torch.bfloat16, 300) == "store_timeout"
+        assert cache.lookup(k, count=False) is None  # the segment being read is not found
+        eng.gate.set()  # the read ends on the reader thread: checked, then published
+        deadline = time.monotonic() + 5
+        e = None
+        while e is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            e = cache.lookup(k, torch.bfloat16, 300, count=False)
+        assert e is not None and torch.equal(e.load(), t)
+        e.release()
+        assert set(eng.registered) == {tier._read_buf.data_ptr()}
+    finally:
+        cache.close()
+    assert _mmshm_files(shm_dir) == []

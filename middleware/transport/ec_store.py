@@ -24,13 +24,19 @@ object is found only once complete), so a put still in flight is a miss
 (``absent``), never partial bytes.
 
 **PD's order** (:func:`load_through`): its own node's segments first
-(:meth:`EncoderCache.lookup`); on a miss, :meth:`StoreTier.fetch_view` reads
-the object (``get_size`` and one ``get_into`` into a read buffer registered
-with the engine once, never per request), checks the record against the key,
-the expected dtype and rows, the object's size and the payload's digest, and
-the output is saved into a new local segment (:meth:`EncoderCache.save`) and
-looked up there: other PD instances of that node then hit it in shared
-memory, with no cross-node bytes. If both miss, the caller encodes the item.
+(:meth:`EncoderCache.lookup`); on a miss, :func:`fetch_local`
+(:meth:`StoreTier.fetch_into`) reads the object with one copy: ``get_size``,
+a new unpublished segment of this node (:meth:`EncoderCache.reserve`,
+registered with the engine for that read and given back right after it), and
+one scattered get of the object (the record into the read buffer registered
+once, the payload straight into the segment's shared mapping); then it
+checks the record against the key, the expected dtype, rows and shape and the
+object's size, and the payload's digest, and only then publishes the segment
+(:meth:`PendingEntry.publish`; a failed check gives it back unpublished), and
+the output is looked up there: other PD instances of that node then hit it in
+shared memory, with no cross-node bytes. If both miss, the caller encodes the
+item. (:meth:`StoreTier.fetch_view` reads into the read buffer instead, for a
+caller that wants no segment.)
 
 **Failures are per request** and never raise into the server: every one is a
 miss counted in ``mmshm_epd_fallbacks_total{reason="store_<reason>"}`` with
@@ -71,12 +77,18 @@ from urllib.parse import urlparse
 import msgspec
 import numpy as np
 import torch
-
 from mmshm.errors import MmshmError
 from mmshm.metrics import EPD_BYTES, EPD_FALLBACKS
 from mmshm.segments import codec
 from mmshm.transport import ec_holders
-from mmshm.transport.encoder_cache import KEY_BYTES, EncoderCache, Entry, payload_digest
+from mmshm.transport.encoder_cache import (
+    KEY_BYTES,
+    EncoderCache,
+    Entry,
+    PendingEntry,  # noqa: F401 - documented: fetch_into's segment
+    SaveResult,
+    payload_digest,
+)
 
 log = logging.getLogger("mmshm")
 
@@ -395,10 +407,12 @@ def from_config(extra: Mapping | None, server: str = "vllm", engine=None,
 
 # -- the tier ------------------------------------------------------------------------------
 class _Job:
-    __slots__ = ("abandoned", "done", "dtype", "key", "result", "rows", "shape")
+    __slots__ = ("abandoned", "cache", "done", "dtype", "key", "result", "rows", "shape")
 
-    def __init__(self, key, dtype, rows, shape):
+    def __init__(self, key, dtype, rows, shape, cache=None):
         self.key, self.dtype, self.rows, self.shape = key, dtype, rows, shape
+        #: an EncoderCache: read straight into a new segment of it and publish there
+        self.cache = cache
         self.done = False
         self.abandoned = False
         self.result = None
@@ -621,7 +635,7 @@ class StoreTier:
                 if on_done is not None:
                     try:
                         on_done()
-                    except Exception:  # noqa: BLE001 - a release never takes the thread down
+                    except Exception:
                         log.debug("mmshm: Store put's on_done failed", exc_info=True)
                 with self._cond:
                     self._pending_items -= 1
@@ -707,6 +721,46 @@ class StoreTier:
         """:meth:`fetch_view` and why it missed: ``((tensor, release), "")``
         or ``(None, reason)`` with ``reason`` one of :data:`MISS_REASONS`
         (``"closed"`` after :meth:`close`)."""
+        got, reason = self._submit(_Job(key, dtype, rows, shape))
+        if got is None:
+            return None, reason
+        view = got
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(1)
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+        return (view, release), ""
+
+    def fetch_into(self, cache: EncoderCache, key: bytes, dtype=None, rows=None, *,
+                   shape=None) -> tuple[SaveResult | None, str]:
+        """The object of ``key`` read straight into a new segment of ``cache``
+        (:meth:`EncoderCache.reserve`: one copy, network to shared memory),
+        checked as :meth:`fetch_view` checks it (record against the key,
+        ``dtype``, ``rows``, ``shape`` and the object's size; the payload's
+        digest) and only then published (:meth:`PendingEntry.publish`); a
+        failed check gives the segment back unpublished. The segment is
+        registered with the engine for the read and given back before it is
+        published or discarded. Returns ``(SaveResult, "")`` (published now,
+        or already there: no Store read) or ``(None, reason)``: one of
+        :data:`MISS_REASONS` (counted here), ``"closed"``, or the save's
+        refusal ``"save_<reason>"`` (counted by the cache). Bounded as
+        :meth:`fetch`; a read still running at the deadline finishes on the
+        reader thread, which then publishes or discards its segment.
+
+        Raises:
+            ValueError: a key that is not :data:`KEY_BYTES` long.
+        """
+        return self._submit(_Job(key, dtype, rows, shape, cache))
+
+    def _submit(self, job: _Job):
+        """Run ``job`` on the reader thread, waiting at most ``timeout_s``:
+        ``(value, "")`` or ``(None, reason)`` (counted)."""
+        key = job.key
         if len(key) != KEY_BYTES:
             raise ValueError(f"a key is {KEY_BYTES} bytes, not {len(key)}")
         if self._closed:
@@ -716,6 +770,7 @@ class StoreTier:
             self._count("miss", "unreachable", self._unreachable())
             return None, "unreachable"
         deadline = time.monotonic() + self.config.timeout_s
+        submitted = job
         with self._cond:
             while self._busy:
                 left = deadline - time.monotonic()
@@ -726,7 +781,7 @@ class StoreTier:
                 job = None
             else:
                 self._busy = True
-                job = _Job(key, dtype, rows, shape)
+                job = submitted
                 self._jobs.append(job)
                 self._cond.notify_all()
                 while not job.done:
@@ -745,20 +800,12 @@ class StoreTier:
             self._count("miss", "timeout", f"{why} within store_timeout_s="
                         f"{self.config.timeout_s} s ({key.hex()[:16]})")
             return None, "timeout"
-        view, reason, detail = job.result
-        if view is None:
-            self._count("miss", reason, detail)
+        value, reason, detail = job.result
+        if value is None:
+            if reason in MISS_REASONS:
+                self._count("miss", reason, detail)
             return None, reason
-        released = []
-
-        def release() -> None:
-            if not released:
-                released.append(1)
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-        return (view, release), ""
+        return value, ""
 
     def _get_loop(self) -> None:
         while True:
@@ -782,7 +829,7 @@ class StoreTier:
                 else:
                     job.result = result
                     job.done = True
-                    if job.abandoned or result[0] is None:
+                    if job.abandoned or result[0] is None or job.cache is not None:
                         self._busy = False
                 self._cond.notify_all()
 
@@ -802,6 +849,8 @@ class StoreTier:
             return None, "unreachable", f"get_size({skey}) returned {size}"
         if size < RECORD_BYTES:
             return None, "record_mismatch", f"{skey} holds {size} bytes, no record"
+        if job.cache is not None:
+            return self._read_into(job, skey, size, t0)
         buf = self._read_buf
         if buf is None or size > buf.numel():
             buf = torch.empty(size, dtype=torch.uint8)
@@ -812,6 +861,75 @@ class StoreTier:
             return None, "short", f"the read of {skey} returned {got} of {size} bytes"
         raw = buf[:size].numpy()
         head = raw[:RECORD_BYTES].tobytes()
+        rec, got_dtype, bad = self._check_record(job, skey, head, size - RECORD_BYTES)
+        if bad:
+            return None, "record_mismatch", bad
+        nbytes = size - RECORD_BYTES
+        payload = raw[RECORD_BYTES:size]
+        if payload_digest(key, nbytes, lambda off, n: payload[off:off + n]) != rec.digest:
+            return None, "digest", f"{skey}: the payload is not the one its record describes"
+        view = buf[RECORD_BYTES:size].view(got_dtype).view(tuple(rec.shape)) if nbytes else \
+            torch.empty(tuple(rec.shape), dtype=got_dtype)
+        self._got(nbytes, t0)
+        return view, "", ""
+
+    def _got(self, nbytes: int, t0: float) -> None:
+        self.stats["gets"] += 1
+        self.stats["get_bytes"] += nbytes
+        self.stats["get_seconds"] += time.perf_counter() - t0
+        EPD_BYTES.labels(server=self.server, direction="store_get").inc(nbytes)
+
+    def _read_into(self, job: _Job, skey: str, size: int, t0: float):
+        """(reader thread) ``job``'s object read into a new segment of
+        ``job.cache``, checked, published: ``(SaveResult, "", "")`` or
+        ``(None, reason, detail)``."""
+        key, nbytes = job.key, size - RECORD_BYTES
+        pending = job.cache.reserve(key, nbytes, label="mooncake-store")
+        if isinstance(pending, SaveResult):  # published already, or refused (counted)
+            if pending.published:
+                return pending, "", ""
+            return None, f"save_{pending.reason}", ""
+        try:
+            head_buf = self._read_buf
+            if head_buf is None:
+                head_buf = torch.empty(RECORD_BYTES, dtype=torch.uint8)
+            addr = pending.address
+            if not nbytes:
+                got = self._store.get_into(skey, head_buf.data_ptr(), RECORD_BYTES)
+            else:
+                # the payload's segment is registered for this read and given back right
+                # after it: before the segment is published, discarded or unmapped
+                registered = self._store.register_buffer(addr, nbytes) == 0
+                try:
+                    got = self._store.batch_get_into_multi_buffers(
+                        [skey], [[head_buf.data_ptr(), addr]], [[RECORD_BYTES, nbytes]])[0]
+                finally:
+                    if registered:
+                        self._store.unregister_buffer(addr)
+            if got == _OBJECT_NOT_FOUND:
+                return None, "absent", f"{skey} went away before its read"
+            if got != size:
+                return None, "short", f"the read of {skey} returned {got} of {size} bytes"
+            head = head_buf[:RECORD_BYTES].numpy().tobytes()
+            rec, got_dtype, bad = self._check_record(job, skey, head, nbytes)
+            if bad:
+                return None, "record_mismatch", bad
+            saved = pending.publish(got_dtype, tuple(rec.shape), rec.digest)
+            if saved.reason == "digest":
+                return None, "digest", (f"{skey}: the payload is not the one its record "
+                                        f"describes")
+            if not saved.published:
+                return None, f"save_{saved.reason}", ""
+            self._got(nbytes, t0)
+            return saved, "", ""
+        finally:
+            pending.discard()  # unless published: nothing unchecked is ever found
+
+    def _check_record(self, job: _Job, skey: str, head: bytes, nbytes: int):
+        """``(record, dtype, "")`` or ``(record | None, dtype | None, why)``:
+        the record in ``head`` against the job's key, dtype, rows, shape and
+        the object's payload size ``nbytes``."""
+        key = job.key
         rec = None
         if head[:8] == _MAGIC:
             (n,) = _LEN.unpack_from(head, 8)
@@ -821,9 +939,8 @@ class StoreTier:
                 except msgspec.DecodeError:
                     rec = None
         if rec is None:
-            return None, "record_mismatch", f"{skey} holds no mmshm record"
+            return None, None, f"{skey} holds no mmshm record"
         got_dtype = (codec.DTYPES[rec.dtype] if 0 <= rec.dtype < len(codec.DTYPES) else None)
-        nbytes = size - RECORD_BYTES
         bad = None
         if rec.key != key:
             bad = f"its record names content {rec.key.hex()[:16]}"
@@ -841,18 +958,7 @@ class StoreTier:
                 w is not None and w >= 0 and int(w) != g
                 for w, g in zip(job.shape, rec.shape))):
             bad = f"it holds shape {list(rec.shape)}, expected {list(job.shape)}"
-        if bad:
-            return None, "record_mismatch", f"{skey}: {bad}"
-        payload = raw[RECORD_BYTES:size]
-        if payload_digest(key, nbytes, lambda off, n: payload[off:off + n]) != rec.digest:
-            return None, "digest", f"{skey}: the payload is not the one its record describes"
-        view = buf[RECORD_BYTES:size].view(got_dtype).view(tuple(rec.shape)) if nbytes else \
-            torch.empty(tuple(rec.shape), dtype=got_dtype)
-        self.stats["gets"] += 1
-        self.stats["get_bytes"] += nbytes
-        self.stats["get_seconds"] += time.perf_counter() - t0
-        EPD_BYTES.labels(server=self.server, direction="store_get").inc(nbytes)
-        return view, "", ""
+        return rec, got_dtype, (f"{skey}: {bad}" if bad else "")
 
     # -- the end -----------------------------------------------------------------------
     def close(self, timeout: float = 5.0) -> None:
@@ -914,9 +1020,10 @@ _STOP = _Job(b"", None, None, None)
 def fetch_local(cache: EncoderCache, tier: StoreTier, key: bytes,
                 dtype: torch.dtype | None = None, rows: int | None = None, *,
                 shape: tuple | None = None) -> str:
-    """The Store's object of ``key`` (:meth:`StoreTier.fetch_view_why`,
-    every check of it) published in this node's shared memory
-    (:meth:`EncoderCache.save`, kept for ``cache``'s keep time), where the
+    """The Store's object of ``key`` read straight into a new segment of this
+    node's shared memory and published there once every check passed
+    (:meth:`StoreTier.fetch_into`: one copy; kept for ``cache``'s keep
+    time; nothing read when the entry is there already), where the
     caller then looks it up (:meth:`EncoderCache.lookup`). Returns ``""``
     when published, else why not: ``store_<reason>`` (:data:`MISS_REASONS`;
     the Store counted it) or the local save's refusal (counted by the
@@ -926,17 +1033,12 @@ def fetch_local(cache: EncoderCache, tier: StoreTier, key: bytes,
     Raises:
         ValueError: a key that is not :data:`KEY_BYTES` long.
     """
-    got, reason = tier.fetch_view_why(key, dtype, rows, shape=shape)
-    if got is None:
-        return f"store_{reason}"
-    view, release = got
-    try:
-        saved = cache.save(key, view, label="mooncake-store")
-    finally:
-        release()
-    if saved.published:
+    saved, reason = tier.fetch_into(cache, key, dtype, rows, shape=shape)
+    if saved is not None:
         return ""
-    return saved.reason or "store_save_failed"
+    if reason.startswith("save_"):
+        return reason[len("save_"):] or "store_save_failed"
+    return f"store_{reason}"
 
 
 def load_through(cache: EncoderCache, tier: StoreTier | None, key: bytes,
@@ -944,9 +1046,9 @@ def load_through(cache: EncoderCache, tier: StoreTier | None, key: bytes,
                  shape: tuple | None = None, holder: str = "") -> Entry | None:
     """PD's lookup order for one item: this node's segments
     (:meth:`EncoderCache.lookup`); on a miss, the Store
-    (:meth:`StoreTier.fetch_view`), saved into a new local segment
-    (:meth:`EncoderCache.save`, so other instances of this node hit it in
-    shared memory) and looked up there. Returns the held :class:`Entry`, or
+    (:func:`fetch_local`: read straight into a new local segment, checked,
+    published, so other instances of this node hit it in shared memory) and
+    looked up there. Returns the held :class:`Entry`, or
     None: the caller encodes the item (the miss is counted: the local one's
     reason without a Store, ``store_<reason>`` with one). Never raises for a
     missing, foreign or failed entry.
@@ -957,14 +1059,6 @@ def load_through(cache: EncoderCache, tier: StoreTier | None, key: bytes,
     entry = cache.lookup(key, dtype, rows, shape=shape, count=tier is None, holder=holder)
     if entry is not None or tier is None:
         return entry
-    got = tier.fetch_view(key, dtype, rows, shape=shape)
-    if got is None:
-        return None
-    view, release = got
-    try:
-        saved = cache.save(key, view, label="mooncake-store")
-    finally:
-        release()
-    if not saved.published:
-        return None  # save counted why
+    if fetch_local(cache, tier, key, dtype, rows, shape=shape):
+        return None  # the Store or the save counted why
     return cache.lookup(key, dtype, rows, shape=shape, holder=holder)

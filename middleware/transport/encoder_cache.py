@@ -170,7 +170,6 @@ import blake3
 import msgspec
 import numpy as np
 import torch
-
 from mmshm.errors import (
     MmshmError,
     SegmentError,
@@ -192,11 +191,11 @@ from mmshm.segments.segfile import (
     HEADER_SIZE,
     OPEN_FLAGS,
     PREFIX,
+    STATE_LIVE,
     STATE_POOLED,
     read_header,
     segment_dir,
 )
-from mmshm.segments.segfile import STATE_LIVE
 from mmshm.segments.segment import SegmentRef
 from mmshm.segments.shmtensor import (
     PARALLEL_MIN_BYTES,
@@ -380,6 +379,11 @@ def payload_digest(key: bytes, nbytes: int, read) -> bytes:
             return b""
         h.update(b)
     return h.digest(DIGEST_BYTES)
+
+
+def _view_reader(seg):
+    view = seg.payload_view()
+    return lambda off, n: view[off:off + n]
 
 
 def _fd_reader(fd: int):
@@ -641,6 +645,87 @@ class SaveResult(NamedTuple):
     nbytes: int
 
 
+class PendingEntry:
+    """A segment made by :meth:`EncoderCache.reserve` for one encoder output,
+    not published yet: no lookup finds it until :meth:`publish`.
+
+    Attributes:
+        key: the content key.
+        nbytes: the payload's size in bytes.
+        payload: a ``torch.uint8`` tensor of ``nbytes`` elements over the
+            segment's shared mapping (write the output's bytes there, C order);
+            None once published or discarded (drop every view of it first).
+        address: ``payload``'s address (for a transfer engine's
+            ``register_buffer`` / ``get_into``), 0 for an empty payload.
+    """
+
+    __slots__ = ("_cache", "_done", "_seg", "_t0", "address", "key", "label", "nbytes",
+                 "payload")
+
+    def __init__(self, cache: EncoderCache, seg, key: bytes, nbytes: int, label: str,
+                 t0: float):
+        self._cache, self._seg, self._t0 = cache, seg, t0
+        self._done = False
+        self.key, self.nbytes, self.label = key, nbytes, label
+        if nbytes:
+            self.payload = torch.from_numpy(np.frombuffer(seg.payload_view(), dtype=np.uint8,
+                                                          count=nbytes))
+            self.address = self.payload.data_ptr()
+        else:
+            self.payload = torch.empty(0, dtype=torch.uint8)
+            self.address = 0
+
+    def _give_back(self) -> None:
+        self.payload = None
+        self._done = True
+        seg, self._seg = self._seg, None
+        segment.update_refcount(seg.name, -1, self._cache.directory, seg.gen)
+
+    def publish(self, dtype: torch.dtype, shape: tuple[int, ...], digest: bytes) -> SaveResult:
+        """Check the payload written so far against ``digest``
+        (:func:`payload_digest`, the producer's) and publish it as a
+        ``dtype`` tensor of ``shape``. A payload that is not the digest's is
+        given back, never published: ``SaveResult(False, None, "digest", 0)``
+        (not counted here: the caller knows where the bytes came from); a
+        name refused counts as :meth:`EncoderCache.save` counts it.
+
+        Raises:
+            ValueError: already published or discarded, or ``dtype`` and
+                ``shape`` do not make :attr:`nbytes`.
+            HandleError: a dtype that cannot travel through shared memory.
+        """
+        if self._done:
+            raise ValueError("this pending entry was published or discarded already")
+        shape = tuple(int(s) for s in shape)
+        code = codec.dtype_code(dtype)
+        if any(s < 0 for s in shape) or dtype.itemsize * math.prod(shape) != self.nbytes:
+            raise ValueError(f"{dtype} {list(shape)} is not {self.nbytes} bytes")
+        seg = self._seg
+        self.payload = None
+        seg.cold = False
+        seg.blank = False
+        got = payload_digest(self.key, self.nbytes, _view_reader(seg))
+        if got != digest:
+            self._give_back()
+            return SaveResult(False, None, "digest", 0)
+        self._done = True
+        self._seg = None
+        return self._cache._finish_save(seg, self.key, code, dtype, shape, self.nbytes,
+                                        self.label, digest, self._t0)
+
+    def discard(self) -> None:
+        """Give the segment back unpublished (idempotent; drop every view of
+        :attr:`payload` first)."""
+        if not self._done:
+            self._give_back()
+
+    def __del__(self):
+        try:
+            self.discard()
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown
+            pass
+
+
 class _Own(NamedTuple):
     seg: Any
     name: str
@@ -898,6 +983,20 @@ class EncoderCache:
         if other is not None:  # published by another producer: keep a reference on it
             return self._keep(key, other)
         t0 = time.perf_counter()
+        seg = self._new_segment(key, nbytes, label)
+        if isinstance(seg, SaveResult):
+            return seg
+        try:
+            digest = self._fill(seg, key, t, nbytes)
+        except BaseException:
+            segment.update_refcount(seg.name, -1, self.directory, seg.gen)
+            raise
+        return self._finish_save(seg, key, code, t.dtype, shape, nbytes, label, digest, t0)
+
+    def _new_segment(self, key: bytes, nbytes: int, label: str):
+        """A segment for ``nbytes`` of payload and the record (this key's old
+        pooled one, or a new one), or the :class:`SaveResult` of a refusal
+        (counted)."""
         seg = self._take_own_pooled(key, nbytes + RECORD_SIZE)
         if seg is None:
             try:
@@ -913,10 +1012,15 @@ class EncoderCache:
                                     f"vLLM: ec_connector_extra_config max_bytes) above the "
                                     f"largest output") if capped else None)
                 return SaveResult(False, None, reason, 0)
+        return seg
+
+    def _finish_save(self, seg, key: bytes, code: int, dtype, shape: tuple[int, ...],
+                     nbytes: int, label: str, digest: bytes, t0: float) -> SaveResult:
+        """Write the record of the filled ``seg`` and publish it (its creator
+        reference becomes this process's entry, or is given back)."""
         try:
-            digest = self._fill(seg, key, t, nbytes)
             self._write_record(seg, key, code, shape, nbytes, label, digest)
-            got = self._publish(seg, key, t.dtype, shape)
+            got = self._publish(seg, key, dtype, shape)
         except BaseException:
             segment.update_refcount(seg.name, -1, self.directory, seg.gen)
             raise
@@ -939,6 +1043,46 @@ class EncoderCache:
         EPD_BYTES.labels(server=self.server, direction="saved").inc(nbytes)
         EPD_TRANSFER_SECONDS.labels(server=self.server).observe(time.perf_counter() - t0)
         return SaveResult(True, got, None, nbytes)
+
+    def reserve(self, key: bytes, nbytes: int, label: str = "") -> PendingEntry | SaveResult:
+        """A new segment for the encoder output of ``key`` (``nbytes`` bytes),
+        not published: the caller fills :attr:`PendingEntry.payload` (a
+        network read straight into shared memory: one copy) and then calls
+        :meth:`PendingEntry.publish` (which checks the payload's digest
+        first) or :meth:`PendingEntry.discard`; until then no lookup can
+        find it. Returns a :class:`SaveResult` instead when there is nothing
+        to fill: the entry is published already (this process's, its keep
+        time restarted; or another producer's of the node, kept as
+        :meth:`save` keeps it), or the segment was refused (``over_budget``,
+        ``no_space``: counted as :meth:`save` counts them; ``closed``).
+
+        Raises:
+            ValueError: a key that is not :data:`KEY_BYTES` long, or
+                ``nbytes`` < 0.
+        """
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a key is {KEY_BYTES} bytes, not {len(key)}")
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, not {nbytes!r}")
+        with self._lock:
+            if self._closed:
+                return SaveResult(False, None, "closed", 0)
+            own = self._own.get(key)
+            if own is not None and not own.seg.freed():
+                self._touch(key)
+                return SaveResult(True, own.name, None, 0)
+            if own is not None:
+                self._drop(key)
+        other = self._search(key, None, None, hold=False)[0]
+        if other is not None and other.nbytes == nbytes:  # another producer's: keep it
+            return self._keep(key, other)
+        if other is not None:
+            other.release()
+        t0 = time.perf_counter()
+        seg = self._new_segment(key, nbytes, label)
+        if isinstance(seg, SaveResult):
+            return seg
+        return PendingEntry(self, seg, key, nbytes, label, t0)
 
     def _keep(self, key: bytes, entry: Entry) -> SaveResult:
         """Turn ``entry`` (one reference, pinned) into this producer's keep

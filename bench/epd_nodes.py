@@ -1,0 +1,340 @@
+"""``mmshm bench epd``'s cross-node row: the encoder cache's Mooncake Store leg
+(:mod:`mmshm.transport.ec_store`) against a raw Store get of the same bytes.
+
+Two processes stand for two nodes, each with a segment directory of its own
+(``MMSHM_DIR``): *node A* (the encoder) saves each output in its shared
+memory and puts it in the Store (:meth:`StoreTier.put`), its objects held in
+the segment it lends to the Store; *node B* (PD) lends a segment too small
+for any object, so every read crosses the transfer engine (``tcp``). A
+``mooncake_master`` on 127.0.0.1 (found beside the engine's package or on
+``PATH``; without one the row says why and is skipped) keeps the index.
+
+Each round node B reads every item twice, in alternating order: once as
+mmshm's PD does (:func:`mmshm.transport.ec_store.fetch_local`: the read, the
+record and digest checks, the entry published in node B's shared memory, then
+:meth:`EncoderCache.lookup`: the hop ends when PD holds the entry, bytes
+checked against the encoder's BLAKE3 afterwards), and once as a bare client
+would (``get_into`` of the same object into a buffer registered with the
+engine once): the raw transfer. ``x raw`` is the ratio of the medians of the
+per-round totals, both measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+#: one Qwen2-VL-7B encoder output of a 720p photo: (rows, width), bf16
+ITEM_SHAPE = (1196, 3584)
+#: the goal: the cross-node hop at most this many times the raw transfer
+GOAL_RAW_X = 1.3
+
+
+def master_binary() -> str | None:
+    """The ``mooncake_master`` beside the engine's package, else on ``PATH``."""
+    try:
+        import mooncake
+    except ImportError:
+        return shutil.which("mooncake_master")
+    path = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    return path if os.access(path, os.X_OK) else shutil.which("mooncake_master")
+
+
+def _free_port() -> int:
+    from mmshm.bench.serve.servers import free_port
+
+    return free_port()
+
+
+def _wait_port(port: int, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def _kill(p: subprocess.Popen | None) -> None:
+    if p is None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _item(i: int, shape):
+    import torch
+
+    g = torch.Generator().manual_seed(7000 + i)
+    return torch.randn(shape, generator=g).to(torch.bfloat16)
+
+
+def _key(i: int, nonce: str) -> bytes:
+    from mmshm.transport.encoder_cache import content_key
+
+    return content_key(f"bench cross-node item {i} {nonce}", "bench")
+
+
+def _blake(t) -> str:
+    import blake3
+
+    return blake3.blake3(t.contiguous().view(-1).view(__import__("torch").uint8)
+                         .numpy()).hexdigest()
+
+
+# -- the two nodes ---------------------------------------------------------------------
+def _encoder(extra: dict, items: int, shape, nonce: str) -> None:
+    from mmshm.transport import ec_store
+    from mmshm.transport.encoder_cache import EncoderCache
+
+    cache = EncoderCache(keep_s=600, namespace="bench")
+    tier = ec_store.from_config(extra, server="bench-encoder")
+    if tier is None or not tier.wait_connected(20):
+        print("RESULT " + json.dumps({"error": f"node A could not connect to the Store: {tier and tier._connect_error}"}),
+              flush=True)
+        return
+    digests = []
+    for i in range(items):
+        t = _item(i, shape)
+        digests.append(_blake(t))
+        cache.save(_key(i, nonce), t, label=f"item {i}")
+        tier.put(_key(i, nonce), t)
+    ok = tier.flush(120)
+    print("READY " + json.dumps({"ok": ok, "stats": tier.stats, "digests": digests}), flush=True)
+    sys.stdin.readline()  # node B is done
+    tier.close()
+    cache.close()
+    print("RESULT " + json.dumps({"stats": tier.stats}), flush=True)
+
+
+def _pd(extra: dict, items: int, shape, nonce: str, rounds: int, warmup: int,
+        digests: list[str]) -> None:
+    import torch
+    from mmshm.transport import ec_store
+    from mmshm.transport.encoder_cache import EncoderCache
+
+    cache = EncoderCache(keep_s=600, namespace="bench")
+    tier = ec_store.from_config(extra, server="bench-pd")
+    if tier is None or not tier.wait_connected(20):
+        print("RESULT " + json.dumps({"error": f"node B could not connect to the Store: {tier and tier._connect_error}"}),
+              flush=True)
+        return
+    store = tier._store  # the same client: the raw get goes through the same engine
+    keys = [_key(i, nonce) for i in range(items)]
+    skeys = [tier.store_key(k) for k in keys]
+    size = max(store.get_size(s) for s in skeys)
+    raw_buf = torch.empty(size, dtype=torch.uint8)
+    registered = store.register_buffer(raw_buf.data_ptr(), size) == 0
+    def two_copy(k):  # the fetch path before the one-copy read: read buffer, then save
+        got, why = tier.fetch_view_why(k, torch.bfloat16, shape[0], shape=shape)
+        if got is None:
+            return f"store_{why}"
+        view, release = got
+        try:
+            saved = cache.save(k, view, label="mooncake-store")
+        finally:
+            release()
+        return "" if saved.published else str(saved.reason)
+
+    paths = {"raw": None, "mmshm": ec_store.fetch_local, "two_copy": two_copy}
+    ms = {p: [] for p in paths}
+    wrong, misses = 0, []
+    names = list(paths)
+    for r in range(warmup + rounds):
+        took = dict.fromkeys(paths, 0.0)
+        for p in names[r % 3:] + names[:r % 3]:  # each path first in turn
+            for i, k in enumerate(keys):
+                if p == "raw":
+                    t0 = time.perf_counter()
+                    n = store.get_into(skeys[i], raw_buf.data_ptr(), size)
+                    took[p] += time.perf_counter() - t0
+                    if n <= 0:
+                        misses.append(f"raw get {i}: {n}")
+                    continue
+                t0 = time.perf_counter()
+                if p == "mmshm":
+                    why = ec_store.fetch_local(cache, tier, k, torch.bfloat16, shape[0],
+                                               shape=shape)
+                else:
+                    why = two_copy(k)
+                e = cache.lookup(k, torch.bfloat16, shape[0], shape=shape) if not why \
+                    else None
+                took[p] += time.perf_counter() - t0
+                if e is None:
+                    misses.append(f"{p} {i}: {why or 'lookup missed'}")
+                    continue
+                if r == warmup and _blake(e.load()) != digests[i]:
+                    wrong += 1
+                e.release()
+                cache.evict(k)  # the next read crosses nodes again
+        if r >= warmup:
+            for p in paths:
+                ms[p].append(took[p] * 1e3)
+    mm_ms, raw_ms = ms["mmshm"], ms["raw"]
+    if registered:
+        store.unregister_buffer(raw_buf.data_ptr())
+    stats = dict(tier.stats)
+    tier.close()
+    cache.close()
+    print("RESULT " + json.dumps({"mmshm_ms": mm_ms, "raw_ms": raw_ms, "wrong": wrong,
+                                  "two_copy_ms": ms["two_copy"],
+                                  "misses": misses[:8], "stats": stats,
+                                  "raw_registered": registered}), flush=True)
+
+
+# -- the driver --------------------------------------------------------------------------
+def _child(role: str, env: dict, args: dict, stdin=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mmshm.bench.epd_nodes", role,
+                             json.dumps(args)], stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def _line(p: subprocess.Popen, prefix: str, timeout: float) -> dict:
+    end = time.monotonic() + timeout
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    while time.monotonic() < end:
+        if not sel.select(max(0.0, end - time.monotonic())):
+            break
+        line = p.stdout.readline()
+        if not line:
+            break
+        if line.startswith(prefix):
+            return json.loads(line[len(prefix):])
+    raise RuntimeError(f"no {prefix.strip()!r} line from the {p.args[3]} node within "
+                       f"{timeout:.0f} s (rc {p.poll()})")
+
+
+def measure(items: int = 8, rounds: int = 10, warmup: int = 2, shape=ITEM_SHAPE,
+            timeout_s: float = 300.0) -> dict:
+    """The cross-node row: ``{"skipped": why}`` or the figures (per-round
+    totals in ms for ``items`` outputs of ``shape`` bf16: ``mmshm_ms``,
+    ``raw_ms``, their medians and ``x_raw``, ``wrong``, ``goal``)."""
+    nbytes = items * shape[0] * shape[1] * 2
+    base = {"items": items, "shape": list(shape), "dtype": "bfloat16", "nbytes": nbytes,
+            "rounds": rounds, "transport": "tcp"}
+    try:
+        from mmshm.transport import ec_store
+
+        ec_store.load_engine()
+    except (ImportError, OSError) as exc:
+        return {**base, "skipped": f"the Mooncake engine cannot be loaded ({exc})"}
+    binary = master_binary()
+    if binary is None:
+        return {**base, "skipped": "no mooncake_master binary (beside the engine's package "
+                                   "or on PATH)"}
+    rpc, meta, mport = _free_port(), _free_port(), _free_port()
+    master = enc = pd = None
+    dirs = [tempfile.mkdtemp(prefix=f"bench-epd-node{n}-", dir="/dev/shm") for n in "AB"]
+    item = shape[0] * shape[1] * 2
+    extra = {"master_server_address": f"127.0.0.1:{rpc}",
+             "metadata_server": f"http://127.0.0.1:{meta}/metadata",
+             "mooncake_protocol": "tcp", "local_hostname": "127.0.0.1",
+             "local_buffer_size": item + (8 << 20), "store_read_buffer_bytes": item + (1 << 20),
+             "store_timeout_s": 30.0, "store_max_pending_items": items,
+             "store_max_pending_bytes": nbytes + (1 << 20)}
+    nonce = os.urandom(6).hex()
+    leftovers = {}
+    try:
+        master = subprocess.Popen(
+            [binary, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+             f"--http_metadata_server_port={meta}", "--metrics_host=127.0.0.1",
+             f"--metrics_port={mport}"], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True)
+        end = time.monotonic() + 20
+        if not (_wait_port(rpc, end) and _wait_port(meta, end)):
+            return {**base, "skipped": "mooncake_master did not listen within 20 s"}
+        env = dict(os.environ, GLOG_minloglevel="2", PYTHONUNBUFFERED="1")
+        enc = _child("encoder", {**env, "MMSHM_DIR": dirs[0]},
+                     {"extra": {**extra, "global_segment_size": nbytes + (64 << 20)},
+                      "items": items, "shape": list(shape), "nonce": nonce},
+                     stdin=subprocess.PIPE)
+        ready = _line(enc, "READY ", timeout_s)
+        if not ready["ok"] or ready["stats"]["puts"] != items:
+            raise RuntimeError(f"node A put {ready['stats']['puts']} of {items} items")
+        # node B starts after every put: the objects are all in node A's segment
+        pd = _child("pd", {**env, "MMSHM_DIR": dirs[1]},
+                    {"extra": {**extra, "global_segment_size": 16 << 20},
+                     "items": items, "shape": list(shape), "nonce": nonce, "rounds": rounds,
+                     "warmup": warmup, "digests": ready["digests"]})
+        got = _line(pd, "RESULT ", timeout_s)
+        pd.wait(60)
+        enc.stdin.write("done\n")
+        enc.stdin.flush()
+        _line(enc, "RESULT ", 60)
+        enc.wait(60)
+    finally:
+        for p in (pd, enc, master):
+            _kill(p)
+        for d in dirs:
+            left = os.listdir(d) if os.path.isdir(d) else []
+            if left:
+                leftovers[d] = left
+            shutil.rmtree(d, ignore_errors=True)
+    if "error" in got:
+        raise RuntimeError(got["error"])
+    mm = statistics.median(got["mmshm_ms"]) if got["mmshm_ms"] else None
+    raw = statistics.median(got["raw_ms"]) if got["raw_ms"] else None
+    x = mm / raw if mm and raw else None
+    two = statistics.median(got["two_copy_ms"]) if got["two_copy_ms"] else None
+    return {**base, "skipped": None, "mmshm_ms": got["mmshm_ms"], "raw_ms": got["raw_ms"],
+            "mmshm_ms_median": mm, "raw_ms_median": raw, "x_raw": x,
+            "two_copy_ms": got["two_copy_ms"], "two_copy_ms_median": two,
+            "two_copy_x_raw": two / raw if two and raw else None,
+            "wrong": got["wrong"], "misses": got["misses"], "leftovers": leftovers,
+            "gets": got["stats"]["gets"], "get_bytes": got["stats"]["get_bytes"],
+            "raw_registered": got["raw_registered"],
+            "goal": {"goal": f"cross-node hop at most {GOAL_RAW_X}x the raw Store get",
+                     "met": None if x is None else bool(x <= GOAL_RAW_X and not got["wrong"]
+                                                        and not got["misses"]),
+                     "value": x}}
+
+
+def describe(res: dict) -> str:
+    """One or two lines for the table's footer."""
+    what = (f"cross-node (Mooncake Store, {res['transport']}, two processes with their own "
+            f"segment directories): {res['items']} x {res['shape']} bf16 "
+            f"({res['nbytes'] / 1e6:.1f} MB)")
+    if res.get("skipped"):
+        return f"{what}: skipped: {res['skipped']}"
+    g = res["goal"]
+    mark = "met" if g["met"] else "not met"
+    return (f"{what}: mmshm hop {res['mmshm_ms_median']:.1f} ms, raw get_into "
+            f"{res['raw_ms_median']:.1f} ms, x raw {res['x_raw']:.2f} (the two-copy read "
+            f"and save it replaced: {res['two_copy_ms_median']:.1f} ms, "
+            f"x raw {res['two_copy_x_raw']:.2f}) "
+            f"({'bytes equal' if not res['wrong'] else str(res['wrong']) + ' WRONG'}"
+            f"{', misses: ' + '; '.join(res['misses']) if res['misses'] else ''}); "
+            f"goal: {g['goal']}: {mark}")
+
+
+if __name__ == "__main__":
+    role, a = sys.argv[1], json.loads(sys.argv[2])
+    if role == "encoder":
+        _encoder(a["extra"], a["items"], tuple(a["shape"]), a["nonce"])
+    elif role == "pd":
+        _pd(a["extra"], a["items"], tuple(a["shape"]), a["nonce"], a["rounds"], a["warmup"],
+            a["digests"])
+    elif role == "run":  # python -m mmshm.bench.epd_nodes run '{"rounds": 5}'
+        res = measure(**a)
+        print(json.dumps({k: v for k, v in res.items()}, indent=1))
+        print(describe(res))
