@@ -86,6 +86,7 @@ Examples (``python -m mmshm.bench.epd`` takes the same flags)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pickle
@@ -94,7 +95,6 @@ import statistics
 import sys
 import tempfile
 import time
-import dataclasses
 from dataclasses import dataclass
 
 from mmshm.operations.status import mount_of
@@ -297,7 +297,6 @@ class _Mmshm:
         a BLAKE3 of every byte with blake3's ``max_threads`` (what a digest of
         the whole payload would cost at each end). Outside the hop."""
         import blake3
-
         from mmshm.segments.segfile import segment_dir
         from mmshm.transport.encoder_cache import _fd_reader, payload_digest
 
@@ -839,6 +838,12 @@ def print_result(res: dict, console=None) -> None:
         mark = ("[yellow]not measured[/]" if g["met"] is None else
                 "[green]met[/]" if g["met"] else "[red]not met[/]")
         console.print(f"goal ({g['size']}): {g['goal']}: {mark} ({g['detail']})")
+    cross = res.get("cross_node")
+    if cross:
+        from mmshm.bench import epd_nodes
+
+        console.print(f"[red]cross-node: failed: {cross['error']}[/]" if cross.get("error")
+                      else epd_nodes.describe(cross), markup=bool(cross.get("error")))
     if res["leftovers"]:
         console.print(f"[red]left behind[/]: {res['leftovers']}")
     console.print(f"{res['wall_s']:.0f} s")
@@ -859,6 +864,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--no-vllm-class", action="store_true", help="use the safetensors calls "
                     "even where vLLM imports (vLLM's import costs each process seconds)")
     ap.add_argument("--quick", action="store_true", help="tiny only, 3 rounds after 1: a check")
+    ap.add_argument("--no-cross-node", action="store_true", help="leave out the cross-node "
+                    "row (mmshm's Mooncake Store leg against a raw Store get; it starts a "
+                    "mooncake_master on 127.0.0.1 when one is installed)")
     ap.add_argument("--json", metavar="PATH", help="write the result as JSON ('-': stdout, "
                     "instead of the table)")
     args = ap.parse_args(argv)
@@ -886,6 +894,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except RuntimeError as exc:  # a rank failed or did not answer: no figures
         print(f"{prog or 'mmshm bench epd'}: failed: {exc}", file=sys.stderr)
         return 3
+    if not args.no_cross_node:
+        from mmshm.bench import epd_nodes
+
+        if not quiet:
+            print("cross-node: node A puts, node B reads (Mooncake Store, tcp)",
+                  file=sys.stderr, flush=True)
+        cross = ({"items": 2, "rounds": 3, "warmup": 1, "shape": (1196, 128)} if args.quick
+                 else {"items": 8, "rounds": 10, "warmup": 2})
+        try:
+            res["cross_node"] = epd_nodes.measure(**cross)
+        except RuntimeError as exc:  # a node failed: the row says so, the run fails
+            res["cross_node"] = {"skipped": None, "error": str(exc)}
     if args.json:
         text = json.dumps(res, indent=1)
         if quiet:
@@ -896,6 +916,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if not quiet:
         print_result(res)
     wrong = sum(r["wrong"] for r in res["rows"])
+    cross = res.get("cross_node") or {}
+    if cross.get("error") or cross.get("wrong") or cross.get("misses") or cross.get("leftovers"):
+        wrong += 1
     return 1 if wrong or res["leftovers"] else 0
 
 

@@ -74,6 +74,18 @@ def test_quick_run_moves_equal_bytes_on_every_path(tmp_path, shm_dir):
     fewer = next(g for k, g in goals.items() if "fewer bytes" in k)
     assert fewer["met"] and TP <= fewer["value"] < TP * 1.01
     assert SIZES["tiny"][1] == "float32"
+    # the cross-node row: node A's puts read by node B, mmshm's hop beside the raw get
+    cross = res["cross_node"]
+    if cross["skipped"]:
+        assert "cross-node" in proc.stdout and "skipped" in proc.stdout
+    else:
+        assert cross.get("error") is None, cross
+        assert cross["wrong"] == 0 and cross["misses"] == [] and cross["leftovers"] == {}
+        assert len(cross["mmshm_ms"]) == len(cross["raw_ms"]) == 3
+        # every mmshm and two-copy read crossed nodes: 2 items x 4 rounds x 2 paths
+        assert cross["gets"] == 16 and cross["get_bytes"] == 16 * 1196 * 128 * 2
+        assert cross["x_raw"] > 0 and cross["goal"]["met"] in (True, False)
+        assert "x raw" in proc.stdout
 
 
 def test_the_check_and_the_goals_can_fail():
@@ -104,3 +116,13 @@ def test_the_check_and_the_goals_can_fail():
     assert [g["met"] for g in _goals(rows, 2)] == [False, False, False]
     rows[-1]["skipped"] = "skipped: not importable"
     assert [g["met"] for g in _goals(rows, 2)] == [None]
+
+
+def test_cross_node_row_without_a_master_says_why_and_is_skipped(monkeypatch):
+    from mmshm.bench import epd_nodes
+
+    monkeypatch.setattr(epd_nodes, "master_binary", lambda: None)
+    res = epd_nodes.measure(items=2, rounds=1, warmup=0, shape=(8, 8))
+    assert res["skipped"] and "no mooncake_master binary" in res["skipped"]
+    line = epd_nodes.describe(res)
+    assert "skipped: no mooncake_master binary" in line and "2 x [8, 8] bf16" in line
