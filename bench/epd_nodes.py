@@ -199,8 +199,12 @@ def _pd(extra: dict, items: int, shape, nonce: str, rounds: int, warmup: int,
 
 # -- the driver --------------------------------------------------------------------------
 def _child(role: str, env: dict, args: dict, stdin=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mmshm.bench.epd_nodes", role,
-                             json.dumps(args)], stdin=stdin, stdout=subprocess.PIPE,
+    argv = [sys.executable, "-m", "mmshm.bench.epd_nodes", role, json.dumps(args)]
+    prof = os.environ.get("MMSHM_BENCH_PYSPY")  # a file: node B's profile (py-spy, raw)
+    if prof and role == "pd" and shutil.which("py-spy"):
+        argv = ["py-spy", "record", "--format", "raw", "-r", "200", "-o", prof,
+                "--", *argv]
+    return subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
 
@@ -219,7 +223,7 @@ def _line(p: subprocess.Popen, prefix: str, timeout: float) -> dict:
             break
         if line.startswith(prefix):
             return json.loads(line[len(prefix):])
-    raise RuntimeError(f"no {prefix.strip()!r} line from the {p.args[3]} node within "
+    raise RuntimeError(f"no {prefix.strip()!r} line from node {p.args[-2]} within "
                        f"{timeout:.0f} s (rc {p.poll()})")
 
 

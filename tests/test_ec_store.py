@@ -638,12 +638,17 @@ def _mmshm_files(d):
     return sorted(n for n in os.listdir(d) if n.startswith("mmshm"))
 
 
-def test_fetch_local_reads_straight_into_the_published_segment(fake_tier, shm_dir):
+@pytest.mark.parametrize("protocol", ["tcp", "rdma"])
+def test_fetch_local_reads_straight_into_the_published_segment(fake_tier, shm_dir, protocol,
+                                                              monkeypatch):
+    import dataclasses
+
     import torch
 
     from mmshm.transport.encoder_cache import EncoderCache, content_key, published_name
 
     tier, eng = fake_tier
+    monkeypatch.setattr(tier, "config", dataclasses.replace(tier.config, protocol=protocol))
     cache = EncoderCache(keep_s=60, namespace="m")
     try:
         k = content_key("one copy")
@@ -653,17 +658,24 @@ def test_fetch_local_reads_straight_into_the_published_segment(fake_tier, shm_di
         e = cache.lookup(k, torch.bfloat16, 300, shape=(300, 256))
         assert e is not None and torch.equal(e.load(), t)  # equal bytes, published
         # one get: the record into the read buffer, the payload straight into the
-        # segment's shared mapping, registered for the read and given back right after
+        # segment's shared mapping; with rdma registered for the read and given back
+        # right after it (tcp: never registered, a registration is a metadata update)
         gets = [ev for ev in eng.events if ev[0] == "get"]
         assert len(gets) == 1 and eng.gets == 1
         _, ptrs, sizes, in_registered = gets[0]
-        assert sizes == [ec_store.RECORD_BYTES, t.numel() * 2] and in_registered
+        assert sizes == [ec_store.RECORD_BYTES, t.numel() * 2]
         assert ptrs[0] == tier._read_buf.data_ptr()
         assert not (tier._read_buf.data_ptr() <= ptrs[1] < tier._read_buf.data_ptr()
                     + tier._read_buf.numel())
         i = eng.events.index(gets[0])
-        assert eng.events[i - 1] == ("register", ptrs[1], sizes[1])
-        assert eng.events[i + 1] == ("unregister", ptrs[1])
+        if protocol == "rdma":
+            assert in_registered
+            assert eng.events[i - 1] == ("register", ptrs[1], sizes[1])
+            assert eng.events[i + 1] == ("unregister", ptrs[1])
+        else:
+            assert not in_registered
+            assert [ev for ev in eng.events if ev[0] != "get"] == [
+                ("register", tier._read_buf.data_ptr(), tier._read_buf.numel())]
         assert not eng.registered.get(ptrs[1])
         assert tier.stats["gets"] == 1 and tier.stats["get_bytes"] == t.numel() * 2
         # the segment published is the one the engine wrote: its mapping holds the payload

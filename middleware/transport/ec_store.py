@@ -26,8 +26,9 @@ object is found only once complete), so a put still in flight is a miss
 **PD's order** (:func:`load_through`): its own node's segments first
 (:meth:`EncoderCache.lookup`); on a miss, :func:`fetch_local`
 (:meth:`StoreTier.fetch_into`) reads the object with one copy: ``get_size``,
-a new unpublished segment of this node (:meth:`EncoderCache.reserve`,
-registered with the engine for that read and given back right after it), and
+a new unpublished segment of this node (:meth:`EncoderCache.reserve`; with
+``rdma`` registered with the engine for that read and given back right after
+it; ``tcp`` needs no registration), and
 one scattered get of the object (the record into the read buffer registered
 once, the payload straight into the segment's shared mapping); then it
 checks the record against the key, the expected dtype, rows and shape and the
@@ -743,9 +744,10 @@ class StoreTier:
         checked as :meth:`fetch_view` checks it (record against the key,
         ``dtype``, ``rows``, ``shape`` and the object's size; the payload's
         digest) and only then published (:meth:`PendingEntry.publish`); a
-        failed check gives the segment back unpublished. The segment is
-        registered with the engine for the read and given back before it is
-        published or discarded. Returns ``(SaveResult, "")`` (published now,
+        failed check gives the segment back unpublished. With ``rdma`` the
+        segment is registered with the engine for the read and given back
+        before it is published or discarded (``tcp`` receives into any
+        memory: no registration, which costs a metadata update). Returns ``(SaveResult, "")`` (published now,
         or already there: no Store read) or ``(None, reason)``: one of
         :data:`MISS_REASONS` (counted here), ``"closed"``, or the save's
         refusal ``"save_<reason>"`` (counted by the cache). Bounded as
@@ -897,9 +899,13 @@ class StoreTier:
             if not nbytes:
                 got = self._store.get_into(skey, head_buf.data_ptr(), RECORD_BYTES)
             else:
-                # the payload's segment is registered for this read and given back right
-                # after it: before the segment is published, discarded or unmapped
-                registered = self._store.register_buffer(addr, nbytes) == 0
+                # rdma: the payload's segment is registered for this read and given back
+                # right after it, before the segment is published, discarded or unmapped.
+                # tcp reads into any local memory (the engine receives into it), and a
+                # registration there rewrites this client's entry on the metadata server:
+                # 1-3 ms a read on a 2-core host, as much as the read of 8 MB, so none
+                registered = (self.config.protocol != "tcp"
+                              and self._store.register_buffer(addr, nbytes) == 0)
                 try:
                     got = self._store.batch_get_into_multi_buffers(
                         [skey], [[head_buf.data_ptr(), addr]], [[RECORD_BYTES, nbytes]])[0]
