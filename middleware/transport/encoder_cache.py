@@ -231,6 +231,8 @@ SAMPLE_PAGES = 2
 DIGEST_BYTES = 16
 #: keys a producer's :class:`KeyQueue` keeps before it drops the oldest
 QUEUE_LIMIT = 4096
+#: seconds :meth:`EncoderCache.close` waits for reserved segments still being written
+PENDING_WAIT_S = 1.0
 #: lookups missed without a single hit before a consumer says the pair cannot meet
 MISSES_BEFORE_WARNING = 32
 _PAGE = 4096
@@ -679,7 +681,16 @@ class PendingEntry:
         self.payload = None
         self._done = True
         seg, self._seg = self._seg, None
-        segment.update_refcount(seg.name, -1, self._cache.directory, seg.gen)
+        try:
+            segment.update_refcount(seg.name, -1, self._cache.directory, seg.gen)
+        finally:
+            self._settled()
+
+    def _settled(self) -> None:
+        cache = self._cache
+        with cache._lock:
+            cache._pending.discard(self)
+            cache._pending_done.notify_all()
 
     def publish(self, dtype: torch.dtype, shape: tuple[int, ...], digest: bytes) -> SaveResult:
         """Check the payload written so far against ``digest``
@@ -708,10 +719,16 @@ class PendingEntry:
         if got != digest:
             self._give_back()
             return SaveResult(False, None, "digest", 0)
+        if self._cache._closed:  # closed while the payload was written: nothing published
+            self._give_back()
+            return SaveResult(False, None, "closed", 0)
         self._done = True
         self._seg = None
-        return self._cache._finish_save(seg, self.key, code, dtype, shape, self.nbytes,
-                                        self.label, digest, self._t0)
+        try:
+            return self._cache._finish_save(seg, self.key, code, dtype, shape, self.nbytes,
+                                            self.label, digest, self._t0)
+        finally:
+            self._settled()
 
     def discard(self) -> None:
         """Give the segment back unpublished (idempotent; drop every view of
@@ -922,6 +939,9 @@ class EncoderCache:
         self._hits = 0
         self._misses = 0
         self._meet_said = False
+        #: segments reserved and not yet published or given back (PendingEntry)
+        self._pending: set = set()
+        self._pending_done = threading.Condition(self._lock)
         _register_exit(self)
 
     # -- what it is ----------------------------------------------------------------
@@ -1082,7 +1102,10 @@ class EncoderCache:
         seg = self._new_segment(key, nbytes, label)
         if isinstance(seg, SaveResult):
             return seg
-        return PendingEntry(self, seg, key, nbytes, label, t0)
+        pending = PendingEntry(self, seg, key, nbytes, label, t0)
+        with self._lock:
+            self._pending.add(pending)
+        return pending
 
     def _keep(self, key: bytes, entry: Entry) -> SaveResult:
         """Turn ``entry`` (one reference, pinned) into this producer's keep
@@ -1337,13 +1360,21 @@ class EncoderCache:
         """Give back every reference of this process (also run at exit): the
         creator's and keep references of its entries, and the entries it
         holds as a consumer. Entries nobody else holds go at once, their
-        warm pages too. Idempotent; the store publishes nothing after it."""
+        warm pages too. A segment reserved (:meth:`reserve`) and still being
+        written is waited for up to :data:`PENDING_WAIT_S` seconds: its
+        writer then gives it back unpublished. Idempotent; the store
+        publishes nothing after it."""
         with self._lock:
             self._closed = True
             if os.getpid() != self._pid:
                 self._own.clear()
                 self._expiry.clear()
                 return
+            # a reserved segment still being written (a Store read) is given back by its
+            # writer, unpublished, once the write ends: wait a little for that
+            end = time.monotonic() + PENDING_WAIT_S
+            while self._pending and time.monotonic() < end:
+                self._pending_done.wait(end - time.monotonic())
             segs = [o.seg for o in self._own.values() if not o.kept]
             for key in list(self._own):
                 self._drop(key)
