@@ -762,18 +762,23 @@ except ImportError as exc:
 needs_vllm = pytest.mark.skipif(VLLM is not None, reason=str(VLLM))
 
 
-def _connector(role: str, extra: dict, sched: bool):
+def _vllm_config(role: str, extra: dict):
     from types import SimpleNamespace
 
     from vllm.config import ECTransferConfig
-    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
     tc = ECTransferConfig(ec_connector="MmshmECConnector",
                           ec_connector_module_path="mmshm.integrations.vllm.epd",
                           ec_role=role, ec_connector_extra_config=extra)
-    vc = SimpleNamespace(ec_transfer_config=tc, model_config=SimpleNamespace(
+    return SimpleNamespace(ec_transfer_config=tc, model_config=SimpleNamespace(
         model="tiny-qwen2-vl", dtype=torch.float32))
+
+
+def _connector(role: str, extra: dict, sched: bool):
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    vc = _vllm_config(role, extra)
     return ECConnectorFactory.create_connector(
         vc, ECConnectorRole.SCHEDULER if sched else ECConnectorRole.WORKER)
 
@@ -824,3 +829,121 @@ def test_a_typoed_key_is_one_warning_and_the_connector_starts(store, shm_dir, ca
         assert len(said) == 1 and s._tier is not None
     finally:
         s.shutdown()
+
+
+def _request(rid: str, idents):
+    """A real vLLM ``Request`` with one image per item name of ``idents``."""
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFeatureSpec,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+        PlaceholderRange,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    feats = []
+    for i, ident in enumerate(idents):
+        g = torch.Generator().manual_seed(sum(map(ord, ident)))
+        px = {"pixel_values": torch.randn(ROWS * 4, 64, generator=g),
+              "image_grid_thw": torch.tensor([[1, 8, 16]])}
+        data = MultiModalKwargsItem({k: MultiModalFieldElem(data=v, field=MultiModalBatchedField())
+                                     for k, v in px.items()})
+        feats.append(MultiModalFeatureSpec(
+            data=data, modality="image", identifier=ident,
+            mm_position=PlaceholderRange(offset=2 + i * (ROWS + 2), length=ROWS),
+            mm_hash=ident))
+    n = 4 + len(idents) * (ROWS + 2)
+    return Request(request_id=rid, prompt_token_ids=list(range(n)),
+                   sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+                   mm_features=feats)
+
+
+def _until_available(sched, req, computed: int = 0, limit_s: float = 5.0) -> int:
+    steps, end = 0, time.monotonic() + limit_s
+    while not sched.ensure_cache_available(req, computed):
+        steps += 1
+        assert time.monotonic() < end, "still in transit"
+        time.sleep(0.01)
+    return steps
+
+
+@needs_vllm
+def test_vllm_a_request_aborted_in_transit_holds_nothing_and_the_next_hits_locally(
+        store, shm_dir):
+    eng, tier = store
+    extra = {**tier().config.extra, "directory": shm_dir}
+    encoder = tier()
+    s = _connector("ec_consumer", extra, sched=True)
+    try:
+        req = _request("pd-1", ["img-p"])
+        k = s._keys_of(req)[0]
+        assert encoder.put(k, output(40, torch.float32)) and encoder.flush(5)
+        eng.gate.clear()
+        assert s.ensure_cache_available(req, 0) is False
+        s.request_finished(req)  # aborted while its image is in transit
+        eng.gate.set()
+        end = time.monotonic() + 5
+        while s._holds.fetches._by_key[k].state != "done" and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not s._holds.held and not s._holds.waiting and not s._store.held()
+        req2 = _request("pd-2", ["img-p"])
+        assert s.ensure_cache_available(req2, 0) is True and s.has_cache_item("img-p")
+        assert eng.gets == 1
+        s.request_finished(req2)
+        assert not s._store.held()
+    finally:
+        s.shutdown()
+
+
+@needs_vllm
+def test_vllm_a_running_request_asked_again_per_chunk_loads_each_image_once(store, shm_dir):
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.ec_connector_model_runner_mixin import (
+        ECConnectorModelRunnerMixin as Mixin,
+    )
+
+    from vllm.distributed.ec_transfer import ec_transfer_state
+
+    eng, tier = store
+    extra = {**tier().config.extra, "directory": shm_dir}
+    encoder = tier()
+    s = _connector("ec_consumer", extra, sched=True)
+    ec_transfer_state.ensure_ec_transfer_initialized(_vllm_config("ec_consumer", extra))
+    try:
+        req = _request("pd-3", ["img-q", "img-r"])
+        keys = s._keys_of(req)
+        for n, k in enumerate(keys):
+            assert encoder.put(k, output(41 + n, torch.float32))
+        assert encoder.flush(5)
+        assert _until_available(s, req) >= 1
+        assert [s.has_cache_item(f.identifier) for f in req.mm_features] == [True, True]
+        s.update_state_after_alloc(req, 0)  # the first chunk reaches the first image only
+        out = SimpleNamespace(ec_connector_metadata=s.build_connector_meta(None),
+                              finished_req_ids=set())
+        cache: dict = {}
+        with Mixin.maybe_get_ec_connector_output(out, encoder_cache=cache):
+            pass
+        gets = eng.gets
+        for computed in (2 + ROWS, 2 + ROWS + 2):  # RUNNING: vLLM asks again each chunk
+            assert s.ensure_cache_available(req, computed) is True
+        s.update_state_after_free(req, 0)
+        s.update_state_after_alloc(req, 1)
+        out = SimpleNamespace(ec_connector_metadata=s.build_connector_meta(None),
+                              finished_req_ids=set())
+        with Mixin.maybe_get_ec_connector_output(out, encoder_cache=cache):
+            pass
+        assert torch.equal(cache["img-q"], output(41, torch.float32))
+        assert torch.equal(cache["img-r"], output(42, torch.float32))
+        assert eng.gets == gets == 2
+        stats = s.get_ec_connector_stats().data
+        assert stats.get("hits") == 2 and not [k for k, v in stats.items()
+                                               if k.startswith("fallback_") and v], stats
+        del cache
+        s.request_finished(req)
+        assert not s._store.held()
+    finally:
+        s.shutdown()
+        ec_transfer_state.ensure_ec_transfer_shutdown()
