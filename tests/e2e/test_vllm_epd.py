@@ -127,6 +127,11 @@ EC_DIRECTORY = "/dev/shm/mmshm"
 #: Node B's PD instance (PD-B) reads these photos of the normal flow (the
 #: encoder encoded and put them) from the Store, the first of them twice.
 NODE_B_FETCH = (0, 1)
+#: PD-B's ``--shutdown-timeout``: vLLM's default (0, "abort") SIGKILLs the
+#: EngineCore at once on SIGTERM, so its connector never closes and the
+#: entries it fetched into node B's shared memory stay for the reaper
+#: (``mmshm gc``), as a killed server's do; a normal stop lets it close.
+NODE_B_SHUTDOWN_S = 30
 
 
 def connector_missing() -> str | None:
@@ -253,8 +258,9 @@ def node_b_flows(pd_b, master: mooncake.Master, photos: dict, refs: list, shm: P
        extra photos (put by the encoder in the removed-entry step) at once:
        every answer is the reference, every miss is counted and encoded
        locally;
-    d. PD-B alive: one more request (a local hit), then its normal stop and
-       what is left in node B's /dev/shm.
+    d. PD-B alive: one more request (a local hit), then its normal stop
+       (``--shutdown-timeout`` :data:`NODE_B_SHUTDOWN_S`) and what is left in
+       node B's /dev/shm.
 
     ``refs``: the reference answers (:func:`tests.harness.epd.reference_urls`
     order). Returns what was seen, under ``node_b_*`` keys."""
@@ -281,6 +287,7 @@ def node_b_flows(pd_b, master: mooncake.Master, photos: dict, refs: list, shm: P
     rec["node_b_after"] = epd.chat(pd_b, [small[NODE_B_FETCH[1]]])
     rec["node_b_after_probe"] = p.done()
     rec["node_b_after_ref"] = refs[NODE_B_FETCH[1]]
+    rec["node_b_before_stop"] = segments(shm / "mmshm")
     rec["node_b_stop_rc"] = pd_b.stop()
     rec["node_b_left"] = sorted(str(f.relative_to(shm)) for f in shm.rglob("*") if f.is_file())
     return rec
@@ -431,7 +438,8 @@ def runs(model, photos, request) -> dict:
                     "mmshm-PD-B", model, LOGS,
                     epd.ec_config("ec_consumer", *MMSHM_CONNECTOR, directory=EC_DIRECTORY,
                                   **store_leg),
-                    "1", mmshm_run=True, env=env, prefix=spaces[-1].prefix)
+                    "1", mmshm_run=True, env=env, prefix=spaces[-1].prefix,
+                    extra_argv=["--shutdown-timeout", str(NODE_B_SHUTDOWN_S)])
 
                 def node_b(refs: list) -> dict:
                     return node_b_flows(pd_b, master, photos, refs, shms["node_b"])
@@ -569,7 +577,8 @@ def figures(out: dict) -> dict:
                 rec["node_b_burst_probe"].get("counters", {}).get("loads"),
                 rec["node_b_burst_probe"]["encoded"],
                 rec["node_b_burst_probe"].get("counters", {}).get("fallbacks"))
-            f["node B: files left in its /dev/shm after PD-B's stop"] = rec["node_b_left"]
+            f["node B: entries before PD-B's stop, files left after it"] = (
+                rec["node_b_before_stop"], rec["node_b_left"])
         f[f"{name}: store after both kills"] = rec["left_by_kills"]
         f[f"{name}: left after both kills (and the reaper)"] = rec["reap"]
     for name in ("plain", "mmshm"):
@@ -858,8 +867,10 @@ def test_node_b_master_killed_mid_burst(runs):
 
 
 def test_node_b_leaves_nothing_after_stop(runs):
-    """After PD-B's normal stop nothing is left in node B's /dev/shm (the
-    fetched entries were there: the first node-B case)."""
+    """After PD-B's normal stop (``--shutdown-timeout``: its EngineCore
+    closes its connector) nothing is left in node B's /dev/shm; the fetched
+    entries were there until the stop."""
     rec = _node_b(runs)
     assert rec["node_b_entries_after_fetch"], "nothing was published on node B: proves nothing"
+    assert rec["node_b_before_stop"], "no entry on node B at the stop: proves nothing"
     assert rec["node_b_left"] == [], rec["node_b_left"]
