@@ -141,6 +141,33 @@ def test_run_reclaims_what_the_command_left_when_it_exited(shm_dir, tmp_path, ho
     assert not os.path.exists(other.path)
 
 
+EC_LEFT = textwrap.dedent("""
+    import os, sys
+    import torch
+    from mmshm.transport.encoder_cache import EncoderCache, content_key
+    store = EncoderCache(sys.argv[1], keep_s=60, namespace="m")
+    assert store.save(content_key("photo", "m"), torch.ones(64, 8)).published
+    print(sorted(os.listdir(sys.argv[1])), flush=True)
+    os._exit(0)              # as vLLM's default --shutdown-timeout 0 ends an EngineCore
+""")
+
+
+def test_run_reclaims_what_the_command_left_in_an_ec_connectors_own_directory(shm_dir,
+                                                                             tmp_path):
+    """An EC connector's ``directory`` setting apart from ``MMSHM_DIR``: what
+    a process killed before its store closed published there is reclaimed
+    once the command exits, as in ``MMSHM_DIR``."""
+    script, ec_dir = tmp_path / "ec.py", tmp_path / "ec"
+    script.write_text(EC_LEFT)
+    ec_dir.mkdir()
+    r = subprocess.run([*MMSHM, "run", "--", sys.executable, str(script), str(ec_dir)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "mmshm-0-" in r.stdout, r.stdout  # it had published there
+    assert os.listdir(ec_dir) == [], r.stderr
+    assert "reclaimed 1 segment(s)" in r.stderr and str(ec_dir) in r.stderr, r.stderr
+
+
 def test_reclaim_left_by_touches_only_the_given_pids(shm_dir):
     seg = segment.create(4096)
     try:

@@ -290,6 +290,35 @@ def run_pids(work: str) -> set[int]:
         return set()
 
 
+def note_segment_dir(directory: str) -> None:
+    """Under ``mmshm run``: record that this process uses the segment
+    directory ``directory`` besides ``MMSHM_DIR`` (an EC connector's
+    ``directory`` setting), so that what the server's processes leave there
+    is reclaimed once the command has exited too. Never raises."""
+    pids = os.environ.get(ENV_PIDS)
+    if not pids or not directory:
+        return
+    try:
+        fd = os.open(os.path.join(os.path.dirname(pids), "dirs"),
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, os.fsencode(os.path.realpath(directory)) + b"\n")
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def run_dirs(work: str) -> list[str]:
+    """The segment directories the server's processes noted
+    (:func:`note_segment_dir`), each once."""
+    try:
+        with open(os.path.join(work, "dirs"), "rb") as f:
+            return list(dict.fromkeys(os.fsdecode(x) for x in f.read().splitlines() if x))
+    except OSError:
+        return []
+
+
 def run(argv: list[str], env: dict | None = None) -> int:
     """Run ``argv`` with every Python process it starts instrumented; return
     its exit status (128 + N if it was killed by signal N). SIGINT, SIGTERM,
@@ -352,7 +381,9 @@ def run(argv: list[str], env: dict | None = None) -> int:
         finally:
             for s, h in forwarded.items():
                 signal.signal(s, h)
-        _reclaim_after_exit(seg_dir, run_pids(work))
+        pids = run_pids(work)
+        for d in dict.fromkeys([seg_dir, *run_dirs(work)]):
+            _reclaim_after_exit(d, pids)
         _mark_dead_after_exit(env.get("PROMETHEUS_MULTIPROC_DIR"), work)
         return 128 - rc if rc < 0 else rc
     finally:
