@@ -585,17 +585,85 @@ def test_the_producers_keep_s_removal_leaves_a_fetched_copy_intact(store, nodes)
     "content still served on node A is gone from the Store and every other node encodes it"))
 def test_content_saved_again_stays_in_the_store_while_the_encoder_keeps_it(store, nodes):
     eng, tier = store
-    a = nodes("node-a", keep_s=0.5)
-    tier_a = tier(keep_s=0.5)
+    a = nodes("node-a", keep_s=0.3)
+    tier_a = tier(keep_s=0.3)
     counts = Counts(SERVER)
     skey = tier_a.store_key(key(25))
-    end = time.monotonic() + 2.3
-    while time.monotonic() < end:  # the encoder sees the photo again every 0.2 s
+    end = time.monotonic() + 1.4  # the put thread removes what expired once a second
+    while time.monotonic() < end:  # the encoder sees the photo again every 0.1 s
         assert ec_connector.save(a, key(25), output(25), "img-25", counts, tier_a).published
         assert tier_a.flush(5)
-        time.sleep(0.2)
+        time.sleep(0.1)
     assert a.published(), "the encoder's node still serves it"
     assert skey in eng.objects, "removed from the Store while node A still keeps it"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a keep_s removal the Store refuses once (Mooncake's OBJECT_HAS_LEASE while a consumer's "
+    "read holds the object's lease, or any transient error) is never tried again: "
+    "StoreTier._expire drops the key from _put_at before remove() and does not put it back, "
+    "so the object stays in the Store until the encoder process exits"))
+def test_a_removal_refused_once_is_tried_again(store, nodes):
+    eng, tier = store
+    a = nodes("node-a")
+    tier_a = tier(keep_s=0.2)
+    refused = []
+    real = eng.remove
+
+    def remove(k):
+        if not refused:
+            refused.append(k)
+            return -706  # OBJECT_HAS_LEASE: a reader holds the object's lease
+        return real(k)
+
+    eng.remove = remove
+    assert ec_connector.save(a, key(31), output(31), "img-31", Counts(SERVER), tier_a).published
+    assert tier_a.flush(5)
+    skey = tier_a.store_key(key(31))
+    end = time.monotonic() + 2.6  # the put thread removes what expired once a second
+    while (not refused or skey in eng.objects) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert refused == [skey], "the removal was asked"
+    assert skey not in eng.objects, "still in the Store 1.5 s after its refused removal"
+
+
+def test_an_entry_evicted_while_its_put_waits_puts_the_published_bytes(store, nodes):
+    eng, tier = store
+    a = nodes("node-a")
+    tier_a = tier()
+    eng.gate.clear()
+    assert ec_connector.save(a, key(32), output(32), "img-32", Counts(SERVER), tier_a).published
+    assert a.evict(key(32))  # the encoder's keep time or budget lets it go meanwhile
+    assert mmshm_files(a.directory), "the put's hold keeps the segment"
+    eng.gate.set()
+    assert tier_a.flush(5) and not a.held()
+    payload = eng.objects[tier_a.store_key(key(32))][ec_store.RECORD_BYTES:]
+    assert payload == output(32).view(torch.uint8).numpy().tobytes()
+    assert mmshm_files(a.directory) == [], "the last release unlinked it"
+
+
+def test_a_read_that_outlived_its_deadline_publishes_checked_bytes_for_the_next_request(
+        store, nodes):
+    eng, tier = store
+    a, b = nodes("node-a"), nodes("node-b")
+    publish(a, tier(), [33])
+    eng.gate.clear()
+    counts = Counts(SERVER)
+    holds = Holdings(b, counts, tier(timeout_s=0.2))
+    got, _ = until_ready(holds, [("r1", 0, "img-33", 33)])
+    assert got == {("r1", 0): None} and holds.missed["r1"]["img-33"] == "store_timeout"
+    eng.gate.set()  # the abandoned read now completes on the reader thread
+    end = time.monotonic() + 5
+    while not b.published() and time.monotonic() < end:
+        time.sleep(0.02)
+    time.sleep(0.25)  # the timeout outcome is forgotten
+    gets = eng.gets
+    got, steps = until_ready(holds, [("r2", 0, "img-33", 33)])
+    assert got[("r2", 0)] is not None and steps == 0 and eng.gets == gets
+    assert torch.equal(holds.hit("img-33").load(SERVER), output(33))
+    holds.finish("r1")
+    holds.finish("r2")
+    holds.close()
 
 
 # -- CUDA on the Store's threads -------------------------------------------------------------
@@ -618,7 +686,7 @@ def test_the_store_threads_never_touch_cuda(store, nodes, monkeypatch):
     got, _ = until_ready(holds, [("r1", 0, "img-26", 26)])
     assert got[("r1", 0)] is not None
     assert torch.equal(holds.hit("img-26").load(SERVER), output(26))
-    time.sleep(1.3)  # the put thread's keep_s removal ran
+    time.sleep(1.1)  # the put thread's keep_s removal ran (it looks once a second)
     holds.finish("r1")
     holds.close()
     assert touched == []
