@@ -46,6 +46,7 @@ from collections import OrderedDict, deque
 import torch
 
 from mmshm.errors import MmshmError
+from mmshm.metrics import EPD_FALLBACKS
 from mmshm.segments import arena
 from mmshm.transport.encoder_cache import EncoderCache, EncoderCacheError, count_fallback
 
@@ -112,7 +113,8 @@ class Counts(dict):
 
 
 class _Fetch:
-    __slots__ = ("deadline", "done_at", "dtype", "key", "reason", "rows", "shape", "state")
+    __slots__ = ("deadline", "done_at", "dtype", "key", "reason", "readers", "rows", "shape",
+                 "state")
 
     def __init__(self, key: bytes, dtype, rows, shape, deadline: float):
         self.key, self.dtype, self.rows, self.shape = key, dtype, rows, shape
@@ -120,20 +122,22 @@ class _Fetch:
         self.state = "queued"  # -> "running" -> "done"
         self.reason = ""       # done: "" (published in this node's segments) or why not
         self.done_at = 0.0
+        self.readers = 0       # requests that took its outcome (the first one's miss is counted)
 
 
 class StoreFetches:
     """A consumer's Store fetches (:func:`mmshm.transport.ec_store.fetch_local`)
     on one reader thread, one per content key at a time, so that the
     server's scheduling loop never waits on the network: it only reads a
-    fetch's state.
+    fetch's state (:meth:`ask`, then :meth:`outcome` at each step).
 
     Bounds: a fetch not started within ``store_timeout_s`` of being asked
-    is not made (a miss, ``store_timeout``); one started returns within
-    ``store_timeout_s`` (the tier's own bound). A request therefore waits at
-    most twice ``store_timeout_s``. An outcome is reused for another
-    request of the same key for ``store_timeout_s`` (a miss is not asked
-    again at once); at most :data:`MAX_REMEMBERED` outcomes are kept.
+    is never made (a miss, ``store_timeout``, counted once); one started
+    returns within ``store_timeout_s`` (the tier's own bound). A request
+    therefore waits at most twice ``store_timeout_s``. A request keeps its
+    fetch until it took the outcome; for other requests of the same key an
+    outcome is reused for ``store_timeout_s`` (a miss is not asked again at
+    once); at most :data:`MAX_REMEMBERED` keys are remembered.
 
     Args:
         cache: the consumer's :class:`~mmshm.transport.encoder_cache.EncoderCache`
@@ -150,33 +154,43 @@ class StoreFetches:
         self._closed = False
         self._thread: threading.Thread | None = None
 
-    def state(self, key: bytes, dtype, rows, shape) -> str | None:
-        """The fetch of ``key``: None while in flight (asked now if it was
-        not), else its outcome: ``""`` (published in this node's segments:
-        look it up there) or the reason it missed (``store_<reason>``)."""
+    def ask(self, key: bytes, dtype, rows, shape) -> _Fetch:
+        """The fetch of ``key``: the one in flight or recently done, else a
+        new one queued for the reader thread."""
         now = time.monotonic()
         with self._lock:
             f = self._by_key.get(key)
             if f is not None and f.state == "done" and now - f.done_at > self.timeout_s:
-                del self._by_key[key]
                 f = None
             if f is None:
-                if self._closed:
-                    return "store_closed"
                 f = _Fetch(key, dtype, rows, shape, now + self.timeout_s)
+                if self._closed:
+                    self._done(f, "store_closed")
+                    return f
                 self._by_key[key] = f
+                self._by_key.move_to_end(key)
                 while len(self._by_key) > MAX_REMEMBERED:
                     self._by_key.popitem(last=False)
                 self._queue.append(f)
                 self._start()
                 self._lock.notify_all()
-                return None
-            if f.state == "queued" and now > f.deadline:
-                self._done(f, "store_timeout")  # never started: not made, counted here
-                count_fallback(self.tier.server, "store_timeout",
-                               f"the Store fetch of {key.hex()[:16]} did not start within "
-                               f"store_timeout_s={self.timeout_s} s (earlier fetches queued)")
+            return f
+
+    def outcome(self, f: _Fetch) -> str | None:
+        """None while ``f`` is in flight, else ``""`` (published in this
+        node's segments: look it up there) or why it missed
+        (``store_<reason>``, or the local cache's refusal)."""
+        with self._lock:
+            if f.state == "queued" and time.monotonic() > f.deadline:
+                self._expire(f)
             return f.reason if f.state == "done" else None
+
+    def _expire(self, f: _Fetch) -> None:
+        """``f`` not started by its deadline: never made, counted here (lock held)."""
+        self._done(f, "store_timeout")
+        count_fallback(self.tier.server, "store_timeout",
+                       f"the Store fetch of {f.key.hex()[:16]} did not start within "
+                       f"store_timeout_s={self.timeout_s} s (earlier fetches queued)")
 
     def _done(self, f: _Fetch, reason: str) -> None:
         f.state, f.reason, f.done_at = "done", reason, time.monotonic()
@@ -198,6 +212,9 @@ class StoreFetches:
                     return
                 f = self._queue.popleft()
                 if f.state != "queued":
+                    continue
+                if time.monotonic() > f.deadline:  # nobody looked since: never started
+                    self._expire(f)
                     continue
                 f.state = "running"
             try:
@@ -238,7 +255,8 @@ class Holdings:
         self.name_of: dict[tuple[str, int], str] = {}   # (req id, index) held -> item name
         self.unavailable: set[str] = set()              # failed in a worker: the server fails them
         self.poisoned: OrderedDict[str, str] = OrderedDict()  # item name -> request
-        self.waiting: set[tuple[str, int]] = set()      # (req id, index) waiting on a fetch
+        self.waiting: dict[tuple[str, int], _Fetch] = {}  # (req id, index) -> its Store fetch
+        self.counted: set[tuple[str, str]] = set()      # (req id, item) whose miss's metric is in
 
     def fails(self, rid: str, pending: list[str]) -> bool:
         """Whether request ``rid`` needs an item (``pending``: the names of
@@ -261,24 +279,22 @@ class Holdings:
         if key is None or index in looked or self.by_id.get(ident) is not None:
             return None
         shape = (rows, width or None)
-        pending = self.fetches is not None and (rid, index) in self.waiting
-        if pending:
-            reason = self.fetches.state(key, dtype, rows, shape)
+        fetch = self.waiting.get((rid, index))
+        if fetch is None:
+            entry, reason, _ = self._lookup(rid, key, dtype, rows, shape)
+            if entry is None and reason == "missing" and self.fetches is not None:
+                fetch = self.waiting[(rid, index)] = self.fetches.ask(key, dtype, rows, shape)
+        if fetch is not None:
+            reason = self.fetches.outcome(fetch)
             if reason is None:
                 return PENDING
-            self.waiting.discard((rid, index))
+            del self.waiting[(rid, index)]
+            fetch.readers += 1
             entry = None
             if not reason:  # published here by the fetch: held from here
                 entry, reason, _ = self._lookup(rid, key, dtype, rows, shape)
-        else:
-            entry, reason, _ = self._lookup(rid, key, dtype, rows, shape)
-            if entry is None and reason == "missing" and self.fetches is not None:
-                reason = self.fetches.state(key, dtype, rows, shape)
-                if reason is None:
-                    self.waiting.add((rid, index))
-                    return PENDING
-                if not reason:
-                    entry, reason, _ = self._lookup(rid, key, dtype, rows, shape)
+            elif fetch.readers == 1:  # the fetch (the tier, the cache) counted its metric
+                self.counted.add((rid, ident))
         looked.add(index)
         if entry is None:
             self.missed.setdefault(rid, {})[ident] = reason
@@ -338,8 +354,13 @@ class Holdings:
             found, reason, _ = self.store._search(key, None, rows, hold=False, verify=False)
             if found is not None:
                 found.release()
-        if reason and reason.startswith("store_"):
-            self.counts.fallback(reason)  # the Store leg counted its metric and said why
+        if (rid, ident) in self.counted:  # the fetch counted the metric and said why
+            self.counted.discard((rid, ident))
+            self.counts.fallback(reason)
+            return
+        if reason and reason.startswith("store_"):  # another request's fetch: counted here
+            self.counts.fallback(reason)
+            EPD_FALLBACKS.labels(server=self.counts.server, reason=reason).inc()
             return
         self.counts.fallback(reason or "missing",
                              f"item {ident} of request {rid} is encoded here: no loadable "
@@ -369,7 +390,9 @@ class Holdings:
         self.looked.pop(rid, None)
         self.missed.pop(rid, None)
         if self.waiting:
-            self.waiting = {w for w in self.waiting if w[0] != rid}
+            self.waiting = {w: f for w, f in self.waiting.items() if w[0] != rid}
+        if self.counted:
+            self.counted = {c for c in self.counted if c[0] != rid}
 
     def failed(self, failed: dict) -> None:
         """``{request id: item name}`` a worker could not load: each request
@@ -405,7 +428,7 @@ def open_tier(extra: dict, server: str, keep_s: float | None = None):
 
     try:
         return ec_store.from_config(extra, server=server, keep_s=keep_s)
-    except ec_store.StoreConfigError as exc:
+    except (ec_store.StoreConfigError, TypeError, ValueError, OverflowError) as exc:
         log.warning("mmshm: encoder cache (%s): the Mooncake Store leg is off: %s; encoder "
                     "outputs move within this node only. Fix the setting in "
                     "ec_connector_extra_config (docs/epd-nodes.md)", server, exc)
@@ -430,6 +453,8 @@ def save(store: EncoderCache, key: bytes, tensor: torch.Tensor, label: str,
         log.debug("mmshm: EC save %s -> %s (%d bytes)", label, res.name, res.nbytes)
         if tier is not None:
             put(store, tier, key, label)
+    elif res.published and tier is not None and not tier.touch(key):
+        put(store, tier, key, label)  # kept here again: in the Store again, for as long
     elif not res.published and res.reason:
         counts.fallback(res.reason)
     return res

@@ -127,7 +127,7 @@ def setting(extra: Mapping, key: str, default, kind, where: str = "ec_connector_
         if not value >= 0:  # NaN and negatives
             raise ValueError
         return value
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
         log.warning("mmshm: %s.%s=%r is not a number at least 0: using %r; fix the setting",
                     where, key, raw, default)
         return default

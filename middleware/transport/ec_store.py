@@ -185,7 +185,7 @@ def _size(key: str, value: Any) -> int:
     elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
         try:
             n = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
-        except ValueError:
+        except (ValueError, OverflowError):
             raise StoreConfigError(f"{key} must be a size (4GB, 512MB, 1048576), not "
                                    f"{value!r}", key) from None
     else:
@@ -203,9 +203,13 @@ def _positive(key: str, value: Any, kind=float):
         v = kind(value)
         if isinstance(value, float) and kind is int and not value.is_integer():
             raise ValueError
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise StoreConfigError(f"{key} must be a number > 0, not {value!r}", key) from None
-    if not (v > 0 and math.isfinite(v)):
+    try:
+        finite = math.isfinite(v)
+    except OverflowError:  # an int above a float's range
+        finite = False
+    if not (v > 0 and finite):
         raise StoreConfigError(f"{key} must be a number > 0, not {value!r}", key)
     return v
 
@@ -278,6 +282,9 @@ class StoreConfig:
         """
         d = dict(extra or {})
         path = d.get("mooncake_config_path")
+        if path is not None and not isinstance(path, str):  # an int would be a descriptor
+            raise StoreConfigError(f"mooncake_config_path must be a file's path, not {path!r}",
+                                   "mooncake_config_path")
         if path:
             try:
                 with open(path, encoding="utf-8") as f:
@@ -644,6 +651,19 @@ class StoreTier:
                     self._cond.notify_all()
             self._expire()
 
+    def touch(self, key: bytes) -> bool:
+        """The encoder saved ``key``'s content again (its local keep time
+        restarted): keep its Store object :attr:`keep_s` from now. False
+        when this process holds no such object (never put, removed, or its
+        put still queued): the caller puts it again."""
+        skey = self.store_key(key)
+        with self._cond:
+            if skey not in self._put_at:
+                return False
+            self._put_at[skey] = time.monotonic()
+            self._put_at.move_to_end(skey)
+            return True
+
     def _expire(self) -> None:
         """Remove this process's objects put more than :attr:`keep_s` ago
         (the local entry's keep time: the Store keeps no output longer than
@@ -651,19 +671,25 @@ class StoreTier:
         if self.keep_s is None or self._store is None:
             return
         end = time.monotonic() - self.keep_s
-        while self._put_at:
-            skey, at = next(iter(self._put_at.items()))
-            if at > end:
-                return
-            del self._put_at[skey]
+        while True:
+            with self._cond:
+                if not self._put_at:
+                    return
+                skey, at = next(iter(self._put_at.items()))
+                if at > end:
+                    return
+                del self._put_at[skey]
             try:
                 rc = self._store.remove(skey)
             except Exception as exc:  # noqa: BLE001 - a removal never takes the thread down
                 rc = str(exc)
             if rc in (0, _OBJECT_NOT_FOUND):
                 self.stats["removes"] = self.stats.get("removes", 0) + 1
-            else:
-                log.debug("mmshm: Store remove of %s returned %s", skey, rc)
+            else:  # a lease a reader holds, a transient error: tried again in a second
+                log.debug("mmshm: Store remove of %s returned %s; tried again", skey, rc)
+                with self._cond:
+                    self._put_at.setdefault(skey, time.monotonic() - self.keep_s + 1.0)
+                return
 
     def _put_one(self, key: bytes, t: torch.Tensor, nbytes: int) -> None:
         if not self._connect():
@@ -690,8 +716,9 @@ class StoreTier:
         self.stats["put_bytes"] += nbytes
         if self.keep_s is not None:
             skey = self.store_key(key)
-            self._put_at[skey] = time.monotonic()
-            self._put_at.move_to_end(skey)
+            with self._cond:
+                self._put_at[skey] = time.monotonic()
+                self._put_at.move_to_end(skey)
         self.stats["put_seconds"] += time.perf_counter() - t0
         EPD_BYTES.labels(server=self.server, direction="store_put").inc(nbytes)
 

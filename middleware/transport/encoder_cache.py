@@ -153,6 +153,7 @@ cannot meet (another directory, namespace or node).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import multiprocessing.util
@@ -683,6 +684,8 @@ class PendingEntry:
         seg, self._seg = self._seg, None
         try:
             segment.update_refcount(seg.name, -1, self._cache.directory, seg.gen)
+        except (MmshmError, OSError) as exc:  # its file removed by a close that did not wait
+            log.debug("mmshm: giving back the reserved %s: %s", seg.name, exc)
         finally:
             self._settled()
 
@@ -1380,6 +1383,11 @@ class EncoderCache:
             end = time.monotonic() + PENDING_WAIT_S
             while self._pending and time.monotonic() < end:
                 self._pending_done.wait(end - time.monotonic())
+            for pending in list(self._pending):  # a read that hangs: its file goes now
+                seg = pending._seg
+                if seg is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(seg.path)
             segs = [o.seg for o in self._own.values() if not o.kept]
             for key in list(self._own):
                 self._drop(key)
