@@ -994,15 +994,9 @@ class EncoderCache:
         if len(key) != KEY_BYTES:
             raise ValueError(f"a key is {KEY_BYTES} bytes, not {len(key)}")
         code = codec.dtype_code(tensor.dtype)
-        with self._lock:
-            if self._closed:
-                return SaveResult(False, None, "closed", 0)
-            own = self._own.get(key)
-            if own is not None and not own.seg.freed():
-                self._touch(key)
-                return SaveResult(True, own.name, None, 0)
-            if own is not None:
-                self._drop(key)
+        again = self._own_again(key)
+        if again is not None:
+            return again
         # a tensor on a GPU stays there until its one copy (D2H) into the segment
         t = tensor.detach().contiguous()
         shape = tuple(int(s) for s in t.shape)
@@ -1072,6 +1066,21 @@ class EncoderCache:
         EPD_TRANSFER_SECONDS.labels(server=self.server).observe(time.perf_counter() - t0)
         return SaveResult(True, got, None, nbytes)
 
+    def _own_again(self, key: bytes) -> SaveResult | None:
+        """What a save of ``key`` finds before writing: refused when closed,
+        this process's live entry kept (its keep time restarted), else None
+        (a freed one of ours dropped)."""
+        with self._lock:
+            if self._closed:
+                return SaveResult(False, None, "closed", 0)
+            own = self._own.get(key)
+            if own is not None and not own.seg.freed():
+                self._touch(key)
+                return SaveResult(True, own.name, None, 0)
+            if own is not None:
+                self._drop(key)
+        return None
+
     def reserve(self, key: bytes, nbytes: int, label: str = "") -> PendingEntry | SaveResult:
         """A new segment for the encoder output of ``key`` (``nbytes`` bytes),
         not published: the caller fills :attr:`PendingEntry.payload` (a
@@ -1092,15 +1101,9 @@ class EncoderCache:
             raise ValueError(f"a key is {KEY_BYTES} bytes, not {len(key)}")
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes must be an int >= 0, not {nbytes!r}")
-        with self._lock:
-            if self._closed:
-                return SaveResult(False, None, "closed", 0)
-            own = self._own.get(key)
-            if own is not None and not own.seg.freed():
-                self._touch(key)
-                return SaveResult(True, own.name, None, 0)
-            if own is not None:
-                self._drop(key)
+        again = self._own_again(key)
+        if again is not None:
+            return again
         other = self._search(key, None, None, hold=False)[0]
         if other is not None and other.nbytes == nbytes:  # another producer's: keep it
             return self._keep(key, other)
