@@ -27,57 +27,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+from mmshm.bench.mooncake_master import Master, kill_group, master_binary
+
 #: one Qwen2-VL-7B encoder output of a 720p photo: (rows, width), bf16
 ITEM_SHAPE = (1196, 3584)
 #: the goal: the cross-node hop at most this many times the raw transfer
 GOAL_RAW_X = 1.3
-
-
-def master_binary() -> str | None:
-    """The ``mooncake_master`` beside the engine's package, else on ``PATH``."""
-    try:
-        import mooncake
-    except ImportError:
-        return shutil.which("mooncake_master")
-    path = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-    return path if os.access(path, os.X_OK) else shutil.which("mooncake_master")
-
-
-def _free_port() -> int:
-    from mmshm.bench.serve.servers import free_port
-
-    return free_port()
-
-
-def _wait_port(port: int, deadline: float) -> bool:
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return True
-        except OSError:
-            time.sleep(0.05)
-    return False
-
-
-def _kill(p: subprocess.Popen | None) -> None:
-    if p is None:
-        return
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _item(i: int, shape):
@@ -101,15 +62,25 @@ def _blake(t) -> str:
 
 
 # -- the two nodes ---------------------------------------------------------------------
-def _encoder(extra: dict, items: int, shape, nonce: str) -> None:
+def _connect(extra: dict, server: str, node: str):
+    """Node ``node``'s Store tier, connected; None (after printing the error
+    as the node's RESULT line) when it does not connect within 20 s."""
     from mmshm.transport import ec_store
+
+    tier = ec_store.from_config(extra, server=server)
+    if tier is None or not tier.wait_connected(20):
+        print("RESULT " + json.dumps({"error": f"node {node} could not connect to the Store: "
+                                               f"{tier and tier._connect_error}"}), flush=True)
+        return None
+    return tier
+
+
+def _encoder(extra: dict, items: int, shape, nonce: str) -> None:
     from mmshm.transport.encoder_cache import EncoderCache
 
     cache = EncoderCache(keep_s=600, namespace="bench")
-    tier = ec_store.from_config(extra, server="bench-encoder")
-    if tier is None or not tier.wait_connected(20):
-        print("RESULT " + json.dumps({"error": f"node A could not connect to the Store: {tier and tier._connect_error}"}),
-              flush=True)
+    tier = _connect(extra, "bench-encoder", "A")
+    if tier is None:
         return
     digests = []
     for i in range(items):
@@ -132,10 +103,8 @@ def _pd(extra: dict, items: int, shape, nonce: str, rounds: int, warmup: int,
     from mmshm.transport.encoder_cache import EncoderCache
 
     cache = EncoderCache(keep_s=600, namespace="bench")
-    tier = ec_store.from_config(extra, server="bench-pd")
-    if tier is None or not tier.wait_connected(20):
-        print("RESULT " + json.dumps({"error": f"node B could not connect to the Store: {tier and tier._connect_error}"}),
-              flush=True)
+    tier = _connect(extra, "bench-pd", "B")
+    if tier is None:
         return
     store = tier._store  # the same client: the raw get goes through the same engine
     keys = [_key(i, nonce) for i in range(items)]
@@ -255,27 +224,20 @@ def measure(items: int = 8, rounds: int = 10, warmup: int = 2, shape=ITEM_SHAPE,
     if binary is None:
         return {**base, "skipped": "no mooncake_master binary (beside the engine's package "
                                    "or on PATH)"}
-    rpc, meta, mport = _free_port(), _free_port(), _free_port()
-    master = enc = pd = None
+    master = Master(binary=binary)
+    enc = pd = None
     dirs = [tempfile.mkdtemp(prefix=f"bench-epd-node{n}-", dir="/dev/shm") for n in "AB"]
     item = shape[0] * shape[1] * 2
-    extra = {"master_server_address": f"127.0.0.1:{rpc}",
-             "metadata_server": f"http://127.0.0.1:{meta}/metadata",
-             "mooncake_protocol": "tcp", "local_hostname": "127.0.0.1",
-             "local_buffer_size": item + (8 << 20), "store_read_buffer_bytes": item + (1 << 20),
-             "store_timeout_s": 30.0, "store_max_pending_items": items,
-             "store_max_pending_bytes": nbytes + (1 << 20)}
+    extra = master.extra(local_buffer_size=item + (8 << 20),
+                         store_read_buffer_bytes=item + (1 << 20), store_timeout_s=30.0,
+                         store_max_pending_items=items,
+                         store_max_pending_bytes=nbytes + (1 << 20))
     nonce = os.urandom(6).hex()
     leftovers = {}
     try:
-        master = subprocess.Popen(
-            [binary, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={meta}", "--metrics_host=127.0.0.1",
-             f"--metrics_port={mport}"], stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True)
-        end = time.monotonic() + 20
-        if not (_wait_port(rpc, end) and _wait_port(meta, end)):
+        try:
+            master.start(timeout_s=20)
+        except RuntimeError:
             return {**base, "skipped": "mooncake_master did not listen within 20 s"}
         env = dict(os.environ, GLOG_minloglevel="2", PYTHONUNBUFFERED="1")
         enc = _child("encoder", {**env, "MMSHM_DIR": dirs[0]},
@@ -297,8 +259,9 @@ def measure(items: int = 8, rounds: int = 10, warmup: int = 2, shape=ITEM_SHAPE,
         _line(enc, "RESULT ", 60)
         enc.wait(60)
     finally:
-        for p in (pd, enc, master):
-            _kill(p)
+        for p in (pd, enc):
+            kill_group(p)
+        master.kill()
         for d in dirs:
             left = os.listdir(d) if os.path.isdir(d) else []
             if left:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +19,7 @@ import pytest
 
 from mmshm import metrics
 from mmshm.transport import ec_store
-from tests.harness.ports import free_port
+from tests.harness.mooncake import Master, kill_group
 from tests.harness.shm import unshare_reason
 
 try:
@@ -31,72 +29,12 @@ except (ImportError, OSError) as exc:
     ENGINE_MISSING = f"the Mooncake engine cannot be loaded ({exc}): {ec_store._FIX_ENGINE}"
 
 
-def _master_binary() -> str | None:
-    if ENGINE_MISSING:
-        return None
-    import mooncake
-
-    path = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-    return path if os.access(path, os.X_OK) else shutil.which("mooncake_master")
-
-
 needs_engine = pytest.mark.skipif(ENGINE_MISSING is not None, reason=str(ENGINE_MISSING))
-
-
-def _wait_port(port: int, deadline: float) -> bool:
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return True
-        except OSError:
-            time.sleep(0.05)
-    return False
-
-
-def _kill_group(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-class Master:
-    def __init__(self):
-        self.rpc, self.meta, self.mport = free_port(), free_port(), free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        argv = [_master_binary(), f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
-                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                f"--http_metadata_server_port={self.meta}", "--metrics_host=127.0.0.1",
-                f"--metrics_port={self.mport}"]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
-        end = time.monotonic() + 15
-        if not (_wait_port(self.rpc, end) and _wait_port(self.meta, end)):
-            self.kill()
-            pytest.fail("mooncake_master did not listen within 15 s")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            _kill_group(self.proc)
-
-    def extra(self, **kw) -> dict:
-        return {"master_server_address": f"127.0.0.1:{self.rpc}",
-                "metadata_server": f"http://127.0.0.1:{self.meta}/metadata",
-                "mooncake_protocol": "tcp", "local_hostname": "127.0.0.1",
-                "global_segment_size": "64MB", "local_buffer_size": "32MB",
-                "store_read_buffer_bytes": "16MB", "store_timeout_s": 2.0, **kw}
 
 
 @pytest.fixture
 def master():
-    m = Master()
-    m.start()
+    m = Master().start()
     try:
         yield m
     finally:
@@ -265,7 +203,7 @@ def _read_until(p: subprocess.Popen, prefix: str, timeout: float) -> str:
     t.start()
     t.join(timeout)
     if not box:
-        _kill_group(p)
+        kill_group(p)
         pytest.fail(f"no {prefix!r} line within {timeout} s; stderr: "
                     f"{p.stderr.read()[-3000:]}")
     return box[0]
@@ -276,7 +214,7 @@ def _finish(p: subprocess.Popen, timeout: float = 60) -> tuple[dict, str | None]
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(p)
+        kill_group(p)
         pytest.fail(f"child still running after {timeout} s")
     lines = out.splitlines()
     res = [ln for ln in lines if ln.startswith("RESULT ")]
@@ -309,7 +247,7 @@ def test_encoder_on_node_a_pd_on_node_b_equal_bytes_and_second_pd_hits_locally(m
     finally:
         for p in (enc, pd):
             if p is not None:
-                _kill_group(p)
+                kill_group(p)
     # node B's first PD read every output across nodes, bytes equal
     assert got["equal"] == [True, True, True]
     assert got["stats"]["gets"] == 3 and got["stats"]["get_bytes"] == 3 * 600 * 3584 * 2
@@ -332,7 +270,7 @@ def test_bad_records_and_short_payload_are_counted_misses_never_loaded(master):
     try:
         got, left = _finish(p)
     finally:
-        _kill_group(p)
+        kill_group(p)
     assert got["none"] == [True] * 6  # every bad object and the absent one: encode here
     assert got["published"] == []  # nothing saved locally from a bad object
     assert got["counted"] == {"absent": 1, "unreachable": 0, "timeout": 0, "short": 0,
@@ -353,7 +291,7 @@ def test_master_killed_is_a_bounded_counted_miss(master):
         p.stdin.flush()
         got, _ = _finish(p)
     finally:
-        _kill_group(p)
+        kill_group(p)
     assert got["first"]  # read while the master lived
     assert got["missed"] == [True, True, True]
     assert max(got["times"]) < 1.0 + 1.0, got["times"]  # the connector's own timeout
@@ -396,7 +334,7 @@ def test_a_master_that_answers_garbage_or_hangs_is_a_bounded_miss():
     try:
         got, _ = _finish(p)
     finally:
-        _kill_group(p)
+        kill_group(p)
         stop.set()
         t.join(5)
         for c in conns:
