@@ -127,11 +127,6 @@ EC_DIRECTORY = "/dev/shm/mmshm"
 #: Node B's PD instance (PD-B) reads these photos of the normal flow (the
 #: encoder encoded and put them) from the Store, the first of them twice.
 NODE_B_FETCH = (0, 1)
-#: PD-B's ``--shutdown-timeout``: vLLM's default (0, "abort") SIGKILLs the
-#: EngineCore at once on SIGTERM, so its connector never closes and the
-#: entries it fetched into node B's shared memory stay for the reaper
-#: (``mmshm gc``), as a killed server's do; a normal stop lets it close.
-NODE_B_SHUTDOWN_S = 30
 
 
 def connector_missing() -> str | None:
@@ -259,8 +254,10 @@ def node_b_flows(pd_b, master: mooncake.Master, photos: dict, refs: list, shm: P
        every answer is the reference, every miss is counted and encoded
        locally;
     d. PD-B alive: one more request (a local hit), then its normal stop
-       (``--shutdown-timeout`` :data:`NODE_B_SHUTDOWN_S`) and what is left in
-       node B's /dev/shm.
+       (SIGTERM; vLLM's default ``--shutdown-timeout 0`` kills its EngineCore,
+       which published the fetched entries, before that closes its store:
+       ``mmshm run`` reclaims them once the server has exited) and what is
+       left in node B's /dev/shm.
 
     ``refs``: the reference answers (:func:`tests.harness.epd.reference_urls`
     order). Returns what was seen, under ``node_b_*`` keys."""
@@ -438,8 +435,7 @@ def runs(model, photos, request) -> dict:
                     "mmshm-PD-B", model, LOGS,
                     epd.ec_config("ec_consumer", *MMSHM_CONNECTOR, directory=EC_DIRECTORY,
                                   **store_leg),
-                    "1", mmshm_run=True, env=env, prefix=spaces[-1].prefix,
-                    extra_argv=["--shutdown-timeout", str(NODE_B_SHUTDOWN_S)])
+                    "1", mmshm_run=True, env=env, prefix=spaces[-1].prefix)
 
                 def node_b(refs: list) -> dict:
                     return node_b_flows(pd_b, master, photos, refs, shms["node_b"])
@@ -867,9 +863,9 @@ def test_node_b_master_killed_mid_burst(runs):
 
 
 def test_node_b_leaves_nothing_after_stop(runs):
-    """After PD-B's normal stop (``--shutdown-timeout``: its EngineCore
-    closes its connector) nothing is left in node B's /dev/shm; the fetched
-    entries were there until the stop."""
+    """After PD-B's normal stop nothing is left in node B's /dev/shm; the
+    fetched entries were there until the stop (vLLM's default shutdown kills
+    the EngineCore that published them: ``mmshm run`` reclaims them)."""
     rec = _node_b(runs)
     assert rec["node_b_entries_after_fetch"], "nothing was published on node B: proves nothing"
     assert rec["node_b_before_stop"], "no entry on node B at the stop: proves nothing"
