@@ -16,17 +16,16 @@ tests/test_ec_store.py and tests/e2e/test_vllm_epd.py."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 import torch
-
 from mmshm.metrics import EPD_FALLBACKS
 from mmshm.transport import ec_connector, ec_store
 from mmshm.transport.ec_connector import PENDING, Counts, Holdings
 from mmshm.transport.encoder_cache import EncoderCache, content_key
-from tests.test_ec_store import FakeEngine
+
+from tests.harness.store_leg import node_caches, stand_in_store
 
 ROWS, WIDTH = 64, 96
 SERVER = "vllm"
@@ -45,60 +44,18 @@ def fallbacks(reason: str) -> float:
     return EPD_FALLBACKS.labels(server=SERVER, reason=reason)._value.get()
 
 
-class Engine(FakeEngine):
-    """tests/test_ec_store.py's stand-in engine, with ``remove``."""
-
-    def remove(self, key):
-        return 0 if self.objects.pop(key, None) is not None else -704
-
-
 @pytest.fixture
 def store(monkeypatch):
-    """One stand-in Store; ``tier()`` a started client of it (closed at the end)."""
-    srv = socket.create_server(("127.0.0.1", 0))  # the tier's TCP probe of the "master"
-    monkeypatch.setattr(ec_store, "_probe_http", lambda url, timeout: None)
-    eng = Engine()
-    tiers = []
-
-    def tier(timeout_s: float = 0.5, keep_s: float | None = None):
-        extra = {"master_server_address": f"127.0.0.1:{srv.getsockname()[1]}",
-                 "local_hostname": "127.0.0.1", "local_buffer_size": "1MB",
-                 "store_read_buffer_bytes": "1MB", "store_timeout_s": timeout_s}
-        t = ec_connector.open_tier(extra, SERVER, keep_s)
-        t._engine_cls = lambda: eng
-        tiers.append(t)
-        assert t.wait_connected(5)
-        return t
-
-    # open_tier loads the engine itself: hand it the stand-in
-    monkeypatch.setattr(ec_store, "load_engine", lambda: (lambda: eng))
-    try:
-        yield eng, tier
-    finally:
-        eng.gate.set()
-        for t in tiers:
-            t.close(timeout=5)
-        srv.close()
+    """``(engine, tier(timeout_s, keep_s, **extra))``: started clients of one stand-in Store."""
+    with stand_in_store(monkeypatch, SERVER) as s:
+        yield s
 
 
 @pytest.fixture
 def nodes(tmp_path):
-    """Node A's and node B's segment directories, each with its encoder cache."""
-    caches = []
-
-    def cache(name: str) -> EncoderCache:
-        d = tmp_path / name
-        d.mkdir(exist_ok=True)
-        c = EncoderCache(str(d), server=SERVER, keep_s=60, namespace="model")
-        caches.append(c)
-        return c
-
-    yield cache
-    for c in caches:
-        c.close()
-    left = [p.name for d in tmp_path.iterdir() if d.is_dir() for p in d.iterdir()
-            if p.name.startswith("mmshm")]
-    assert left == [], f"segments left: {left}"
+    """``cache(name, keep_s=60)``: an encoder cache on node ``name``'s segment directory."""
+    with node_caches(tmp_path, SERVER) as cache:
+        yield cache
 
 
 def publish(cache_a: EncoderCache, tier_a, items) -> Counts:

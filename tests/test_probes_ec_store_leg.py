@@ -35,7 +35,7 @@ from mmshm.transport.ec_connector import PENDING, Counts, Holdings
 from mmshm.transport.ec_keys import setting
 from mmshm.transport.encoder_cache import EncoderCache, content_key
 
-from tests.test_ec_store import FakeEngine
+from tests.harness.store_leg import Engine, node_caches, stand_in_store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,75 +61,18 @@ def mmshm_files(d: str) -> list[str]:
     return sorted(n for n in os.listdir(d) if n.startswith("mmshm"))
 
 
-class Engine(FakeEngine):
-    """The stand-in engine with ``remove``, a health switch, and a hook run
-    between a read's ``get_size`` and its get (a removal racing the read)."""
-
-    def __init__(self):
-        super().__init__()
-        self.healthy = True
-        self.between = None
-
-    def health_check(self):
-        return 0 if self.healthy else -1
-
-    def remove(self, k):
-        return 0 if self.objects.pop(k, None) is not None else -704
-
-    def batch_get_into_multi_buffers(self, keys, all_ptrs, all_sizes):
-        if self.between is not None:
-            hook, self.between = self.between, None
-            hook(keys[0])
-        return super().batch_get_into_multi_buffers(keys, all_ptrs, all_sizes)
-
-
 @pytest.fixture
 def store(monkeypatch):
     """``(engine, tier(timeout_s, keep_s, **extra))``: started clients of one stand-in Store."""
-    srv = socket.create_server(("127.0.0.1", 0))  # the tier's TCP probe of the "master"
-    monkeypatch.setattr(ec_store, "_probe_http", lambda url, timeout: None)
-    eng = Engine()
-    monkeypatch.setattr(ec_store, "load_engine", lambda: (lambda: eng))
-    tiers = []
-
-    def tier(timeout_s: float = 0.5, keep_s: float | None = None, **more):
-        extra = {"master_server_address": f"127.0.0.1:{srv.getsockname()[1]}",
-                 "local_hostname": "127.0.0.1", "local_buffer_size": "1MB",
-                 "store_read_buffer_bytes": "1MB", "store_timeout_s": timeout_s, **more}
-        t = ec_connector.open_tier(extra, SERVER, keep_s)
-        assert t is not None
-        tiers.append(t)
-        assert t.wait_connected(5)
-        return t
-
-    try:
-        yield eng, tier
-    finally:
-        eng.gate.set()
-        eng.healthy = True
-        for t in tiers:
-            t.close(timeout=5)
-        srv.close()
+    with stand_in_store(monkeypatch, SERVER) as s:
+        yield s
 
 
 @pytest.fixture
 def nodes(tmp_path):
     """``cache(name, keep_s=60)``: an encoder cache on node ``name``'s segment directory."""
-    caches = []
-
-    def cache(name: str, keep_s: float = 60.0) -> EncoderCache:
-        d = tmp_path / name
-        d.mkdir(exist_ok=True)
-        c = EncoderCache(str(d), server=SERVER, keep_s=keep_s, namespace="model")
-        caches.append(c)
-        return c
-
-    yield cache
-    for c in caches:
-        c.close()
-    left = [p.name for d in tmp_path.iterdir() if d.is_dir() for p in d.iterdir()
-            if p.name.startswith("mmshm")]
-    assert left == [], f"segments left: {left}"
+    with node_caches(tmp_path, SERVER) as cache:
+        yield cache
 
 
 def publish(cache_a: EncoderCache, tier_a, items, dtype=torch.bfloat16, **shape) -> None:
