@@ -75,6 +75,7 @@ from mmshm.segments.segfile import (
     peek_header,
     segment_dir,
 )
+from mmshm.transport.ec_holders import StoreLine
 
 #: (name pattern, who makes such files), first match wins.
 OWNER_PATTERNS: tuple[tuple[str, str], ...] = (
@@ -140,31 +141,11 @@ class EpdHeld(msgspec.Struct):
     bytes: int = 0
 
 
-class StoreState(msgspec.Struct):
-    """A process's Mooncake Store tier (EPD across nodes), as its memfd says
-    (:func:`mmshm.transport.ec_holders.read_stores`).
-
-    Attributes:
-        server: the server it serves (``vllm``).
-        master: the ``mooncake_master``'s RPC ``host:port``.
-        metadata: the transfer engine's metadata server (URL).
-        protocol: ``tcp`` or ``rdma``.
-        listens: what listens where (``StoreConfig.describe()``).
-        connected: its client is set up with the master.
-        error: the last connect error (empty when connected or not tried yet).
-        stats: its counts: ``puts``, ``put_bytes``, ``gets``, ``get_bytes``,
-            ``miss_<reason>``, ``drop_<reason>`` (bytes in bytes), and
-            ``put_seconds``/``get_seconds`` (s).
-    """
-
-    server: str
-    master: str
-    metadata: str
-    protocol: str
-    listens: str
-    connected: bool
-    error: str = ""
-    stats: dict[str, float] = msgspec.field(default_factory=dict)
+#: A process's Mooncake Store tier (EPD across nodes), as its memfd says: the
+#: record :func:`mmshm.transport.ec_holders.read_stores` reads (``server``,
+#: ``master``, ``metadata``, ``protocol``, ``listens``, ``connected``,
+#: ``error``, ``stats``: see :class:`~mmshm.transport.ec_holders.StoreLine`).
+StoreState = StoreLine
 
 
 class ProcessEntry(msgspec.Struct):
@@ -790,9 +771,7 @@ def status(directory: str | None = None) -> StatusReport:
                 e.mapped_bytes += s.bytes
         if p["held"]:
             e.epd_held = epd_held(pid, d)
-        e.store = [StoreState(t.server, t.master, t.metadata, t.protocol, t.listens,
-                              t.connected, t.error, dict(t.stats))
-                   for t in p.get("stores", ())]
+        e.store = list(p.get("stores", ()))
         entries.append(e)
     hidden = [s for s in segs if s.held and s.name not in seen]
     orphans = [s for s in segs if s.orphan]

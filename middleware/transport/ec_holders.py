@@ -23,6 +23,8 @@ import os
 import threading
 from typing import NamedTuple
 
+import msgspec
+
 #: the name of the memfd in which a process lists the entries it holds
 #: (``/proc/<pid>/fd/*`` links to ``/memfd:<this> (deleted)``)
 HOLDERS_MEMFD = "mmshm-epd-holders"
@@ -199,7 +201,7 @@ def read_holders(pid: int, directory: str | None = None) -> list[HeldEntry]:
 
 
 # -- the Mooncake Store leg ------------------------------------------------------------------
-class StoreLine(NamedTuple):
+class StoreLine(msgspec.Struct):
     """A process's Store tier (:class:`mmshm.transport.ec_store.StoreTier`) as
     its memfd says: ``server`` ("vllm"), the ``master``'s RPC ``host:port``,
     the ``metadata`` server's URL, ``protocol`` (``tcp``/``rdma``),
@@ -207,7 +209,8 @@ class StoreLine(NamedTuple):
     ``connected``, ``error`` (the last connect error; empty when connected
     or not tried yet) and ``stats`` (:attr:`StoreTier.stats`:
     ``puts``, ``put_bytes``, ``gets``, ``get_bytes``, ``miss_<reason>``,
-    ``drop_<reason>`` as counts, ``put_seconds``/``get_seconds`` in s)."""
+    ``drop_<reason>`` as counts, ``put_seconds``/``get_seconds`` in s).
+    ``mmshm status`` reports it as is (:class:`mmshm.operations.status.StoreState`)."""
 
     server: str
     master: str
@@ -215,8 +218,8 @@ class StoreLine(NamedTuple):
     protocol: str
     listens: str
     connected: bool
-    error: str
-    stats: dict
+    error: str = ""
+    stats: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class _Counts(dict):
