@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Callable
 
 import msgspec
 
@@ -443,15 +444,13 @@ def store_check(extra: dict, problems: list[Problem], notes: list[str]) -> Store
         problems.append(Problem(f"the Mooncake engine cannot be loaded ({out.engine}): encoder "
                                 f"outputs would move within each node only",
                                 ec_store._FIX_ENGINE))
-    try:
-        socket.create_connection(cfg.master(), timeout=cfg.timeout_s).close()
-        out.master_rpc = "accepts"
-    except OSError as exc:
-        out.master_rpc = f"{type(exc).__name__}: {exc}"
-        problems.append(Problem(
+    unreachable = ec_store._FIX["unreachable"]
+    out.master_rpc = _answers(
+        lambda: socket.create_connection(cfg.master(), timeout=cfg.timeout_s).close(),
+        "accepts", lambda said: (
             f"the Mooncake master's RPC port {cfg.master_server_address} does not accept a "
-            f"TCP connection within store_timeout_s={cfg.timeout_s} s ({out.master_rpc})",
-            ec_store._FIX["unreachable"]))
+            f"TCP connection within store_timeout_s={cfg.timeout_s} s ({said})"),
+        unreachable, problems)
     scheme = cfg.metadata_server.split("://", 1)[0].lower() if "://" in cfg.metadata_server \
         else cfg.metadata_server
     if scheme not in ("http", "https"):
@@ -459,16 +458,26 @@ def store_check(extra: dict, problems: list[Problem], notes: list[str]) -> Store
         notes.append(f"the metadata server {cfg.metadata_server} is not an HTTP one: mmshm "
                      f"does not check it")
         return out
-    try:
-        ec_store._probe_http(cfg.metadata_server, cfg.timeout_s)
-        out.metadata_http = "answers"
-    except OSError as exc:
-        out.metadata_http = f"{type(exc).__name__}: {exc}"
-        problems.append(Problem(
+    out.metadata_http = _answers(
+        lambda: ec_store._probe_http(cfg.metadata_server, cfg.timeout_s),
+        "answers", lambda said: (
             f"the Mooncake metadata server {cfg.metadata_server} does not answer HTTP within "
-            f"store_timeout_s={cfg.timeout_s} s ({out.metadata_http})",
-            ec_store._FIX["unreachable"]))
+            f"store_timeout_s={cfg.timeout_s} s ({said})"),
+        unreachable, problems)
     return out
+
+
+def _answers(check: Callable[[], object], ok: str, problem: Callable[[str], str], fix: str,
+             problems: list[Problem]) -> str:
+    """``ok`` when ``check()`` returns; when it raises OSError, ``"<type>: <message>"``
+    and a :class:`Problem` (``problem(that text)``, ``fix``) appended to ``problems``."""
+    try:
+        check()
+        return ok
+    except OSError as exc:
+        said = f"{type(exc).__name__}: {exc}"
+        problems.append(Problem(problem(said), fix))
+        return said
 
 
 def store_rows(c: StoreCheck) -> list[tuple[str, str]]:
