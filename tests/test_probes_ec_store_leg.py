@@ -36,6 +36,7 @@ from mmshm.transport.ec_keys import setting
 from mmshm.transport.encoder_cache import EncoderCache, content_key
 
 from tests.harness.store_leg import Engine, node_caches, stand_in_store
+from tests.harness.vllm_request import vllm_request
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -808,31 +809,13 @@ def test_a_typoed_key_is_one_warning_and_the_connector_starts(store, shm_dir, ca
 
 def _request(rid: str, idents):
     """A real vLLM ``Request`` with one image per item name of ``idents``."""
-    from vllm.multimodal.inputs import (
-        MultiModalBatchedField,
-        MultiModalFeatureSpec,
-        MultiModalFieldElem,
-        MultiModalKwargsItem,
-        PlaceholderRange,
-    )
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
+    return vllm_request(rid, [(ident, _pixels(ident)) for ident in idents], ROWS)
 
-    feats = []
-    for i, ident in enumerate(idents):
-        g = torch.Generator().manual_seed(sum(map(ord, ident)))
-        px = {"pixel_values": torch.randn(ROWS * 4, 64, generator=g),
-              "image_grid_thw": torch.tensor([[1, 8, 16]])}
-        data = MultiModalKwargsItem({k: MultiModalFieldElem(data=v, field=MultiModalBatchedField())
-                                     for k, v in px.items()})
-        feats.append(MultiModalFeatureSpec(
-            data=data, modality="image", identifier=ident,
-            mm_position=PlaceholderRange(offset=2 + i * (ROWS + 2), length=ROWS),
-            mm_hash=ident))
-    n = 4 + len(idents) * (ROWS + 2)
-    return Request(request_id=rid, prompt_token_ids=list(range(n)),
-                   sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
-                   mm_features=feats)
+
+def _pixels(ident: str) -> dict:
+    g = torch.Generator().manual_seed(sum(map(ord, ident)))
+    return {"pixel_values": torch.randn(ROWS * 4, 64, generator=g),
+            "image_grid_thw": torch.tensor([[1, 8, 16]])}
 
 
 def _until_available(sched, req, computed: int = 0, limit_s: float = 5.0) -> int:

@@ -43,14 +43,6 @@ from vllm.distributed.ec_transfer import ec_transfer_state
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorProm
-from vllm.multimodal.inputs import (
-    MultiModalBatchedField,
-    MultiModalFeatureSpec,
-    MultiModalFieldElem,
-    MultiModalKwargsItem,
-    PlaceholderRange,
-)
-from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin as Mixin
@@ -58,6 +50,7 @@ from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunne
 from tests.harness.metrics import metric
 from tests.harness.procs import stop_all, track
 from tests.harness.segments import segment_files
+from tests.harness.vllm_request import vllm_request
 
 pytestmark = pytest.mark.timeout(240)
 SPAWN = mp.get_context("spawn")
@@ -91,18 +84,7 @@ def encoder_output(seed: int) -> torch.Tensor:
 
 def request(rid: str, items) -> Request:
     """A real ``Request`` with one image per ``(identifier, seed)`` of ``items``."""
-    feats = []
-    for i, (ident, seed) in enumerate(items):
-        data = MultiModalKwargsItem({k: MultiModalFieldElem(data=v, field=MultiModalBatchedField())
-                                     for k, v in pixels(seed).items()})
-        feats.append(MultiModalFeatureSpec(
-            data=data, modality="image", identifier=ident,
-            mm_position=PlaceholderRange(offset=2 + i * (ROWS + 2), length=ROWS),
-            mm_hash=ident))
-    n = 4 + len(items) * (ROWS + 2)
-    return Request(request_id=rid, prompt_token_ids=list(range(n)),
-                   sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
-                   mm_features=feats)
+    return vllm_request(rid, [(ident, pixels(seed)) for ident, seed in items], ROWS)
 
 
 def schedule(sched, reqs) -> tuple[SimpleNamespace, list[list[bool]]]:
