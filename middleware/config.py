@@ -391,6 +391,32 @@ def problems(environ=None) -> list[SettingError]:
     return out
 
 
+#: Under ``mmshm run``: the file the run's processes append their pids to,
+#: and beside it the one they note their other segment directories in.
+RUN_PIDS_ENV = "MMSHM_RUN_PIDS"
+RUN_DIRS_FILE = "dirs"
+
+
+def note_segment_dir(directory: str) -> None:
+    """Under ``mmshm run``: record that this process uses the segment
+    directory ``directory`` besides ``MMSHM_DIR`` (an EC connector's
+    ``directory`` setting), so that what the server's processes leave there
+    is reclaimed once the command has exited too
+    (:func:`mmshm.operations.autopatch.run_dirs`). Never raises."""
+    pids = os.environ.get(RUN_PIDS_ENV)
+    if not pids or not directory:
+        return
+    try:
+        fd = os.open(os.path.join(os.path.dirname(pids), RUN_DIRS_FILE),
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, os.fsencode(os.path.realpath(directory)) + b"\n")
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
 def unknown_variables(environ=None) -> list[str]:
     """``MMSHM_*`` names set in the environment that mmshm does not read
     (typos such as ``MMSHM_MINBYTES``)."""

@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 
+from mmshm.config import RUN_DIRS_FILE, RUN_PIDS_ENV
 from mmshm.hooks.instrumentor import install_hint
 
 ENV_INSTRUMENT = "MMSHM_INSTRUMENT"
@@ -65,7 +66,7 @@ ENV_ROOTS = "MMSHM_AUTOPATCH_ROOTS"
 #: The shim's directory, so that it can step aside for the next sitecustomize.
 ENV_SITE = "MMSHM_AUTOPATCH_DIR"
 #: File the shim appends each process's pid to.
-ENV_PIDS = "MMSHM_RUN_PIDS"
+ENV_PIDS = RUN_PIDS_ENV
 #: Set once a process of the run has warned that mmshm is not importable.
 ENV_WARNED = "MMSHM_RUN_WARNED"
 #: What ``pip install`` needs to install this mmshm (see
@@ -290,30 +291,11 @@ def run_pids(work: str) -> set[int]:
         return set()
 
 
-def note_segment_dir(directory: str) -> None:
-    """Under ``mmshm run``: record that this process uses the segment
-    directory ``directory`` besides ``MMSHM_DIR`` (an EC connector's
-    ``directory`` setting), so that what the server's processes leave there
-    is reclaimed once the command has exited too. Never raises."""
-    pids = os.environ.get(ENV_PIDS)
-    if not pids or not directory:
-        return
-    try:
-        fd = os.open(os.path.join(os.path.dirname(pids), "dirs"),
-                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, os.fsencode(os.path.realpath(directory)) + b"\n")
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
 def run_dirs(work: str) -> list[str]:
     """The segment directories the server's processes noted
-    (:func:`note_segment_dir`), each once."""
+    (:func:`mmshm.config.note_segment_dir`), each once."""
     try:
-        with open(os.path.join(work, "dirs"), "rb") as f:
+        with open(os.path.join(work, RUN_DIRS_FILE), "rb") as f:
             return list(dict.fromkeys(os.fsdecode(x) for x in f.read().splitlines() if x))
     except OSError:
         return []

@@ -171,6 +171,7 @@ import blake3
 import msgspec
 import numpy as np
 import torch
+from mmshm import config
 from mmshm.errors import (
     MmshmError,
     SegmentError,
@@ -946,11 +947,8 @@ class EncoderCache:
         self._pending: set = set()
         self._pending_done = threading.Condition(self._lock)
         _register_exit(self)
-        if directory and os.environ.get("MMSHM_RUN_PIDS"):
-            # under mmshm run: what this process leaves here is reclaimed after the command
-            from mmshm.operations.autopatch import note_segment_dir
-
-            note_segment_dir(directory)
+        if directory:  # under mmshm run: what this process leaves here is reclaimed after it
+            config.note_segment_dir(directory)
 
     # -- what it is ----------------------------------------------------------------
     def describe(self) -> str:
