@@ -139,3 +139,24 @@ def arena_on(monkeypatch, shm_dir):
     arena.VIEWS.settled()
     TABLE.trim_pool()
     arena.VIEWS.sweep()
+
+
+@pytest.fixture
+def store(monkeypatch):
+    """The Mooncake Store leg on a stand-in engine (tests/harness/store_leg.py):
+    ``(engine, tier(timeout_s, keep_s, **extra))``, started clients of one
+    stand-in Store for server ``vllm``."""
+    from tests.harness.store_leg import stand_in_store
+
+    with stand_in_store(monkeypatch, "vllm") as s:
+        yield s
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    """``cache(name, keep_s=60)``: an encoder cache on simulated node
+    ``name``'s segment directory (tests/harness/store_leg.py)."""
+    from tests.harness.store_leg import node_caches
+
+    with node_caches(tmp_path, "vllm") as cache:
+        yield cache

@@ -25,8 +25,6 @@ from mmshm.transport import ec_connector, ec_store
 from mmshm.transport.ec_connector import PENDING, Counts, Holdings
 from mmshm.transport.encoder_cache import EncoderCache, content_key
 
-from tests.harness.store_leg import node_caches, stand_in_store
-
 ROWS, WIDTH = 64, 96
 SERVER = "vllm"
 
@@ -42,20 +40,6 @@ def key(i: int) -> bytes:
 
 def fallbacks(reason: str) -> float:
     return EPD_FALLBACKS.labels(server=SERVER, reason=reason)._value.get()
-
-
-@pytest.fixture
-def store(monkeypatch):
-    """``(engine, tier(timeout_s, keep_s, **extra))``: started clients of one stand-in Store."""
-    with stand_in_store(monkeypatch, SERVER) as s:
-        yield s
-
-
-@pytest.fixture
-def nodes(tmp_path):
-    """``cache(name, keep_s=60)``: an encoder cache on node ``name``'s segment directory."""
-    with node_caches(tmp_path, SERVER) as cache:
-        yield cache
 
 
 def publish(cache_a: EncoderCache, tier_a, items) -> Counts:

@@ -35,7 +35,7 @@ from mmshm.transport.ec_connector import PENDING, Counts, Holdings
 from mmshm.transport.ec_keys import setting
 from mmshm.transport.encoder_cache import EncoderCache, content_key
 
-from tests.harness.store_leg import Engine, node_caches, stand_in_store
+from tests.harness.store_leg import Engine
 from tests.harness.vllm_request import vllm_request
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,20 +60,6 @@ def fallbacks(reason: str) -> float:
 
 def mmshm_files(d: str) -> list[str]:
     return sorted(n for n in os.listdir(d) if n.startswith("mmshm"))
-
-
-@pytest.fixture
-def store(monkeypatch):
-    """``(engine, tier(timeout_s, keep_s, **extra))``: started clients of one stand-in Store."""
-    with stand_in_store(monkeypatch, SERVER) as s:
-        yield s
-
-
-@pytest.fixture
-def nodes(tmp_path):
-    """``cache(name, keep_s=60)``: an encoder cache on node ``name``'s segment directory."""
-    with node_caches(tmp_path, SERVER) as cache:
-        yield cache
 
 
 def publish(cache_a: EncoderCache, tier_a, items, dtype=torch.bfloat16, **shape) -> None:

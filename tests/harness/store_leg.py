@@ -6,14 +6,8 @@ tests/test_probes_ec_store_leg.py): the real
 with its :class:`~mmshm.transport.encoder_cache.EncoderCache`.
 
 Unlike the rest of the harness this module loads torch at import (through
-``mmshm.transport``): only those test modules import it. Each wraps the two
-context managers in fixtures of its own::
-
-    @pytest.fixture
-    def store(monkeypatch):
-        with stand_in_store(monkeypatch, SERVER) as s:
-            yield s
-"""
+``mmshm.transport``): tests/conftest.py's ``store`` and ``nodes`` fixtures
+import it when a test asks for them."""
 
 from __future__ import annotations
 
