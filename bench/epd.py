@@ -675,16 +675,22 @@ def measure(sizes: list[str], paths: list[str], tp: int, repeats: dict, warmup: 
     finally:
         if prod is not None:
             prod.close()
-        for d in made:
-            left = os.listdir(d) if os.path.isdir(d) else []
-            if left:
-                leftovers[d] = left
-            shutil.rmtree(d, ignore_errors=True)
+        remove_dirs(made, leftovers)
         if own_mmshm_dir:
             os.environ.pop("MMSHM_DIR", None)
     real_vllm = bool(prod and any(prod.real.values()))
     return _result(rows, tp, repeats, warmup, dirs, real_vllm, leftovers,
                    time.perf_counter() - t_start)
+
+
+def remove_dirs(dirs, leftovers: dict) -> None:
+    """Remove each of ``dirs`` (the bench's own segment directories), first
+    noting in ``leftovers`` (directory -> file names) what was left in it."""
+    for d in dirs:
+        left = os.listdir(d) if os.path.isdir(d) else []
+        if left:
+            leftovers[d] = left
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _med(xs):

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 
+from mmshm.bench.epd import remove_dirs
 from mmshm.bench.mooncake_master import Master, kill_group, master_binary
 
 #: one Qwen2-VL-7B encoder output of a 720p photo: (rows, width), bf16
@@ -262,11 +263,7 @@ def measure(items: int = 8, rounds: int = 10, warmup: int = 2, shape=ITEM_SHAPE,
         for p in (pd, enc):
             kill_group(p)
         master.kill()
-        for d in dirs:
-            left = os.listdir(d) if os.path.isdir(d) else []
-            if left:
-                leftovers[d] = left
-            shutil.rmtree(d, ignore_errors=True)
+        remove_dirs(dirs, leftovers)
     if "error" in got:
         raise RuntimeError(got["error"])
     mm = statistics.median(got["mmshm_ms"]) if got["mmshm_ms"] else None
