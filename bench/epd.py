@@ -97,6 +97,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from mmshm.bench.epd_nodes import remove_dirs
 from mmshm.operations.status import mount_of
 
 #: name -> (shape, torch dtype name, what it is)
@@ -681,16 +682,6 @@ def measure(sizes: list[str], paths: list[str], tp: int, repeats: dict, warmup: 
     real_vllm = bool(prod and any(prod.real.values()))
     return _result(rows, tp, repeats, warmup, dirs, real_vllm, leftovers,
                    time.perf_counter() - t_start)
-
-
-def remove_dirs(dirs, leftovers: dict) -> None:
-    """Remove each of ``dirs`` (the bench's own segment directories), first
-    noting in ``leftovers`` (directory -> file names) what was left in it."""
-    for d in dirs:
-        left = os.listdir(d) if os.path.isdir(d) else []
-        if left:
-            leftovers[d] = left
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _med(xs):

@@ -33,13 +33,22 @@ import sys
 import tempfile
 import time
 
-from mmshm.bench.epd import remove_dirs
 from mmshm.bench.mooncake_master import Master, kill_group, master_binary
 
 #: one Qwen2-VL-7B encoder output of a 720p photo: (rows, width), bf16
 ITEM_SHAPE = (1196, 3584)
 #: the goal: the cross-node hop at most this many times the raw transfer
 GOAL_RAW_X = 1.3
+
+
+def remove_dirs(dirs, leftovers: dict) -> None:
+    """Remove each of ``dirs`` (the bench's own segment directories), first
+    noting in ``leftovers`` (directory -> file names) what was left in it."""
+    for d in dirs:
+        left = os.listdir(d) if os.path.isdir(d) else []
+        if left:
+            leftovers[d] = left
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _item(i: int, shape):
