@@ -4,8 +4,9 @@ mmshm (``MmshmECConnector`` under ``mmshm run``), with the minimal proxy of
 :mod:`tests.harness.epd` (the request to the encoder with ``max_tokens=1``,
 then the original request to PD).
 
-Two pairs, started once, side by side, shared by every case, each on a
-private /dev/shm of its own (a tmpfs bind-mounted in one mount namespace
+Two pairs (the plain one, the baseline, with ``MMSHM_E2E_BASELINES=1``
+only: :data:`BASELINES`), started once, side by side, shared by every case,
+each on a private /dev/shm of its own (a tmpfs bind-mounted in one mount namespace
 that both servers of the pair enter, as two instances of one node share
 /dev/shm: what a SIGKILLed server leaves never reaches the host's):
 **plain** (``ECExampleConnector``, its files in that tmpfs) and **mmshm**
@@ -127,6 +128,14 @@ EC_DIRECTORY = "/dev/shm/mmshm"
 #: Node B's PD instance (PD-B) reads these photos of the normal flow (the
 #: encoder encoded and put them) from the Store, the first of them twice.
 NODE_B_FETCH = (0, 1)
+#: The plain pair (vLLM's own ``ECExampleConnector``) is the baseline: it
+#: shows the fault the counters-out-of-step flow reproduces (a wrong answer
+#: with HTTP 200) and asserts nothing of mmshm. It runs with
+#: ``MMSHM_E2E_BASELINES=1``; CI leaves it out (two instance starts and
+#: their flows, about 100 s of a 2-core host), and the mmshm pair's answers
+#: are checked against PD's own encodes and a unified server's.
+BASELINES = os.environ.get("MMSHM_E2E_BASELINES", "") == "1"
+NO_BASELINE = "the plain pair (the baseline) runs with MMSHM_E2E_BASELINES=1"
 
 
 def connector_missing() -> str | None:
@@ -391,18 +400,19 @@ def runs(model, photos, request) -> dict:
     master, pd_b = None, None
     t0 = time.monotonic()
     try:
-        # plain: ECExampleConnector's files in the pair's tmpfs (/dev/shm/ec inside)
-        shms["plain"] = mount_tmpfs("mmshm-e2e-epd-plain-", SHM_SIZE)
-        spaces.append(MountNamespace(shms["plain"]))
-        ec_dir = shms["plain"] / "ec"
-        ec_dir.mkdir(mode=0o777)
-        plain = epd.make_pair("plain", model, LOGS,
-                              epd.ec_config("ec_producer", shared_storage_path="/dev/shm/ec"),
-                              epd.ec_config("ec_consumer", shared_storage_path="/dev/shm/ec"),
-                              prefix=spaces[-1].prefix)
-        pairs.append(plain)
-        jobs.append(lambda: run_flows(plain, photos, lambda: plain_store(ec_dir),
-                                      lambda: {"left": plain_store(ec_dir)}))
+        if BASELINES:
+            # plain: ECExampleConnector's files in the pair's tmpfs (/dev/shm/ec inside)
+            shms["plain"] = mount_tmpfs("mmshm-e2e-epd-plain-", SHM_SIZE)
+            spaces.append(MountNamespace(shms["plain"]))
+            ec_dir = shms["plain"] / "ec"
+            ec_dir.mkdir(mode=0o777)
+            plain = epd.make_pair("plain", model, LOGS,
+                                  epd.ec_config("ec_producer", shared_storage_path="/dev/shm/ec"),
+                                  epd.ec_config("ec_consumer", shared_storage_path="/dev/shm/ec"),
+                                  prefix=spaces[-1].prefix)
+            pairs.append(plain)
+            jobs.append(lambda: run_flows(plain, photos, lambda: plain_store(ec_dir),
+                                          lambda: {"left": plain_store(ec_dir)}))
         if out["mmshm_missing"] is None:
             # mmshm: both servers under mmshm run, one segment directory
             shms["mmshm"] = mount_tmpfs("mmshm-e2e-epd-mmshm-", SHM_SIZE)
@@ -591,6 +601,12 @@ def _pairs(runs):
     return [runs[n] for n in ("plain", "mmshm") if n in runs]
 
 
+def _plain(runs) -> dict:
+    if "plain" not in runs:
+        pytest.skip(NO_BASELINE)
+    return runs["plain"]
+
+
 def _mmshm(runs) -> dict:
     if "mmshm" not in runs:
         pytest.skip(f"mmshm pair not run: {runs['mmshm_missing']}")
@@ -610,7 +626,7 @@ def test_normal_flow_answers_equal_the_reference(runs):
     for rec in _pairs(runs):
         for a, r in zip(rec["flow"], rec["ref"]):
             assert a.get("encoder") == "ok" and a.get("tokens") == r["tokens"], (rec["name"], a)
-    if "mmshm" in runs:
+    if "mmshm" in runs and "plain" in runs:
         for a, b in zip(runs["plain"]["flow"], runs["mmshm"]["flow"]):
             assert a["tokens"] == b["tokens"]
 
@@ -621,7 +637,7 @@ def test_normal_flow_pd_loads_every_item(runs):
     for rec in _pairs(runs):
         for p in rec["flow_probe"]:
             assert p["PD_encoded"] == 0 and p["E_encoded"] == 1, (rec["name"], p)
-    for p in runs["plain"]["flow_probe"]:
+    for p in runs["plain"]["flow_probe"] if "plain" in runs else []:
         assert p["store"]["files"] == 1, p
 
 
@@ -654,7 +670,7 @@ def test_counters_out_of_step_give_plain_vllm_a_wrong_answer(runs):
     """The flow reproduces plain vLLM's fault, or the mmshm case above
     proves nothing: with the counters out of step, plain PD loads another
     image's output and answers it with HTTP 200 (at least one WRONG)."""
-    plain = runs["plain"]
+    plain = _plain(runs)
     verdicts = [verdict(a, r) for a, r in zip(plain["skew"], plain["ref"])]
     assert len(verdicts) == 2 and "WRONG" in verdicts, verdicts
 
@@ -692,7 +708,7 @@ def test_encoder_killed_mid_burst(runs):
 
 def test_references_equal_plain_vs_mmshm(runs):
     rec = _mmshm(runs)
-    for a, b in zip(runs["plain"]["ref"], rec["ref"]):
+    for a, b in zip(_plain(runs)["ref"], rec["ref"]):
         assert a["tokens"] == b["tokens"]
 
 

@@ -96,6 +96,12 @@ def make_pair(name: str, model: str, logs: Path, ec_producer: str, ec_consumer: 
                                      ("PD", ec_consumer, "1", env_pd))])
 
 
+#: ``--limit-mm-per-prompt`` of every EPD instance: 2 images a request, no
+#: video, and vLLM's start-up dummy image (its profiling and, on an EC
+#: producer, the encode that measures the output width) at 1280 x 720.
+DUMMY_LIMITS = {"image": {"count": 2, "width": 1280, "height": 720}, "video": 0}
+
+
 def make_server(name: str, model: str, logs: Path, ec_transfer_config: str, core: str,
                 mmshm_run: bool = False, env: dict | None = None,
                 prefix: list[str] | None = None, extra_argv: list[str] = (),
@@ -108,7 +114,11 @@ def make_server(name: str, model: str, logs: Path, ec_transfer_config: str, core
     its command (a mount namespace's ``nsenter``); ``env``: extra
     environment."""
     port = free_port()
-    argv = vllm_argv(model, port, 1, images=2) + [
+    # The start-up's dummy image at 720p, the largest these tests send: an EC
+    # producer encodes one dummy item at start (vLLM's encoder output widths),
+    # by default the model's largest image (about 16k tokens on Qwen2-VL),
+    # which kept each encoder instance about 140 s in that one forward here
+    argv = vllm_argv(model, port, 1, limit_mm=DUMMY_LIMITS) + [
         "--ec-transfer-config", ec_transfer_config, "--enable-logging-iteration-details",
         *extra_argv]
     return Server(argv, port, logs / f"epd-{name}.log",
