@@ -176,14 +176,15 @@ EPD_DIRECTIONS = ("saved", "loaded", "store_put", "store_get")
 #: encoder's segments; SGLang's own bytes carried the output); the Mooncake Store
 #: leg between nodes (:mod:`mmshm.transport.ec_store`): ``store_`` + a lookup's
 #: miss reason (``absent``, ``unreachable``, ``timeout``, ``short``,
-#: ``record_mismatch``, ``digest``) or a put not made (``queue_full``,
+#: ``record_mismatch``, ``digest``, ``register``) or a put not made (``queue_full``,
 #: ``unreachable``, ``too_big``, ``put_failed``).
 EPD_FALLBACK_REASONS = ("over_budget", "no_space", "missing", "content_mismatch",
                         "incompatible", "segment_gone", "encoder_gone", "encoder_dropped",
                         "encoder_error", "torn", "digest", "name_taken", "queue_full",
                         "unproven", "store_absent", "store_unreachable", "store_timeout",
                         "store_short", "store_record_mismatch", "store_digest",
-                        "store_too_big", "store_put_failed", "store_queue_full")
+                        "store_register", "store_too_big", "store_put_failed",
+                        "store_queue_full")
 #: ``result`` label values of ``mmshm_epd_lookups_total``.
 EPD_LOOKUP_RESULTS = ("hit", "miss")
 

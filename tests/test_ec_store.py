@@ -274,7 +274,7 @@ def test_bad_records_and_short_payload_are_counted_misses_never_loaded(master):
     assert got["none"] == [True] * 6  # every bad object and the absent one: encode here
     assert got["published"] == []  # nothing saved locally from a bad object
     assert got["counted"] == {"absent": 1, "unreachable": 0, "timeout": 0, "short": 0,
-                              "record_mismatch": 5, "digest": 1}, got["counted"]
+                              "record_mismatch": 5, "digest": 1, "register": 0}, got["counted"]
     assert got["stats"]["miss_record_mismatch"] == 5 and got["stats"]["miss_digest"] == 1
     assert got["ok"] and got["wrong_rows"]  # a good object still reads; other rows: a miss
     assert left == ""
@@ -407,9 +407,36 @@ def test_store_labels_exist_at_zero():
 
 
 # -- the tier's own bounds, on a stand-in engine ----------------------------------------------
+def _mapped(addr: int) -> bool:
+    """Whether ``addr`` lies in a mapping of this process (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+def _segment_at(addr: int):
+    """The segment of this process whose creator mapping's payload starts at
+    ``addr``, or None (read without the table's lock: a let-go hook may run
+    under it in another thread)."""
+    from mmshm.segments.table import TABLE
+
+    for seg in list(TABLE.segments.values()):
+        span = seg.payload_span()
+        if span is not None and span[0] == addr:
+            return seg
+    return None
+
+
 class FakeEngine:
     """The engine's calls the tier makes, on a dict; ``gate`` holds puts and
-    reads back while cleared; ``short`` makes a read return fewer bytes."""
+    reads back while cleared; ``short`` makes a read return fewer bytes;
+    ``register_rc`` is what ``register_buffer`` returns (non-zero: refused).
+    An unregister of a segment's payload records whether that segment's file
+    was still linked and its pages still mapped (``"live"``), else
+    ``"gone"``; of other memory (the read buffer) ``"other"``."""
 
     def __init__(self):
         self.objects: dict[str, bytes] = {}
@@ -417,6 +444,7 @@ class FakeEngine:
         self.gate.set()
         self.short = False
         self.gets = 0
+        self.register_rc = 0
         self.registered: dict[int, int] = {}
         self.events: list[tuple] = []
 
@@ -424,13 +452,24 @@ class FakeEngine:
         return 0
 
     def register_buffer(self, ptr, n):
-        self.registered[ptr] = n
         self.events.append(("register", ptr, n))
+        if self.register_rc:
+            return self.register_rc
+        self.registered[ptr] = n
         return 0
 
     def unregister_buffer(self, ptr):
         self.registered.pop(ptr, None)
-        self.events.append(("unregister", ptr))
+        seg = _segment_at(ptr)
+        if seg is None:
+            state = "other"
+        else:
+            try:
+                linked = os.fstat(seg.fd).st_nlink > 0 and os.path.exists(seg.path)
+            except OSError:
+                linked = False
+            state = "live" if linked and _mapped(ptr) else "gone"
+        self.events.append(("unregister", ptr, state))
         return 0
 
     def health_check(self):
@@ -608,8 +647,12 @@ def test_fetch_local_reads_straight_into_the_published_segment(fake_tier, shm_di
         i = eng.events.index(gets[0])
         if protocol == "rdma":
             assert in_registered
-            assert eng.events[i - 1] == ("register", ptrs[1], sizes[1])
-            assert eng.events[i + 1] == ("unregister", ptrs[1])
+            # the segment's whole payload mapping (its capacity) is registered
+            assert eng.events[i - 1][:2] == ("register", ptrs[1])
+            assert eng.events[i - 1][2] >= sizes[1]
+            # MMSHM_POOL=0 here: the segment is never reused, so it is given back
+            # right after its read, its file still there
+            assert eng.events[i + 1] == ("unregister", ptrs[1], "live")
         else:
             assert not in_registered
             assert [ev for ev in eng.events if ev[0] != "get"] == [
@@ -631,6 +674,132 @@ def test_fetch_local_reads_straight_into_the_published_segment(fake_tier, shm_di
         assert _mmshm_files(shm_dir) == [published_name(k)]
     finally:
         cache.close()
+    assert _mmshm_files(shm_dir) == []
+
+
+def _rdma_pool(tier, monkeypatch):
+    """``tier`` on rdma, in a process whose warm pool is on."""
+    import dataclasses
+
+    from mmshm import config
+
+    monkeypatch.setattr(tier, "config", dataclasses.replace(tier.config, protocol="rdma"))
+    monkeypatch.setenv("MMSHM_POOL", "1")
+    config.reload()
+
+
+@pytest.mark.parametrize("closed_first", ["cache", "tier"])
+def test_rdma_registers_each_pooled_segment_once_and_gives_it_back_before_its_unlink(
+        fake_tier, shm_dir, monkeypatch, closed_first):
+    import torch
+
+    from mmshm.transport.encoder_cache import EncoderCache, content_key
+
+    tier, eng = fake_tier
+    _rdma_pool(tier, monkeypatch)
+    rbuf = tier._read_buf.data_ptr()
+    cache = EncoderCache(keep_s=60, namespace="m")
+    try:
+        keys = [content_key(f"pooled {i}") for i in range(20)]
+        items = {k: torch.randn(300, 256).to(torch.bfloat16) for k in keys}
+        for k, t in items.items():
+            _object(tier, eng, k, t)
+        regs_before = 0
+        for n, (k, t) in enumerate(items.items()):
+            assert ec_store.fetch_local(cache, tier, k, torch.bfloat16, 300) == "", n
+            e = cache.lookup(k, torch.bfloat16, 300, shape=(300, 256))
+            assert e is not None and torch.equal(e.load(), t), n  # bytes fetched == put
+            e.release()
+            assert cache.evict(k)  # its segment goes back to this process's warm pool
+            regs = [ev for ev in eng.events if ev[0] == "register" and ev[1] != rbuf]
+            if n:  # a fetch into a pooled segment registers nothing
+                assert len(regs) == regs_before, n
+            regs_before = len(regs)
+        gets = [ev for ev in eng.events if ev[0] == "get"]
+        segs = {ev[1][1] for ev in gets}
+        assert len(gets) == 20 and all(ev[3] for ev in gets)  # every read into registered memory
+        regs = [ev for ev in eng.events if ev[0] == "register" and ev[1] != rbuf]
+        assert len(regs) == len(segs) == 1  # one warm segment served all 20
+        assert [ev for ev in eng.events if ev[0] == "unregister"] == []
+        assert len(tier._regs) == 1
+        if closed_first == "tier":
+            tier.close(timeout=5)
+    finally:
+        cache.close()
+        tier.close(timeout=5)
+    unregs = [ev for ev in eng.events if ev[0] == "unregister" and ev[1] != rbuf]
+    # every registration given back exactly once, each while its file and pages were there
+    assert sorted(ev[1] for ev in unregs) == sorted(ev[1] for ev in regs)
+    assert all(ev[2] == "live" for ev in unregs), unregs
+    assert _mmshm_files(shm_dir) == []
+
+
+def test_rdma_registration_is_given_back_before_the_pool_drops_the_segment(fake_tier, shm_dir,
+                                                                            monkeypatch):
+    import torch
+
+    from mmshm.segments.table import TABLE
+    from mmshm.transport.encoder_cache import EncoderCache, content_key
+
+    tier, eng = fake_tier
+    _rdma_pool(tier, monkeypatch)
+    rbuf = tier._read_buf.data_ptr()
+    cache = EncoderCache(keep_s=60, namespace="m")
+    try:
+        t = torch.randn(300, 256).to(torch.bfloat16)
+        k = content_key("trimmed")
+        _object(tier, eng, k, t)
+        assert ec_store.fetch_local(cache, tier, k, torch.bfloat16, 300) == ""
+        assert cache.evict(k)
+        assert [ev for ev in eng.events if ev[0] == "unregister"] == []
+        assert TABLE.trim_pool(shm_dir) > 0  # the pool lets go of it: unlinked, unmapped
+        unregs = [ev for ev in eng.events if ev[0] == "unregister"]
+        assert len(unregs) == 1 and unregs[0][2] == "live" and unregs[0][1] != rbuf
+        assert len(tier._regs) == 0 and set(eng.registered) == {rbuf}
+        assert _mmshm_files(shm_dir) == []
+        # the next read gets a new segment: registered again, once
+        k2 = content_key("after the trim")
+        _object(tier, eng, k2, t)
+        assert ec_store.fetch_local(cache, tier, k2, torch.bfloat16, 300) == ""
+        assert len([ev for ev in eng.events if ev[0] == "register" and ev[1] != rbuf]) == 2
+    finally:
+        cache.close()
+    assert set(eng.registered) == {rbuf}
+    assert all(ev[2] == "live" for ev in eng.events if ev[0] == "unregister" and ev[1] != rbuf)
+
+
+def test_rdma_refused_registration_is_a_counted_miss_said_once(fake_tier, shm_dir, monkeypatch,
+                                                              caplog):
+    import torch
+
+    from mmshm.segments.table import TABLE
+    from mmshm.transport.encoder_cache import EncoderCache, content_key
+
+    tier, eng = fake_tier
+    _rdma_pool(tier, monkeypatch)
+    monkeypatch.setattr(ec_store, "_WARNED", set())
+    eng.register_rc = -1  # e.g. a memlock limit below the segment's size
+    cache = EncoderCache(keep_s=60, namespace="m")
+    try:
+        t = torch.randn(300, 256).to(torch.bfloat16)
+        keys = [content_key(f"refused {i}") for i in range(2)]
+        for k in keys:
+            _object(tier, eng, k, t)
+        with caplog.at_level(logging.DEBUG, logger="mmshm"):
+            got = [ec_store.fetch_local(cache, tier, k, torch.bfloat16, 300) for k in keys]
+        assert got == ["store_register"] * 2
+        assert tier.stats["miss_register"] == 2 and tier.stats["gets"] == 0
+        assert [ev for ev in eng.events if ev[0] == "get"] == []  # never read unregistered
+        assert all(cache.lookup(k, count=False) is None for k in keys)
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING
+                  and "store_register" in r.getMessage()]
+        assert len(warned) == 1
+        assert "returned -1" in warned[0].getMessage()
+        assert "ulimit -l" in warned[0].getMessage()
+        assert len(tier._regs) == 0
+    finally:
+        cache.close()
+        TABLE.trim_pool(shm_dir)  # the unpublished segments idle in the pool under their names
     assert _mmshm_files(shm_dir) == []
 
 

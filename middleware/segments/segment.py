@@ -194,6 +194,16 @@ class Segment:
         # ctypes exports format "<B"; consumers such as blake3 want "B"
         return memoryview(self.shared_map).cast("B")[HEADER_SIZE : HEADER_SIZE + self.payload_size]
 
+    def payload_span(self) -> tuple[int, int] | None:
+        """``(address, nbytes)`` of the whole payload (its capacity,
+        :attr:`payload_size`) in the creator's shared mapping, the same for
+        every generation while this process keeps the segment mapped; None
+        without that mapping (an attached segment, or one let go)."""
+        buf = self.shared_map
+        if buf is None:
+            return None
+        return ctypes.addressof(buf) + HEADER_SIZE, self.payload_size
+
     def check_size(self, end: int = 0) -> None:
         """Raise :class:`SegmentCorruptError` if the file is now shorter than
         its header says (truncated by a third party), or than

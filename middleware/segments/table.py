@@ -131,6 +131,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mmshm import config
@@ -217,6 +218,8 @@ class SegmentTable:
         arena_bytes: the part of ``owned_bytes`` that are arena segments
             (``FLAG_ARENA``: kept in the pool for good, see
             :mod:`mmshm.segments.arena`), in use or idle.
+        let_go_hooks: callables ``hook(segment)`` run by
+            :meth:`before_let_go` (add with :meth:`add_let_go_hook`).
     """
 
     def __init__(self):
@@ -232,12 +235,53 @@ class SegmentTable:
         self._reaped_dirs: set[str] = set()
         self._last_reap: dict[str, float] = {}
         self._fs_size: dict[str, int] = {}
+        self.let_go_hooks: list[Callable[[Segment], None]] = []
+
+    # -- what hangs on a segment's mapping ---------------------------------
+    def add_let_go_hook(self, hook: Callable[[Segment], None]) -> None:
+        """Run ``hook(segment)`` before this process lets go of a segment:
+        before its file is unlinked here (:meth:`unlink_pooled`: the sweep's
+        idle time and pool cap, :meth:`trim_pool`, :meth:`evict_arena`, an
+        owner's close or exit; :meth:`drop_truncated`) and before its
+        creator mapping is released (:meth:`forget`), so that whatever a
+        caller attached to that mapping (a transfer engine's registration of
+        its pages: :mod:`mmshm.transport.ec_store`) is given back while the
+        file and the pages are still there. A ``weakref.finalize`` on the
+        mapping (what :func:`mmshm.segments.arena._register_producer` uses
+        for CUDA) runs only at the unmapping, after the unlink. Not run for
+        a file another process unlinks, nor at a count that falls to 0 in a
+        segment that is not poolable (``MMSHM_POOL=0``: the last release
+        unlinks it), nor in a forked child (which starts with none). Runs
+        under :attr:`lock`: a hook must be quick, must not wait for a lock
+        whose holder may wait for :attr:`lock`, and should not raise (a
+        raise is logged at DEBUG). Added once (an equal hook is not added
+        twice)."""
+        with self.lock:
+            if hook not in self.let_go_hooks:
+                self.let_go_hooks.append(hook)
+
+    def remove_let_go_hook(self, hook: Callable[[Segment], None]) -> None:
+        """Stop running ``hook`` (one added by :meth:`add_let_go_hook`;
+        absent: nothing)."""
+        with self.lock:
+            if hook in self.let_go_hooks:
+                self.let_go_hooks.remove(hook)
+
+    def before_let_go(self, seg: Segment) -> None:
+        """Run the let-go hooks on ``seg`` (call under :attr:`lock`, before
+        its file is unlinked or its mapping released). Never raises."""
+        for hook in list(self.let_go_hooks):
+            try:
+                hook(seg)
+            except Exception as exc:  # noqa: BLE001 - letting go never fails
+                log.debug("mmshm: a let-go hook failed on %s: %s", seg.name, exc)
 
     def reset_after_fork(self) -> None:
-        """In a forked child: a fresh lock, no sweeper, and the parent's
-        segments closed (not released) and forgotten."""
+        """In a forked child: a fresh lock, no sweeper, no let-go hooks, and
+        the parent's segments closed (not released) and forgotten."""
         self.lock = threading.RLock()
         self._sweeper = None
+        self.let_go_hooks = []
         self.owned_bytes = 0
         self.arena_bytes = 0
         for seg in list(self.segments.values()):
@@ -261,7 +305,9 @@ class SegmentTable:
 
     def forget(self, seg: Segment) -> None:
         """Let go of ``seg``: a clean detach in its header, out of the table,
-        closed (call under :attr:`lock`)."""
+        closed (call under :attr:`lock`; the let-go hooks run first)."""
+        if self.let_go_hooks:
+            self.before_let_go(seg)
         if self.segments.get(seg.name) is seg:
             del self.segments[seg.name]
             detach(seg.fd)
@@ -467,6 +513,8 @@ class SegmentTable:
                 "cleaners off the segment directory (%s) or give mmshm a directory of its "
                 "own (MMSHM_DIR)", seg.path, on_disk, HEADER_SIZE + seg.payload_size,
                 seg.directory)
+        if self.let_go_hooks:
+            self.before_let_go(seg)
         try:
             st = os.fstat(seg.fd)
             if st.st_nlink:
@@ -478,7 +526,10 @@ class SegmentTable:
         self.forget(seg)
 
     def unlink_pooled(self, seg: Segment) -> None:
-        """Unlink an idle pooled segment (the owner's decision) and let go of it."""
+        """Unlink an idle pooled segment (the owner's decision) and let go of
+        it; the let-go hooks run first."""
+        if self.let_go_hooks:
+            self.before_let_go(seg)
         unlink_pooled(seg.fd, seg.path)
         self.forget(seg)
 

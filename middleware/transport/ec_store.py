@@ -27,10 +27,10 @@ object is found only once complete), so a put still in flight is a miss
 (:meth:`EncoderCache.lookup`); on a miss, :func:`fetch_local`
 (:meth:`StoreTier.fetch_into`) reads the object with one copy: ``get_size``,
 a new unpublished segment of this node (:meth:`EncoderCache.reserve`; with
-``rdma`` registered with the engine for that read and given back right after
-it; ``tcp`` needs no registration), and
-one scattered get of the object (the record into the read buffer registered
-once, the payload straight into the segment's shared mapping); then it
+``rdma`` its payload mapping registered with the engine, see below; ``tcp``
+needs no registration), and one scattered get of the object (the record into
+the read buffer registered once, the payload straight into the segment's
+shared mapping); then it
 checks the record against the key, the expected dtype, rows and shape and the
 object's size, and the payload's digest, and only then publishes the segment
 (:meth:`PendingEntry.publish`; a failed check gives it back unpublished), and
@@ -38,6 +38,32 @@ the output is looked up there: other PD instances of that node then hit it in
 shared memory, with no cross-node bytes. If both miss, the caller encodes the
 item. (:meth:`StoreTier.fetch_view` reads into the read buffer instead, for a
 caller that wants no segment.)
+
+**Registration with the engine (``rdma``): once per segment, never per
+request.** The first read into a segment registers the segment's whole
+payload mapping (:attr:`PendingEntry.span`: its capacity, so any later entry
+of the size class fits) with ``register_buffer``; the warm pool
+(``MMSHM_POOL``) then hands the same mapped segment to later reads, which
+register nothing. The registration is given back (``unregister_buffer``)
+before this process unlinks or unmaps the segment: by a let-go hook of the
+segment table (:meth:`mmshm.segments.table.SegmentTable.add_let_go_hook`)
+that runs when the pool drops it (idle time, pool cap, ``trim_pool``), the
+encoder cache's close unlinks it, or the table lets go of it; and, for all
+that remain, by :meth:`StoreTier.close` before the client is closed (the
+cache and the tier close in either order). A segment that is not poolable
+(``MMSHM_POOL=0``: used once) is given back right after its read. What is
+left out: a file another process unlinks (another producer taking the
+published name of an idle pooled segment, an operator's ``rm``) is given
+back when this process lets go of it, after that unlink, and so is the
+segment of a read still hanging in the engine when the encoder cache closes
+(the close unlinks its file without waiting for the engine); a client left
+to the process's exit (master gone, a call that hangs) keeps its
+registrations until then. Registrations pin pages: the locked-memory limit must cover the
+encoder cache's segments (``ulimit -l``). A registration the engine refuses
+(non-zero) is a miss, ``register``: the read is not made (``rdma`` cannot
+receive into unregistered memory). ``tcp`` registers no segment (the
+engine receives into any local memory; a register + unregister measured
+1-3 ms a read on a 2-core host, as much as the read of 8 MB).
 
 **Failures are per request** and never raise into the server: every one is a
 miss counted in ``mmshm_epd_fallbacks_total{reason="store_<reason>"}`` with
@@ -48,7 +74,9 @@ reached or refused the client; said once at WARNING with the fix),
 hangs keeps the reader busy, and lookups meanwhile miss at once),
 ``short`` (a get that failed or returned fewer bytes than the object),
 ``record_mismatch`` (the record disagrees with the key, dtype, shape or
-size), ``digest`` (the payload is not the record's). Puts not made are
+size), ``digest`` (the payload is not the record's), ``register`` (``rdma``:
+the engine refused to register the segment, with its return code; said once
+at WARNING with the fix: the locked-memory limit, ``ulimit -l``). Puts not made are
 counted with ``store_`` + one of :data:`PUT_DROP_REASONS`. Bytes moved are
 ``mmshm_epd_bytes_total{direction="store_put"|"store_get"}``; counts and
 seconds are in :attr:`StoreTier.stats`.
@@ -81,6 +109,7 @@ import torch
 from mmshm.errors import MmshmError
 from mmshm.metrics import EPD_BYTES, EPD_FALLBACKS
 from mmshm.segments import codec
+from mmshm.segments.table import TABLE
 from mmshm.transport import ec_holders
 from mmshm.transport.encoder_cache import (
     KEY_BYTES,
@@ -99,7 +128,8 @@ EXTRA_KEYS = ("master_server_address", "metadata_server", "mooncake_protocol", "
               "device_name", "local_hostname", "global_segment_size", "local_buffer_size",
               "store_timeout_s", "store_max_pending_items", "store_max_pending_bytes",
               "store_read_buffer_bytes", "store_key_prefix", "mooncake_config_path")
-MISS_REASONS = ("absent", "unreachable", "timeout", "short", "record_mismatch", "digest")
+MISS_REASONS = ("absent", "unreachable", "timeout", "short", "record_mismatch", "digest",
+                "register")
 #: reasons a put is not made (label ``store_<reason>``)
 PUT_DROP_REASONS = ("queue_full", "unreachable", "too_big", "put_failed")
 #: bytes before the payload in a Store object
@@ -125,6 +155,11 @@ _FIX = {
                        "encoder runs another model or --dtype: give it another key_prefix",
     "digest": "the Store returned another payload than its record describes: check the "
               "transfer engine's network",
+    "register": "raise this process's locked-memory limit (ulimit -l unlimited; docker run "
+                "--ulimit memlock=-1; systemd LimitMEMLOCK=infinity) above the bytes of the "
+                "encoder cache's segments (each warm segment stays registered while this "
+                "process keeps it), or lower the encoder cache's max_bytes / "
+                "MMSHM_POOL_MAX_BYTES",
     "queue_full": "the Store takes puts slower than the encoder makes outputs: raise "
                   "store_max_pending_items / store_max_pending_bytes",
     "too_big": "raise local_buffer_size above the largest encoder output",
@@ -426,6 +461,80 @@ class _Job:
         self.result = None
 
 
+class _Registrations:
+    """(``rdma``) The payload mappings of this process's segments registered
+    with one client, each once: by the first read into the segment, kept
+    while the segment serves later entries from the warm pool, and given
+    back (``unregister_buffer``) by the segments' let-go hook
+    (:meth:`mmshm.segments.table.SegmentTable.add_let_go_hook`) before this
+    process unlinks or unmaps the segment, or by :meth:`close`. Keyed by
+    the mapping's ``(address, nbytes)`` (:attr:`PendingEntry.span`).
+    Thread-safe; the engine's calls run under its own lock (re-entrant: a
+    finalizer may let go of a segment in any thread), which is taken under
+    the table's lock (the hook), never the other way round."""
+
+    def __init__(self, store):
+        self._store = store
+        self._pid = os.getpid()
+        self._lock = threading.RLock()
+        self._spans: set[tuple[int, int]] = set()
+        TABLE.add_let_go_hook(self.let_go)
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+    def ensure(self, span: tuple[int, int]) -> int:
+        """Register ``span`` unless it is: 0, or the engine's non-zero code."""
+        if span in self._spans:
+            return 0
+        with self._lock:
+            if self._store is None:
+                return -1
+            if span in self._spans:
+                return 0
+            rc = self._store.register_buffer(span[0], span[1])
+            if rc == 0:
+                self._spans.add(span)
+            return rc
+
+    def give_back(self, span: tuple[int, int]) -> None:
+        """Unregister ``span`` if it is registered. Never raises."""
+        if span not in self._spans:  # cheap: the hook runs for every segment let go
+            return
+        with self._lock:
+            if span not in self._spans:
+                return
+            self._spans.discard(span)
+            try:
+                self._store.unregister_buffer(span[0])
+            except Exception as exc:  # noqa: BLE001 - giving back never raises
+                log.debug("mmshm: unregistering a segment from the Store's engine: %s", exc)
+
+    def let_go(self, seg) -> None:
+        """The let-go hook: ``seg`` is about to be unlinked or unmapped."""
+        if not self._spans or os.getpid() != self._pid:
+            return
+        span = seg.payload_span()
+        if span is not None:
+            self.give_back(span)
+
+    def close(self, unregister: bool) -> None:
+        """Stop: every registration given back (``unregister``; before the
+        client is closed), or forgotten (a client left to the process's
+        exit, whose calls could hang: they go with the process)."""
+        TABLE.remove_let_go_hook(self.let_go)
+        with self._lock:
+            spans, self._spans = self._spans, set()
+            store, self._store = self._store, None
+            if not unregister or store is None:
+                return
+            for addr, _ in spans:
+                try:
+                    store.unregister_buffer(addr)
+                except Exception as exc:  # noqa: BLE001 - closing never raises
+                    log.debug("mmshm: unregistering a segment at close: %s", exc)
+
+
 class StoreTier:
     """One process's client of the Store: background puts (encoder) and
     bounded fetches (PD). Made by :func:`from_config`; thread-safe.
@@ -455,6 +564,8 @@ class StoreTier:
         self._pending_bytes = 0
         self._gen = 0
         self._read_buf: torch.Tensor | None = None
+        #: (rdma) the segments registered with the engine, made at the first read
+        self._regs: _Registrations | None = None
         self._threads: list[threading.Thread] = []
         #: seconds an object stays in the Store after its put (None: until the
         #: master evicts it or this client closes); the connector's ``keep_s``
@@ -772,9 +883,12 @@ class StoreTier:
         ``dtype``, ``rows``, ``shape`` and the object's size; the payload's
         digest) and only then published (:meth:`PendingEntry.publish`); a
         failed check gives the segment back unpublished. With ``rdma`` the
-        segment is registered with the engine for the read and given back
-        before it is published or discarded (``tcp`` receives into any
-        memory: no registration, which measured 1-3 ms a read). Returns ``(SaveResult, "")`` (published now,
+        segment's payload mapping is registered with the engine once, at
+        its first read, and kept while the warm pool reuses the segment
+        (given back before it is unlinked or unmapped, or at :meth:`close`;
+        see the module docstring); a refused registration is a miss,
+        ``register`` (``tcp`` receives into any memory: no registration,
+        which measured 1-3 ms a read). Returns ``(SaveResult, "")`` (published now,
         or already there: no Store read) or ``(None, reason)``: one of
         :data:`MISS_REASONS` (counted here), ``"closed"``, or the save's
         refusal ``"save_<reason>"`` (counted by the cache). Bounded as
@@ -926,19 +1040,31 @@ class StoreTier:
             if not nbytes:
                 got = self._store.get_into(skey, head_buf.data_ptr(), RECORD_BYTES)
             else:
-                # rdma: the payload's segment is registered for this read and given back
-                # right after it, before the segment is published, discarded or unmapped.
-                # tcp reads into any local memory (the engine receives into it), and a
-                # register + unregister measured 1-3 ms a read on a 2-core host, as much
-                # as the read of 8 MB: none there
-                registered = (self.config.protocol != "tcp"
-                              and self._store.register_buffer(addr, nbytes) == 0)
+                # rdma: the segment's whole payload mapping is registered once, at its
+                # first read, and stays registered while the warm pool reuses the segment
+                # for later entries; the let-go hook gives it back before the segment is
+                # unlinked or unmapped (a segment that is not poolable: right after this
+                # read). tcp reads into any local memory (the engine receives into it),
+                # and a register + unregister measured 1-3 ms a read on a 2-core host, as
+                # much as the read of 8 MB: none there
+                span = regs = None
+                if self.config.protocol != "tcp":
+                    span, regs = pending.span, self._regs
+                    if regs is None:
+                        if self._closed:  # a read that outlived close: no new registrations
+                            return None, "closed", ""
+                        regs = self._regs = _Registrations(self._store)
+                    rc = regs.ensure(span)
+                    if rc != 0:
+                        return None, "register", (
+                            f"the engine's register_buffer of a {span[1]}-byte segment "
+                            f"returned {rc}; {skey} was not read")
                 try:
                     got = self._store.batch_get_into_multi_buffers(
                         [skey], [[head_buf.data_ptr(), addr]], [[RECORD_BYTES, nbytes]])[0]
                 finally:
-                    if registered:
-                        self._store.unregister_buffer(addr)
+                    if regs is not None and not pending.reusable:
+                        regs.give_back(span)
             if got == _OBJECT_NOT_FOUND:
                 return None, "absent", f"{skey} went away before its read"
             if got != size:
@@ -996,9 +1122,10 @@ class StoreTier:
     # -- the end -----------------------------------------------------------------------
     def close(self, timeout: float = 5.0) -> None:
         """Stop the threads (puts still queued are dropped after ``timeout``
-        seconds of waiting), give the read buffer back to the engine and
-        close the client (its objects in the Store go with its segment),
-        each wait bounded by ``timeout`` seconds. Idempotent."""
+        seconds of waiting), give the segments' registrations (``rdma``) and
+        the read buffer back to the engine and close the client (its objects
+        in the Store go with its segment), each wait bounded by ``timeout``
+        seconds. Idempotent."""
         if self._closed:
             return
         self.flush(timeout)
@@ -1009,7 +1136,10 @@ class StoreTier:
             self._cond.notify_all()
         for t in self._threads:
             t.join(timeout)
+        regs, self._regs = self._regs, None
         if any(t.is_alive() for t in self._threads):
+            if regs is not None:  # its registrations go with the client
+                regs.close(unregister=False)
             return  # a call into the engine hangs: leave the client to the process's exit
         store, self._store = self._store, None
         if store is None:
@@ -1025,6 +1155,8 @@ class StoreTier:
             # nor may it be destroyed: its destructor does the same (about 6-10 s with
             # the master gone), so one more reference keeps it until the process ends
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
+            if regs is not None:  # its registrations go with the client
+                regs.close(unregister=False)
             log.info("mmshm: encoder cache (%s): the Mooncake master does not answer; the "
                      "client is left to the process's exit", self.server)
             return
@@ -1032,6 +1164,8 @@ class StoreTier:
 
         def close_client():
             try:
+                if regs is not None:  # the segments' registrations, before the client
+                    regs.close(unregister=True)
                 if buf is not None:
                     store.unregister_buffer(buf.data_ptr())
                 store.close()  # unmounts this process's segment: the master's RPCs

@@ -661,10 +661,23 @@ class PendingEntry:
             None once published or discarded (drop every view of it first).
         address: ``payload``'s address (for a transfer engine's
             ``register_buffer`` / ``get_into``), 0 for an empty payload.
+        span: ``(address, nbytes)`` of the segment's whole payload mapping
+            (its capacity: at least :attr:`nbytes`; the same for every later
+            entry this process writes into the segment while it keeps it
+            mapped), what a transfer engine registers once per segment;
+            None for an empty payload.
+        reusable: whether the segment goes back to this process's warm pool
+            after this entry (``MMSHM_POOL`` on), to serve later entries:
+            something attached to :attr:`span` (a registration) may then be
+            kept and given back from a let-go hook
+            (:meth:`mmshm.segments.table.SegmentTable.add_let_go_hook`),
+            which runs before the segment is unlinked or unmapped here;
+            otherwise it is given back before :meth:`publish` or
+            :meth:`discard`.
     """
 
     __slots__ = ("_cache", "_done", "_seg", "_t0", "address", "key", "label", "nbytes",
-                 "payload")
+                 "payload", "reusable", "span")
 
     def __init__(self, cache: EncoderCache, seg, key: bytes, nbytes: int, label: str,
                  t0: float):
@@ -675,9 +688,16 @@ class PendingEntry:
             self.payload = torch.from_numpy(np.frombuffer(seg.payload_view(), dtype=np.uint8,
                                                           count=nbytes))
             self.address = self.payload.data_ptr()
+            self.span = seg.payload_span()
         else:
             self.payload = torch.empty(0, dtype=torch.uint8)
             self.address = 0
+            self.span = None
+        try:
+            hdr = segfile.peek_header(seg.fd)
+        except OSError:
+            hdr = None
+        self.reusable = bool(hdr is not None and hdr.flags & segfile.FLAG_POOLABLE)
 
     def _give_back(self) -> None:
         self.payload = None
@@ -1640,6 +1660,7 @@ def _unlink_unheld(seg) -> bool:
             st = os.fstat(seg.fd)
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 return False
+            TABLE.before_let_go(seg)  # e.g. a transfer engine's registration of its pages
             os.unlink(seg.path)
         log.debug("mmshm: %s unlinked at close: its other holders are gone", seg.name)
         return True
