@@ -631,9 +631,14 @@ def test_fetch_local_reads_straight_into_the_published_segment(fake_tier, shm_di
         k = content_key("one copy")
         t = torch.randn(300, 256).to(torch.bfloat16)
         _object(tier, eng, k, t)
+        before = _epd_counts(cache.server)
         assert ec_store.fetch_local(cache, tier, k, torch.bfloat16, 300, shape=(300, 256)) == ""
         e = cache.lookup(k, torch.bfloat16, 300, shape=(300, 256))
         assert e is not None and torch.equal(e.load(), t)  # equal bytes, published
+        # a PD instance's Store read is counted as a get, not as a save of its own
+        after = _epd_counts(cache.server)
+        assert after["saves"] == before["saves"] and after["saved"] == before["saved"]
+        assert after["store_get"] - before["store_get"] == t.numel() * 2
         # one get: the record into the read buffer, the payload straight into the
         # segment's shared mapping; with rdma registered for the read and given back
         # right after it (tcp: never registered, a registration is a metadata update)
@@ -675,6 +680,19 @@ def test_fetch_local_reads_straight_into_the_published_segment(fake_tier, shm_di
     finally:
         cache.close()
     assert _mmshm_files(shm_dir) == []
+
+
+def _epd_counts(server: str) -> dict:
+    """This process's ``mmshm_epd_*`` saves, saved bytes and Store get bytes
+    for ``server``."""
+    from prometheus_client import REGISTRY
+
+    def v(name, **labels):
+        return REGISTRY.get_sample_value(name, {"server": server, **labels}) or 0.0
+
+    return {"saves": v("mmshm_epd_saves_total"),
+            "saved": v("mmshm_epd_bytes_total", direction="saved"),
+            "store_get": v("mmshm_epd_bytes_total", direction="store_get")}
 
 
 def _rdma_pool(tier, monkeypatch):

@@ -1027,7 +1027,7 @@ class StoreTier:
         ``job.cache``, checked, published: ``(SaveResult, "", "")`` or
         ``(None, reason, detail)``."""
         key, nbytes = job.key, size - RECORD_BYTES
-        pending = job.cache.reserve(key, nbytes, label="mooncake-store")
+        pending = job.cache.reserve(key, nbytes, label="mooncake-store", count=False)
         if isinstance(pending, SaveResult):  # published already, or refused (counted)
             if pending.published:
                 return pending, "", ""

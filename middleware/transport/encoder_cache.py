@@ -676,12 +676,12 @@ class PendingEntry:
             :meth:`discard`.
     """
 
-    __slots__ = ("_cache", "_done", "_seg", "_t0", "address", "key", "label", "nbytes",
-                 "payload", "reusable", "span")
+    __slots__ = ("_cache", "_count", "_done", "_seg", "_t0", "address", "key", "label",
+                 "nbytes", "payload", "reusable", "span")
 
     def __init__(self, cache: EncoderCache, seg, key: bytes, nbytes: int, label: str,
-                 t0: float):
-        self._cache, self._seg, self._t0 = cache, seg, t0
+                 t0: float, count: bool = True):
+        self._cache, self._seg, self._t0, self._count = cache, seg, t0, count
         self._done = False
         self.key, self.nbytes, self.label = key, nbytes, label
         if nbytes:
@@ -750,7 +750,7 @@ class PendingEntry:
         self._seg = None
         try:
             return self._cache._finish_save(seg, self.key, code, dtype, shape, self.nbytes,
-                                            self.label, digest, self._t0)
+                                            self.label, digest, self._t0, count=self._count)
         finally:
             self._settled()
 
@@ -1055,9 +1055,11 @@ class EncoderCache:
         return seg
 
     def _finish_save(self, seg, key: bytes, code: int, dtype, shape: tuple[int, ...],
-                     nbytes: int, label: str, digest: bytes, t0: float) -> SaveResult:
+                     nbytes: int, label: str, digest: bytes, t0: float,
+                     count: bool = True) -> SaveResult:
         """Write the record of the filled ``seg`` and publish it (its creator
-        reference becomes this process's entry, or is given back)."""
+        reference becomes this process's entry, or is given back); ``count``:
+        a save in ``mmshm_epd_saves_total`` and its bytes and seconds."""
         try:
             self._write_record(seg, key, code, shape, nbytes, label, digest)
             got = self._publish(seg, key, dtype, shape)
@@ -1079,9 +1081,10 @@ class EncoderCache:
                 self._drop(key)
             self._own[key] = _Own(seg, got, seg.gen, nbytes)
             self._touch(key)
-        EPD_SAVES.labels(server=self.server).inc()
-        EPD_BYTES.labels(server=self.server, direction="saved").inc(nbytes)
-        EPD_TRANSFER_SECONDS.labels(server=self.server).observe(time.perf_counter() - t0)
+        if count:
+            EPD_SAVES.labels(server=self.server).inc()
+            EPD_BYTES.labels(server=self.server, direction="saved").inc(nbytes)
+            EPD_TRANSFER_SECONDS.labels(server=self.server).observe(time.perf_counter() - t0)
         return SaveResult(True, got, None, nbytes)
 
     def _own_again(self, key: bytes) -> SaveResult | None:
@@ -1099,7 +1102,8 @@ class EncoderCache:
                 self._drop(key)
         return None
 
-    def reserve(self, key: bytes, nbytes: int, label: str = "") -> PendingEntry | SaveResult:
+    def reserve(self, key: bytes, nbytes: int, label: str = "",
+                count: bool = True) -> PendingEntry | SaveResult:
         """A new segment for the encoder output of ``key`` (``nbytes`` bytes),
         not published: the caller fills :attr:`PendingEntry.payload` (a
         network read straight into shared memory: one copy) and then calls
@@ -1110,6 +1114,10 @@ class EncoderCache:
         time restarted; or another producer's of the node, kept as
         :meth:`save` keeps it), or the segment was refused (``over_budget``,
         ``no_space``: counted as :meth:`save` counts them; ``closed``).
+        ``count``: its publication counts as a save (``mmshm_epd_saves_total``,
+        ``mmshm_epd_bytes_total{direction="saved"}``, the transfer seconds);
+        False for bytes that came from elsewhere (a Store read on a PD
+        instance, counted as ``store_get`` by its reader).
 
         Raises:
             ValueError: a key that is not :data:`KEY_BYTES` long, or
@@ -1131,7 +1139,7 @@ class EncoderCache:
         seg = self._new_segment(key, nbytes, label)
         if isinstance(seg, SaveResult):
             return seg
-        pending = PendingEntry(self, seg, key, nbytes, label, t0)
+        pending = PendingEntry(self, seg, key, nbytes, label, t0, count)
         with self._lock:
             self._pending.add(pending)
         return pending
