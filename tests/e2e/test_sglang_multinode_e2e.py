@@ -13,19 +13,26 @@ open the same segments (:mod:`mmshm.segments.node`: the mount namespace and the
 segment directory differ).
 
 Run by ``python -m tests.run sglang`` after the single-node e2e, in
-``.venvs/sglang-<version>-server``. The phases share one state and run in
-file order, each starting both nodes once:
+``.venvs/sglang-<version>-server``. The phases share one state; each
+starts one server on both nodes. Phases 1 and 2 run side by side (the
+module fixture ``across_nodes``: nothing either asserts depends on the
+other's server, and a start is mostly one process at a time importing
+Python), each node of each on a tmpfs of its own; their tests then raise
+what each phase raised and compare the texts. Phases 3 and 4 follow in file
+order:
 
 1. SGLang's own transport, timed by observe mode (the plain reference):
    greedy texts, and the bytes its ``broadcast_pyobj`` carries to the other
-   node (the pickled pixels); nothing made in either /dev/shm.
-2. under ``mmshm run`` on both nodes: the same texts; per request, the
-   payload crosses to node 1 once (``mmshm_internode_bytes_total`` = the
-   bytes mmshm wrote, x (nodes - 1)) and the broadcast carries metadata
-   only; n=2 writes the photo once; then node 1's processes are SIGKILLed
-   while its pool holds the photo's segment.
-3. under ``mmshm run`` again: node 1 reclaims the killed node's segments
-   before its first request; a graceful stop leaves nothing on either node.
+   node (the pickled pixels); nothing made in either of its nodes' /dev/shm.
+2. under ``mmshm run`` on both nodes (on the module's two tmpfs): the same
+   texts as phase 1; per request, the payload crosses to node 1 once
+   (``mmshm_internode_bytes_total`` = the bytes mmshm wrote, x (nodes - 1))
+   and the broadcast carries metadata only; n=2 writes the photo once; then
+   node 1's processes are SIGKILLed while its pool holds the photo's
+   segment.
+3. under ``mmshm run`` again, on phase 2's tmpfs, after it: node 1 reclaims
+   the killed node's segments before its first request; a graceful stop
+   leaves nothing on either node.
 4. ``--tp 4`` (two ranks per node, a 4-head build of the tiny model),
    observed and under mmshm, the two servers side by side (each node of
    each on a tmpfs of its own; a start is mostly one process at a time
@@ -85,7 +92,8 @@ def _server():
 
 @pytest.fixture(scope="module")
 def env(request):
-    """The model, the logs, and one tmpfs per node that becomes its /dev/shm."""
+    """The model, the logs, and one tmpfs per node that becomes its /dev/shm
+    (phase 2's and phase 3's; phases 1 and 4 mount their own)."""
     from tests.harness import models
 
     models.build(MODEL_DIR)
@@ -233,13 +241,40 @@ def _others(shms: list[Path]) -> list[list[str]]:
     return [sorted(n for n in os.listdir(d) if not n.startswith("mmshm-")) for d in shms]
 
 
-# -- 1. SGLang's own transport across nodes ---------------------------------------------
-@pytest.mark.timeout(900)
-def test_plain_across_nodes(env):
-    """The reference: SGLang's ``default`` transport pickles the pixels into
-    the broadcast that reaches node 1 (observe mode times it)."""
+def _side_by_side(runs: dict, given: dict | None = None) -> dict:
+    """Run ``runs`` (name -> a callable taking its nodes' /dev/shm
+    directories, one per node) in threads of their own, side by side (a
+    start is mostly one process at a time importing Python, so two servers
+    start in little more than one's time). A name in ``given`` gets those
+    directories; every other name gets a fresh tmpfs per node
+    (``mmshm-<name>-node<k>-``), unmounted once all are done. Returns name
+    -> the callable's result, or the exception it raised (see
+    ``servers.result``)."""
+    srv = _server()
+    given = given or {}
+    mounted: dict[str, list[Path]] = {}
+    try:
+        for name in runs:
+            if name not in given:
+                mounted[name] = []
+                for k in range(NODES):
+                    mounted[name].append(srv.mount_tmpfs(f"mmshm-{name}-node{k}-", "256m"))
+        shms = {**mounted, **given}
+        out = srv.in_parallel(*[lambda f=f, d=shms[name]: f(d) for name, f in runs.items()],
+                              return_exceptions=True)
+    finally:
+        for d in [d for ds in mounted.values() for d in ds]:
+            srv.unmount_tmpfs(d)
+    return dict(zip(runs, out))
+
+
+# -- 1. and 2., side by side ------------------------------------------------------------
+def _observe_phase(env, shm: list[Path]) -> None:
+    """Phase 1 on the nodes' /dev/shm ``shm``: SGLang's ``default`` transport
+    pickles the pixels into the broadcast that reaches node 1 (observe mode
+    times it); records the texts and bytes in ``S``."""
     t0 = time.monotonic()
-    g = Nodes(env, "observe", "observe")
+    g = Nodes(env, "observe", "observe", shm=shm)
     try:
         S["plain"], S["plain_internode_bytes"] = [], []
         for photo, text in GREEDY:
@@ -270,15 +305,15 @@ def test_plain_across_nodes(env):
         S.setdefault("phase_s", {})["observe"] = round(time.monotonic() - t0, 1)
 
 
-# -- 2. mmshm on both nodes -------------------------------------------------------------
-@pytest.mark.timeout(900)
-def test_mmshm_across_nodes(env):
-    """Each payload crosses to node 1 once; answers equal; then node 1 dies."""
-    assert S.get("plain"), "the plain phase did not run"
+def _mmshm_phase(env, shm: list[Path]) -> None:
+    """Phase 2 on the nodes' /dev/shm ``shm`` (the module's, which phase 3
+    restarts on): each payload crosses to node 1 once; then node 1 dies.
+    Records the texts (compared with phase 1's by the test) and figures in
+    ``S``."""
     t0 = time.monotonic()
     # node 1's pool keeps an idle photo segment for 10 minutes: it is what
     # the SIGKILL below leaves behind
-    g = Nodes(env, "mmshm", "shm", node1_pool_idle_s="600")
+    g = Nodes(env, "mmshm", "shm", node1_pool_idle_s="600", shm=shm)
     try:
         texts, per_req = [], []
         for photo, text in GREEDY:
@@ -295,7 +330,6 @@ def test_mmshm_across_nodes(env):
             # node 1's leader put it in a segment of its own node (new or pooled)
             assert r["node1_segments"] + r["node1_pool_hits"] == 1, r
         S["mmshm"], S["mmshm_per_request"] = texts, per_req
-        assert texts == S["plain"]
         a0 = g.metrics(0)
         S["mmshm_n2"] = g.ask(0, "Describe the picture.", n=2)
         a1 = g.metrics(0)
@@ -341,9 +375,42 @@ def test_mmshm_across_nodes(env):
         S.setdefault("phase_s", {})["mmshm"] = round(time.monotonic() - t0, 1)
 
 
+@pytest.fixture(scope="module")
+def across_nodes(env) -> dict:
+    """Phases 1 and 2, their two servers side by side (nothing either
+    asserts depends on the other's server): phase 1's nodes on a tmpfs each
+    of their own, phase 2's on the module's (``env["shm"]``, where phase 3
+    restarts). Returns ``{"observe": ..., "mmshm": ...}``: ``None``, or the
+    exception that phase raised, which its test raises."""
+    t0 = time.monotonic()
+    out = _side_by_side({"observe": lambda shm: _observe_phase(env, shm),
+                         "mmshm": lambda shm: _mmshm_phase(env, shm)},
+                        given={"mmshm": env["shm"]})
+    S.setdefault("phase_s", {})["observe+mmshm"] = round(time.monotonic() - t0, 1)
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_plain_across_nodes(across_nodes):
+    """Phase 1, the reference (run by :func:`across_nodes`): the pixels were
+    pickled into the broadcast that reaches node 1, and nothing was made in
+    either node's /dev/shm."""
+    _server().result(across_nodes["observe"])
+
+
+@pytest.mark.timeout(900)
+def test_mmshm_across_nodes(across_nodes):
+    """Phase 2 (run by :func:`across_nodes`): each payload crossed to node 1
+    once, n=2 wrote the photo once, node 1 died holding a segment; its
+    answers equal phase 1's."""
+    _server().result(across_nodes["mmshm"])
+    assert S.get("plain"), "the plain phase did not run"
+    assert S["mmshm"] == S["plain"]
+
+
 # -- 3. the restarted group ----------------------------------------------------------
 @pytest.mark.timeout(900)
-def test_restart_reclaims_on_each_node_and_stops_clean(env):
+def test_restart_reclaims_on_each_node_and_stops_clean(env, across_nodes):
     left = S.get("left_on_node1_after_kill")
     if not left:
         pytest.skip("the mmshm phase left nothing to reclaim")
@@ -400,17 +467,9 @@ def test_two_ranks_per_node_plain_and_mmshm(env):
         finally:
             g.kill()
 
-    # the two servers side by side (each node of each on its own tmpfs): a
-    # start is mostly one process at a time importing Python
-    shms = {mode: [srv.mount_tmpfs(f"mmshm-tp4-{mode}-node{k}-", "256m") for k in range(NODES)]
-            for mode in ("observe", "shm")}
-    try:
-        out = srv.in_parallel(*[lambda m=m: run(m, shms[m]) for m in ("observe", "shm")],
-                              return_exceptions=True)
-    finally:
-        for d in [d for ds in shms.values() for d in ds]:
-            srv.unmount_tmpfs(d)
-    res = {"observe": srv.result(out[0]), "shm": srv.result(out[1])}
+    # the two servers side by side (each node of each on its own tmpfs)
+    out = _side_by_side({f"tp4-{m}": lambda shm, m=m: run(m, shm) for m in ("observe", "shm")})
+    res = {"observe": srv.result(out["tp4-observe"]), "shm": srv.result(out["tp4-shm"])}
     S["tp4_texts"] = res
     assert res["shm"] == res["observe"]
     ratio = S["tp4_plain_internode_bytes"] / S["tp4_mmshm"]["internode"]
