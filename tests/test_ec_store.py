@@ -281,6 +281,40 @@ def test_bad_records_and_short_payload_are_counted_misses_never_loaded(master):
 
 
 @needs_engine
+@pytest.mark.timeout(120)
+def test_encoder_node_killed_its_objects_go_with_it_and_pd_misses_counted(master):
+    """The encoder's node SIGKILLed after its puts (its Store objects live in
+    its own segment, docs/epd-nodes.md): PD on node B finds none of them,
+    each a miss counted by its reason within the connector's bound, nothing
+    partial published, nothing left on node B; the master lives on."""
+    if unshare_reason():
+        pytest.skip(unshare_reason())
+    enc = _node("encoder", master.extra(), stdin=subprocess.PIPE)
+    pd = None
+    try:
+        put = json.loads(_read_until(enc, "READY ", 60))
+        assert put["puts"] == 3
+        kill_group(enc)
+        t0 = time.monotonic()
+        pd = _node("pd2", master.extra(store_timeout_s=2.0))
+        got, pd_left = _finish(pd, timeout=90)
+        wall = time.monotonic() - t0
+    finally:
+        for p in (enc, pd):
+            if p is not None:
+                kill_group(p)
+    assert got["equal"] == [None, None, None], got  # no bytes of a dead node, none partial
+    s = got["stats"]
+    missed = {k: v for k, v in s.items() if k.startswith("miss_") and v}
+    assert sum(missed.values()) == 3, s  # each item one counted miss (absent, short, timeout)
+    assert s["gets"] == 0 and s["get_bytes"] == 0, s
+    assert pd_left == "", pd_left  # nothing published or left on node B
+    # bounded: a start, 3 lookups of at most 2 x store_timeout_s each, a close
+    assert wall < 60, wall
+    assert master.proc.poll() is None
+
+
+@needs_engine
 @pytest.mark.timeout(90)
 def test_master_killed_is_a_bounded_counted_miss(master):
     p = _node("killed", master.extra(store_timeout_s=1.0), node=False, stdin=subprocess.PIPE)
