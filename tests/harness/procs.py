@@ -13,14 +13,21 @@ with every child's exit state, and is killed.
 
 from __future__ import annotations
 
+import atexit
 import gc
+import io
 import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import forkserver, popen_forkserver, reduction
+from multiprocessing import spawn as mp_spawn
+from multiprocessing import util as mp_util
+from multiprocessing.context import ForkServerContext, ForkServerProcess, set_spawning_popen
 
 from tests.harness.ports import free_port
 
@@ -95,18 +102,19 @@ def collect(q, n: int, timeout: float, procs=(), killed=()) -> list:
     return out
 
 
-def run_group(target, world: int, *args, timeout: float = 90.0, killed=()) -> dict:
+def run_group(target, world: int, *args, timeout: float = 90.0, killed=(), ctx=None) -> dict:
     """Run ``target(rank, world, *args)`` on ``world`` spawned processes joined
     in a gloo process group on 127.0.0.1 (30 s collective timeout); return
-    ``{rank: result}``.
+    ``{rank: result}``. ``ctx``: a :func:`preload_ctx` to fork the ranks
+    from instead (this process's environment handed over, :func:`env_process`).
 
     Asserts that every child reported success within ``timeout`` seconds and
     exited with code 0, but the ranks in ``killed``, which must die by
     SIGKILL (report nothing)."""
-    c = spawn_ctx()
+    c = spawn_ctx() if ctx is None else ctx
     q = c.Queue()
     port = free_port()
-    procs = [c.Process(target=_rank_main, args=(target, rank, world, port, q, args), daemon=True)
+    procs = [env_process(c, _rank_main, target, rank, world, port, q, args, daemon=True)
              for rank in range(world)]
     dying = [procs[r] for r in killed]
     try:
@@ -227,6 +235,120 @@ def fork_start(target, *args, name: str | None = None):
     p.start()
     track(p.pid)
     return p
+
+
+# -- fork servers of their own, preloading a test's heavy imports ------------------------
+class _Environ(dict):
+    """``os.environ`` in a child's arguments: unpickling it in the child (before
+    the target and its module) makes it the child's whole environment."""
+
+    def __reduce__(self):
+        return _apply_environ, (dict(self),)
+
+
+def _apply_environ(env: dict) -> dict:
+    os.environ.clear()
+    os.environ.update(env)
+    config = sys.modules.get("mmshm.config")
+    if config is not None:  # settings the fork server may have read: re-read
+        config.reload()
+    return env
+
+
+def _environ_main(env, target, *args) -> None:
+    """``target(*args)``: ``env`` was applied as it was unpickled (:class:`_Environ`)."""
+    target(*args)
+
+
+def env_process(ctx, target, *args, daemon: bool | None = None) -> mp.Process:
+    """An unstarted process of ``ctx`` running ``target(*args)``; from a
+    fork server, with this process's ``os.environ`` as its whole environment,
+    set before the target's module is imported there (a forked child keeps
+    the server's: that of the test that started it). :func:`spawn_ctx`:
+    a plain process (a spawned child inherits the environment)."""
+    if ctx.get_start_method() != "forkserver":
+        return ctx.Process(target=target, args=args, daemon=daemon)
+    return ctx.Process(target=_environ_main, args=(_Environ(os.environ), target, *args),
+                       daemon=daemon)
+
+
+class _ServerPopen(popen_forkserver.Popen):
+    """multiprocessing's forkserver ``Popen``, asking the child's own
+    :func:`preload_ctx` server (not the module's one fork server)."""
+
+    def _launch(self, process_obj):  # Popen._launch, with the context's server
+        prep_data = mp_spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        server = _PRELOADED[process_obj.preload].server
+        self.sentinel, w = server.connect_to_new_process(self._fds)
+        parent_w = os.dup(w)
+        self.finalizer = mp_util.Finalize(self, mp_util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _PreloadProcess(ForkServerProcess):
+    preload = ""  # the module its server preloaded
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _ServerPopen(process_obj)
+
+
+class _PreloadContext(ForkServerContext):
+    """A forkserver context with a server of its own (:func:`preload_ctx`)."""
+
+    def __init__(self, module: str):
+        self.module = module
+        self.server = forkserver.ForkServer()
+        self.server.set_forkserver_preload([module])
+
+    def Process(self, *args, **kwargs) -> _PreloadProcess:
+        p = _PreloadProcess(*args, **kwargs)
+        p.preload = self.module
+        return p
+
+
+_PRELOADED: dict[str, _PreloadContext] = {}
+
+
+def preload_ctx(module: str) -> ForkServerContext:
+    """A forkserver context with a fork server of its own (one per ``module``
+    and test session), which imports ``module`` once: every child is a fork
+    of it. Start children with :func:`env_process` (or ``run_group(ctx=)``),
+    which hands them this process's environment. The server is stopped at
+    exit. If ``module`` raises ImportError there, multiprocessing ignores it
+    and each child imports what it needs (slower, not wrong); any other
+    error kills the server, and every start fails."""
+    ctx = _PRELOADED.get(module)
+    if ctx is None:
+        ctx = _PRELOADED[module] = _PreloadContext(module)
+        atexit.register(_stop_server, ctx.server)
+    return ctx
+
+
+def _stop_server(server: forkserver.ForkServer, timeout: float = 10.0) -> None:
+    """Close the server's "alive" pipe (it exits once no child holds it);
+    kill it if it has not after ``timeout`` seconds."""
+    pid = server._forkserver_pid
+    if pid is None:
+        return
+    os.close(server._forkserver_alive_fd)
+    server._forkserver_pid = server._forkserver_alive_fd = None
+    deadline = time.monotonic() + timeout
+    while os.waitpid(pid, os.WNOHANG)[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+        time.sleep(0.05)
 
 
 def recv(conn, timeout: float = 10.0):

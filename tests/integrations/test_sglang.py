@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import multiprocessing as mp
 import os
 import pickle
 import re
@@ -38,6 +37,7 @@ from mmshm.integrations.sglang import server
 from tests.harness import ROOT
 from tests.harness.metrics import metric
 from tests.harness.ports import free_port
+from tests.harness.procs import env_process, preload_ctx, track
 from tests.harness.segments import segment_files
 from tests.harness.shm import private_shm_prefix, skip_without_unshare
 
@@ -585,12 +585,13 @@ def test_materialize_hop_is_the_whole_finalize(ns, monkeypatch, instrumented, mo
 @pytest.mark.timeout(400)
 def test_tp2_receive_path():
     modes = (["inline"] if PIXELS_IN_BROADCAST else []) + ["mmshm"]
-    ctx = mp.get_context("spawn")
+    ctx = preload_ctx("tests.integrations.sglang_ranks")  # forks: SGLang imported once
     q = ctx.Queue()
     port, zport = free_port(), free_port()
-    procs = [ctx.Process(target=E.rank_main, args=(r, port, zport, modes, q)) for r in (0, 1)]
+    procs = [env_process(ctx, E.rank_main, r, port, zport, modes, q) for r in (0, 1)]
     for p in procs:
         p.start()
+        track(p.pid)
     results = {}
     try:
         for _ in procs:

@@ -295,7 +295,8 @@ def _rank_main_then_exit(target, rank, world, port, q, args) -> None:
 
 def _run(mode: str, tmp_path, monkeypatch) -> dict:
     monkeypatch.setattr(procs, "_rank_main", _rank_main_then_exit)
-    return run_group(rank_dp_attention, WORLD, mode, str(tmp_path), WAIT_S, timeout=300)
+    return run_group(rank_dp_attention, WORLD, mode, str(tmp_path), WAIT_S, timeout=300,
+                     ctx=procs.preload_ctx("tests.integrations.sglang_ranks"))
 
 
 def _gone(names) -> list[str]:
