@@ -601,7 +601,7 @@ def _pytest(label: str, python: Path | str, tests: list[str], pytest_args: list[
     (``python`` is another venv's) pytest's cache is off."""
     cache = [] if str(python) == sys.executable else ["-p", "no:cacheprovider"]
     # the slowest steps named in every run: where CI's time goes, without a rerun
-    cmd = [str(python), "-m", "pytest", *cache, "--durations=12", *tests, *pytest_args]
+    cmd = [str(python), "-m", "pytest", *cache, "--durations=25", *tests, *pytest_args]
     print(f"--- {label}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
