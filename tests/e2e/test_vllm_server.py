@@ -70,7 +70,7 @@ from tests.harness.segments import header
 from tests.harness.servers import (
     PRIVATE_SHM, ROOT, Server, data_url, free_port, in_parallel, metric, mount_tmpfs, needs_e2e,
     SERVER_SHM_PATTERNS, private_shm_prefix, result, segments, series, start_all, unmount_tmpfs,
-    vllm_argv, vllm_env)
+    vllm_argv_720p, vllm_env)
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(1200)]
 
@@ -280,10 +280,10 @@ def _baselines(model, photos) -> dict:
     seg_dir.mkdir(exist_ok=True)
     inside = "/dev/shm/observe" if shms else str(seg_dir)
     port = free_port()
-    plain_srv = Server(vllm_argv(model, port, 2), port, LOGS / "plain.log", env=vllm_env(2),
+    plain_srv = Server(vllm_argv_720p(model, port, 2), port, LOGS / "plain.log", env=vllm_env(2),
                        leaks=LEAKS, prefix=private_shm_prefix(shms[0]) if shms else None)
     port = free_port()
-    observe_srv = Server(vllm_argv(model, port, 2), port, LOGS / "observe.log",
+    observe_srv = Server(vllm_argv_720p(model, port, 2), port, LOGS / "observe.log",
                          env=vllm_env(2, MMSHM_DIR=inside, MMSHM_MODE="observe"),
                          mmshm_run=True, leaks=LEAKS,
                          prefix=private_shm_prefix(shms[1]) if shms else None)
@@ -446,7 +446,7 @@ def _instrumented(model, photos, shm_parent) -> dict:
     seg_dir, inside, prefix = _segs(shm_parent)
     assert not seg_dir.exists()
     port = free_port()
-    srv = Server(vllm_argv(model, port, 2), port, LOGS / "mmshm.log",
+    srv = Server(vllm_argv_720p(model, port, 2), port, LOGS / "mmshm.log",
                  env=vllm_env(2, MMSHM_DIR=inside), mmshm_run=True, leaks=LEAKS, prefix=prefix)
     rec: dict = {"answers": {}, "deltas": {}, "dir": seg_dir}
     with srv:
@@ -628,7 +628,7 @@ def _restart(model: str, photos: dict, shm: Path, instrumented: dict) -> dict:
     env = vllm_env(2, MMSHM_DIR=inside, MMSHM_ARENA_BYTES=str(ARENA_BYTES))
     rec: dict = {"left_by_kill": instrumented["left_by_kill"]}
     port = free_port()
-    srv = Server(vllm_argv(model, port, 2), port, LOGS / "restarted.log", env=env,
+    srv = Server(vllm_argv_720p(model, port, 2), port, LOGS / "restarted.log", env=env,
                  mmshm_run=True, leaks=LEAKS, prefix=prefix)
     with srv:
         rec["at_ready"] = segments(seg_dir)  # before the first request
@@ -700,7 +700,7 @@ def _read_only(model: str, photos: dict) -> dict | None:
     prefix = ["unshare", "-m", "sh", "-c",
               f"mount --make-rprivate / && mount --bind {shm} /dev/shm && "
               f'mkdir -p {d} && mount -t tmpfs -o ro,size=16m tmpfs {d} && exec "$@"', "sh"]
-    srv = Server(vllm_argv(model, port, 1), port, LOGS / "read-only.log",
+    srv = Server(vllm_argv_720p(model, port, 1), port, LOGS / "read-only.log",
                  env=vllm_env(1, MMSHM_DIR=d), mmshm_run=True, prefix=prefix)
     rec: dict = {}
     try:
@@ -776,7 +776,7 @@ def multinode_argv(model: str, port: int, node_rank: int, master_port: int) -> l
     """Node ``node_rank`` of a 2-node TP=2 vLLM (MP backend, one rank per
     node): node 0 runs the API server and the EngineCore, node 1 is
     ``--headless`` (its TP worker only)."""
-    argv = vllm_argv(model, port, 2)
+    argv = vllm_argv_720p(model, port, 2)
     if node_rank:
         assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], argv
         argv = [argv[0], "-c", _SERVE, "serve", *argv[3:], "--headless"]

@@ -72,7 +72,8 @@ import pytest
 from tests.harness import faults, matrix, models
 from tests.harness.servers import (
     PRIVATE_SHM, Server, data_url, free_port, metric, mount_tmpfs, needs_e2e,
-    private_shm_prefix, report_figures, segments, series, unmount_tmpfs, vllm_argv, vllm_env)
+    private_shm_prefix, report_figures, segments, series, unmount_tmpfs, vllm_argv_720p,
+    vllm_env)
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(2400)]
 
@@ -226,11 +227,11 @@ def run_shape(model: str, photos: dict, name: str, mmshm_run: bool) -> dict:
     port_p, port_d = free_port(), free_port()
     extra = lambda role: dict(MMSHM_DIR=str(dirs[role])) if mmshm_run else {}  # noqa: E731
     common = ["--block-size", str(BLOCK_SIZE)]
-    P = Server(vllm_argv(model, port_p, 1) + common + [
+    P = Server(vllm_argv_720p(model, port_p, 1) + common + [
         "--data-parallel-size", "2", "--kv-transfer-config", kv_config("kv_producer", kv_dir)],
         port_p, LOGS / f"shapes-{name}-P.log", env=vllm_env(2, **extra("P")),
         mmshm_run=mmshm_run, leaks=LEAKS, ready_timeout_s=900, prefix=prefix)
-    D = Server(vllm_argv(model, port_d, 1) + common + [
+    D = Server(vllm_argv_720p(model, port_d, 1) + common + [
         "--kv-transfer-config", kv_config("kv_consumer", kv_dir)],
         port_d, LOGS / f"shapes-{name}-D.log",
         env=vllm_env(1, VLLM_CPU_OMP_THREADS_BIND="1", **extra("D")),

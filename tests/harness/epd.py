@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.harness.servers import Server, free_port, vllm_argv, vllm_env
+from tests.harness.servers import DUMMY_720P, Server, free_port, vllm_argv, vllm_env
 
 #: The text of every request.
 PROMPT = "Describe the picture."
@@ -96,12 +96,6 @@ def make_pair(name: str, model: str, logs: Path, ec_producer: str, ec_consumer: 
                                      ("PD", ec_consumer, "1", env_pd))])
 
 
-#: ``--limit-mm-per-prompt`` of every EPD instance: 2 images a request, no
-#: video, and vLLM's start-up dummy image (its profiling and, on an EC
-#: producer, the encode that measures the output width) at 1280 x 720.
-DUMMY_LIMITS = {"image": {"count": 2, "width": 1280, "height": 720}, "video": 0}
-
-
 def make_server(name: str, model: str, logs: Path, ec_transfer_config: str, core: str,
                 mmshm_run: bool = False, env: dict | None = None,
                 prefix: list[str] | None = None, extra_argv: list[str] = (),
@@ -118,7 +112,7 @@ def make_server(name: str, model: str, logs: Path, ec_transfer_config: str, core
     # producer encodes one dummy item at start (vLLM's encoder output widths),
     # by default the model's largest image (about 16k tokens on Qwen2-VL),
     # which kept each encoder instance about 140 s in that one forward here
-    argv = vllm_argv(model, port, 1, limit_mm=DUMMY_LIMITS) + [
+    argv = vllm_argv(model, port, 1, images=2, dummy_image=DUMMY_720P) + [
         "--ec-transfer-config", ec_transfer_config, "--enable-logging-iteration-details",
         *extra_argv]
     return Server(argv, port, logs / f"epd-{name}.log",

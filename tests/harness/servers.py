@@ -50,6 +50,17 @@ from mmshm.bench.serve.servers import (  # noqa: E402,F401 - re-exported for the
 )
 
 
+#: The start-up dummy image of the tests' vLLM servers (``vllm_argv``'s
+#: ``dummy_image``): 720p, the largest photo they are sent.
+DUMMY_720P = (1280, 720)
+
+
+def vllm_argv_720p(model: str, port: int, tp: int, **kw) -> list[str]:
+    """:func:`vllm_argv` with the start-up dummy image at :data:`DUMMY_720P`
+    (for the tiny Qwen2-VL, whose encoder budget comes from its processor)."""
+    return vllm_argv(model, port, tp, dummy_image=DUMMY_720P, **kw)
+
+
 def mount_tmpfs(prefix: str, size: str) -> Path:
     """A fresh directory with a tmpfs of ``size`` (mount's syntax: ``64m``)
     mounted on it, mode 1777: a server's private /dev/shm once bind-mounted
