@@ -5,14 +5,9 @@ Run by ``python -m tests.run sglang`` (after the module-level tests) in
 ``.venvs/sglang-<version>-server`` with ``MMSHM_E2E=sglang`` and
 ``MMSHM_SGLANG_RELEASE``; skipped anywhere else.
 
-A server start costs 20-40 s on two cores, so the tests are phases that
-share state and run in file order, each running many cases against one
-server. The servers of phases 1-3 start side by side at the beginning (the
-``early`` fixture, ``servers.start_all``: a start is mostly one process at a
-time importing Python, so three side by side take little more than one; no
-assertion depends on another server), each phase then runs its requests
-against its started server, one phase after another, and stops or kills it
-when done; phase 4's server starts after phase 3's kill:
+Each server start costs about a minute on two cores, so the tests are phases
+that share state and run in file order, each starting one server and running
+many cases against it:
 
 1. SGLang's own transport under ``mmshm run --observe`` (observe mode: it
    is only timed, hop by hop): the greedy baseline (n=1), no segment made,
@@ -27,7 +22,7 @@ when done; phase 4's server starts after phase 3's kill:
    plain's, the TP broadcast carries metadata only, n=2 writes each image
    once; a burst in a 64 MiB /dev/shm is answered in full (inline
    fallbacks); then the server's process group is SIGKILLed mid-request.
-4. under ``mmshm run`` again, on phase 3's segment directory, with the arena
+4. under ``mmshm run`` again, on the same segment directory, with the arena
    on (``MMSHM_ARENA_BYTES``; off by default on a host without CUDA): the
    killed server's segments are reclaimed before its first request; the
    greedy requests twice, the second time through the arena segments of the
@@ -45,13 +40,10 @@ events. Under mmshm in phase 3 (before its SIGKILL); on 0.5.9's plain server
 in phase 2 (before its burst), where SGLang's own ``psm_*`` segments are
 counted beside mmshm's. Each phase records, a test after it asserts.
 
-Each server has a place of its own, so that no assertion sees another
-server's files (phase 4 has phase 3's, whose leftovers it reclaims): as root
-(with ``unshare``), every server runs in a private mount namespace whose
-/dev/shm is a 64 MiB tmpfs of its own that the test mounted and watches
-(Docker's default size); otherwise /dev/shm is the host's, each server's
-segment directory a private one in it, and the small-/dev/shm cases skip
-with that reason.
+As root (with ``unshare``), every server runs in a private mount namespace
+whose /dev/shm is one 64 MiB tmpfs that the test mounted and watches (Docker's
+default size); otherwise /dev/shm is the host's, mmshm's segment directory a
+private one in it, and the small-/dev/shm cases skip with that reason.
 """
 
 from __future__ import annotations
@@ -82,13 +74,6 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / ".venvs" / "tiny-qwen2-vl"  # models.model_dir("qwen2-vl")
 SMALL_SHM = os.geteuid() == 0 and shutil.which("unshare") is not None
 NO_SMALL_SHM = "needs root and unshare for a private 64 MiB /dev/shm"
-#: Why phase 2 (plain, 64 MiB /dev/shm) does not run here, or None where it does.
-NO_PLAIN_SMALL_SHM = (NO_SMALL_SHM if not SMALL_SHM else None if HAS_SIGBUS else
-                      f"SGLang {RELEASE} reserves with posix_fallocate (no SIGBUS to show); "
-                      "the burst runs under mmshm below")
-#: The servers' places (a /dev/shm or a segment directory each): phase 1's,
-#: phase 2's where it runs, and phase 3's, which phase 4 restarts on.
-PLACES = ("observe",) + (("plain-small-shm",) if NO_PLAIN_SMALL_SHM is None else ()) + ("mmshm",)
 TP = 2
 MAX_TOKENS = 8
 BURST = 4  # 4 x 22.5 MB photos in flight: more than a 64 MiB /dev/shm holds
@@ -129,61 +114,38 @@ def _import_server():
 
 @pytest.fixture(scope="module")
 def env(request):
-    """The model, the log folder (``logs``) and, per place of :data:`PLACES`
-    (``places``), the server's /dev/shm as this process sees it (``shm``: a
-    64 MiB tmpfs of its own as root, else None) and mmshm's segment
-    directory (``seg_dir``: that tmpfs, else a private directory in the
-    host's /dev/shm). Every server is killed and every place removed on the
-    way out."""
+    """The model, the log folder and the segment directory of this module."""
     from tests.harness import models
 
     models.build(MODEL_DIR)
     logs = Path(tempfile.mkdtemp(prefix=f"sglang-e2e-{RELEASE}-"))
+    shm = None
     server = _import_server()
-    places: dict[str, dict] = {}
-    try:
-        for name in PLACES:
-            if SMALL_SHM:
-                shm = server.mount_tmpfs(f"mmshm-e2e-{name}-", "64m")
-                # /dev/shm itself, inside the server's namespace
-                places[name] = {"shm": shm, "seg_dir": shm}
-            else:
-                places[name] = {"shm": None, "seg_dir": Path(tempfile.mkdtemp(
-                    prefix=f"mmshm-e2e-{name}-", dir="/dev/shm"))}
-        print(f"\nSGLang {RELEASE} e2e: logs in {logs}", flush=True)
-        yield {"logs": logs, "places": places}
-        server.report_figures(request, f"SGLang {RELEASE} e2e", S, logs)
-    finally:
-        server._kill_all()
-        for place in places.values():
-            if place["shm"] is not None:
-                server.unmount_tmpfs(place["shm"])
-            else:
-                shutil.rmtree(place["seg_dir"], ignore_errors=True)
+    if SMALL_SHM:
+        shm = server.mount_tmpfs("mmshm-e2e-shm-", "64m")
+        seg_dir = shm  # /dev/shm itself, inside the servers' namespace
+    else:
+        seg_dir = Path(tempfile.mkdtemp(prefix="mmshm-e2e-", dir="/dev/shm"))
+    info = {"logs": logs, "shm": shm, "seg_dir": seg_dir}
+    print(f"\nSGLang {RELEASE} e2e: logs in {logs}", flush=True)
+    yield info
+    server.report_figures(request, f"SGLang {RELEASE} e2e", S, logs)
+    server._kill_all()
+    if shm is not None:
+        server.unmount_tmpfs(shm)
+    else:
+        shutil.rmtree(seg_dir, ignore_errors=True)
 
 
-def _argv(port: int, sleep_on_idle: bool = True) -> list[str]:
-    """The server's command line; with ``--sleep-on-idle``: an idle
-    scheduler otherwise spins on its queue and TP broadcast, and the
-    servers started early wait for their phase beside the one running
-    (two idle servers took the cores from 0.5.9's first two phases,
-    13 -> 52 s and 24 -> 62 s). Phase 2's plain server spins as SGLang
-    does by default: its burst ends in SIGBUS only while the idle
-    scheduler competes with the tokenizer (with ``--sleep-on-idle`` it
-    received each photo as it came, and answered all 8)."""
-    argv = _import_server().sglang_argv(MODEL_DIR, port, TP, V, limit_images=MAX_IMAGES)
-    return argv + (["--sleep-on-idle"] if sleep_on_idle else [])
+def _argv(port: int) -> list[str]:
+    return _import_server().sglang_argv(MODEL_DIR, port, TP, V, limit_images=MAX_IMAGES)
 
 
-def _server(env, name: str, mmshm: bool, place: str | None = None, observe: bool = False,
-            dist_init: bool = False, sleep_on_idle: bool = True, **extra_env: str):
-    """The server ``name`` (its log ``<name>.log``), not yet started, in the
-    place ``place`` of ``env`` (default: ``name``): as root in a private
-    mount namespace whose /dev/shm is that place's tmpfs."""
+def _server(env, name: str, mmshm: bool, small_shm: bool = SMALL_SHM, observe: bool = False,
+            dist_init: bool = False, **extra_env: str):
     server = _import_server()
-    where = env["places"][place or name]
     port = server.free_port()
-    argv = _argv(port, sleep_on_idle)
+    argv = _argv(port)
     if dist_init:
         # one node, but a rendezvous address: SGLang 0.5.9-0.5.12 then turn
         # their own shared memory off ("cross node"); mmshm goes by the node
@@ -195,50 +157,28 @@ def _server(env, name: str, mmshm: bool, place: str | None = None, observe: bool
         e["MMSHM_MODE"] = "observe"
         mmshm = True
     prefix = None
-    if where["shm"] is not None:
-        # a private mount namespace whose /dev/shm is the place's 64 MiB tmpfs
+    if small_shm:
+        # a private mount namespace whose /dev/shm is the test's 64 MiB tmpfs
         e["MMSHM_DIR"] = "/dev/shm"
         prefix = ["unshare", "-m", "sh", "-c",
-                  (f"mount --make-rprivate / && mount --bind {where['shm']} /dev/shm && "
+                  (f"mount --make-rprivate / && mount --bind {env['shm']} /dev/shm && "
                    'exec "$0" "$@"')]
     else:
-        e["MMSHM_DIR"] = str(where["seg_dir"])
-    return server.Server(argv, port, env["logs"] / f"{name}.log", env=e, mmshm_run=mmshm,
-                         prefix=prefix, ready_timeout_s=400)
-
-
-def _ready(name: str, srv) -> None:
+        e["MMSHM_DIR"] = str(env["seg_dir"])
+    srv = server.Server(argv, port, env["logs"] / f"{name}.log", env=e, mmshm_run=mmshm,
+                        prefix=prefix, ready_timeout_s=400)
+    srv.start()
     print(f"  {name}: ready in {srv.startup_s:.0f} s", flush=True)
     S.setdefault("startup_s", {})[name] = srv.startup_s
+    return srv
 
 
-@pytest.fixture(scope="module")
-def early(env):
-    """The servers of phases 1-3 by name (``observe``, ``plain-small-shm``
-    where phase 2 runs, ``mmshm``), started side by side
-    (``servers.start_all``, each up to its 400 s ready timeout; if one fails
-    every one is killed and the failure raised); each phase kills its own
-    when done, and every one is killed on the way out. The figures:
-    ``start_all_s`` until all were ready, ``startup_s`` per server from its
-    launch; phases 1-3's ``phase_s`` count their requests only."""
-    server = _import_server()
-    srvs = {"observe": _server(env, "observe", mmshm=False, observe=True)}
-    if NO_PLAIN_SMALL_SHM is None:
-        srvs["plain-small-shm"] = _server(env, "plain-small-shm", mmshm=False,
-                                          sleep_on_idle=False)
-    srvs["mmshm"] = _server(env, "mmshm", mmshm=True, dist_init=True)
-    try:
-        t0 = time.monotonic()
-        server.start_all(*srvs.values())
-        S["start_all_s"] = round(time.monotonic() - t0, 1)
-        print(f"  {len(srvs)} servers side by side: ready in {S['start_all_s']:.0f} s",
-              flush=True)
-        for name, srv in srvs.items():
-            _ready(name, srv)
-        yield srvs
-    finally:
-        for srv in srvs.values():
-            srv.kill()
+def _clear(env) -> None:
+    """Empty the test's tmpfs between servers (what a plain server left)."""
+    if env["shm"] is not None:
+        for p in env["shm"].iterdir():
+            if p.is_file():
+                p.unlink(missing_ok=True)
 
 
 # -- requests ------------------------------------------------------------------------
@@ -266,22 +206,19 @@ def _m(text: str, name: str, **labels) -> float:
     return _import_server().metric(text, name, **labels)
 
 
-def _segs(place: dict) -> list[str]:
-    """mmshm's segment files in the segment directory of ``place`` (one of
-    ``env["places"]``)."""
-    return _import_server().segments(place["seg_dir"])
+def _segs(env) -> list[str]:
+    return _import_server().segments(env["seg_dir"])
 
 
-def _arena_segs(place: dict) -> list[str]:
-    """The arena segments (``FLAG_ARENA`` in the header) in the segment
-    directory of ``place``."""
+def _arena_segs(env) -> list[str]:
+    """The arena segments (``FLAG_ARENA`` in the header) in the segment directory."""
     from mmshm.segments.segfile import FLAG_ARENA
     from tests.harness.segments import header
 
     out = []
-    for n in _segs(place):
+    for n in _segs(env):
         try:
-            if header(n, str(place["seg_dir"]))[8] & FLAG_ARENA:
+            if header(n, str(env["seg_dir"]))[8] & FLAG_ARENA:
                 out.append(n)
         except FileNotFoundError:  # unlinked meanwhile (an idle plain segment)
             pass
@@ -318,9 +255,8 @@ def _hops(m0: str, m1: str, transport: str) -> dict:
 
 
 # -- faults under load (tests/harness/faults.py) -------------------------------------------
-def _faults(env, place: str, srv, name: str, mmshm: bool, fixed) -> None:
-    """The abort storm, the rejects and the checks on the running ``srv``
-    (the server of ``env``'s place ``place``);
+def _faults(env, srv, name: str, mmshm: bool, fixed) -> None:
+    """The abort storm, the rejects and the checks on the running ``srv``;
     the record goes to ``S["faults"][name]`` (its summary to the figures, the
     per-request detail to the log folder), or what broke to
     ``S["faults_error"][name]``: the phase goes on, the test after it
@@ -329,10 +265,9 @@ def _faults(env, place: str, srv, name: str, mmshm: bool, fixed) -> None:
     Under mmshm the storm has n 1-4 (SGLang itself refuses n > 1 with several
     images); plain 0.5.9 only n=1 (its n>1 bug kills the scheduler, phase 1).
     ``mmshm status`` and ``gc`` run in the server's mount namespace (its
-    /dev/shm is its place's tmpfs) or on its private segment directory."""
+    /dev/shm is the test's tmpfs) or on the private segment directory."""
     from tests.harness import faults
 
-    place = env["places"][place]
     try:
         if FAULTS["urls"] is None:
             FAULTS["urls"] = faults.small_photo_urls(4)
@@ -343,11 +278,11 @@ def _faults(env, place: str, srv, name: str, mmshm: bool, fixed) -> None:
         mm = None
         if mmshm:
             mm = (faults.Mmshm("/dev/shm", ns_pid=srv.proc.pid) if SMALL_SHM
-                  else faults.Mmshm(place["seg_dir"]))
+                  else faults.Mmshm(env["seg_dir"]))
         rec = faults.run_faults(
             srv.client(timeout_s=300), "default", urls, shots, cases, fixed, mm=mm,
-            list_segments=lambda: _segs(place), idle_s=POOL_IDLE_S, metrics=srv.metrics_text,
-            shm_root=place["shm"], pgid=None if SMALL_SHM else srv.proc.pid,
+            list_segments=lambda: _segs(env), idle_s=POOL_IDLE_S, metrics=srv.metrics_text,
+            shm_root=env["shm"], pgid=None if SMALL_SHM else srv.proc.pid,
             concurrency=STORM_CONCURRENCY, detail_path=env["logs"] / f"faults-{name}.json")
         rec["alive"] = srv.proc.poll() is None
         FAULTS["records"][name] = rec
@@ -381,9 +316,9 @@ def _assert_refusals(rec: dict, plain: dict | None) -> None:
 
 # -- 1. SGLang's own transport, observed --------------------------------------------
 @pytest.mark.timeout(900)
-def test_plain_server(env, early):
+def test_plain_server(env):
     t0 = time.monotonic()
-    srv, place = early["observe"], env["places"]["observe"]
+    srv = _server(env, "observe", mmshm=False, observe=True)
     try:
         log = srv.log_text()
         roles = ["tokenizer"] + [f"scheduler (TP rank {r})" for r in range(TP)]
@@ -397,7 +332,7 @@ def test_plain_server(env, early):
         hops = _hops(m0, m1, "server")
         S["observe_hops"] = hops
         # observe mode made no segment and carried nothing
-        assert _segs(place) == []
+        assert _segs(env) == []
         assert _m(m1, "mmshm_segments_created_total") == 0
         assert _m(m1, "mmshm_ipc_seconds_count", transport="mmshm") == 0
         assert _m(m1, "mmshm_observe_errors_total") == 0
@@ -426,22 +361,27 @@ def test_plain_server(env, early):
             S["plain_n2"] = _ask(srv, 0, n=2)
     finally:
         srv.kill()
+        _clear(env)
     S.setdefault("phase_s", {})["plain"] = time.monotonic() - t0
 
 
 # -- 2. plain, 64 MiB /dev/shm -----------------------------------------------------
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(NO_PLAIN_SMALL_SHM is not None, reason=str(NO_PLAIN_SMALL_SHM))
-def test_plain_server_small_shm_burst(env, early):
+def test_plain_server_small_shm_burst(env):
+    if not SMALL_SHM:
+        pytest.skip(NO_SMALL_SHM)
+    if not HAS_SIGBUS:
+        pytest.skip(f"SGLang {RELEASE} reserves with posix_fallocate (no SIGBUS to show); "
+                    "the burst runs under mmshm below")
     t0 = time.monotonic()
-    srv = early["plain-small-shm"]
+    srv = _server(env, "plain-small-shm", mmshm=False)
     try:
         # the one truly plain server of this release: observe mode answered the same
         S["plain_unobserved"] = _ask(srv, GREEDY[0][0], 1, GREEDY[0][1])[0]
         assert S["plain_unobserved"] == S["plain"][0]
         # the abort storm and the rejects on the plain server (asserted below):
         # what SGLang's own psm_* segments do
-        _faults(env, "plain-small-shm", srv, "plain", mmshm=False,
+        _faults(env, srv, "plain", mmshm=False,
                 fixed=lambda: _ask(srv, GREEDY[0][0], 1, GREEDY[0][1])[0])
         with ThreadPoolExecutor(PLAIN_BURST) as ex:
             futs = [ex.submit(_ask, srv, i) for i in range(PLAIN_BURST)]
@@ -452,6 +392,7 @@ def test_plain_server_small_shm_burst(env, early):
         assert srv.proc.returncode == -signal.SIGBUS, (srv.proc.returncode, srv.log_tail())
     finally:
         srv.kill()
+        _clear(env)
     S["phase_s"]["plain-small-shm"] = time.monotonic() - t0
 
 
@@ -473,10 +414,10 @@ def test_plain_server_faults_under_load(env):
 
 # -- 3. under mmshm run --------------------------------------------------------------
 @pytest.mark.timeout(1200)
-def test_mmshm_server(env, early):
+def test_mmshm_server(env):
     assert "plain" in S, "the plain phase did not run"
     t0 = time.monotonic()
-    srv, place = early["mmshm"], env["places"]["mmshm"]
+    srv = _server(env, "mmshm", mmshm=True, dist_init=True)
     try:
         log = srv.log_text()
         # every process says what it turned on: the tokenizer, each TP rank
@@ -540,15 +481,15 @@ def test_mmshm_server(env, early):
             assert "Bus error" not in srv.log_text()[len(log):]
 
         # the abort storm, the rejects and the checks (asserted below)
-        _faults(env, "mmshm", srv, "mmshm", mmshm=True,
+        _faults(env, srv, "mmshm", mmshm=True,
                 fixed=lambda: _ask(srv, GREEDY[0][0], 1, GREEDY[0][1])[0])
 
         # the idle pooled segments go after MMSHM_POOL_IDLE_S (2 s): wait for
         # them, so that the next request's segment is a fresh one
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _segs(place):
+        while time.monotonic() < deadline and _segs(env):
             time.sleep(0.2)
-        S["held_when_idle"] = _segs(place)
+        S["held_when_idle"] = _segs(env)
 
         # SIGKILL the process group while a request is in flight: at the moment
         # a second process (a TP rank) opens the segment the tokenizer created
@@ -556,7 +497,7 @@ def test_mmshm_server(env, early):
         from inotify_simple import INotify, flags
 
         with INotify() as ino:
-            ino.add_watch(str(place["seg_dir"]), flags.OPEN)
+            ino.add_watch(str(env["seg_dir"]), flags.OPEN)
             opens: dict[str, int] = {}
             t = threading.Thread(target=lambda: _swallow(_ask, srv, 3), daemon=True)
             t.start()
@@ -569,7 +510,7 @@ def test_mmshm_server(env, early):
         srv.kill()
         t.join(30)
         S["opens_at_kill"] = opens
-        S["left_after_kill"] = _segs(place)
+        S["left_after_kill"] = _segs(env)
         assert S["left_after_kill"], ("no segment was in flight when the server was killed", opens)
     finally:
         srv.kill()
@@ -622,21 +563,17 @@ def test_mmshm_restart_reclaims_and_stops_clean(env):
     if not left:
         pytest.skip("the mmshm phase left nothing to reclaim")
     t0 = time.monotonic()
-    place = env["places"]["mmshm"]  # phase 3's, with what its SIGKILL left
-    srv = _server(env, "mmshm-restart", mmshm=True, place="mmshm",
-                  MMSHM_ARENA_BYTES=str(ARENA_BYTES))
+    srv = _server(env, "mmshm-restart", mmshm=True, MMSHM_ARENA_BYTES=str(ARENA_BYTES))
     try:
-        srv.start()
-        _ready("mmshm-restart", srv)
         # reclaimed as the server's processes started, before its first request
-        assert not set(_segs(place)) & set(left), "the killed server's segments are still there"
+        assert not set(_segs(env)) & set(left), "the killed server's segments are still there"
         m0 = _metrics(srv)
         S["reaped_at_start"] = _m(m0, "mmshm_reaped_segments_total")
         assert S["reaped_at_start"] >= len(left), S["reaped_at_start"]
         assert _ask(srv, 0, 1)[0] == S["plain"][0]
         m1 = _metrics(srv)
         S["reaped"] = _m(m1, "mmshm_reaped_segments_total")
-        assert not set(_segs(place)) & set(left), "the killed server's segments are still there"
+        assert not set(_segs(env)) & set(left), "the killed server's segments are still there"
         assert S["reaped"] >= len(left)
         # the arena: the greedy requests twice, the second time through the
         # arena segments of the first, reused (next generation) and already
@@ -651,13 +588,13 @@ def test_mmshm_restart_reclaims_and_stops_clean(env):
         # nothing held once the answers are in but the arena's segments (idle
         # plain pooled segments go after 2 s; arena segments stay pooled for good)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and set(_segs(place)) - set(_arena_segs(place)):
+        while time.monotonic() < deadline and set(_segs(env)) - set(_arena_segs(env)):
             time.sleep(0.5)
-        arena["before_stop"] = _segs(place)
-        arena["segments"] = _arena_segs(place)
+        arena["before_stop"] = _segs(env)
+        arena["segments"] = _arena_segs(env)
         arena["rank_mappings"] = _rank_mappings(srv.log_text(), arena["segments"])
         srv.stop(signal.SIGTERM, timeout_s=90)
-        S["left_after_stop"] = _segs(place)
+        S["left_after_stop"] = _segs(env)
         assert S["left_after_stop"] == []
     finally:
         srv.kill()
