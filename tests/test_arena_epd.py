@@ -34,7 +34,7 @@ from mmshm.transport import encoder_cache as ec
 
 from tests.harness.metrics import metric
 from tests.harness.registrar import FakeRegistrar
-from tests.harness.procs import spawn, stop_all
+from tests.harness.procs import spawn, spawn_ctx, stop_all
 from tests.harness.segments import header, segment_files
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,8 +107,9 @@ def producer(conn, on_gpu: bool) -> None:
 
 class Producer:
     def __init__(self, on_gpu: bool):
+        # the CUDA fakes in a fresh interpreter, as before the fork servers
         self.conn, child = mp.get_context("spawn").Pipe()
-        self.proc = spawn(producer, child, on_gpu)
+        self.proc = spawn(producer, child, on_gpu, ctx=spawn_ctx())
 
     def ask(self, *msg, timeout: float = 60):
         self.conn.send(msg)

@@ -1,12 +1,18 @@
 """Child processes of the tests: gloo process groups, single children,
 forkserver workers, and the pids whose segments are the tests' business.
 
-Children start from the ``spawn`` context (or the forkserver's), so every
+The start helpers (:func:`spawn`, :func:`run_group`, :func:`run_children`,
+:func:`run_child`) fork their children from :func:`start_ctx`, a fork server
+that imported torch and mmshm once per session, unless given ``ctx=``
+(:func:`spawn_ctx` where a fresh interpreter is the test's subject). Every
 function a child runs lives at the top level of an importable module
 (:mod:`tests.harness.children`, :mod:`tests.harness.workers`, or the test
-module itself). Children inherit ``MMSHM_DIR`` (and the other ``MMSHM_*``
-settings) through ``os.environ``, and the parent's ``sys.path`` through
-multiprocessing's preparation data (the repository root, where pytest put it).
+module itself). Children get the test's ``os.environ`` (``MMSHM_DIR`` and
+the other ``MMSHM_*`` settings: inherited from spawn, handed over by
+:func:`env_process` from a fork server, mmshm's settings re-read), and the
+parent's ``sys.path`` through multiprocessing's preparation data (the
+repository root, where pytest put it). A forked child leaves through
+``os._exit`` (multiprocessing's finalizers, not ``atexit``).
 Every wait is bounded: a child that does not report in time fails the test
 with every child's exit state, and is killed.
 """
@@ -60,9 +66,24 @@ def spawn_ctx():
     return mp.get_context("spawn")
 
 
-def spawn(target, *args) -> mp.Process:
-    """Start ``target(*args)`` in a spawned daemon process (tracked)."""
-    p = spawn_ctx().Process(target=target, args=args, daemon=True)
+def start_ctx():
+    """The start helpers' default context: a fork server of its own
+    (:func:`preload_ctx`) that imported torch, torch.distributed, mmshm and
+    the harness's children once; start its children with :func:`env_process`."""
+    return preload_ctx(_START_KEY, _START_PRELOAD)
+
+
+#: what :func:`start_ctx`'s server imports (the key names its server)
+_START_KEY = "tests.harness.children"
+_START_PRELOAD = ["torch", "torch.distributed", "prometheus_client", "blake3", "msgspec",
+                  "mmshm", "mmshm.segments.reaper", "tests.harness.workers", _START_KEY]
+
+
+def spawn(target, *args, ctx=None) -> mp.Process:
+    """Start ``target(*args)`` in a daemon process (tracked), forked from
+    :func:`start_ctx` with this process's environment (:func:`env_process`);
+    ``ctx=spawn_ctx()`` for a fresh interpreter."""
+    p = env_process(start_ctx() if ctx is None else ctx, target, *args, daemon=True)
     p.start()
     track(p.pid)
     return p
@@ -103,15 +124,16 @@ def collect(q, n: int, timeout: float, procs=(), killed=()) -> list:
 
 
 def run_group(target, world: int, *args, timeout: float = 90.0, killed=(), ctx=None) -> dict:
-    """Run ``target(rank, world, *args)`` on ``world`` spawned processes joined
+    """Run ``target(rank, world, *args)`` on ``world`` processes joined
     in a gloo process group on 127.0.0.1 (30 s collective timeout); return
-    ``{rank: result}``. ``ctx``: a :func:`preload_ctx` to fork the ranks
-    from instead (this process's environment handed over, :func:`env_process`).
+    ``{rank: result}``. The ranks fork from ``ctx`` (default :func:`start_ctx`;
+    a :func:`preload_ctx`, or :func:`spawn_ctx` for fresh interpreters), with
+    this process's environment handed over (:func:`env_process`).
 
     Asserts that every child reported success within ``timeout`` seconds and
     exited with code 0, but the ranks in ``killed``, which must die by
     SIGKILL (report nothing)."""
-    c = spawn_ctx() if ctx is None else ctx
+    c = start_ctx() if ctx is None else ctx
     q = c.Queue()
     port = free_port()
     procs = [env_process(c, _rank_main, target, rank, world, port, q, args, daemon=True)
@@ -149,13 +171,14 @@ def _rank_main(target, rank, world, port, q, args) -> None:
             dist.destroy_process_group()
 
 
-def run_children(target, arglist, timeout: float = 60.0) -> list:
+def run_children(target, arglist, timeout: float = 60.0, ctx=None) -> list:
     """Run ``target(*args)`` for each ``args`` of ``arglist``, each in its own
-    spawned process, all at once; return the results in order. Asserts that
-    every child reported success and exited with code 0."""
-    c = spawn_ctx()
+    process of ``ctx`` (default :func:`start_ctx`, :func:`env_process`), all at
+    once; return the results in order. Asserts that every child reported
+    success and exited with code 0."""
+    c = start_ctx() if ctx is None else ctx
     q = c.Queue()
-    procs = [c.Process(target=_keyed_main, args=(i, target, q, args), daemon=True)
+    procs = [env_process(c, _keyed_main, i, target, q, args, daemon=True)
              for i, args in enumerate(arglist)]
     try:
         for p in procs:
@@ -176,12 +199,13 @@ def _keyed_main(key, target, q, args) -> None:
         q.put((key, "error", traceback.format_exc()))
 
 
-def run_child(target, *args, timeout: float = 60.0):
-    """Run ``target(*args)`` in one spawned process and return
-    ``(result, exitcode)``; result is None if the child died before reporting."""
-    c = spawn_ctx()
+def run_child(target, *args, timeout: float = 60.0, ctx=None):
+    """Run ``target(*args)`` in one process of ``ctx`` (default
+    :func:`start_ctx`, :func:`env_process`) and return ``(result, exitcode)``;
+    result is None if the child died before reporting."""
+    c = start_ctx() if ctx is None else ctx
     q = c.Queue()
-    p = c.Process(target=_child_main, args=(target, q, args), daemon=True)
+    p = env_process(c, _child_main, target, q, args, daemon=True)
     p.start()
     track(p.pid)
     result = None
@@ -250,8 +274,12 @@ def _apply_environ(env: dict) -> dict:
     os.environ.clear()
     os.environ.update(env)
     config = sys.modules.get("mmshm.config")
-    if config is not None:  # settings the fork server may have read: re-read
-        config.reload()
+    if config is not None:  # settings the fork server read at import: re-read, as a
+        config._warned.clear()  # fresh interpreter would (each bad value said once)
+        on = config.reload().debug_refs
+        refdebug = sys.modules.get("mmshm.segments.refdebug")
+        if refdebug is not None and "mmshm.segments.shmtensor" in sys.modules:
+            (refdebug.install if on else refdebug.uninstall)()  # MMSHM_DEBUG_REFS
     return env
 
 
@@ -305,10 +333,10 @@ class _PreloadProcess(ForkServerProcess):
 class _PreloadContext(ForkServerContext):
     """A forkserver context with a server of its own (:func:`preload_ctx`)."""
 
-    def __init__(self, module: str):
+    def __init__(self, module: str, modules: list[str] | None = None):
         self.module = module
         self.server = forkserver.ForkServer()
-        self.server.set_forkserver_preload([module])
+        self.server.set_forkserver_preload(modules or [module])
 
     def Process(self, *args, **kwargs) -> _PreloadProcess:
         p = _PreloadProcess(*args, **kwargs)
@@ -319,9 +347,10 @@ class _PreloadContext(ForkServerContext):
 _PRELOADED: dict[str, _PreloadContext] = {}
 
 
-def preload_ctx(module: str) -> ForkServerContext:
+def preload_ctx(module: str, modules: list[str] | None = None) -> ForkServerContext:
     """A forkserver context with a fork server of its own (one per ``module``
-    and test session), which imports ``module`` once: every child is a fork
+    and test session), which imports ``module`` (or the list ``modules``,
+    on the first call) once: every child is a fork
     of it. Start children with :func:`env_process` (or ``run_group(ctx=)``),
     which hands them this process's environment. The server is stopped at
     exit. If ``module`` raises ImportError there, multiprocessing ignores it
@@ -329,7 +358,7 @@ def preload_ctx(module: str) -> ForkServerContext:
     error kills the server, and every start fails."""
     ctx = _PRELOADED.get(module)
     if ctx is None:
-        ctx = _PRELOADED[module] = _PreloadContext(module)
+        ctx = _PRELOADED[module] = _PreloadContext(module, modules)
         atexit.register(_stop_server, ctx.server)
     return ctx
 
