@@ -32,6 +32,7 @@ from pathlib import Path
 
 # The server starter is the product's (``mmshm bench serve`` starts its servers
 # with it): one Server, one atexit hook that kills every live group, one _LIVE set.
+from mmshm.bench.serve import servers as _product
 from mmshm.bench.serve.servers import (  # noqa: E402,F401 - re-exported for the tests
     ROOT,
     _LIVE,
@@ -43,7 +44,6 @@ from mmshm.bench.serve.servers import (  # noqa: E402,F401 - re-exported for the
     mapped_shm_names,
     metric,
     series,
-    sglang_argv,
     sglang_env,
     vllm_argv,
     vllm_env,
@@ -53,6 +53,25 @@ from mmshm.bench.serve.servers import (  # noqa: E402,F401 - re-exported for the
 #: The start-up dummy image of the tests' vLLM servers (``vllm_argv``'s
 #: ``dummy_image``): 720p, the largest photo they are sent.
 DUMMY_720P = (1280, 720)
+
+
+#: SGLang releases whose real servers keep SGLang's default idle loop (the
+#: scheduler spinning on its sockets): 0.5.9's one-node run, so that mmshm's
+#: scheduler hooks stay covered under the default as well.
+SPINNING_RELEASES = {(0, 5, 9)}
+
+
+def sglang_argv(model: str, port: int, tp: int, version: tuple[int, ...], **kw) -> list[str]:
+    """The product's :func:`~mmshm.bench.serve.servers.sglang_argv` with
+    SGLang's ``--sleep-on-idle`` on, except for :data:`SPINNING_RELEASES`.
+    The tests run several servers at once on two cores (a family's baseline
+    and mmshm server, PD and EPD pairs, two nodes), and an idle SGLang TP=2
+    server's spinning schedulers keep about 1.5 cores busy (0.5.23: 74% of
+    the host idle, 2% with the flag), slowing whatever else runs: the
+    matrix's LLaVA-NeXT baseline answered its cases in 26.6 s beside the
+    idle mmshm server, and in 8.7 s with the flag."""
+    kw.setdefault("sleep_on_idle", tuple(version) not in SPINNING_RELEASES)
+    return _product.sglang_argv(model, port, tp, version, **kw)
 
 
 def vllm_argv_720p(model: str, port: int, tp: int, **kw) -> list[str]:
