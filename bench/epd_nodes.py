@@ -20,6 +20,14 @@ transfer being the faster of the two; and once as mmshm's fetch did before
 its one-copy read (``two_copy``: the read buffer, then
 :meth:`EncoderCache.save`). ``x raw`` is the ratio of the medians of the
 per-round totals, all measured in the same run.
+
+Then, in the same run, vLLM's own ``ECMooncakeConnector`` (0.32, push mode,
+the same transfer engine over ``tcp``) moves the same items from a node A to a
+node B (:mod:`mmshm.bench.ec_mooncake_baseline`: both connector halves driven
+as vLLM's engine drives them, in an interpreter that imports vLLM; skipped,
+with the reason, where none does, or with ``MMSHM_BENCH_VLLM_BASELINE=0``):
+``vllm_push_ms``, from "the encoder holds the outputs" to "PD holds them in
+the tensors its model reads", bytes checked against the same BLAKE3.
 """
 
 from __future__ import annotations
@@ -34,11 +42,19 @@ import tempfile
 import time
 
 from mmshm.bench.mooncake_master import Master, kill_group, master_binary
+from mmshm.bench.node_pair import blake as _blake
+from mmshm.bench.node_pair import item as _item
+from mmshm.bench.node_pair import line as _line
 
 #: one Qwen2-VL-7B encoder output of a 720p photo: (rows, width), bf16
 ITEM_SHAPE = (1196, 3584)
 #: the goal: the cross-node hop at most this many times the raw transfer
 GOAL_RAW_X = 1.3
+#: the goal: the cross-node hop at most this many times vLLM's ECMooncakeConnector push
+GOAL_VLLM_X = 1.0
+#: node A's rounds of save + put under other keys before the items node B reads
+#: (the first a warm-up; the others and the last one timed: ``encoder_put_ms``)
+PUT_ROUNDS = 3
 
 
 def remove_dirs(dirs, leftovers: dict) -> None:
@@ -51,24 +67,10 @@ def remove_dirs(dirs, leftovers: dict) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _item(i: int, shape):
-    import torch
-
-    g = torch.Generator().manual_seed(7000 + i)
-    return torch.randn(shape, generator=g).to(torch.bfloat16)
-
-
 def _key(i: int, nonce: str) -> bytes:
     from mmshm.transport.encoder_cache import content_key
 
     return content_key(f"bench cross-node item {i} {nonce}", "bench")
-
-
-def _blake(t) -> str:
-    import blake3
-
-    return blake3.blake3(t.contiguous().view(-1).view(__import__("torch").uint8)
-                         .numpy()).hexdigest()
 
 
 # -- the two nodes ---------------------------------------------------------------------
@@ -92,14 +94,31 @@ def _encoder(extra: dict, items: int, shape, nonce: str) -> None:
     tier = _connect(extra, "bench-encoder", "A")
     if tier is None:
         return
-    digests = []
-    for i in range(items):
-        t = _item(i, shape)
-        digests.append(_blake(t))
-        cache.save(_key(i, nonce), t, label=f"item {i}")
-        tier.put(_key(i, nonce), t)
-    ok = tier.flush(120)
-    print("READY " + json.dumps({"ok": ok, "stats": tier.stats, "digests": digests}), flush=True)
+    outputs = [_item(i, shape) for i in range(items)]
+    digests = [_blake(t) for t in outputs]
+
+    def put_round(tag: str) -> tuple[bool, float | None]:
+        # from "the encoder holds the outputs" to the last put done: saved, put
+        done = []
+        t0 = time.perf_counter()
+        for i, t in enumerate(outputs):
+            cache.save(_key(i, tag), t, label=f"item {i}")
+            tier.put(_key(i, tag), t, on_done=lambda: done.append(time.perf_counter()))
+        ok = tier.flush(120)
+        return ok, (max(done) - t0) * 1e3 if ok and len(done) == items else None
+
+    put_ms = []
+    for r in range(PUT_ROUNDS):  # other keys, the first a warm-up: node A's put, warm
+        ok, ms = put_round(f"{nonce} put {r}")
+        if r and ms is not None:
+            put_ms.append(ms)
+        for i in range(items):
+            cache.evict(_key(i, f"{nonce} put {r}"))
+            tier._store.remove(tier.store_key(_key(i, f"{nonce} put {r}")))
+    ok, ms = put_round(nonce)  # the items node B reads
+    put_ms.append(ms)
+    print("READY " + json.dumps({"ok": ok, "stats": tier.stats, "digests": digests,
+                                 "put_ms": put_ms}), flush=True)
     sys.stdin.readline()  # node B is done
     tier.close()
     cache.close()
@@ -198,29 +217,20 @@ def _child(role: str, env: dict, args: dict, stdin=None) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _line(p: subprocess.Popen, prefix: str, timeout: float) -> dict:
-    end = time.monotonic() + timeout
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(p.stdout, selectors.EVENT_READ)
-    while time.monotonic() < end:
-        if not sel.select(max(0.0, end - time.monotonic())):
-            break
-        line = p.stdout.readline()
-        if not line:
-            break
-        if line.startswith(prefix):
-            return json.loads(line[len(prefix):])
-    raise RuntimeError(f"no {prefix.strip()!r} line from node {p.args[-2]} within "
-                       f"{timeout:.0f} s (rc {p.poll()})")
-
-
 def measure(items: int = 8, rounds: int = 10, warmup: int = 2, shape=ITEM_SHAPE,
-            timeout_s: float = 300.0) -> dict:
+            timeout_s: float = 300.0, vllm_baseline: bool | None = None) -> dict:
     """The cross-node row: ``{"skipped": why}`` or the figures (per-round
     totals in ms for ``items`` outputs of ``shape`` bf16: ``mmshm_ms``,
-    ``raw_ms``, their medians and ``x_raw``, ``wrong``, ``goal``)."""
+    ``raw_ms``, their medians and ``x_raw``, ``wrong``, ``goal``), and under
+    ``vllm`` vLLM's ``ECMooncakeConnector`` push of the same items
+    (:func:`mmshm.bench.ec_mooncake_baseline.measure`: ``{"skipped": why}``,
+    or ``push_ms``, ``push_ms_median``, ``x_raw``, ``wrong``, ``misses``, and
+    ``goal``: mmshm's hop at most :data:`GOAL_VLLM_X` times it).
+    ``vllm_baseline`` None runs it unless ``MMSHM_BENCH_VLLM_BASELINE=0``.
+
+    Raises:
+        RuntimeError: a node failed or did not answer within ``timeout_s``.
+    """
     nbytes = items * shape[0] * shape[1] * 2
     base = {"items": items, "shape": list(shape), "dtype": "bfloat16", "nbytes": nbytes,
             "rounds": rounds, "transport": "tcp"}
@@ -251,12 +261,14 @@ def measure(items: int = 8, rounds: int = 10, warmup: int = 2, shape=ITEM_SHAPE,
             return {**base, "skipped": "mooncake_master did not listen within 20 s"}
         env = dict(os.environ, GLOG_minloglevel="2", PYTHONUNBUFFERED="1")
         enc = _child("encoder", {**env, "MMSHM_DIR": dirs[0]},
-                     {"extra": {**extra, "global_segment_size": nbytes + (64 << 20)},
+                     {"extra": {**extra, "global_segment_size": (PUT_ROUNDS + 1) * nbytes
+                                + (64 << 20)},
                       "items": items, "shape": list(shape), "nonce": nonce},
                      stdin=subprocess.PIPE)
         ready = _line(enc, "READY ", timeout_s)
-        if not ready["ok"] or ready["stats"]["puts"] != items:
-            raise RuntimeError(f"node A put {ready['stats']['puts']} of {items} items")
+        if not ready["ok"] or ready["stats"]["puts"] != items * (PUT_ROUNDS + 1):
+            raise RuntimeError(f"node A put {ready['stats']['puts']} of "
+                               f"{items * (PUT_ROUNDS + 1)} items")
         # node B starts after every put: the objects are all in node A's segment
         pd = _child("pd", {**env, "MMSHM_DIR": dirs[1]},
                     {"extra": {**extra, "global_segment_size": 16 << 20},
@@ -275,6 +287,8 @@ def measure(items: int = 8, rounds: int = 10, warmup: int = 2, shape=ITEM_SHAPE,
         remove_dirs(dirs, leftovers)
     if "error" in got:
         raise RuntimeError(got["error"])
+    vllm = _vllm_row(items, rounds, warmup, shape, timeout_s, vllm_baseline,
+                     ready["digests"])
     mm = statistics.median(got["mmshm_ms"]) if got["mmshm_ms"] else None
     raw_one = statistics.median(got["raw_ms"]) if got["raw_ms"] else None
     raw_batch = statistics.median(got["raw_batch_ms"]) if got["raw_batch_ms"] else None
@@ -289,11 +303,71 @@ def measure(items: int = 8, rounds: int = 10, warmup: int = 2, shape=ITEM_SHAPE,
             "two_copy_x_raw": two / raw if two and raw else None,
             "wrong": got["wrong"], "misses": got["misses"], "leftovers": leftovers,
             "gets": got["stats"]["gets"], "get_bytes": got["stats"]["get_bytes"],
-            "raw_registered": got["raw_registered"],
+            "raw_registered": got["raw_registered"], "encoder_put_ms": ready["put_ms"],
+            "encoder_put_ms_median": _median(ready["put_ms"]),
             "goal": {"goal": f"cross-node hop at most {GOAL_RAW_X}x the raw Store get",
                      "met": None if x is None else bool(x <= GOAL_RAW_X and not got["wrong"]
                                                         and not got["misses"]),
+                     "value": x},
+            "vllm": _vllm_goal(vllm, mm, raw, got, _median(ready["put_ms"]))}
+
+
+def _median(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _vllm_row(items, rounds, warmup, shape, timeout_s, on, digests) -> dict:
+    if on is None:
+        on = os.environ.get("MMSHM_BENCH_VLLM_BASELINE", "1") != "0"
+    if not on:
+        return {"skipped": "turned off (MMSHM_BENCH_VLLM_BASELINE=0)"}
+    from mmshm.bench import ec_mooncake_baseline
+
+    try:
+        return ec_mooncake_baseline.measure(items=items, rounds=rounds, warmup=warmup,
+                                            shape=shape, timeout_s=timeout_s,
+                                            digests=digests)
+    except RuntimeError as exc:  # a node failed: this row says so, the Store rows stand
+        return {"skipped": None, "error": str(exc)}
+
+
+def _vllm_goal(vllm: dict, mm, raw, got: dict, put_ms: float | None = None) -> dict:
+    """The vLLM row with its ratios: ``x_raw``, ``mmshm_x_vllm`` (mmshm's
+    hop, PD's read, over vLLM's push) and ``mmshm_put_x_vllm`` (node A's
+    save + put of the items, ``put_ms``, the median of its warm rounds, plus
+    the hop, over the push), and the goal on ``mmshm_x_vllm``."""
+    if vllm.get("skipped") or vllm.get("error"):
+        return vllm
+    v = vllm["push_ms_median"]
+    x = mm / v if mm and v else None
+    ok = not (vllm["wrong"] or vllm["misses"] or got["wrong"] or got["misses"])
+    return {**vllm, "x_raw": v / raw if v and raw else None, "mmshm_x_vllm": x,
+            "mmshm_put_x_vllm": (put_ms + mm) / v if put_ms and mm and v else None,
+            "goal": {"goal": f"cross-node hop at most {GOAL_VLLM_X}x vLLM's "
+                             f"ECMooncakeConnector push over the same transport",
+                     "met": None if x is None else bool(x <= GOAL_VLLM_X and ok),
                      "value": x}}
+
+
+def describe_vllm(res: dict) -> str:
+    """The vLLM baseline's line: its hop, its ratio to raw, mmshm's to it."""
+    v = res.get("vllm") or {"skipped": "not measured"}
+    what = "vLLM ECMooncakeConnector (push, same engine, tcp)"
+    if v.get("skipped"):
+        return f"{what}: skipped: {v['skipped']}"
+    if v.get("error"):
+        return f"{what}: failed: {v['error']}"
+    g = v["goal"]
+    put = (f"; node A's save + put ({res['encoder_put_ms_median']:.1f} ms) and the hop / it "
+           f"{v['mmshm_put_x_vllm']:.2f}" if v.get("mmshm_put_x_vllm") else "")
+    return (f"{what}: {v['push_ms_median']:.1f} ms from the encoder's outputs to PD holding "
+            f"them (node A's calls return after {v['producer_ms_median']:.1f} ms: its staging copy "
+            f"{v['stage_ms_median']:.1f} ms, the write {v['write_ms_median']:.1f} ms), x raw "
+            f"{v['x_raw']:.2f}; mmshm hop (PD's read) / it {v['mmshm_x_vllm']:.2f}{put} "
+            f"({'bytes equal' if not v['wrong'] else str(v['wrong']) + ' WRONG'}"
+            f"{', misses: ' + '; '.join(v['misses']) if v['misses'] else ''}); "
+            f"goal: {g['goal']}: {'met' if g['met'] else 'not met'}")
 
 
 def describe(res: dict) -> str:
@@ -313,7 +387,7 @@ def describe(res: dict) -> str:
             f"x raw {res['two_copy_x_raw']:.2f}) "
             f"({'bytes equal' if not res['wrong'] else str(res['wrong']) + ' WRONG'}"
             f"{', misses: ' + '; '.join(res['misses']) if res['misses'] else ''}); "
-            f"goal: {g['goal']}: {mark}")
+            f"goal: {g['goal']}: {mark}\n{describe_vllm(res)}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from mmshm.bench.epd import PATHS, SIZES, _nbytes
 
 TP = 2
@@ -30,6 +32,9 @@ def test_quick_run_moves_equal_bytes_on_every_path(tmp_path, shm_dir):
     # the warm pool on, as a user's run has it (the conftest turns it off): the
     # store reuses freed entries' segments, and the bench must unlink them at the end
     env = {k: v for k, v in os.environ.items() if k != "MMSHM_POOL"}
+    # vLLM's connector as the cross-node baseline starts two vLLM interpreters
+    # (tens of seconds here): test_vllm_baseline_* run it on their own
+    env["MMSHM_BENCH_VLLM_BASELINE"] = "0"
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "mmshm.cli", "bench", "epd", "--quick", "--tp", str(TP),
@@ -85,7 +90,12 @@ def test_quick_run_moves_equal_bytes_on_every_path(tmp_path, shm_dir):
         # every mmshm and two-copy read crossed nodes: 2 items x 4 rounds x 2 paths
         assert cross["gets"] == 16 and cross["get_bytes"] == 16 * 1196 * 128 * 2
         assert cross["x_raw"] > 0 and cross["goal"]["met"] in (True, False)
+        # node A's warm save + put rounds (the items node B reads the last of them)
+        assert len(cross["encoder_put_ms"]) == 3 and all(x > 0 for x in cross["encoder_put_ms"])
         assert "x raw" in proc.stdout
+        assert cross["vllm"] == {"skipped": "turned off (MMSHM_BENCH_VLLM_BASELINE=0)"}
+        assert "vLLM ECMooncakeConnector (push, same engine, tcp): skipped: turned off" \
+            in proc.stdout
 
 
 def test_the_check_and_the_goals_can_fail():
@@ -126,3 +136,40 @@ def test_cross_node_row_without_a_master_says_why_and_is_skipped(monkeypatch):
     assert res["skipped"] and "no mooncake_master binary" in res["skipped"]
     line = epd_nodes.describe(res)
     assert "skipped: no mooncake_master binary" in line and "2 x [8, 8] bf16" in line
+
+
+def test_vllm_baseline_without_vllm_says_why_and_is_skipped(monkeypatch, tmp_path):
+    from mmshm.bench import ec_mooncake_baseline as ecm
+    from mmshm.bench import epd_nodes
+
+    monkeypatch.setattr(ecm, "VLLM_VENV", str(tmp_path / "no-python"))
+    monkeypatch.setenv("MMSHM_BENCH_VLLM_PYTHON", sys.executable)  # the main venv: no vLLM
+    res = ecm.measure(items=2, rounds=1, warmup=0, shape=(8, 8))
+    assert res["skipped"].startswith("no interpreter imports vLLM's ECMooncakeConnector")
+    assert "MMSHM_BENCH_VLLM_PYTHON" in res["skipped"]
+    row = {"vllm": epd_nodes._vllm_goal(res, 10.0, 8.0, {"wrong": 0, "misses": []})}
+    assert epd_nodes.describe_vllm(row) == (
+        "vLLM ECMooncakeConnector (push, same engine, tcp): skipped: " + res["skipped"])
+
+
+def test_vllm_baseline_pushes_equal_bytes_and_is_compared():
+    """vLLM 0.32's ECMooncakeConnector, both halves driven as its engine does:
+    node A's items land in node B's receive slab, bytes equal, every round."""
+    from mmshm.bench import ec_mooncake_baseline as ecm
+    from mmshm.bench import epd_nodes
+
+    py, why = ecm.python_with_vllm()
+    if py is None:
+        pytest.skip(why)
+    res = ecm.measure(items=2, rounds=2, warmup=1, shape=(16, 64), timeout_s=120)
+    assert res["skipped"] is None and res["wrong"] == 0 and res["misses"] == [], res
+    assert len(res["push_ms"]) == 2 and all(0 < x < 30_000 for x in res["push_ms"])
+    assert len(res["producer_ms"]) == 2 and all(p > 0 for p in res["producer_ms"])
+    # node A staged the sources in its registered slab and wrote them, each round
+    assert 0 < res["stage_ms_median"] and 0 < res["write_ms_median"] < max(res["push_ms"])
+    row = epd_nodes._vllm_goal(res, res["push_ms_median"] / 2, res["push_ms_median"] / 4,
+                               {"wrong": 0, "misses": []})
+    assert row["mmshm_x_vllm"] == 0.5 and row["x_raw"] == 4.0 and row["goal"]["met"]
+    assert "mmshm hop (PD's read) / it 0.50" in epd_nodes.describe_vllm({"vllm": row})
+    bad = epd_nodes._vllm_goal({**res, "wrong": 1}, 1.0, 1.0, {"wrong": 0, "misses": []})
+    assert bad["goal"]["met"] is False
