@@ -167,9 +167,14 @@ def test_vllm_baseline_pushes_equal_bytes_and_is_compared():
     assert len(res["producer_ms"]) == 2 and all(p > 0 for p in res["producer_ms"])
     # node A staged the sources in its registered slab and wrote them, each round
     assert 0 < res["stage_ms_median"] and 0 < res["write_ms_median"] < max(res["push_ms"])
-    row = epd_nodes._vllm_goal(res, res["push_ms_median"] / 2, res["push_ms_median"] / 4,
-                               {"wrong": 0, "misses": []})
-    assert row["mmshm_x_vllm"] == 0.5 and row["x_raw"] == 4.0 and row["goal"]["met"]
-    assert "mmshm hop (PD's read) / it 0.50" in epd_nodes.describe_vllm({"vllm": row})
-    bad = epd_nodes._vllm_goal({**res, "wrong": 1}, 1.0, 1.0, {"wrong": 0, "misses": []})
+    v = res["push_ms_median"]
+    row = epd_nodes._vllm_goal(res, v / 2, v / 4, {"wrong": 0, "misses": []}, put_ms=v / 4)
+    assert row["mmshm_x_vllm"] == 0.5 and row["x_raw"] == 4.0
+    assert row["mmshm_put_x_vllm"] == pytest.approx(0.75) and row["goal"]["met"]
+    line = epd_nodes.describe_vllm({"vllm": row, "encoder_put_ms_median": v / 4})
+    assert "mmshm hop (PD's read) / it 0.50" in line and "and the hop / it 0.75" in line
+    slow = epd_nodes._vllm_goal(res, v / 2, v / 4, {"wrong": 0, "misses": []}, put_ms=v)
+    assert slow["mmshm_x_vllm"] == 0.5 and slow["goal"]["met"] is False  # the put counts
+    bad = epd_nodes._vllm_goal({**res, "wrong": 1}, v / 4, v, {"wrong": 0, "misses": []},
+                               put_ms=v / 4)
     assert bad["goal"]["met"] is False
