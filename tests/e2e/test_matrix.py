@@ -20,7 +20,8 @@ The two servers of a family start side by side (``servers.start_all``: a
 start is mostly one process at a time importing Python, so two take little
 more than one on two cores), then run their cases one server after the
 other (two servers computing at once, each TP rank's threads bound to a
-core, slow each other down more than they gain). As root each runs
+core, slow each other down more than they gain), the baseline's graceful
+stop beside the mmshm server's cases. As root each runs
 in a private mount namespace whose /dev/shm is a tmpfs of its own (what the
 server itself leaves there, SGLang's ``sgl_shm_mq_*`` and
 ``sglang_loads_*`` after a clean TP=2 stop included, goes with the tmpfs);
@@ -71,7 +72,7 @@ import pytest
 
 from tests.harness import matrix
 from tests.harness.servers import (
-    PRIVATE_SHM, Server, free_port, host_shm_files, host_shm_new, metric,
+    PRIVATE_SHM, Server, free_port, host_shm_files, host_shm_new, in_parallel, metric,
     mount_tmpfs, private_shm_prefix, segments, sglang_argv, sglang_env, start_all, unmount_tmpfs,
     vllm_argv, vllm_env)
 
@@ -288,11 +289,10 @@ ADAPTERS = {"sglang": Sglang(), "vllm": Vllm()}
 
 # -- the servers ----------------------------------------------------------------------------
 def _run_cases(a, family: str, srv: Server, mmshm: bool, seg_host: Path) -> dict:
-    """The family's cases one at a time on the running ``srv``, then a
-    graceful stop. Returns answers, per request seconds and metric deltas
-    (and, on SGLang, the bytes of the ``tokenizer_wrap`` hop), the final
-    metrics, the segments held before the stop and what the segment
-    directory holds after it."""
+    """The family's cases one at a time on the running ``srv``. Returns
+    answers, per request seconds and metric deltas (and, on SGLang, the
+    bytes of the ``tokenizer_wrap`` hop), the final metrics and the segments
+    held before the stop (:func:`_stop` adds the rest)."""
     rec: dict = {"answers": {}, "deltas": {}, "seconds": {}, "wrap_bytes": {}}
     deltas = mmshm or a.name == "sglang"
     transport = "mmshm" if mmshm else "server"
@@ -309,12 +309,16 @@ def _run_cases(a, family: str, srv: Server, mmshm: bool, seg_host: Path) -> dict
                                                - Sglang.wrap_bytes(before, transport))
     rec["metrics"] = srv.metrics_text()
     rec["segments_before_stop"] = segments(seg_host)
-    # idle pooled segments go after MMSHM_POOL_IDLE_S; then a graceful stop
+    return rec
+
+
+def _stop(srv: Server, rec: dict, seg_host: Path) -> None:
+    """A graceful stop of ``srv``; adds its exit status, its seconds and what
+    the segment directory holds after it to ``rec``."""
     t0 = time.monotonic()
     rec["rc"] = srv.stop()
     rec["stop_s"] = round(time.monotonic() - t0, 1)
     rec["left"] = sorted(os.listdir(seg_host)) if seg_host.exists() else []
-    return rec
 
 
 def serve_pair(a, family: str, parent: Path) -> dict:
@@ -345,8 +349,18 @@ def serve_pair(a, family: str, parent: Path) -> dict:
         both_s = round(time.monotonic() - t0, 1)
         # the cases one server at a time: two servers computing at once on two
         # cores (each TP rank's threads bound to a core) slow each other down
-        # far more than running one after the other
-        recs = {m: _run_cases(a, family, srvs[m], m, seg_host[m]) for m in (False, True)}
+        # far more than running one after the other. The baseline's graceful
+        # stop runs beside the mmshm server's cases: it is mostly waiting
+        # (SGLang's SIGTERM watchdog sleeps in 5 s steps)
+        recs = {False: _run_cases(a, family, srvs[False], False, seg_host[False])}
+
+        def mmshm_side() -> dict:
+            rec = _run_cases(a, family, srvs[True], True, seg_host[True])
+            _stop(srvs[True], rec, seg_host[True])
+            return rec
+
+        _, recs[True] = in_parallel(lambda: _stop(srvs[False], recs[False], seg_host[False]),
+                                    mmshm_side)
     finally:
         for s in srvs.values():
             s.kill()
