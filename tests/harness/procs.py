@@ -234,28 +234,16 @@ def _child_main(target, q, args) -> None:
 
 
 # -- forkserver workers ------------------------------------------------------------------
-_FORK_CTX = None
-
-
 def fork_ctx():
-    """A forkserver context that preloads torch and mmshm: every worker is a
-    cheap fork of a server that imported them once. (Python 3.11's fork
-    server ignores the parent's ``sys.path`` when preloading: it finds
-    :mod:`tests.harness.workers` when started from the repository root, and
-    skips it otherwise; each worker gets the parent's ``sys.path`` with its
-    preparation data and imports its target's module from there.)"""
-    global _FORK_CTX
-    if _FORK_CTX is None:
-        _FORK_CTX = mp.get_context("forkserver")
-        _FORK_CTX.set_forkserver_preload(["torch", "prometheus_client", "blake3", "msgspec",
-                                          "mmshm", "mmshm.segments.reaper",
-                                          "tests.harness.workers"])
-    return _FORK_CTX
+    """The fault workers' context: :func:`start_ctx`'s fork server (torch,
+    mmshm and :mod:`tests.harness.workers` imported once), for their pipes
+    and for :func:`fork_start`."""
+    return start_ctx()
 
 
 def fork_start(target, *args, name: str | None = None):
     """Start ``target(*args)`` as a forkserver daemon worker (tracked)."""
-    p = fork_ctx().Process(target=target, args=args, name=name, daemon=True)
+    p = env_process(start_ctx(), target, *args, daemon=True, name=name)
     p.start()
     track(p.pid)
     return p
@@ -288,16 +276,17 @@ def _environ_main(env, target, *args) -> None:
     target(*args)
 
 
-def env_process(ctx, target, *args, daemon: bool | None = None) -> mp.Process:
+def env_process(ctx, target, *args, daemon: bool | None = None,
+                name: str | None = None) -> mp.Process:
     """An unstarted process of ``ctx`` running ``target(*args)``; from a
     fork server, with this process's ``os.environ`` as its whole environment,
     set before the target's module is imported there (a forked child keeps
     the server's: that of the test that started it). :func:`spawn_ctx`:
     a plain process (a spawned child inherits the environment)."""
     if ctx.get_start_method() != "forkserver":
-        return ctx.Process(target=target, args=args, daemon=daemon)
+        return ctx.Process(target=target, args=args, daemon=daemon, name=name)
     return ctx.Process(target=_environ_main, args=(_Environ(os.environ), target, *args),
-                       daemon=daemon)
+                       daemon=daemon, name=name)
 
 
 class _ServerPopen(popen_forkserver.Popen):

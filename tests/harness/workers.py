@@ -2,7 +2,7 @@
 create, hold, hand over and die.
 
 Workers are plain module-level functions so that a ``forkserver`` context
-(:func:`tests.harness.procs.fork_ctx`, which preloads torch and mmshm) can
+(:func:`tests.harness.procs.fork_ctx`, whose server imported torch and mmshm) can
 start them cheaply: ``fork_start(workers.w_holder, directory, ...)``. They
 talk to the test over ``multiprocessing`` pipes and never touch the test's
 segments except through pickled handles; each starts with :func:`use_dir`.
