@@ -9,17 +9,19 @@ for any object, so every read crosses the transfer engine (``tcp``). A
 ``mooncake_master`` on 127.0.0.1 (found beside the engine's package or on
 ``PATH``; without one the row says why and is skipped) keeps the index.
 
-Each round node B reads every item twice, in alternating order: once as
-mmshm's PD does (:func:`mmshm.transport.ec_store.fetch_local`: the read, the
-record and digest checks, the entry published in node B's shared memory, then
-:meth:`EncoderCache.lookup`: the hop ends when PD holds the entry, bytes
-checked against the encoder's BLAKE3 afterwards), and once as a bare client
-would, into a buffer registered with the engine once: ``get_into`` and
-``batch_get_into_multi_buffers`` (the call mmshm's read makes), the raw
-transfer being the faster of the two; and once as mmshm's fetch did before
-its one-copy read (``two_copy``: the read buffer, then
-:meth:`EncoderCache.save`). ``x raw`` is the ratio of the medians of the
-per-round totals, all measured in the same run.
+Each round node B reads all the items in four ways, in turn (each first in
+turn): as mmshm's PD reads a request's items
+(:func:`mmshm.transport.ec_store.fetch_local_many`: every item sized, then
+one scattered get of them all, each record and digest checked, each entry
+published in node B's shared memory, then :meth:`EncoderCache.lookup`: the
+hop ends when PD holds every entry, bytes checked against the encoder's
+BLAKE3); as a bare client would, into a buffer registered with the engine
+once: ``get_into`` per item, and one ``batch_get_into_multi_buffers`` of all
+the items (the call mmshm's read makes), the raw transfer being the faster of
+the two; and as mmshm's fetch did before its one-copy read (``two_copy``,
+item by item: the read buffer, then :meth:`EncoderCache.save`). ``x raw`` is
+the ratio of the medians of the per-round totals, all measured in the same
+run.
 
 Then, in the same run, vLLM's own ``ECMooncakeConnector`` (0.32, push mode,
 the same transfer engine over ``tcp``) moves the same items from a node A to a
@@ -139,8 +141,11 @@ def _pd(extra: dict, items: int, shape, nonce: str, rounds: int, warmup: int,
     keys = [_key(i, nonce) for i in range(items)]
     skeys = [tier.store_key(k) for k in keys]
     size = max(store.get_size(s) for s in skeys)
-    raw_buf = torch.empty(size, dtype=torch.uint8)
-    registered = store.register_buffer(raw_buf.data_ptr(), size) == 0
+    # one slot per item: the batched raw read scatters all of them in one call
+    raw_buf = torch.empty(size * items, dtype=torch.uint8)
+    registered = store.register_buffer(raw_buf.data_ptr(), raw_buf.numel()) == 0
+    slots = [raw_buf.data_ptr() + i * size for i in range(items)]
+
     def two_copy(k):  # the fetch path before the one-copy read: read buffer, then save
         got, why = tier.fetch_view_why(k, torch.bfloat16, shape[0], shape=shape)
         if got is None:
@@ -152,43 +157,42 @@ def _pd(extra: dict, items: int, shape, nonce: str, rounds: int, warmup: int,
             release()
         return "" if saved.published else str(saved.reason)
 
-    # the raw reads: get_into, and the engine's scattered batch get (mmshm's own call)
-    paths = {"raw": None, "raw_batch": None, "mmshm": ec_store.fetch_local,
-             "two_copy": two_copy}
+    def raw(p):  # a bare client: get_into per item, or one scattered get of them all
+        if p == "raw":
+            return [store.get_into(skeys[i], slots[0], size) for i in range(items)]
+        return store.batch_get_into_multi_buffers(skeys, [[slots[i]] for i in range(items)],
+                                                  [[size]] * items)
+
+    def hop(p):  # PD's read of a request's items, until it holds them all
+        if p == "mmshm":  # as PD's reader does: the request's items in one batch
+            whys = ec_store.fetch_local_many(cache, tier, [(k, torch.bfloat16, shape[0], shape)
+                                                           for k in keys])
+        else:
+            whys = [two_copy(k) for k in keys]
+        return [cache.lookup(k, torch.bfloat16, shape[0], shape=shape) if not why else why
+                for k, why in zip(keys, whys)]
+
+    paths = ("raw", "raw_batch", "mmshm", "two_copy")
     ms = {p: [] for p in paths}
     wrong, misses = 0, []
-    names = list(paths)
     for r in range(warmup + rounds):
         took = dict.fromkeys(paths, 0.0)
-        for p in names[r % len(names):] + names[:r % len(names)]:  # each first in turn
-            for i, k in enumerate(keys):
+        for p in paths[r % len(paths):] + paths[:r % len(paths)]:  # each first in turn
+            t0 = time.perf_counter()
+            got = raw(p) if p in ("raw", "raw_batch") else hop(p)
+            took[p] = time.perf_counter() - t0
+            for i, e in enumerate(got):
                 if p in ("raw", "raw_batch"):
-                    t0 = time.perf_counter()
-                    if p == "raw":
-                        n = store.get_into(skeys[i], raw_buf.data_ptr(), size)
-                    else:
-                        n = store.batch_get_into_multi_buffers([skeys[i]], [[raw_buf.data_ptr()]],
-                                                               [[size]])[0]
-                    took[p] += time.perf_counter() - t0
-                    if n <= 0:
-                        misses.append(f"raw get {i}: {n}")
+                    if e <= 0:
+                        misses.append(f"{p} get {i}: {e}")
                     continue
-                t0 = time.perf_counter()
-                if p == "mmshm":
-                    why = ec_store.fetch_local(cache, tier, k, torch.bfloat16, shape[0],
-                                               shape=shape)
-                else:
-                    why = two_copy(k)
-                e = cache.lookup(k, torch.bfloat16, shape[0], shape=shape) if not why \
-                    else None
-                took[p] += time.perf_counter() - t0
-                if e is None:
-                    misses.append(f"{p} {i}: {why or 'lookup missed'}")
+                if not hasattr(e, "load"):
+                    misses.append(f"{p} {i}: {e or 'lookup missed'}")
                     continue
                 if r == warmup and _blake(e.load()) != digests[i]:
                     wrong += 1
                 e.release()
-                cache.evict(k)  # the next read crosses nodes again
+                cache.evict(keys[i])  # the next read crosses nodes again
         if r >= warmup:
             for p in paths:
                 ms[p].append(took[p] * 1e3)

@@ -481,6 +481,7 @@ class FakeEngine:
         self.register_rc = 0
         self.registered: dict[int, int] = {}
         self.events: list[tuple] = []
+        self.batches: list[list[str]] = []  # the keys of each batch_get_into_multi_buffers
 
     def setup(self, *args):
         return 0
@@ -534,6 +535,7 @@ class FakeEngine:
         import ctypes
 
         out = []
+        self.batches.append(list(keys))
         for key, ptrs, sizes in zip(keys, all_ptrs, all_sizes):
             self.gets += 1
             # every target lies in memory registered with the engine (RDMA needs it)
@@ -888,6 +890,53 @@ def test_fetch_local_never_publishes_a_bad_record_short_get_or_other_payload(fak
         assert counted == {"record_mismatch": 2, "short": 1, "digest": 1}
         assert tier.stats["gets"] == before["gets"]
         assert set(eng.registered) == {tier._read_buf.data_ptr()}  # each segment given back
+    finally:
+        cache.close()
+    assert _mmshm_files(shm_dir) == []
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "rdma"])
+def test_fetch_local_many_reads_a_requests_items_in_one_scattered_get(fake_tier, shm_dir,
+                                                                     protocol, monkeypatch):
+    """A request's items are read in ONE ``batch_get_into_multi_buffers``
+    (each record into its own slice of the read buffer, each payload
+    straight into its segment), each checked on its own: a bad record or an
+    absent object misses alone, an entry already here is not read."""
+    import dataclasses
+
+    import torch
+
+    from mmshm.transport.encoder_cache import EncoderCache, content_key
+
+    tier, eng = fake_tier
+    monkeypatch.setattr(tier, "config", dataclasses.replace(tier.config, protocol=protocol))
+    cache = EncoderCache(keep_s=60, namespace="m")
+    try:
+        ks = [content_key(f"batch {i}") for i in range(5)]
+        ts = [torch.randn(300, 256).to(torch.bfloat16) for _ in ks]
+        _object(tier, eng, ks[0], ts[0])
+        _object(tier, eng, ks[1], ts[1])
+        _object(tier, eng, ks[2], ts[2], rec_key=ks[0])  # a record that names other content
+        # ks[3]: no object (its put in flight); ks[4]: this node has it already
+        assert cache.save(ks[4], ts[4], label="here").published
+        _object(tier, eng, ks[4], ts[4])
+        got = ec_store.fetch_local_many(cache, tier, [(k, torch.bfloat16, 300, (300, 256))
+                                                      for k in ks])
+        assert got == ["", "", "store_record_mismatch", "store_absent", ""]
+        assert eng.batches == [[tier.store_key(k) for k in ks[:3]]]  # one call, 3 objects
+        gets = [ev for ev in eng.events if ev[0] == "get"]
+        heads = [ev[1][0] for ev in gets]
+        assert heads == [tier._read_buf.data_ptr() + n * ec_store.RECORD_BYTES
+                         for n in range(3)]  # each record in its own slice
+        assert all(ev[3] for ev in gets) == (protocol == "rdma")  # rdma: registered
+        for k, t in zip(ks[:2] + ks[4:], ts[:2] + ts[4:]):
+            e = cache.lookup(k, torch.bfloat16, 300, shape=(300, 256))
+            assert e is not None and torch.equal(e.load(), t)
+            e.release()
+        assert cache.lookup(ks[2], torch.bfloat16, 300) is None  # never published
+        assert tier.stats["gets"] == 2 and tier.stats["get_bytes"] == 2 * ts[0].numel() * 2
+        assert tier.stats["miss_record_mismatch"] == 1 and tier.stats["miss_absent"] == 1
+        assert ec_store.fetch_local_many(cache, tier, []) == []
     finally:
         cache.close()
     assert _mmshm_files(shm_dir) == []

@@ -297,16 +297,17 @@ def test_a_hanging_master_bounds_two_requests_each_from_its_own_first_ask(store,
 def starts(monkeypatch):
     """``[(content key, seconds past its deadline)]`` of each fetch the reader starts."""
     got: list = []
-    real = ec_store.fetch_local
+    real = ec_store.fetch_local_many
 
-    def spy(cache, tier, k, *args, **kwargs):
-        holds_f = spy.fetches._by_key.get(k) if spy.fetches is not None else None
-        late = time.monotonic() - holds_f.deadline if holds_f is not None else None
-        got.append((k, late))
-        return real(cache, tier, k, *args, **kwargs)
+    def spy(cache, tier, items):
+        for k, *_ in items:
+            holds_f = spy.fetches._by_key.get(k) if spy.fetches is not None else None
+            late = time.monotonic() - holds_f.deadline if holds_f is not None else None
+            got.append((k, late))
+        return real(cache, tier, items)
 
     spy.fetches = None
-    monkeypatch.setattr(ec_store, "fetch_local", spy)  # the reader imports it when it starts
+    monkeypatch.setattr(ec_store, "fetch_local_many", spy)  # the reader imports it when it starts
     return got, spy
 
 
@@ -890,3 +891,33 @@ def test_vllm_a_running_request_asked_again_per_chunk_loads_each_image_once(stor
     finally:
         s.shutdown()
         ec_transfer_state.ensure_ec_transfer_shutdown()
+
+
+# -- a request's items: one batch ---------------------------------------------------------------
+def test_a_requests_items_asked_in_one_pass_are_fetched_in_one_batch(store, nodes, monkeypatch):
+    """The items one scheduler pass asks for (``Holdings.looking``, as vLLM's
+    ``ensure_cache_available`` asks for a request's items) wake the reader
+    once, and it reads them in one scattered get: one ``fetch_local_many``
+    call with all three, though the pass is slow between its asks."""
+    eng, tier = store
+    a, b = nodes("node-a"), nodes("node-b")
+    publish(a, tier(), [20, 21, 22])
+    calls: list[list[bytes]] = []
+    real = ec_store.fetch_local_many
+
+    def spy(cache, tier_, items):
+        calls.append([k for k, *_ in items])
+        return real(cache, tier_, items)
+
+    monkeypatch.setattr(ec_store, "fetch_local_many", spy)
+    holds = Holdings(b, Counts(SERVER), tier())
+    with holds.looking():
+        for n, i in enumerate((20, 21, 22)):
+            assert look(holds, "r1", n, f"img-{i}", i) is PENDING
+            time.sleep(0.05)  # time enough for a woken reader to take the first alone
+    got, _ = until_ready(holds, [("r1", n, f"img-{i}", i) for n, i in enumerate((20, 21, 22))])
+    assert calls == [[key(20), key(21), key(22)]]
+    assert eng.batches == [[holds.fetches.tier.store_key(key(i)) for i in (20, 21, 22)]]
+    for (_, n), e in sorted(got.items()):
+        assert e is not None and torch.equal(e.load(), output(20 + n))
+    holds.close()

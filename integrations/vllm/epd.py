@@ -282,12 +282,13 @@ class MmshmECConnector(ECConnectorBase):
         if self._holds.fails(rid, [f.identifier for _, f in pending]):
             return False  # it needs an item vLLM may hold zeros for: failed
         ready = True
-        for i, f in pending:
-            if keys[i] is not None:
-                ready &= self._holds.look(
-                    rid, i, f.identifier, keys[i], dtype=self._dtype,
-                    rows=request.get_num_encoder_embeds(i),
-                    width=self._widths.get(getattr(f, "modality", ""))) is not PENDING
+        with self._holds.looking():  # the request's Store fetches start as one batch
+            for i, f in pending:
+                if keys[i] is not None:
+                    ready &= self._holds.look(
+                        rid, i, f.identifier, keys[i], dtype=self._dtype,
+                        rows=request.get_num_encoder_embeds(i),
+                        width=self._widths.get(getattr(f, "modality", ""))) is not PENDING
         return ready  # False: a Store fetch in flight, asked again at the next step
 
     def has_cache_item(self, identifier: str) -> bool:

@@ -38,6 +38,7 @@ and dtype, and the request is reported for the server to fail.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -65,6 +66,8 @@ STAT_KEYS = ("hits", "loads", "loaded_bytes", "load_failed", "saves", "saved_byt
              "transfer_seconds", "hashed_bytes", "hash_seconds")
 #: how many item names a consumer remembers as failed (a bounded map)
 MAX_REMEMBERED = 4096
+#: the most Store fetches the reader makes in one scattered get
+MAX_BATCH = 64
 #: the fix said with a held entry or a load lost to something outside mmshm
 FIX_OUTSIDE = ("keep tmpfs cleaners, systemd's RemoveIPC=yes and operators off mmshm-* "
                "files in {}")
@@ -126,10 +129,13 @@ class _Fetch:
 
 
 class StoreFetches:
-    """A consumer's Store fetches (:func:`mmshm.transport.ec_store.fetch_local`)
-    on one reader thread, one per content key at a time, so that the
+    """A consumer's Store fetches (:func:`mmshm.transport.ec_store.fetch_local_many`)
+    on one reader thread, one fetch per content key at a time, so that the
     server's scheduling loop never waits on the network: it only reads a
-    fetch's state (:meth:`ask`, then :meth:`outcome` at each step).
+    fetch's state (:meth:`ask`, then :meth:`outcome` at each step). The
+    reader takes every fetch queued when it wakes (at most
+    :data:`MAX_BATCH`) as one batch, read in one scattered get; the items a
+    scheduler asks for within :meth:`gather` (one request's) wake it once.
 
     Bounds: a fetch not started within ``store_timeout_s`` of being asked
     is never made (a miss, ``store_timeout``, counted once); one started
@@ -152,6 +158,7 @@ class StoreFetches:
         self._queue: deque[_Fetch] = deque()
         self._by_key: OrderedDict[bytes, _Fetch] = OrderedDict()
         self._closed = False
+        self._gathering = 0  # > 0: asks queue without waking the reader (gather)
         self._thread: threading.Thread | None = None
 
     def ask(self, key: bytes, dtype, rows, shape) -> _Fetch:
@@ -173,7 +180,8 @@ class StoreFetches:
                     self._by_key.popitem(last=False)
                 self._queue.append(f)
                 self._start()
-                self._lock.notify_all()
+                if not self._gathering:
+                    self._lock.notify_all()
             return f
 
     def outcome(self, f: _Fetch) -> str | None:
@@ -202,29 +210,50 @@ class StoreFetches:
             self._thread.start()
 
     def _loop(self) -> None:
-        from mmshm.transport.ec_store import fetch_local
+        from mmshm.transport.ec_store import fetch_local_many
 
         while True:
             with self._lock:
-                while not self._queue and not self._closed:
+                while (not self._queue or self._gathering) and not self._closed:
                     self._lock.wait()
                 if self._closed:
                     return
-                f = self._queue.popleft()
-                if f.state != "queued":
-                    continue
-                if time.monotonic() > f.deadline:  # nobody looked since: never started
-                    self._expire(f)
-                    continue
-                f.state = "running"
+                batch = []
+                while self._queue and len(batch) < MAX_BATCH:
+                    f = self._queue.popleft()
+                    if f.state != "queued":
+                        continue
+                    if time.monotonic() > f.deadline:  # nobody looked since: never started
+                        self._expire(f)
+                        continue
+                    f.state = "running"
+                    batch.append(f)
+            if not batch:
+                continue
             try:
-                reason = fetch_local(self.cache, self.tier, f.key, f.dtype, f.rows,
-                                     shape=f.shape)
+                reasons = fetch_local_many(self.cache, self.tier,
+                                           [(f.key, f.dtype, f.rows, f.shape) for f in batch])
             except Exception as exc:  # noqa: BLE001 - a fetch never takes the thread down
                 log.warning("mmshm: a Store fetch failed: %s", exc)
-                reason = "store_short"
+                reasons = ["store_short"] * len(batch)
             with self._lock:
-                self._done(f, reason)
+                for f, reason in zip(batch, reasons):
+                    self._done(f, reason)
+
+    @contextlib.contextmanager
+    def gather(self):
+        """Within it, :meth:`ask` queues without waking the reader; on exit
+        the reader takes every fetch queued meanwhile as one batch (one
+        scattered get: a request's items are asked in one scheduler pass)."""
+        with self._lock:
+            self._gathering += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._gathering -= 1
+                if not self._gathering:
+                    self._lock.notify_all()
 
     def close(self) -> None:
         """Stop the reader (a fetch in flight ends within ``store_timeout_s``)."""
@@ -266,6 +295,12 @@ class Holdings:
             self.unavailable.add(rid)
             return True
         return False
+
+    def looking(self):
+        """A context for one request's :meth:`look` calls: the Store
+        fetches they ask for start together, as one batch
+        (:meth:`StoreFetches.gather`)."""
+        return self.fetches.gather() if self.fetches is not None else contextlib.nullcontext()
 
     def look(self, rid: str, index: int, ident: str, key: bytes | None, *, rows: int,
              dtype: torch.dtype | None, width: int | None):
