@@ -30,7 +30,10 @@ a new unpublished segment of this node (:meth:`EncoderCache.reserve`; with
 ``rdma`` its payload mapping registered with the engine, see below; ``tcp``
 needs no registration), and one scattered get of the object (the record into
 the read buffer registered once, the payload straight into the segment's
-shared mapping); then it
+shared mapping); a request's items are read together
+(:func:`fetch_local_many`, :meth:`StoreTier.fetch_into_many`: each sized
+and reserved, then ONE scattered get of them all, which the engine moves in
+parallel, as vLLM's push mode writes a request's items in one call); then it
 checks the record against the key, the expected dtype, rows and shape and the
 object's size, and the payload's digest, and only then publishes the segment
 (:meth:`PendingEntry.publish`; a failed check gives it back unpublished), and
