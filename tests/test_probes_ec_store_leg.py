@@ -921,3 +921,24 @@ def test_a_requests_items_asked_in_one_pass_are_fetched_in_one_batch(store, node
     for (_, n), e in sorted(got.items()):
         assert e is not None and torch.equal(e.load(), output(20 + n))
     holds.close()
+
+
+def test_a_batch_is_bounded_by_the_bytes_its_items_expect(store, nodes, monkeypatch):
+    """A batch stops growing once its items expect :data:`MAX_BATCH_BYTES`
+    (one ``store_timeout_s`` bounds a whole batch): three items of
+    ``ROWS x WIDTH`` bf16 under a bound of two items' bytes read in two
+    batches, every byte equal."""
+    eng, tier = store
+    a, b = nodes("node-a"), nodes("node-b")
+    publish(a, tier(), [23, 24, 25])
+    monkeypatch.setattr(ec_connector, "MAX_BATCH_BYTES", 2 * ROWS * WIDTH * 2)
+    holds = Holdings(b, Counts(SERVER), tier())
+    asks = [("r1", n, f"img-{i}", i) for n, i in enumerate((23, 24, 25))]
+    with holds.looking():
+        for ask in asks:
+            assert look(holds, *ask) is PENDING
+    got, _ = until_ready(holds, asks)
+    assert [len(k) for k in eng.batches] == [2, 1]
+    for (_, n), e in sorted(got.items()):
+        assert e is not None and torch.equal(e.load(), output(23 + n))
+    holds.close()

@@ -66,8 +66,11 @@ STAT_KEYS = ("hits", "loads", "loaded_bytes", "load_failed", "saves", "saved_byt
              "transfer_seconds", "hashed_bytes", "hash_seconds")
 #: how many item names a consumer remembers as failed (a bounded map)
 MAX_REMEMBERED = 4096
-#: the most Store fetches the reader makes in one scattered get
+#: the most Store fetches the reader makes in one scattered get, and the
+#: most bytes they are expected to hold (a batch is bounded by one
+#: ``store_timeout_s``: 64 MiB need 32 MB/s at the default 2 s)
 MAX_BATCH = 64
+MAX_BATCH_BYTES = 64 << 20
 #: the fix said with a held entry or a load lost to something outside mmshm
 FIX_OUTSIDE = ("keep tmpfs cleaners, systemd's RemoveIPC=yes and operators off mmshm-* "
                "files in {}")
@@ -128,13 +131,21 @@ class _Fetch:
         self.readers = 0       # requests that took its outcome (the first one's miss is counted)
 
 
+def _expected_bytes(f: _Fetch) -> int:
+    """The payload bytes ``f`` expects (0 when its width or dtype is not known)."""
+    width = f.shape[1] if f.shape and len(f.shape) > 1 else None
+    if not (f.rows and width and f.dtype is not None):
+        return 0
+    return int(f.rows) * int(width) * f.dtype.itemsize
+
+
 class StoreFetches:
     """A consumer's Store fetches (:func:`mmshm.transport.ec_store.fetch_local_many`)
     on one reader thread, one fetch per content key at a time, so that the
     server's scheduling loop never waits on the network: it only reads a
     fetch's state (:meth:`ask`, then :meth:`outcome` at each step). The
-    reader takes every fetch queued when it wakes (at most
-    :data:`MAX_BATCH`) as one batch, read in one scattered get; the items a
+    reader takes every fetch queued when it wakes (at most :data:`MAX_BATCH`
+    and :data:`MAX_BATCH_BYTES`) as one batch, read in one scattered get; the items a
     scheduler asks for within :meth:`gather` (one request's) wake it once.
 
     Bounds: a fetch not started within ``store_timeout_s`` of being asked
@@ -218,8 +229,8 @@ class StoreFetches:
                     self._lock.wait()
                 if self._closed:
                     return
-                batch = []
-                while self._queue and len(batch) < MAX_BATCH:
+                batch, nbytes = [], 0
+                while self._queue and len(batch) < MAX_BATCH and nbytes < MAX_BATCH_BYTES:
                     f = self._queue.popleft()
                     if f.state != "queued":
                         continue
@@ -228,6 +239,7 @@ class StoreFetches:
                         continue
                     f.state = "running"
                     batch.append(f)
+                    nbytes += _expected_bytes(f)
             if not batch:
                 continue
             try:
