@@ -482,6 +482,8 @@ class FakeEngine:
         self.registered: dict[int, int] = {}
         self.events: list[tuple] = []
         self.batches: list[list[str]] = []  # the keys of each batch_get_into_multi_buffers
+        self.put_batches: list[list[str]] = []  # the keys of each batch_put_from_multi_buffers
+        self.put_rc: dict[str, int] = {}
 
     def setup(self, *args):
         return 0
@@ -517,6 +519,21 @@ class FakeEngine:
         self.gate.wait(30)
         self.objects[key] = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
         return 0
+
+    def batch_put_from_multi_buffers(self, keys, all_ptrs, all_sizes):
+        """Each object gathered from its buffers, in order (the engine's
+        call; ``put_rc`` maps a key to the code its put returns instead)."""
+        import ctypes
+
+        self.put_batches.append(list(keys))
+        self.gate.wait(30)
+        out = []
+        for key, ptrs, sizes in zip(keys, all_ptrs, all_sizes):
+            rc = self.put_rc.get(key, 0)
+            if not rc:
+                self.objects[key] = b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes))
+            out.append(rc)
+        return out
 
     def get_size(self, key):
         return len(self.objects[key]) if key in self.objects else -704
@@ -596,6 +613,43 @@ def test_put_queue_bounds_in_flight_put_and_too_big_are_counted(fake_tier):
     assert tier.flush(5) and tier.stats["puts"] == 2
     got = tier.fetch(keys[0], torch.float32, 1000)
     assert got is not None and torch.equal(got, t)
+
+
+def test_puts_queued_while_one_runs_go_in_one_call_from_where_they_lie(fake_tier, monkeypatch):
+    """The put thread takes what queued while a put ran as one
+    ``batch_put_from_multi_buffers`` (tcp), each payload read from the
+    caller's memory (no copy), each failure counted alone."""
+    import dataclasses
+
+    import torch
+
+    from mmshm.transport.encoder_cache import content_key
+
+    tier, eng = fake_tier
+    keys = [content_key(f"batch put {i}") for i in range(3)]
+    ts = [torch.randn(200, 64).to(torch.bfloat16) for _ in keys]
+    monkeypatch.setattr(tier, "config", dataclasses.replace(tier.config, max_pending_items=8))
+    eng.put_rc[tier.store_key(keys[2])] = -1  # the master refuses this one
+    released = []
+    eng.gate.clear()  # the first put hangs in the engine while two more queue
+    assert tier.put(keys[0], ts[0], on_done=lambda: released.append(0))
+    deadline = time.monotonic() + 5
+    while not eng.put_batches and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tier.put(keys[1], ts[1], on_done=lambda: released.append(1))
+    assert tier.put(keys[2], ts[2], on_done=lambda: released.append(2))
+    assert released == []  # nothing handed back while its put is in flight
+    eng.gate.set()
+    assert tier.flush(5)
+    assert eng.put_batches == [[tier.store_key(keys[0])],
+                               [tier.store_key(k) for k in keys[1:]]]
+    assert sorted(released) == [0, 1, 2]
+    assert tier.stats["puts"] == 2 and tier.stats["put_bytes"] == 2 * ts[0].numel() * 2
+    assert tier.stats["drop_put_failed"] == 1
+    for k, t in zip(keys[:2], ts[:2]):
+        got = tier.fetch(k, torch.bfloat16, 200)
+        assert got is not None and torch.equal(got, t)
+    assert tier.fetch(keys[2], torch.bfloat16, 200) is None  # refused: absent, never partial
 
 
 def test_short_read_and_hanging_read_are_bounded_misses(fake_tier, caplog):

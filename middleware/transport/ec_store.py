@@ -11,8 +11,11 @@ the bytes.
 **The same content key, the same checks.** An encoder instance saves each
 output in its node's shared memory as before and also hands it to
 :meth:`StoreTier.put`, which queues it for a background thread (bounded by
-items and bytes; a full queue drops the put, counted). The thread puts one
-Store object under ``<key_prefix>/<content key hex>``::
+items and bytes; a full queue drops the put, counted). The thread puts
+whatever queued meanwhile in one call (``tcp``: one
+``batch_put_from_multi_buffers``, each payload read from the published
+entry's shared mapping; ``rdma``: ``put_parts`` each), one Store object per
+output under ``<key_prefix>/<content key hex>``::
 
     [0, 256)           the record: magic, length, msgpack of (key, dtype,
                        shape, nbytes, generation, digest)
@@ -135,6 +138,8 @@ MISS_REASONS = ("absent", "unreachable", "timeout", "short", "record_mismatch", 
                 "register")
 #: reasons a put is not made (label ``store_<reason>``)
 PUT_DROP_REASONS = ("queue_full", "unreachable", "too_big", "put_failed")
+#: the most queued puts the put thread makes in one call
+MAX_PUT_BATCH = 64
 #: bytes before the payload in a Store object
 RECORD_BYTES = 256
 #: the engine's "no such object" status
@@ -760,22 +765,36 @@ class StoreTier:
                 continue
             if item is None:
                 return
-            key, t, nbytes, on_done = item
+            batch, stop = [item], False
+            while len(batch) < MAX_PUT_BATCH:  # what queued meanwhile goes in the same call
+                try:
+                    item = self._puts.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
             try:
-                self._put_one(key, t, nbytes)
+                self._put_batch(batch)
             except Exception as exc:  # noqa: BLE001 - a put never takes the thread down
-                self._count("drop", "put_failed", f"put of {key.hex()[:16]} failed: {exc}")
+                for key, *_ in batch:
+                    self._count("drop", "put_failed", f"put of {key.hex()[:16]} failed: {exc}")
             finally:
-                del t, item  # the view goes now, not at the next put
-                if on_done is not None:
+                done = [on_done for *_, on_done in batch if on_done is not None]
+                count, nbytes = len(batch), sum(n for _, _, n, _ in batch)
+                del batch, item  # the views go now, not at the next put
+                for on_done in done:
                     try:
                         on_done()
                     except Exception:
                         log.debug("mmshm: Store put's on_done failed", exc_info=True)
                 with self._cond:
-                    self._pending_items -= 1
+                    self._pending_items -= count
                     self._pending_bytes -= nbytes
                     self._cond.notify_all()
+            if stop:
+                return
             self._expire()
 
     def touch(self, key: bytes) -> bool:
@@ -818,36 +837,66 @@ class StoreTier:
                     self._put_at.setdefault(skey, time.monotonic() - self.keep_s + 1.0)
                 return
 
-    def _put_one(self, key: bytes, t: torch.Tensor, nbytes: int) -> None:
+    def _put_batch(self, batch: list) -> None:
+        """Put each ``(key, tensor, nbytes, on_done)`` of ``batch`` (the put
+        thread's). On ``tcp`` every non-empty one goes in ONE
+        ``batch_put_from_multi_buffers``, each object's record and payload
+        read where they lie (the payload from the published entry's shared
+        mapping: no copy into the client's buffer; the engine moves a
+        batch's objects in parallel: 8 objects of 8.5 MB measured 1.7-1.9x
+        faster than 8 ``put_parts`` on a 2-core host); ``rdma`` (whose
+        sources must be registered memory), an empty payload or an engine
+        without that call use ``put_parts`` (one copy into the registered
+        client buffer). Each object's failure is counted on its own."""
         if not self._connect():
-            self._count("drop", "unreachable", f"not put: {self._unreachable()}")
+            for _ in batch:
+                self._count("drop", "unreachable", f"not put: {self._unreachable()}")
             return
         why = self._unreachable()
         if why:
-            self._count("drop", "unreachable", f"not put: {why}")
+            for _ in batch:
+                self._count("drop", "unreachable", f"not put: {why}")
             return
         t0 = time.perf_counter()
-        t = t.to("cpu").contiguous()
-        payload = t.reshape(-1).view(torch.uint8).numpy() if nbytes else np.empty(0, np.uint8)
-        digest = payload_digest(key, nbytes, lambda off, n: payload[off:off + n])
-        self._gen += 1
-        head = record_bytes(_Record(key, codec.dtype_code(t.dtype),
-                                    tuple(int(s) for s in t.shape), nbytes,
-                                    (os.getpid() << 32) | self._gen, digest))
-        rc = self._store.put_parts(self.store_key(key), head, payload)
-        if rc != 0:
-            self._count("drop", "put_failed", f"put of {key.hex()[:16]} ({nbytes} bytes) "
-                        f"returned {rc}")
-            return
-        self.stats["puts"] += 1
-        self.stats["put_bytes"] += nbytes
-        if self.keep_s is not None:
-            skey = self.store_key(key)
-            with self._cond:
-                self._put_at[skey] = time.monotonic()
-                self._put_at.move_to_end(skey)
+        puts = []  # (key, store key, record, payload as uint8 numpy, nbytes)
+        for key, t, nbytes, _ in batch:
+            t = t.to("cpu").contiguous()
+            payload = t.reshape(-1).view(torch.uint8).numpy() if nbytes else \
+                np.empty(0, np.uint8)
+            digest = payload_digest(key, nbytes, lambda off, n: payload[off:off + n])
+            self._gen += 1
+            head = record_bytes(_Record(key, codec.dtype_code(t.dtype),
+                                        tuple(int(s) for s in t.shape), nbytes,
+                                        (os.getpid() << 32) | self._gen, digest))
+            puts.append((key, self.store_key(key), head, payload, nbytes))
+        rcs: dict[int, Any] = {}
+        many = [i for i, p in enumerate(puts) if p[4]] if (
+            self.config.protocol == "tcp"
+            and hasattr(self._store, "batch_put_from_multi_buffers")) else []
+        if many:
+            heads = np.frombuffer(b"".join(puts[i][2] for i in many), np.uint8)
+            base = heads.ctypes.data
+            out = self._store.batch_put_from_multi_buffers(
+                [puts[i][1] for i in many],
+                [[base + n * RECORD_BYTES, puts[i][3].ctypes.data] for n, i in enumerate(many)],
+                [[RECORD_BYTES, puts[i][4]] for i in many])
+            rcs.update(zip(many, out))
+        for i, (_, skey, head, payload, _) in enumerate(puts):
+            if i not in rcs:
+                rcs[i] = self._store.put_parts(skey, head, payload)
+        for i, (key, skey, _, _, nbytes) in enumerate(puts):
+            if rcs[i] != 0:
+                self._count("drop", "put_failed", f"put of {key.hex()[:16]} ({nbytes} bytes) "
+                            f"returned {rcs[i]}")
+                continue
+            self.stats["puts"] += 1
+            self.stats["put_bytes"] += nbytes
+            if self.keep_s is not None:
+                with self._cond:
+                    self._put_at[skey] = time.monotonic()
+                    self._put_at.move_to_end(skey)
+            EPD_BYTES.labels(server=self.server, direction="store_put").inc(nbytes)
         self.stats["put_seconds"] += time.perf_counter() - t0
-        EPD_BYTES.labels(server=self.server, direction="store_put").inc(nbytes)
 
     # -- consumer ------------------------------------------------------------------------
     def fetch(self, key: bytes, dtype: torch.dtype | None = None, rows: int | None = None,
