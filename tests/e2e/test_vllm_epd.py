@@ -58,16 +58,30 @@ Flows, in order, on each pair:
    fetches the output from the Store into node B's shared memory, loads it
    (no encode of its own; ``store_get`` bytes) and answers as the
    reference; the same photo again is a hit in node B's shared memory (0
-   Store bytes); the master SIGKILLed mid-burst: every answer still the
-   reference, each miss counted (``store_unreachable``/``store_timeout``)
-   and encoded by PD-B, PD-B alive; after PD-B's normal stop nothing is
-   left in node B's /dev/shm (:func:`node_b_flows`).
+   Store bytes); then **the proxy's flow to node B**: :data:`NODE_B_PROXY`
+   new photos (references: PD's own encodes), each sent to the encoder and,
+   the moment it answers, to PD-B (as a proxy does): PD-B loads the output
+   from the Store (a hit) or finds the encoder's put still in flight (a
+   miss, ``store_absent``) and encodes the item itself; the hit ratio is a
+   figure (:func:`node_b_flows`).
 4. **SIGKILL of the encoder mid-burst**: proxy flows of four other photos,
    three at once; once the first encoder answer is in, the encoder's
    process group is SIGKILLed, then the fourth flow starts (the proxy sends
-   each request to PD whatever the encoder did).
+   each request on whatever the encoder did). With node B on, two flows go
+   to PD-B instead of PD (:func:`burst_route`): the one whose encoder
+   answer came first (the kill follows it at once) and the one sent after
+   the kill: PD-B reads them through the Store while the encoder dies (with
+   it the objects the master placed in its Store segment; PD-B lends a
+   segment too, and an object placed there outlives the encoder).
    Each of PD's answers is the reference (loaded or re-encoded) or a clean
-   error; PD keeps serving (one more request to it alone).
+   error; PD keeps serving (one more request to it alone). Each of PD-B's
+   answers is the reference, each item loaded from the Store or a counted
+   Store miss that PD-B encoded; PD-B and the master stay alive.
+4b. **Node B after the encoder's kill** (:func:`node_b_master_flows`): the
+   master SIGKILLed mid-burst on PD-B: every answer still the reference,
+   each miss counted and encoded by PD-B, the requests sent after the kill
+   missing as ``store_unreachable``/``store_timeout``, PD-B alive; after
+   PD-B's normal stop nothing is left in node B's /dev/shm.
 5. **SIGKILL of PD** while it decodes a request for a burst photo whose
    encoder request was answered (the dead encoder had published its output:
    under mmshm PD loads it and holds it), then the reaper a
@@ -128,6 +142,10 @@ EC_DIRECTORY = "/dev/shm/mmshm"
 #: Node B's PD instance (PD-B) reads these photos of the normal flow (the
 #: encoder encoded and put them) from the Store, the first of them twice.
 NODE_B_FETCH = (0, 1)
+#: The proxy's flow to node B: this many new photos (the bundled ones upside
+#: down, :func:`tests.harness.epd.upside_down_photos`), each sent to the
+#: encoder and, the moment it answers, to PD-B.
+NODE_B_PROXY = 4
 #: The plain pair (vLLM's own ``ECExampleConnector``) is the baseline: it
 #: shows the fault the counters-out-of-step flow reproduces (a wrong answer
 #: with HTTP 200) and asserts nothing of mmshm. It runs with
@@ -159,7 +177,9 @@ def model() -> str:
 
 @pytest.fixture(scope="module")
 def photos() -> dict:
-    return epd.photos(SMALL)
+    ph = epd.photos(SMALL)
+    ph["node_b"] = epd.upside_down_photos(NODE_B_PROXY)
+    return ph
 
 
 # -- what a pair's store holds ---------------------------------------------------------------
@@ -240,37 +260,61 @@ class ServerProbe:
     def __init__(self, srv):
         self.srv, self.mark, self.before = srv, epd.LogMark(srv), counters(srv)
 
-    def done(self) -> dict:
-        time.sleep(1.0)  # the stats logger prints the last step a moment after the answer
+    def done(self, settle_s: float = 1.0) -> dict:
+        """``{"encoded", "counters"}`` since the probe was made, after
+        ``settle_s`` seconds (the stats logger prints the last step a moment
+        after the answer; 0: the counters alone are meant)."""
+        time.sleep(settle_s)
         out = {"encoded": epd.encoder_inputs(self.mark.since())}
         if self.srv.proc is not None and self.srv.proc.poll() is None:
             out["counters"] = diff(self.before, counters(self.srv))
         return out
 
 
-def node_b_flows(pd_b, master: mooncake.Master, photos: dict, refs: list, shm: Path) -> dict:
+class NodeB:
+    """Node B's PD instance (PD-B, a /dev/shm of its own, the Store leg on)
+    and the test's master, and the steps on them: :meth:`before_kill`
+    while node A's encoder lives, PD-B's share of the encoder-kill burst
+    (:func:`burst_route`), :meth:`after_kill` once the encoder is dead."""
+
+    def __init__(self, pd: object, master: mooncake.Master, photos: dict, shm: Path):
+        self.pd, self.master, self.photos, self.shm = pd, master, photos, shm
+
+    def pair(self, node_a: epd.Pair) -> epd.Pair:
+        """The proxy's route to node B: node A's encoder, then PD-B."""
+        return epd.Pair(f"{node_a.name}-B", node_a.E, self.pd)
+
+    def before_kill(self, node_a: epd.Pair, refs: list) -> dict:
+        return node_b_flows(self.pd, self.pair(node_a), node_a.PD, self.photos, refs, self.shm)
+
+    def after_kill(self, refs: list) -> dict:
+        return node_b_master_flows(self.pd, self.master, self.photos, refs, self.shm)
+
+
+def node_b_flows(pd_b, to_b: epd.Pair, pd_a, photos: dict, refs: list, shm: Path) -> dict:
     """PD-B, a PD instance on simulated node B (a /dev/shm of its own), with
-    the Store leg on, while node A's encoder (which put every output it
-    published) is alive:
+    the Store leg on, while node A's encoder (which puts every output it
+    publishes) is alive:
 
     a. photos the encoder encoded in the normal flow (:data:`NODE_B_FETCH`),
        one request each: PD-B misses in node B's shared memory, fetches the
        output from the Store and loads it (no encode of its own);
     b. the first of them again: a hit in node B's shared memory (no Store get);
-    c. the master SIGKILLed mid-burst: the last two photos of the normal flow
-       at once, the master killed once the first is answered, then the two
-       extra photos (put by the encoder in the removed-entry step) at once:
-       every answer is the reference, every miss is counted and encoded
-       locally;
-    d. PD-B alive: one more request (a local hit), then its normal stop
-       (SIGTERM; vLLM's default ``--shutdown-timeout 0`` kills its EngineCore,
-       which published the fetched entries, before that closes its store:
-       ``mmshm run`` reclaims them once the server has exited) and what is
-       left in node B's /dev/shm.
+    c. the proxy's flow to node B: :data:`NODE_B_PROXY` new photos
+       (``photos["node_b"]``), their references first (node A's PD alone,
+       uuids the encoder never saw: PD's own encodes; PD's request counter
+       goes ahead of the encoder's by as many, and the flow's encoder
+       requests put them back in step), then each photo to the encoder
+       (``to_b.E``) and, the moment it answers, to PD-B: a Store hit (the
+       encoder's put done) or a miss (``store_absent``: the put still in
+       flight) that PD-B encodes, counted per item from PD-B's counters
+       (read at once: they count before the answer), the encodes over the
+       whole flow from its log.
 
-    ``refs``: the reference answers (:func:`tests.harness.epd.reference_urls`
-    order). Returns what was seen, under ``node_b_*`` keys."""
-    small, extra = photos["small"], photos["extra"]
+    ``pd_a``: node A's PD; ``refs``: the reference answers
+    (:func:`tests.harness.epd.reference_urls` order). Returns what was
+    seen, under ``node_b_*`` keys."""
+    small, fresh = photos["small"], photos["node_b"]
     rec: dict = {"node_b_fetch": [], "node_b_fetch_probe": [],
                  "node_b_fetch_ref": [refs[i] for i in NODE_B_FETCH]}
     for i in NODE_B_FETCH:
@@ -281,11 +325,57 @@ def node_b_flows(pd_b, master: mooncake.Master, photos: dict, refs: list, shm: P
     p = ServerProbe(pd_b)
     rec["node_b_again"] = epd.chat(pd_b, [small[NODE_B_FETCH[0]]])
     rec["node_b_again_probe"] = p.done()
+    # c. the proxy's flow to node B
+    p_ref = ServerProbe(pd_a)
+    rec["node_b_proxy_ref"] = [epd.chat(pd_a, [u], [f"ref-node-b-{i}"])
+                               for i, u in enumerate(fresh)]
+    p_e, p_b = ServerProbe(to_b.E), ServerProbe(pd_b)
+    rec["node_b_proxy"], rec["node_b_proxy_items"] = [], []
+    for u in fresh:
+        p = ServerProbe(pd_b)
+        rec["node_b_proxy"].append(epd.proxy(to_b, [u]))
+        rec["node_b_proxy_items"].append(p.done(settle_s=0.0).get("counters", {}))
+    rec["node_b_proxy_probe"] = p_b.done()
+    rec["node_b_proxy_e_probe"] = p_e.done(settle_s=0.0)
+    rec["node_b_proxy_ref_probe"] = p_ref.done(settle_s=0.0)
+    return rec
+
+
+def node_b_master_flows(pd_b, master: mooncake.Master, photos: dict, refs: list,
+                        shm: Path) -> dict:
+    """PD-B once node A's encoder is dead (its Store segment, and the
+    objects the master placed there, gone with it; an object placed in
+    PD-B's own lent segment is still read), the master still up:
+
+    a. the master SIGKILLed mid-burst: the last two photos of the normal
+       flow at once (the dead encoder put them), the master killed once the
+       first is answered, then the two extra photos (put by the encoder in
+       the removed-entry step) at once: every answer is the reference, every
+       miss is counted and encoded locally; PD-B's counters are read at the
+       kill, so the misses after it are told apart (the late requests' must
+       be ``store_unreachable``/``store_timeout``);
+    b. PD-B alive: one more request (a local hit), then its normal stop
+       (SIGTERM; vLLM's default ``--shutdown-timeout 0`` kills its EngineCore,
+       which published the fetched entries, before that closes its store:
+       ``mmshm run`` reclaims them once the server has exited) and what is
+       left in node B's /dev/shm.
+
+    ``refs``: the reference answers (:func:`tests.harness.epd.reference_urls`
+    order). Returns what was seen, under ``node_b_*`` keys."""
+    small, extra = photos["small"], photos["extra"]
+    rec: dict = {}
     early, late = [FLOW - 2, FLOW - 1], [len(refs) - 2, len(refs) - 1]
+    at_kill: dict = {}
+
+    def kill() -> None:
+        at_kill.update(counters(pd_b))
+        master.kill()
+
     p = ServerProbe(pd_b)
     rec["node_b_burst"], rec["node_b_burst_kill"] = epd.burst_then_kill(
-        pd_b, [small[i] for i in early], extra[:2], master.kill)
+        pd_b, [small[i] for i in early], extra[:2], kill)
     rec["node_b_burst_probe"] = p.done()
+    rec["node_b_burst_since_kill"] = diff(at_kill, counters(pd_b))
     rec["node_b_burst_ref"] = [refs[i] for i in early + late]
     rec["node_b_master_alive"] = master.alive()
     rec["node_b_alive_after_burst"] = pd_b.proc.poll() is None
@@ -317,14 +407,31 @@ def removed_entry_flow(pair: epd.Pair, photos: dict, refs: list, remove) -> dict
     return rec
 
 
+def burst_route(pd, pd_b, flows: int, to: list):
+    """The proxy's choice of PD instance in the encoder-kill burst
+    (:func:`tests.harness.epd.burst_with_kill_to`'s ``route``): PD-B, when
+    there is one, for the flow whose encoder request ended first if it was
+    answered (the encoder is SIGKILLed right after it) and for the last
+    flow (sent after the kill); PD for the others. Each choice is written
+    into ``to`` (``"PD"``/``"PD-B"`` at the flow's index)."""
+
+    def route(i: int, rank: int, enc: dict):
+        b = pd_b is not None and (i == flows - 1 or (rank == 0 and "error" not in enc))
+        to[i] = "PD-B" if b else "PD"
+        return pd_b if b else pd
+
+    return route
+
+
 def run_flows(pair: epd.Pair, photos: dict, store, reap, remove=None, node_b=None) -> dict:
     """The flows of the module docstring on ``pair``; returns what was seen.
     ``store()``: what the pair's store holds now; ``reap()``: the reaper a
     restart runs, after both kills (returns what it found and left);
     ``remove(before)``: the removed-entry step (mmshm's pair only; see
-    :func:`removed_entry_flow`); ``node_b(refs)``: steps on another node
-    while the encoder lives, just before its kill (returns a dict merged into
-    the record; see :func:`node_b_flows`)."""
+    :func:`removed_entry_flow`); ``node_b``: PD-B and the master (mmshm's
+    pair, when the Mooncake engine loads): its steps before the encoder's
+    kill, its share of the burst that kills it, its steps after (their
+    records merged into this one)."""
     small, big, dummy = photos["small"], photos["big"], photos["dummy"]
     refs = epd.reference_urls(photos)
     flow, burst = small[:FLOW], small[FLOW:]
@@ -362,17 +469,27 @@ def run_flows(pair: epd.Pair, photos: dict, store, reap, remove=None, node_b=Non
         rec["removed_probe"] = p.done()
     # 3c. another node's PD reads the encoder's outputs from the Store (mmshm's pair)
     if node_b is not None:
-        rec.update(node_b(rec["ref"]))
-    # 4. SIGKILL of the encoder in the middle of a burst
+        rec.update(node_b.before_kill(pair, rec["ref"]))
+    # 4. SIGKILL of the encoder in the middle of a burst (two flows to PD-B: burst_route)
+    rec["burst_to"] = ["PD"] * len(burst)
     p = Probe(pair, store)
-    rec["burst"], rec["burst_kill"] = epd.burst_with_kill(pair, [([u], None) for u in burst],
-                                                          pair.E, late=1)
+    p_b = ServerProbe(node_b.pd) if node_b is not None else None
+    rec["burst"], rec["burst_kill"] = epd.burst_with_kill_to(
+        pair.E, burst_route(pair.PD, node_b.pd if node_b else None, len(burst), rec["burst_to"]),
+        [([u], None) for u in burst], pair.E, late=1)
     rec["burst_probe"] = p.done()
     rec["pd_alive_after_encoder_kill"] = pair.PD.proc.poll() is None
+    if node_b is not None:
+        rec["node_b_kill_probe"] = p_b.done(settle_s=0.0)  # settled in p.done()
+        rec["node_b_alive_after_encoder_kill"] = node_b.pd.proc.poll() is None
+        rec["node_b_master_alive_after_encoder_kill"] = node_b.master.alive()
     p = Probe(pair, store)
     rec["after_kill"] = epd.chat(pair.PD, [small[0]])
     rec["after_kill_probe"] = p.done()
     rec["pd_alive_after_burst"] = pair.PD.proc.poll() is None
+    # 4b. node B once the encoder is dead: the master killed mid-burst, PD-B stopped
+    if node_b is not None:
+        rec.update(node_b.after_kill(rec["ref"]))
     # 5. SIGKILL of PD while it decodes a request whose item it loaded from
     # what the dead encoder published (or encoded itself), then the reaper
     served = [u for u, a in zip(burst, rec["burst"]) if a.get("encoder") == "ok"]
@@ -447,8 +564,7 @@ def runs(model, photos, request) -> dict:
                                   **store_leg),
                     "1", mmshm_run=True, env=env, prefix=spaces[-1].prefix)
 
-                def node_b(refs: list) -> dict:
-                    return node_b_flows(pd_b, master, photos, refs, shms["node_b"])
+                node_b = NodeB(pd_b, master, photos, shms["node_b"])
 
             def reap_mm() -> dict:
                 gc = faults.Mmshm(seg)._json("gc")
@@ -519,6 +635,22 @@ def verdict(ans: dict, ref: dict) -> str:
     return "equal" if ans["tokens"] == ref["tokens"] else "WRONG"
 
 
+def node_b_item(c: dict) -> str:
+    """One item of the proxy's flow to node B from PD-B's counters for its
+    request: ``hit`` (loaded, after a Store get of at least the bytes
+    loaded, no miss), ``miss store_<reason>`` (one counted Store miss, no
+    load), else ``unexplained <counters>``."""
+    if not c:
+        return "unexplained (no counters)"
+    fb = c["fallbacks"]
+    if c["loads"] == 1 and c["store_get_bytes"] >= c["loaded_bytes"] > 0 and not fb:
+        return "hit"
+    if c["loads"] == 0 and len(fb) == 1 and list(fb.values()) == [1.0] and \
+            next(iter(fb)).startswith("store_"):
+        return f"miss {next(iter(fb))}"
+    return f"unexplained {c}"
+
+
 def figures(out: dict) -> dict:
     f: dict = {"servers started (pairs side by side), s": out.get("startup_s"),
                "wall, s": out.get("wall_s")}
@@ -576,6 +708,27 @@ def figures(out: dict) -> dict:
                 rec["node_b_again_probe"].get("counters", {}).get("store_get_bytes"),
                 rec["node_b_again_probe"].get("counters", {}).get("loads"),
                 rec["node_b_again_probe"]["encoded"])
+            hits = [node_b_item(c) for c in rec["node_b_proxy_items"]]
+            f["node B: proxy flow (encoder, then PD-B at once) vs reference, Store hit or "
+              "miss"] = [(verdict(a, r), h) for a, r, h in zip(
+                  rec["node_b_proxy"], rec["node_b_proxy_ref"], hits)]
+            f["node B: proxy flow, Store hits / items (hit ratio)"] = (
+                hits.count("hit"), len(hits), round(hits.count("hit") / max(len(hits), 1), 2))
+            f["node B: proxy flow, PD-B encoded (log), encoder saves / Store put bytes"] = (
+                rec["node_b_proxy_probe"]["encoded"],
+                rec["node_b_proxy_e_probe"].get("counters", {}).get("saves"),
+                rec["node_b_proxy_e_probe"].get("counters", {}).get("store_put_bytes"))
+            f["node B: encoder-kill burst, PD-B's flows vs reference (encoder)"] = [
+                (verdict(rec["burst"][i], refs[FLOW + i]), rec["burst"][i].get("encoder"))
+                for i, t in enumerate(rec["burst_to"]) if t == "PD-B"]
+            kp = rec["node_b_kill_probe"]
+            f["node B: encoder-kill burst, PD-B loads / encoded / Store get bytes / "
+              "fallbacks"] = (kp.get("counters", {}).get("loads"), kp["encoded"],
+                              kp.get("counters", {}).get("store_get_bytes"),
+                              kp.get("counters", {}).get("fallbacks"))
+            f["node B: after the encoder's kill, PD-B / master alive"] = (
+                rec["node_b_alive_after_encoder_kill"],
+                rec["node_b_master_alive_after_encoder_kill"])
             f["node B: burst with the master SIGKILLed (answers)"] = [
                 verdict(a, r) for a, r in zip(rec["node_b_burst"], rec["node_b_burst_ref"])]
             f["node B: burst, kill"] = rec["node_b_burst_kill"]
@@ -583,6 +736,8 @@ def figures(out: dict) -> dict:
                 rec["node_b_burst_probe"].get("counters", {}).get("loads"),
                 rec["node_b_burst_probe"]["encoded"],
                 rec["node_b_burst_probe"].get("counters", {}).get("fallbacks"))
+            f["node B: burst, PD-B fallbacks counted after the master's kill"] = \
+                rec["node_b_burst_since_kill"].get("fallbacks")
             f["node B: entries before PD-B's stop, files left after it"] = (
                 rec["node_b_before_stop"], rec["node_b_left"])
         f[f"{name}: store after both kills"] = rec["left_by_kills"]
@@ -692,8 +847,10 @@ def test_item_over_the_budget_is_encoded_locally_and_counted(runs):
 
 
 def test_encoder_killed_mid_burst(runs):
-    """Every answer of the burst is the reference or a clean HTTP error; PD
-    is alive and answers the next request as the reference."""
+    """Every answer of the burst (PD's flows, and PD-B's when node B runs:
+    :func:`test_node_b_encoder_killed_mid_burst`) is the reference or a
+    clean HTTP error; PD is alive and answers the next request as the
+    reference."""
     rec = _mmshm(runs)
     # the kill fell in the burst: encoder requests answered before it, the last one after
     encs = [a.get("encoder") for a in rec["burst"]]
@@ -849,12 +1006,13 @@ def test_node_b_second_request_is_a_local_hit(runs):
 
 
 def test_node_b_master_killed_mid_burst(runs):
-    """The master SIGKILLed once the burst's first answer was in: 0 failed
-    requests (every answer the reference), each item either loaded or
-    encoded by PD-B itself, and every local encode a counted Store miss;
-    the requests after the kill all missed the Store as unreachable (or
-    timed out). PD-B lives and answers the next request from node B's
-    shared memory."""
+    """The master SIGKILLed once the burst's first answer was in (node A's
+    encoder dead already): 0 failed requests (every answer the reference),
+    each item either loaded or encoded by PD-B itself, and every local
+    encode a counted Store miss; the misses counted after the kill, the
+    late requests' among them, are the Store unreachable (or timed out),
+    not another reason (PD-B's counters read at the kill). PD-B lives and
+    answers the next request from node B's shared memory."""
     rec = _node_b(runs)
     assert not rec["node_b_master_alive"]
     assert rec["node_b_burst_kill"]["answers_at_kill"] >= 1, rec["node_b_burst_kill"]
@@ -868,6 +1026,13 @@ def test_node_b_master_killed_mid_burst(runs):
         "store_timeout", 0) >= late, p
     assert p["encoded"] == store_misses >= late, p
     assert c["loads"] + p["encoded"] == len(rec["node_b_burst"]), p
+    # the misses counted after the kill: the late requests' (and the early ones still in
+    # flight then) are Store misses for the master's death, nothing else
+    since = rec["node_b_burst_since_kill"]["fallbacks"]
+    gone = since.get("store_unreachable", 0) + since.get("store_timeout", 0)
+    assert gone >= late, since
+    in_flight = 2 - rec["node_b_burst_kill"]["answers_at_kill"]
+    assert sum(since.values()) - gone <= in_flight, since
     assert rec["node_b_alive_after_burst"]
     assert rec["node_b_after"].get("tokens") == rec["node_b_after_ref"]["tokens"], \
         rec["node_b_after"]
@@ -886,3 +1051,54 @@ def test_node_b_leaves_nothing_after_stop(runs):
     assert rec["node_b_entries_after_fetch"], "nothing was published on node B: proves nothing"
     assert rec["node_b_before_stop"], "no entry on node B at the stop: proves nothing"
     assert rec["node_b_left"] == [], rec["node_b_left"]
+
+
+def test_node_b_proxy_flow_hits(runs):
+    """The proxy's flow to node B: each new photo to the encoder, then to
+    PD-B the moment the encoder answers. Every answer is PD's own encode's
+    (the reference, itself a local encode: PD's log); each item is a Store
+    hit (loaded after a Store get) or a miss counted ``store_absent`` (the
+    encoder's put still in flight) that PD-B encoded itself: hits + misses
+    = items, PD-B's encodes (its log) = the misses. The encoder saved and
+    put each output. The hit ratio is a figure, not asserted."""
+    rec = _node_b(runs)
+    n = len(rec["node_b_proxy"])
+    assert n == NODE_B_PROXY, n
+    assert rec["node_b_proxy_ref_probe"]["encoded"] == n, rec["node_b_proxy_ref_probe"]
+    assert len({tuple(r["tokens"]) for r in rec["node_b_proxy_ref"]}) > 1
+    for a, r in zip(rec["node_b_proxy"], rec["node_b_proxy_ref"]):
+        assert a.get("encoder") == "ok" and a.get("tokens") == r["tokens"], a
+    items = [node_b_item(c) for c in rec["node_b_proxy_items"]]
+    hits, misses = items.count("hit"), items.count("miss store_absent")
+    assert hits + misses == n, items
+    assert rec["node_b_proxy_probe"]["encoded"] == misses, (rec["node_b_proxy_probe"], items)
+    c = rec["node_b_proxy_probe"]["counters"]
+    assert c["loads"] == hits and c["fallbacks"].get("store_absent", 0) == misses, c
+    e = rec["node_b_proxy_e_probe"]["counters"]
+    assert e["saves"] == n and e["store_put_bytes"] == e["saved_bytes"] > 0, e
+
+
+def test_node_b_encoder_killed_mid_burst(runs):
+    """The encoder SIGKILLed mid-burst while PD-B reads its share of the
+    burst (:func:`burst_route`: the flow whose encoder answer came first,
+    right before the kill, and the flow sent after it) through the Store: 0
+    failed requests on PD-B (each answer the reference), each item loaded
+    after a Store get or a counted Store miss that PD-B encoded itself
+    (loads + encodes = items, encodes = Store misses); PD-B and the master
+    alive after it."""
+    rec = _node_b(runs)
+    mine = [i for i, t in enumerate(rec["burst_to"]) if t == "PD-B"]
+    assert len(mine) == 2 and mine[-1] == len(rec["burst"]) - 1, rec["burst_to"]
+    assert [rec["burst"][i].get("encoder") == "ok" for i in mine] == [True, False], \
+        rec["burst"]
+    for i in mine:
+        assert rec["burst"][i].get("tokens") == rec["ref"][FLOW + i]["tokens"], rec["burst"][i]
+    p = rec["node_b_kill_probe"]
+    c = p["counters"]
+    assert all(k.startswith("store_") for k in c["fallbacks"]), c
+    store_misses = sum(c["fallbacks"].values())
+    assert c["loads"] + p["encoded"] == len(mine), p
+    assert p["encoded"] == store_misses, p
+    assert c["store_get_bytes"] >= c["loaded_bytes"], p
+    assert rec["node_b_alive_after_encoder_kill"]
+    assert rec["node_b_master_alive_after_encoder_kill"]

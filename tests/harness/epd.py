@@ -198,20 +198,36 @@ def burst_with_kill(pair: Pair, flows: list[tuple[list[str], list[str] | None]],
     the ``late`` flows start, and find the encoder gone. Returns each
     flow's record (in order) and ``{"killed_at_s": seconds from the start,
     "encoder_answers_at_kill"}``."""
+    return burst_with_kill_to(pair.E, lambda i, rank, enc: pair.PD, flows, victim,
+                              after=after, late=late)
+
+
+def burst_with_kill_to(encoder: Server, route, flows: list[tuple[list[str], list[str] | None]],
+                       victim: Server, after: int = 1,
+                       late: int = 1) -> tuple[list[dict], dict]:
+    """:func:`burst_with_kill` through a proxy that picks each flow's PD
+    instance once its encoder request is over: ``route(i, rank, enc)``
+    returns the server flow ``i``'s request goes to, ``rank`` being the
+    order in which its encoder request ended (0: the first; the kill
+    follows the ``after``-th answer) and ``enc`` the encoder's
+    :func:`chat` record. The same order, kill and records (each with
+    ``"encoder"``) as :func:`burst_with_kill`."""
     done = threading.Semaphore(0)
-    answered = [0]
+    answered, ended = [0], [0]
     lock = threading.Lock()
     records: list[dict | None] = [None] * len(flows)
     info: dict = {}
     t0 = time.monotonic()
 
-    def on_encoded(enc: dict) -> None:
+    def run(i: int, urls, uuids):
+        enc = chat(encoder, urls, uuids, max_tokens=1)
         with lock:
             answered[0] += "error" not in enc
+            rank, ended[0] = ended[0], ended[0] + 1
         done.release()
-
-    def run(i: int, urls, uuids):
-        records[i] = proxy(pair, urls, uuids, on_encoded=on_encoded)
+        out = chat(route(i, rank, enc), urls, uuids)
+        out["encoder"] = enc.get("error", "ok")
+        records[i] = out
 
     def start(i: int) -> threading.Thread:
         t = threading.Thread(target=run, args=(i, *flows[i]), daemon=True)
@@ -318,6 +334,20 @@ def photos(small: int = 8) -> dict:
              for i in range(2)]
     return {"small": faults.small_photo_urls(small), "big": photo_url(0),
             "dummy": data_url(Image.new("RGB", (56, 56), (200, 30, 30))), "extra": extra}
+
+
+def upside_down_photos(count: int) -> list[str]:
+    """``count`` photos no flow of :func:`photos` sends: the bundled photos
+    (cycled) at the small size (336 x 224), upside down, as PNG data URLs."""
+    from PIL import ImageOps
+
+    from mmshm.bench.photos import _load_rgb, available_photos
+    from tests.harness import faults
+    from tests.harness.servers import data_url
+
+    names = available_photos()
+    return [data_url(ImageOps.flip(_load_rgb(names[i % len(names)], faults.SMALL)))
+            for i in range(count)]
 
 
 def reference_urls(ph: dict) -> list[str]:
