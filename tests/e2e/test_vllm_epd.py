@@ -1057,10 +1057,14 @@ def test_node_b_proxy_flow_hits(runs):
     """The proxy's flow to node B: each new photo to the encoder, then to
     PD-B the moment the encoder answers. Every answer is PD's own encode's
     (the reference, itself a local encode: PD's log); each item is a Store
-    hit (loaded after a Store get) or a miss counted ``store_absent`` (the
-    encoder's put still in flight) that PD-B encoded itself: hits + misses
-    = items, PD-B's encodes (its log) = the misses. The encoder saved and
-    put each output. The hit ratio is a figure, not asserted."""
+    hit (loaded after a Store get) or one counted miss of a put still in
+    flight, ``store_absent`` (or ``store_timeout``: a read of it that did
+    not answer within ``store_timeout_s``, seen in 1 of 4 runs on the
+    2-core host), that PD-B encoded itself: hits + misses = items, PD-B's
+    encodes (its log) = the misses = its Store misses counted. No other
+    reason (a short read, a record or digest mismatch: the encoder is
+    alive). The encoder saved and put each output. The hit ratio is a
+    figure, not asserted."""
     rec = _node_b(runs)
     n = len(rec["node_b_proxy"])
     assert n == NODE_B_PROXY, n
@@ -1069,11 +1073,12 @@ def test_node_b_proxy_flow_hits(runs):
     for a, r in zip(rec["node_b_proxy"], rec["node_b_proxy_ref"]):
         assert a.get("encoder") == "ok" and a.get("tokens") == r["tokens"], a
     items = [node_b_item(c) for c in rec["node_b_proxy_items"]]
-    hits, misses = items.count("hit"), items.count("miss store_absent")
+    hits = items.count("hit")
+    misses = items.count("miss store_absent") + items.count("miss store_timeout")
     assert hits + misses == n, items
     assert rec["node_b_proxy_probe"]["encoded"] == misses, (rec["node_b_proxy_probe"], items)
     c = rec["node_b_proxy_probe"]["counters"]
-    assert c["loads"] == hits and c["fallbacks"].get("store_absent", 0) == misses, c
+    assert c["loads"] == hits and sum(c["fallbacks"].values()) == misses, c
     e = rec["node_b_proxy_e_probe"]["counters"]
     assert e["saves"] == n and e["store_put_bytes"] == e["saved_bytes"] > 0, e
 
