@@ -996,6 +996,42 @@ def test_fetch_local_many_reads_a_requests_items_in_one_scattered_get(fake_tier,
     assert _mmshm_files(shm_dir) == []
 
 
+def test_a_batched_get_that_raises_misses_only_the_objects_it_was_reading(fake_tier, shm_dir,
+                                                                         monkeypatch):
+    """The engine's batched get raising: each object it was reading is a
+    ``store_short`` miss, given back unpublished; an absent object stays
+    ``store_absent`` and an entry already here stays found."""
+    import torch
+
+    from mmshm.transport.encoder_cache import EncoderCache, content_key
+
+    tier, eng = fake_tier
+    cache = EncoderCache(keep_s=60, namespace="m")
+    try:
+        ks = [content_key(f"raising {i}") for i in range(4)]
+        ts = [torch.randn(300, 256).to(torch.bfloat16) for _ in ks]
+        for k, t in zip(ks[:2], ts[:2]):
+            _object(tier, eng, k, t)
+        assert cache.save(ks[3], ts[3], label="here").published
+        _object(tier, eng, ks[3], ts[3])
+
+        def boom(*args):
+            raise RuntimeError("the engine failed")
+
+        monkeypatch.setattr(eng, "batch_get_into_multi_buffers", boom)
+        got = ec_store.fetch_local_many(cache, tier, [(k, torch.bfloat16, 300, (300, 256))
+                                                      for k in ks])
+        assert got == ["store_short", "store_short", "store_absent", ""]
+        assert tier.stats["miss_short"] == 2 and tier.stats["miss_absent"] == 1
+        assert [cache.lookup(k, torch.bfloat16, 300) is None for k in ks[:2]] == [True, True]
+        e = cache.lookup(ks[3], torch.bfloat16, 300)
+        assert e is not None and torch.equal(e.load(), ts[3])
+        e.release()
+    finally:
+        cache.close()
+    assert _mmshm_files(shm_dir) == []
+
+
 def test_a_read_past_its_deadline_publishes_only_checked_bytes(fake_tier, shm_dir):
     import torch
 

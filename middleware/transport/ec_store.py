@@ -1213,6 +1213,10 @@ class StoreTier:
                 for n, rc in zip(where, self._store.batch_get_into_multi_buffers(
                         keys, ptrs, sizes)):
                     got[n] = rc
+        except Exception as exc:  # noqa: BLE001 - each object read is then short, alone
+            log.debug("mmshm: the Store's batched get failed: %s", exc)
+            for n in where:
+                got[n] = -1
         finally:
             for pending in spans:
                 if not pending.reusable:
