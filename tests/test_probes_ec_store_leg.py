@@ -522,11 +522,13 @@ def test_a_removal_refused_once_is_tried_again(store, nodes):
     assert ec_connector.save(a, key(31), output(31), "img-31", Counts(SERVER), tier_a).published
     assert tier_a.flush(5)
     skey = tier_a.store_key(key(31))
-    end = time.monotonic() + 2.6  # the put thread removes what expired once a second
+    # the put thread removes what expired once a second: asked about 1 s after the put,
+    # refused, asked again about 1 s later (slack for a loaded host)
+    end = time.monotonic() + 4.0
     while (not refused or skey in eng.objects) and time.monotonic() < end:
         time.sleep(0.05)
     assert refused == [skey], "the removal was asked"
-    assert skey not in eng.objects, "still in the Store 1.5 s after its refused removal"
+    assert skey not in eng.objects, "still in the Store 3 s after its refused removal"
 
 
 def test_an_entry_evicted_while_its_put_waits_puts_the_published_bytes(store, nodes):
