@@ -581,8 +581,8 @@ def fake_tier(monkeypatch):
     eng = FakeEngine()
     extra = {"master_server_address": f"127.0.0.1:{srv.getsockname()[1]}",
              "local_hostname": "127.0.0.1", "local_buffer_size": "1MB",
-             "store_read_buffer_bytes": "1MB", "store_timeout_s": 0.3,
-             "store_max_pending_items": 2}
+             "store_read_buffer_bytes": "1MB", "store_timeout_s": 2.0,
+             "store_max_pending_items": 2}  # 2 s: a read that succeeds never times out on a loaded host
     tier = ec_store.from_config(extra, engine=lambda: eng)
     assert tier.wait_connected(5)
     try:
@@ -591,6 +591,14 @@ def fake_tier(monkeypatch):
         eng.gate.set()
         tier.close(timeout=5)
         srv.close()
+
+
+def _hang_bound(tier, monkeypatch, timeout_s: float = 0.3) -> None:
+    """``store_timeout_s`` of ``tier`` cut to ``timeout_s`` for a test whose
+    engine hangs (the bound is read at each call)."""
+    import dataclasses
+
+    monkeypatch.setattr(tier, "config", dataclasses.replace(tier.config, timeout_s=timeout_s))
 
 
 def test_put_queue_bounds_in_flight_put_and_too_big_are_counted(fake_tier):
@@ -652,12 +660,13 @@ def test_puts_queued_while_one_runs_go_in_one_call_from_where_they_lie(fake_tier
     assert tier.fetch(keys[2], torch.bfloat16, 200) is None  # refused: absent, never partial
 
 
-def test_short_read_and_hanging_read_are_bounded_misses(fake_tier, caplog):
+def test_short_read_and_hanging_read_are_bounded_misses(fake_tier, caplog, monkeypatch):
     import torch
 
     from mmshm.transport.encoder_cache import content_key
 
     tier, eng = fake_tier
+    _hang_bound(tier, monkeypatch)
     ec_store._WARNED.difference_update({"short", "timeout"})  # said once per process
     caplog.set_level(logging.WARNING, logger="mmshm")
     k = content_key("y")
@@ -1032,12 +1041,13 @@ def test_a_batched_get_that_raises_misses_only_the_objects_it_was_reading(fake_t
     assert _mmshm_files(shm_dir) == []
 
 
-def test_a_read_past_its_deadline_publishes_only_checked_bytes(fake_tier, shm_dir):
+def test_a_read_past_its_deadline_publishes_only_checked_bytes(fake_tier, shm_dir, monkeypatch):
     import torch
 
     from mmshm.transport.encoder_cache import EncoderCache, content_key
 
     tier, eng = fake_tier
+    _hang_bound(tier, monkeypatch)
     cache = EncoderCache(keep_s=60, namespace="m")
     try:
         k = content_key("late")
