@@ -1086,21 +1086,15 @@ class StoreTier:
         if job.cache is not None:
             return self._read_many([job], t0)[0]
         skey = self.store_key(key)
-        size = self._store.get_size(skey)
-        if size == _OBJECT_NOT_FOUND:
-            return None, "absent", f"no Store object {skey} (not put, or its put is in flight)"
-        if size < 0:
-            return None, "unreachable", f"get_size({skey}) returned {size}"
-        if size < RECORD_BYTES:
-            return None, "record_mismatch", f"{skey} holds {size} bytes, no record"
+        size, miss = self._size(skey)
+        if miss:
+            return miss
         buf = self._read_buf
         if buf is None or size > buf.numel():
             buf = torch.empty(size, dtype=torch.uint8)
-        got = self._store.get_into(skey, buf.data_ptr(), size)
-        if got == _OBJECT_NOT_FOUND:
-            return None, "absent", f"{skey} went away before its read"
-        if got != size:
-            return None, "short", f"the read of {skey} returned {got} of {size} bytes"
+        miss = _read_miss(skey, size, self._store.get_into(skey, buf.data_ptr(), size))
+        if miss:
+            return miss
         raw = buf[:size].numpy()
         head = raw[:RECORD_BYTES].tobytes()
         rec, got_dtype, bad = self._check_record(job, skey, head, size - RECORD_BYTES)
@@ -1114,6 +1108,21 @@ class StoreTier:
             torch.empty(tuple(rec.shape), dtype=got_dtype)
         self._got(nbytes, t0)
         return view, "", ""
+
+    def _size(self, skey: str) -> tuple[int, tuple | None]:
+        """``(size, None)``: the Store object ``skey``'s size in bytes (its
+        record included), or ``(code, (None, reason, detail))``: the miss
+        when it is absent, the engine failed, or it is too small to hold a
+        record."""
+        size = self._store.get_size(skey)
+        if size == _OBJECT_NOT_FOUND:
+            return size, (None, "absent", f"no Store object {skey} (not put, or its put is "
+                          f"in flight)")
+        if size < 0:
+            return size, (None, "unreachable", f"get_size({skey}) returned {size}")
+        if size < RECORD_BYTES:
+            return size, (None, "record_mismatch", f"{skey} holds {size} bytes, no record")
+        return size, None
 
     def _got(self, nbytes: int, t0: float, count: int = 1) -> None:
         self.stats["gets"] += count
@@ -1136,15 +1145,8 @@ class StoreTier:
         try:
             for i, job in enumerate(jobs):
                 skey = self.store_key(job.key)
-                size = self._store.get_size(skey)
-                if size == _OBJECT_NOT_FOUND:
-                    out[i] = (None, "absent", f"no Store object {skey} (not put, or its put "
-                              f"is in flight)")
-                elif size < 0:
-                    out[i] = (None, "unreachable", f"get_size({skey}) returned {size}")
-                elif size < RECORD_BYTES:
-                    out[i] = (None, "record_mismatch", f"{skey} holds {size} bytes, no record")
-                else:
+                size, out[i] = self._size(skey)
+                if out[i] is None:
                     pending = job.cache.reserve(job.key, size - RECORD_BYTES,
                                                 label="mooncake-store", count=False)
                     if isinstance(pending, SaveResult):  # published already, or refused
@@ -1228,10 +1230,9 @@ class StoreTier:
         """``job``'s object read into ``pending`` (``got``: what the engine
         returned): its record and digest checked, then published."""
         nbytes = size - RECORD_BYTES
-        if got == _OBJECT_NOT_FOUND:
-            return None, "absent", f"{skey} went away before its read"
-        if got != size:
-            return None, "short", f"the read of {skey} returned {got} of {size} bytes"
+        miss = _read_miss(skey, size, got)
+        if miss:
+            return miss
         rec, got_dtype, bad = self._check_record(job, skey, head, nbytes)
         if bad:
             return None, "record_mismatch", bad
@@ -1340,6 +1341,17 @@ class StoreTier:
 
 
 _STOP = _Job(b"", None, None, None)
+
+
+def _read_miss(skey: str, size: int, got: int) -> tuple | None:
+    """The miss ``(None, reason, detail)`` of a get of ``size`` bytes of
+    ``skey`` that returned ``got`` (bytes, or the engine's error code), or
+    None when it read them all."""
+    if got == _OBJECT_NOT_FOUND:
+        return None, "absent", f"{skey} went away before its read"
+    if got != size:
+        return None, "short", f"the read of {skey} returned {got} of {size} bytes"
+    return None
 
 
 def fetch_local(cache: EncoderCache, tier: StoreTier, key: bytes,
