@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -484,6 +485,9 @@ class FakeEngine:
         self.batches: list[list[str]] = []  # the keys of each batch_get_into_multi_buffers
         self.put_batches: list[list[str]] = []  # the keys of each batch_put_from_multi_buffers
         self.put_rc: dict[str, int] = {}
+        # keys whose put is "in flight": sized and read as the master's
+        # REPLICA_IS_NOT_READY (-703), until the key is put
+        self.not_ready: set[str] = set()
 
     def setup(self, *args):
         return 0
@@ -536,6 +540,8 @@ class FakeEngine:
         return out
 
     def get_size(self, key):
+        if key in self.not_ready:
+            return -703
         return len(self.objects[key]) if key in self.objects else -704
 
     def get_into(self, key, ptr, n):
@@ -561,8 +567,8 @@ class FakeEngine:
                 for p, n in zip(ptrs, sizes))))
             self.gate.wait(30)
             data = self.objects.get(key)
-            if data is None:
-                out.append(-704)
+            if data is None or key in self.not_ready:
+                out.append(-703 if key in self.not_ready else -704)
                 continue
             data = data[: len(data) // 2 if self.short else len(data)]
             off = 0
@@ -692,6 +698,50 @@ def test_short_read_and_hanging_read_are_bounded_misses(fake_tier, caplog, monke
         if got is not None:
             break
     assert got is not None and torch.equal(got, t) and tier.stats["gets"] >= 1
+
+
+def test_a_put_in_flight_is_absent_not_an_unreachable_master(fake_tier, shm_dir, caplog):
+    """The master answers ``REPLICA_IS_NOT_READY`` (-703) for an object whose
+    put has not completed (seen in the real pair's proxy flow): a miss
+    ``absent``, said at INFO, never ``unreachable`` with its WARNING to
+    start ``mooncake_master``, nor counted as a failure of the master."""
+    import torch
+
+    from mmshm.transport.encoder_cache import EncoderCache, content_key
+
+    tier, eng = fake_tier
+    ec_store._WARNED.difference_update({"absent", "unreachable"})  # said once per process
+    caplog.set_level(logging.INFO, logger="mmshm")
+    cache = EncoderCache(keep_s=60, namespace="m")
+    try:
+        ks = [content_key(f"in flight {i}") for i in range(3)]
+        t = torch.randn(300, 256).to(torch.bfloat16)
+        for k in ks:
+            eng.not_ready.add(tier.store_key(k))
+        assert tier.fetch(ks[0], torch.bfloat16, 300) is None  # the read-buffer path
+        assert ec_store.fetch_local_many(cache, tier, [(k, torch.bfloat16, 300, None)
+                                                       for k in ks[1:]]) == ["store_absent"] * 2
+        # sized while in flight, put complete by the read: read as in flight too
+        _object(tier, eng, ks[0], t)
+        eng.not_ready.discard(tier.store_key(ks[0]))
+        sized = eng.get_size
+        eng.get_size = lambda key: len(eng.objects[key])  # sized as complete
+        eng.not_ready.add(tier.store_key(ks[0]))
+        assert ec_store.fetch_local(cache, tier, ks[0], torch.bfloat16, 300) == "store_absent"
+        eng.get_size = sized
+        assert tier.stats["miss_absent"] == 4 and tier.stats["miss_unreachable"] == 0
+        assert tier.stats["miss_short"] == 0 and tier._failed_at == -math.inf
+        said = [(r.levelno, r.getMessage()) for r in caplog.records if "Mooncake" in r.getMessage()]
+        assert [lvl for lvl, _ in said] == [logging.INFO], said
+        assert "still being put" in said[0][1] and "mooncake_master" not in said[0][1]
+        eng.not_ready.clear()  # the put completes: the next read loads it
+        assert ec_store.fetch_local(cache, tier, ks[0], torch.bfloat16, 300) == ""
+        e = cache.lookup(ks[0], torch.bfloat16, 300)
+        assert e is not None and torch.equal(e.load(), t)
+        e.release()
+    finally:
+        cache.close()
+    assert _mmshm_files(shm_dir) == []
 
 
 # -- the one-copy fetch (fetch_local): network -> the new segment, checked, then published ----

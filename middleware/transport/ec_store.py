@@ -74,7 +74,8 @@ engine receives into any local memory; a register + unregister measured
 **Failures are per request** and never raise into the server: every one is a
 miss counted in ``mmshm_epd_fallbacks_total{reason="store_<reason>"}`` with
 ``<reason>`` one of :data:`MISS_REASONS`: ``absent`` (no object under the
-key, or its put is still in flight), ``unreachable`` (the master cannot be
+key, or its put is still in flight: the master's ``OBJECT_NOT_FOUND``, -704,
+or ``REPLICA_IS_NOT_READY``, -703, Mooncake's ``types.h``), ``unreachable`` (the master cannot be
 reached or refused the client; said once at WARNING with the fix),
 ``timeout`` (no answer within :attr:`StoreConfig.timeout_s`; a read that
 hangs keeps the reader busy, and lookups meanwhile miss at once),
@@ -142,8 +143,11 @@ PUT_DROP_REASONS = ("queue_full", "unreachable", "too_big", "put_failed")
 MAX_PUT_BATCH = 64
 #: bytes before the payload in a Store object
 RECORD_BYTES = 256
-#: the engine's "no such object" status
+#: the engine's "no such object" status (Mooncake's ``ErrorCode::OBJECT_NOT_FOUND``)
 _OBJECT_NOT_FOUND = -704
+#: the engine's "no complete replica yet" status: the object's put is in flight
+#: (``ErrorCode::REPLICA_IS_NOT_READY``; ``get_size`` gives it for a put not yet done)
+_REPLICA_NOT_READY = -703
 _MAGIC = b"MMSHMXS1"
 _LEN = struct.Struct("<I")
 _FIX_ENGINE = ("pip install mooncake-transfer-engine-non-cuda (CUDA hosts: "
@@ -1118,6 +1122,9 @@ class StoreTier:
         if size == _OBJECT_NOT_FOUND:
             return size, (None, "absent", f"no Store object {skey} (not put, or its put is "
                           f"in flight)")
+        if size == _REPLICA_NOT_READY:
+            return size, (None, "absent", f"the Store object {skey} is still being put (no "
+                          f"complete replica yet)")
         if size < 0:
             return size, (None, "unreachable", f"get_size({skey}) returned {size}")
         if size < RECORD_BYTES:
@@ -1349,6 +1356,8 @@ def _read_miss(skey: str, size: int, got: int) -> tuple | None:
     None when it read them all."""
     if got == _OBJECT_NOT_FOUND:
         return None, "absent", f"{skey} went away before its read"
+    if got == _REPLICA_NOT_READY:
+        return None, "absent", f"{skey} had no complete replica at its read"
     if got != size:
         return None, "short", f"the read of {skey} returned {got} of {size} bytes"
     return None
