@@ -588,7 +588,7 @@ def fake_tier(monkeypatch):
     extra = {"master_server_address": f"127.0.0.1:{srv.getsockname()[1]}",
              "local_hostname": "127.0.0.1", "local_buffer_size": "1MB",
              "store_read_buffer_bytes": "1MB", "store_timeout_s": 2.0,
-             "store_max_pending_items": 2}  # 2 s: a read that succeeds never times out on a loaded host
+             "store_max_pending_items": 2}  # 2 s: a good read never times out on a loaded host
     tier = ec_store.from_config(extra, engine=lambda: eng)
     assert tier.wait_connected(5)
     try:

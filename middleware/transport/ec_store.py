@@ -75,8 +75,9 @@ engine receives into any local memory; a register + unregister measured
 miss counted in ``mmshm_epd_fallbacks_total{reason="store_<reason>"}`` with
 ``<reason>`` one of :data:`MISS_REASONS`: ``absent`` (no object under the
 key, or its put is still in flight: the master's ``OBJECT_NOT_FOUND``, -704,
-or ``REPLICA_IS_NOT_READY``, -703, Mooncake's ``types.h``), ``unreachable`` (the master cannot be
-reached or refused the client; said once at WARNING with the fix),
+or ``REPLICA_IS_NOT_READY``, -703, in Mooncake's ``types.h``; said at INFO),
+``unreachable`` (the master cannot be reached or refused the client; said
+once at WARNING with the fix),
 ``timeout`` (no answer within :attr:`StoreConfig.timeout_s`; a read that
 hangs keeps the reader busy, and lookups meanwhile miss at once),
 ``short`` (a get that failed or returned fewer bytes than the object),
