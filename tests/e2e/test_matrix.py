@@ -64,7 +64,6 @@ import os
 import re
 import secrets
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -72,7 +71,7 @@ import pytest
 
 from tests.harness import matrix
 from tests.harness.servers import (
-    PRIVATE_SHM, Server, free_port, host_shm_files, host_shm_new, in_parallel, metric,
+    PRIVATE_SHM, Server, e2e_logs, free_port, host_shm_files, host_shm_new, in_parallel, metric,
     mount_tmpfs, private_shm_prefix, segments, sglang_argv, sglang_env, start_all, unmount_tmpfs,
     vllm_argv, vllm_env)
 
@@ -91,7 +90,7 @@ READY_TIMEOUT_S = 600
 #: Each server's private /dev/shm (a video request's tensors are a few MB;
 #: the size only bounds the tmpfs).
 SHM_SIZE = "2g"
-LOGS = Path(os.environ.get("MMSHM_E2E_LOGS") or tempfile.mkdtemp(prefix=f"mmshm-e2e-{E2E}-"))
+LOGS = e2e_logs(f"mmshm-e2e-{E2E}-")
 _FIGURES: dict = {}
 
 

@@ -102,7 +102,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -112,12 +111,12 @@ from tests.harness import epd, faults, mooncake
 from tests.harness.epd_sglang import PRIVATE_SHM as NAMESPACES
 from tests.harness.epd_sglang import MountNamespace
 from tests.harness.servers import (
-    in_parallel, metric, mount_tmpfs, needs_e2e, report_figures, segments, series,
+    e2e_logs, in_parallel, metric, mount_tmpfs, needs_e2e, report_figures, segments, series,
     start_all, unmount_tmpfs)
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(1200)]
 
-LOGS = Path(os.environ.get("MMSHM_E2E_LOGS") or tempfile.mkdtemp(prefix="mmshm-e2e-vllm-"))
+LOGS = e2e_logs("mmshm-e2e-vllm-", "vllm")
 #: Photos: 336 x 224 (96 image tokens each, all the same length, so a name
 #: that points at another image's output gives a wrong answer rather than a
 #: length error): the first :data:`FLOW` for the normal and the skewed flow,

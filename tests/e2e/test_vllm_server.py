@@ -68,9 +68,9 @@ from mmshm.segments.segfile import FLAG_ARENA
 from tests.harness import epd, faults, matrix, models
 from tests.harness.segments import header
 from tests.harness.servers import (
-    PRIVATE_SHM, ROOT, Server, data_url, free_port, in_parallel, metric, mount_tmpfs, needs_e2e,
-    SERVER_SHM_PATTERNS, private_shm_prefix, result, segments, series, start_all, unmount_tmpfs,
-    vllm_argv_720p, vllm_env)
+    PRIVATE_SHM, ROOT, SERVER_SHM_PATTERNS, Server, data_url, e2e_logs, free_port, in_parallel,
+    metric, mount_tmpfs, needs_e2e, private_shm_prefix, result, segments, series, start_all,
+    unmount_tmpfs, vllm_argv_720p, vllm_env)
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(1200)]
 
@@ -94,7 +94,7 @@ SEED = 1234
 LEAKS = ("vllm_dist_", "psm_")
 #: Metric deltas read around each request (the matrix's: short name -> (series, labels)).
 DELTAS = matrix.DELTAS
-LOGS = Path(os.environ.get("MMSHM_E2E_LOGS") or tempfile.mkdtemp(prefix="mmshm-e2e-vllm-"))
+LOGS = e2e_logs("mmshm-e2e-vllm-", "vllm")
 #: The faults under load: storm requests (4 at a time), images a request may
 #: have (vllm_argv's --limit-mm-per-prompt), the context (--max-model-len),
 #: the tiny tokenizer's tokens per " hello", and the pool's idle time the

@@ -71,9 +71,8 @@ import pytest
 
 from tests.harness import faults, matrix, models
 from tests.harness.servers import (
-    PRIVATE_SHM, Server, data_url, free_port, metric, mount_tmpfs, needs_e2e,
-    private_shm_prefix, report_figures, segments, series, unmount_tmpfs, vllm_argv_720p,
-    vllm_env)
+    PRIVATE_SHM, Server, data_url, e2e_logs, free_port, metric, mount_tmpfs, needs_e2e,
+    private_shm_prefix, report_figures, segments, series, unmount_tmpfs, vllm_argv_720p, vllm_env)
 
 pytestmark = [needs_e2e("vllm"), pytest.mark.timeout(2400)]
 
@@ -105,7 +104,7 @@ PD_REQUESTS = (
 DIRECT = ("coffee",)
 POOL_IDLE_S = 10.0
 LEAKS = ("vllm_dist_", "psm_")
-LOGS = Path(os.environ.get("MMSHM_E2E_LOGS") or tempfile.mkdtemp(prefix="mmshm-e2e-vllm-"))
+LOGS = e2e_logs("mmshm-e2e-vllm-", "vllm")
 
 
 def _say(msg: str) -> None:

@@ -238,6 +238,22 @@ def needs_sglang(least: tuple[int, ...], what: str):
                                           f"{'.'.join(map(str, least))} here (not {SGLANG_RELEASE})")
 
 
+def e2e_logs(prefix: str, server: str | None = None) -> Path:
+    """The logs directory of an e2e module: ``MMSHM_E2E_LOGS`` when set (the
+    runner's), a new temporary directory named ``prefix...`` when this run
+    starts real servers (``MMSHM_E2E`` set; naming ``server`` when given),
+    else a path that is never made: the module's tests skip, and a main-suite
+    run that only collects them leaves nothing in the temporary directory."""
+    import tempfile
+
+    if os.environ.get("MMSHM_E2E_LOGS"):
+        return Path(os.environ["MMSHM_E2E_LOGS"])
+    e2e = os.environ.get("MMSHM_E2E", "")
+    if e2e and server in (None, e2e):
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    return Path(tempfile.gettempdir()) / f"{prefix}not-run"
+
+
 def needs_e2e(server: str):
     """A skip mark for a real-server test of ``server`` (``sglang``,
     ``vllm``): it runs only from its runner, in the server's own environment
