@@ -197,9 +197,7 @@ def test_a_third_server_is_found_through_its_entry_point(toy_path):
     try:
         assert env[autopatch.ENV_ROOTS] == "toyserver=toyserver"
     finally:
-        import shutil
-
-        shutil.rmtree(work, ignore_errors=True)
+        autopatch.release(work)
     assert isinstance(integrations.get("toyserver"), ToyInstrumentor)
 
 

@@ -326,3 +326,89 @@ def test_run_drops_the_live_gauges_of_the_servers_killed_processes(shm_dir, tmp_
     assert reg.get_sample_value("mmshm_path_enabled", labels) is None, r.stderr
     assert reg.get_sample_value("mmshm_segments_in_use") in (None, 0)
     assert not list(mpdir.glob(f"gauge_live*_{pid}.db"))
+
+
+def _run_dirs(tmp) -> set[str]:
+    return {n for n in os.listdir(tmp) if n.startswith(autopatch.RUN_PREFIX)}
+
+
+def _wait_for(cond, what: str, limit_s: float = 60.0):
+    import time
+
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    pytest.fail(f"{what} within {limit_s} s")
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_wrappers_directory_goes_at_the_next_run_once_its_processes_are_gone(tmp_path):
+    """``mmshm run`` SIGKILLed cannot remove its private directory; the next
+    run removes it (and says so) once the wrapper's lock is free and no
+    process that ran under it lives: never while its server outlives it,
+    never while its wrapper runs, never one without a lock (an older mmshm's)."""
+    import signal
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp))
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+    def start(cmd):
+        before = _run_dirs(tmp)
+        p = subprocess.Popen([*MMSHM, "run", "--", *cmd], env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        d = _wait_for(lambda: (_run_dirs(tmp) - before) or None, "no run directory")
+        work = tmp / d.pop()
+        _wait_for(lambda: (work / autopatch.RUN_LOCK).exists(), "no lock")
+        if cmd[0] != sys.executable:  # not Python: no pid in the run's list
+            return p, work, None
+        pids = _wait_for(lambda: autopatch.run_pids(str(work)), "no pid of the command")
+        return p, work, pids.pop()
+
+    def run_once() -> str:
+        r = subprocess.run([*MMSHM, "run", "--", sys.executable, "-c", "pass"], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stderr
+
+    old = tmp / f"{autopatch.RUN_PREFIX}older"  # an older mmshm's: no lock
+    old.mkdir()
+    (old / "pids").write_text("999999999\n")
+    a, a_dir, a_child = start(sleeper)
+    b, b_dir, _ = start(["sleep", "120"])  # only its wrapper's lock keeps it
+    try:
+        os.kill(a.pid, signal.SIGKILL)  # the wrapper alone: its command lives on
+        a.wait(10)
+        said = run_once()
+        assert a_dir.is_dir() and b_dir.is_dir() and old.is_dir(), said
+        assert "removed" not in said
+        os.kill(a_child, signal.SIGKILL)  # now every process of run A is gone
+        _wait_for(lambda: _gone(a_child), "run A's command still there", 10)
+        said = run_once()
+        assert not a_dir.exists(), said
+        assert f"removed 1 private directory of earlier runs whose wrapper was killed " \
+               f"(their processes are all gone): {a_dir.name}" in said, said
+        assert b_dir.is_dir() and old.is_dir()  # B's wrapper runs
+    finally:
+        for p in (a, b):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
+        try:
+            os.kill(a_child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    said = run_once()
+    assert _run_dirs(tmp) == {old.name}, said  # B's, killed with its command, went too
+
+
+def _gone(pid: int) -> bool:
+    from mmshm.segments.reaper import pid_alive
+
+    return not pid_alive(pid)

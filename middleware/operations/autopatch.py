@@ -40,6 +40,12 @@ interpreter CMD runs, without starting it (:func:`info`).
 The wrapper process imports neither torch nor the servers: its start-up
 costs tens of milliseconds and its memory stays small.
 
+The run's private directory (``mmshm-run-*`` in the temporary directory:
+the ``sitecustomize.py``, the pids, the metrics) is removed when CMD exits.
+A wrapper killed outright (SIGKILL, the OOM killer) cannot remove it; the
+next ``mmshm run`` on the host does (:func:`sweep_stale_runs`), once that
+wrapper's lock is free and none of the processes that ran under it lives.
+
 Prometheus: prometheus-client picks its multiprocess mode when it is first
 imported, which under ``mmshm run`` may come before SGLang's
 ``--enable-metrics`` sets ``PROMETHEUS_MULTIPROC_DIR``. When that variable is
@@ -50,6 +56,7 @@ mmshm's series from every process.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -247,14 +254,95 @@ def selected(value: str | None = None) -> list[str]:
     return list(known) if names is None else names
 
 
+#: the prefix of a run's private directory in the temporary directory
+RUN_PREFIX = "mmshm-run-"
+#: the lock file of a run's directory, flock-ed by its wrapper while it runs
+RUN_LOCK = "lock"
+_HELD: dict[str, int] = {}  # this process's run directories -> their lock's descriptor
+
+
+def _lock_run_dir(work: str) -> None:
+    """Take ``work``'s lock for this process's life (or until :func:`release`);
+    the file appears under its name already locked, so a sweep never finds
+    it free while this wrapper runs."""
+    tmp = os.path.join(work, RUN_LOCK + ".new")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, os.path.join(work, RUN_LOCK))
+    except OSError:
+        os.close(fd)
+        raise
+    _HELD[work] = fd
+
+
+def release(work: str) -> None:
+    """Remove the run directory ``work`` (:func:`prepare`'s) and drop its lock."""
+    shutil.rmtree(work, ignore_errors=True)
+    fd = _HELD.pop(work, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def sweep_stale_runs(parent: str | None = None) -> list[str]:
+    """Remove the private directories (``mmshm-run-*`` under ``parent``, the
+    temporary directory by default) that wrappers killed outright left: a
+    directory goes when its lock is free (the kernel drops a ``flock`` when
+    its holder dies, SIGKILL included) and no process listed in its
+    ``pids`` runs (a server that outlived its wrapper still imports the
+    directory's ``sitecustomize.py`` and writes its metrics there). Only
+    this user's directories with a lock file are looked at (an older
+    mmshm's, or one being made, are left). Returns the paths removed; never
+    raises."""
+    import stat
+
+    from mmshm.segments.reaper import pid_alive
+
+    parent = parent or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(RUN_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        work = os.path.join(parent, name)
+        if work in _HELD:
+            continue
+        try:
+            st = os.lstat(work)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            fd = os.open(os.path.join(work, RUN_LOCK), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not any(pid_alive(p) for p in run_pids(work)):
+                shutil.rmtree(work, ignore_errors=True)
+                removed.append(work)
+        except OSError:  # its wrapper runs
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
 def prepare(env: dict | None = None, workdir: str | None = None) -> tuple[dict, str]:
     """The environment for a command run under mmshm, and the private
-    directory made for it (the caller removes it). ``env`` defaults to
-    ``os.environ``; it is not modified. Raises
-    :class:`mmshm.config.SettingError` on a bad ``MMSHM_INSTRUMENT``."""
+    directory made for it (the caller removes it: :func:`release`). ``env``
+    defaults to ``os.environ``; it is not modified. A directory made here
+    (``workdir`` None) is locked for this process's life
+    (:func:`sweep_stale_runs`). Raises :class:`mmshm.config.SettingError`
+    on a bad ``MMSHM_INSTRUMENT``."""
     env = dict(os.environ if env is None else env)
     names = selected(env.get(ENV_INSTRUMENT))
-    work = workdir or tempfile.mkdtemp(prefix="mmshm-run-")
+    work = workdir
+    if work is None:
+        work = tempfile.mkdtemp(prefix=RUN_PREFIX)
+        try:
+            _lock_run_dir(work)
+        except OSError:  # a file system without flock: removed at exit only
+            pass
     site_dir = os.path.join(work, "site")
     os.makedirs(site_dir, exist_ok=True)
     with open(os.path.join(site_dir, "sitecustomize.py"), "w") as f:
@@ -316,6 +404,15 @@ def run(argv: list[str], env: dict | None = None) -> int:
     env, work = prepare(env)
     seg_dir = env.get("MMSHM_DIR") or "/dev/shm"
     try:
+        try:
+            stale = sweep_stale_runs(os.path.dirname(work))
+        except Exception:  # noqa: BLE001 - a sweep never stops the server's start
+            stale = []
+        if stale:
+            _say(f"removed {len(stale)} private director{'y' if len(stale) == 1 else 'ies'} "
+                 f"of earlier runs whose wrapper was killed (their processes are all gone): "
+                 f"{', '.join(os.path.basename(d) for d in stale[:5])}"
+                 + (" ..." if len(stale) > 5 else ""))
         made = _ensure_dir_quietly(seg_dir)
         try:
             from mmshm.segments.table import TABLE
@@ -369,7 +466,7 @@ def run(argv: list[str], env: dict | None = None) -> int:
         _mark_dead_after_exit(env.get("PROMETHEUS_MULTIPROC_DIR"), work)
         return 128 - rc if rc < 0 else rc
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        release(work)
 
 
 def _ensure_dir_quietly(d: str) -> bool:
@@ -540,4 +637,4 @@ def info(argv: list[str], env: dict | None = None) -> int:
             ok |= row["state"] == "would instrument"
         return 0 if ok else 1
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        release(work)
