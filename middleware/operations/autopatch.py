@@ -296,8 +296,6 @@ def sweep_stale_runs(parent: str | None = None) -> list[str]:
     raises."""
     import stat
 
-    from mmshm.segments.reaper import pid_alive
-
     parent = parent or tempfile.gettempdir()
     removed: list[str] = []
     try:
@@ -317,6 +315,8 @@ def sweep_stale_runs(parent: str | None = None) -> list[str]:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            from mmshm.segments.reaper import pid_alive  # only with a stale candidate
+
             if not any(pid_alive(p) for p in run_pids(work)):
                 shutil.rmtree(work, ignore_errors=True)
                 removed.append(work)
